@@ -1,0 +1,113 @@
+"""Load and save the Hugging Face layout: `config.json` + one `model.safetensors`, or shards with an index."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model.config import ModelConfig
+from model.transformer import Transformer
+
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A model directory whose weights do not match its config (missing, unexpected or misshapen tensors)."""
+
+
+def weight_files(path: Path) -> list[Path]:
+    if (path / INDEX).is_file():
+        index = json.loads((path / INDEX).read_text())
+        return [path / f for f in sorted(set(index["weight_map"].values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights next to config.json")
+    return files
+
+
+def read_state_dict(path: str | Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in weight_files(Path(path)):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: listed in {INDEX} but missing")
+        with safe_open(str(f), framework="pt", device=str(device)) as sf:
+            for key in sf.keys():
+                out[key] = sf.get_tensor(key)
+    return out
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Transformer:
+    """Build our Transformer from a local HF directory. dtype defaults to the checkpoint's."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    cfg = ModelConfig.from_dir(path)
+    dtype = dtype or cfg.torch_dtype
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = read_state_dict(path, device)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k: v for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match config.json: missing {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                              f"{' ...' if len(unexpected) > 5 else ''}")
+    for k, t in state.items():
+        if tuple(t.shape) != tuple(expected[k].shape):
+            raise CheckpointError(f"{path}: {k} has shape {tuple(t.shape)}, config.json implies {tuple(expected[k].shape)}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device)
+
+
+def save_model(model: Transformer | dict[str, torch.Tensor], cfg: ModelConfig, path: str | Path,
+               max_shard_bytes: int = 5 << 30, dtype: torch.dtype | None = None) -> None:
+    """Write config.json and safetensors (sharded with an index above max_shard_bytes). Accepts a model or a
+    full (gathered) state dict. Written to a temporary directory first, then renamed into place."""
+    path = Path(path)
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else dict(model)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in state.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in state:  # keep module order; start a new shard when this one is full
+        nbytes = state[k].numel() * state[k].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = state[k]
+        size += nbytes
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    hf = cfg.to_hf()
+    if dtype is not None:
+        hf["dtype"] = str(dtype).replace("torch.", "")
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if path.exists():  # keep any other files (tokenizer) already there; replace our own
+        for f in list(path.glob("*.safetensors")) + [path / INDEX, path / "config.json"]:
+            if f.exists():
+                f.unlink()
+        for f in tmp.iterdir():
+            os.replace(f, path / f.name)
+        tmp.rmdir()
+    else:
+        os.replace(tmp, path)

@@ -1,0 +1,154 @@
+"""Our decoder against transformers' AutoModelForCausalLM on the same random weights, and HF-layout save/load."""
+import json
+
+import pytest
+import torch
+
+from model import CheckpointError, ModelConfig, ModelConfigError, cu_seqlens_from_lengths, load_model, save_model
+from model.transformer import Transformer
+from tests.helpers import FAMILIES, make_hf_model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_model(request.param, path)
+    return hf, load_model(path).eval(), path
+
+
+def test_single_sequence_logits_match_transformers(pair):
+    hf, ours, _ = pair
+    ids = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        got = ours.forward_packed(ids, cu_seqlens_from_lengths([37]))
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_packed_sequences_match_separate_transformers_calls(pair):
+    hf, ours, _ = pair
+    lens = [5, 1, 23, 200]  # 200 > the llama config's original context, so rope scaling matters
+    ids = torch.randint(0, 128, (sum(lens),), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = torch.cat([hf(x[None]).logits[0] for x in ids.split(lens)])
+        got = ours.forward_packed(ids, cu_seqlens_from_lengths(lens))
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_packed_large_total_uses_per_sequence_path(pair, monkeypatch):
+    from model.attention import PackedCausal
+    hf, ours, _ = pair
+    monkeypatch.setattr(PackedCausal, "MASK_LIMIT", 16)  # force the no-mask path
+    lens = [9, 14]
+    ids = torch.randint(0, 128, (sum(lens),), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = torch.cat([hf(x[None]).logits[0] for x in ids.split(lens)])
+        got = ours.forward_packed(ids, cu_seqlens_from_lengths(lens))
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_gradients_match_transformers(pair):
+    hf, ours, _ = pair
+    ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(4))
+    hf.zero_grad(); ours.zero_grad()
+    hf(ids[None]).logits[0].logsumexp(-1).sum().backward()
+    ours.forward_packed(ids, cu_seqlens_from_lengths([16])).logsumexp(-1).sum().backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert torch.allclose(p.grad, theirs[name].grad, atol=1e-4, rtol=1e-3), name
+
+
+def test_save_load_round_trip_is_bit_identical(pair, tmp_path):
+    _, ours, src = pair
+    save_model(ours, ours.config, tmp_path / "out")
+    again = load_model(tmp_path / "out")
+    a, b = ours.state_dict(), again.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert again.config.tie_word_embeddings == ours.config.tie_word_embeddings
+    if ours.config.tie_word_embeddings:
+        assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()
+    # and what we wrote loads in transformers with the same logits
+    from transformers import AutoModelForCausalLM
+    hf2 = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    ids = torch.randint(0, 128, (11,))
+    with torch.no_grad():
+        assert (hf2(ids[None]).logits[0] - ours.forward_packed(ids, cu_seqlens_from_lengths([11]))).abs().max() < 1e-4
+
+
+def test_sharded_save_writes_index_and_loads(pair, tmp_path):
+    _, ours, _ = pair
+    save_model(ours, ours.config, tmp_path / "sharded", max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    again = load_model(tmp_path / "sharded")
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
+
+
+def test_bf16_load_and_save_keep_dtype(pair, tmp_path):
+    _, ours, src = pair
+    m = load_model(src, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+    save_model(m, m.config, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    again = load_model(tmp_path / "bf16")
+    assert torch.equal(again.model.embed_tokens.weight, m.model.embed_tokens.weight)
+
+
+def test_old_style_config_keys_are_understood():
+    cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
+                                   num_hidden_layers=1, num_attention_heads=2, rope_theta=1234.0,
+                                   rope_scaling={"type": "linear", "factor": 2.0}))
+    assert cfg.rope_theta == 1234.0 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert cfg.num_kv_heads == 2 and cfg.head_dim == 4
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (dict(model_type="gpt2"), "model_type 'gpt2'"),
+    (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope type 'yarn'"),
+    (dict(hidden_size=0), "hidden_size must be a positive integer"),
+    (dict(use_sliding_window=True), "use_sliding_window"),
+])
+def test_unsupported_configs_are_rejected_by_name(bad, needle):
+    d = dict(model_type="qwen3", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+             num_attention_heads=2, num_key_value_heads=2, head_dim=4)
+    d.update(bad)
+    with pytest.raises(ModelConfigError, match=needle):
+        ModelConfig.from_hf(d)
+
+
+def test_bad_model_directories_fail_clearly(pair, tmp_path):
+    _, ours, src = pair
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path / "empty")
+    # weights of the wrong shape for the config
+    bad = tmp_path / "bad"
+    save_model(ours, ours.config, bad)
+    d = json.loads((bad / "config.json").read_text())
+    d["intermediate_size"] = 100
+    (bad / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match="mlp"):
+        load_model(bad)
+    # a tensor missing
+    from safetensors.torch import load_file, save_file
+    save_model(ours, ours.config, bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    sd.pop("model.norm.weight")
+    save_file(sd, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="model.norm.weight"):
+        load_model(bad)
+
+
+def test_random_init_builds_from_config_alone():
+    cfg = ModelConfig(family="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True, tie_word_embeddings=True)
+    a = Transformer(cfg).init_weights(seed=0)
+    b = Transformer(cfg).init_weights(seed=0)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert sum(p.numel() for p in a.parameters()) == cfg.num_params()
