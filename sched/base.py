@@ -1,0 +1,278 @@
+"""The policy interface: views in, decisions out. No tensors, sockets or clocks here.
+
+A scheduling policy is five small objects, one per mechanism kind (DESIGN.md, "Mechanism kinds"):
+
+    dispatch     which prompts enter the pipeline and which waiting request goes to which engine, and when
+    handoff      when materialised groups become a training batch
+    update       whether the trainer steps the optimizer on that batch, and whether it then publishes weights
+    weight_sync  when an engine adopts a published version
+    rebalance    abort / interrupt / migrate running trajectories
+
+Each reads `Views` (the controller's picture of requests, groups, engines and trainer, maintained from events) and
+returns plain decisions. The controller (sched/controller.py) is the only caller. A `Preset` names one module per
+kind; modules register themselves with `@register(kind, name)` and take their parameters as a dataclass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Callable, ClassVar
+
+from rl.types import Trajectory
+
+# ---------------------------------------------------------------------------------------------- views (read-only)
+
+
+@dataclass
+class Request:
+    """One sample to generate: G of these make a group."""
+    req_id: int
+    group_id: int
+    sample_index: int
+    prompt_index: int
+    round: int
+    prompt_len: int
+    state: str = "pending"       # pending | running | finished | aborted | interrupted
+    engine: int = -1
+    tokens: int = 0              # response tokens so far (as last reported)
+    version: int = -1            # weight version it was admitted under
+    t_created: float = 0.0
+
+
+@dataclass
+class GroupState:
+    group_id: int
+    prompt_index: int
+    round: int
+    size: int
+    answer: str | None = None
+    finished: int = 0            # samples done decoding
+    scored: int = 0              # samples with a reward
+    dropped: int = 0             # samples aborted for good (counted, never trained on)
+    trajectories: list[Trajectory] = field(default_factory=list)
+    consumed: bool = False       # handed to the trainer
+
+    @property
+    def materialized(self) -> bool:
+        return self.scored + self.dropped >= self.size and self.scored > 0
+
+    @property
+    def version(self) -> int:
+        return min((t.version for t in self.trajectories), default=-1)
+
+
+@dataclass
+class EngineView:
+    engine: int
+    version: int = 0             # weights the engine generates with
+    running: int = 0             # requests in its batch (as last reported)
+    waiting: int = 0             # requests queued at the engine
+    kv_used: int = 0
+    kv_free: int = 0
+    tokens_decoded: int = 0
+    loading: bool = False        # a LoadWeights command is in flight
+    assigned: int = 0            # requests sent and not yet finished (controller's own count)
+
+
+@dataclass
+class TrainerView:
+    version: int = 0             # optimizer steps taken = version of the trainer's weights
+    published: int = 0           # latest version available to engines
+    busy: bool = False           # a train call is in flight
+    steps_done: int = 0
+    groups_consumed: int = 0
+    groups_since_step: int = 0   # groups whose gradients are accumulated but not yet stepped
+
+
+@dataclass
+class Views:
+    requests: dict[int, Request] = field(default_factory=dict)
+    groups: dict[int, GroupState] = field(default_factory=dict)
+    engines: list[EngineView] = field(default_factory=list)
+    trainer: TrainerView = field(default_factory=TrainerView)
+    round: int = -1                       # id of the latest round started
+    round_groups: dict[int, list[int]] = field(default_factory=dict)  # round -> its group ids
+    now: float = 0.0
+    params: dict[str, Any] = field(default_factory=dict)  # run-level knobs: group_size, prompts_per_step, ...
+
+    def pending(self) -> list[Request]:
+        """Requests not yet sent to an engine, oldest first."""
+        return [r for r in self.requests.values() if r.state == "pending"]
+
+    def open_groups(self) -> list[GroupState]:
+        return [g for g in self.groups.values() if not g.consumed]
+
+    def ready_groups(self) -> list[GroupState]:
+        """Materialised groups not yet handed to the trainer, in group-id (submission) order."""
+        return [g for g in self.groups.values() if g.materialized and not g.consumed]
+
+    def round_done(self, r: int) -> bool:
+        return all(self.groups[g].materialized for g in self.round_groups.get(r, []))
+
+    def engines_at(self, version: int) -> bool:
+        return all(e.version == version and not e.loading for e in self.engines)
+
+    def in_flight(self) -> int:
+        return sum(1 for r in self.requests.values() if r.state in ("pending", "running"))
+
+
+# ------------------------------------------------------------------------------------------------ decisions
+
+
+@dataclass
+class Submit:
+    engine: int
+    req_ids: list[int]
+
+
+@dataclass
+class Abort:
+    engine: int
+    req_ids: list[int]
+    requeue: bool = False        # True: back to pending (resumed later); False: dropped and counted
+
+
+@dataclass
+class Interrupt:                 # stop, hand back tokens so far (resumable under another version/engine)
+    engine: int
+    req_ids: list[int]
+
+
+@dataclass
+class Migrate:
+    src: int
+    dst: int
+    req_ids: list[int]
+
+
+@dataclass
+class LoadWeights:
+    engine: int
+    version: int
+
+
+@dataclass
+class TrainCall:
+    group_ids: list[int]
+    step: bool                   # apply the optimizer step after accumulating these groups' gradients
+    publish: bool                # broadcast the new weights to the rollout ranks afterwards
+
+
+# ----------------------------------------------------------------------------------------------- mechanisms
+
+
+class Policy:
+    """Base of every mechanism. `Params` is the module's parameter dataclass (validated from the config)."""
+    kind: ClassVar[str] = ""
+    name: ClassVar[str] = ""
+
+    @dataclass
+    class Params:
+        pass
+
+    def __init__(self, params: "Policy.Params | None" = None):
+        self.p = params if params is not None else self.Params()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Anything the policy must carry across a checkpoint/resume (most policies are stateless)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Dispatch(Policy):
+    kind = "dispatch"
+
+    def intake(self, v: Views) -> int:
+        """How many new prompts to pull into the pipeline now. Default: synchronous rounds — a new round of
+        `prompts_per_step` prompts once the last one is fully consumed and every engine holds the latest weights."""
+        if v.round >= 0 and any(not v.groups[g].consumed for g in v.round_groups.get(v.round, [])):
+            return 0
+        if v.trainer.busy or not v.engines_at(v.trainer.version):
+            return 0
+        return int(v.params["prompts_per_step"])
+
+    def admit(self, v: Views) -> list[Submit]:
+        raise NotImplementedError
+
+
+class Handoff(Policy):
+    kind = "handoff"
+
+    def ready(self, v: Views) -> list[int] | None:
+        """Group ids that form the next training batch, or None."""
+        raise NotImplementedError
+
+
+class Update(Policy):
+    kind = "update"
+
+    def decide(self, group_ids: list[int], v: Views) -> TrainCall:
+        raise NotImplementedError
+
+
+class WeightSync(Policy):
+    kind = "weight_sync"
+
+    def engines_to_load(self, v: Views) -> list[LoadWeights]:
+        raise NotImplementedError
+
+
+class Rebalance(Policy):
+    kind = "rebalance"
+
+    def plan(self, v: Views) -> list[Abort | Interrupt | Migrate]:
+        return []
+
+
+KIND_BASES: dict[str, type[Policy]] = {
+    "dispatch": Dispatch, "handoff": Handoff, "update": Update, "weight_sync": WeightSync, "rebalance": Rebalance}
+REGISTRY: dict[str, dict[str, type[Policy]]] = {k: {} for k in KIND_BASES}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a mechanism selectable by `[sched.<kind>] name = "<name>"`."""
+    if cls.kind not in REGISTRY or not cls.name:
+        raise TypeError(f"{cls.__name__} needs a known `kind` and a `name`")
+    REGISTRY[cls.kind][cls.name] = cls
+    return cls
+
+
+@register
+class NoRebalance(Rebalance):
+    """Never touches running trajectories (every on-policy preset)."""
+    name = "none"
+
+
+@dataclass
+class Preset:
+    dispatch: Dispatch
+    handoff: Handoff
+    update: Update
+    weight_sync: WeightSync
+    rebalance: Rebalance
+
+    def policies(self) -> dict[str, Policy]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def build_policy(kind: str, table: dict[str, Any], build_params: Callable[[type, dict, str], Any] | None = None,
+                 source: str = "config") -> Policy:
+    """Instantiate one mechanism from its config table `{name = "...", <params>}`."""
+    if kind not in REGISTRY:
+        raise ValueError(f"{source}: unknown mechanism kind {kind!r}; kinds: {sorted(REGISTRY)}")
+    table = dict(table)
+    name = table.pop("name", None)
+    if name not in REGISTRY[kind]:
+        raise ValueError(f"{source}: sched.{kind}.name = {name!r} is not a registered {kind} module; "
+                         f"available: {sorted(REGISTRY[kind])}")
+    cls = REGISTRY[kind][name]
+    if build_params is not None:
+        params = build_params(cls.Params, table, f"sched.{kind}")
+    else:
+        known = {f.name for f in fields(cls.Params)} if is_dataclass(cls.Params) else set()
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown keys {unknown} for sched.{kind} {name!r}; allowed: {sorted(known)}")
+        params = cls.Params(**table)
+    return cls(params)

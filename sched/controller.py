@@ -1,0 +1,208 @@
+"""The controller: owns the policy objects and is their only caller. Driven by a Backend — the runtime
+(torch.distributed ranks) or the simulator (virtual clock) — through the same five calls.
+
+Loop: take the next event, fold it into the views, log it, then ask each mechanism for decisions and hand them to
+the backend. The controller also checks the invariants every preset must keep (a group is trained whole, once,
+only after it is materialised; nothing finished is lost), so a buggy policy fails loudly in tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from rl.types import Group, Trajectory
+from sched.base import (Abort, GroupState, Interrupt, LoadWeights, Migrate, Preset, Request, Submit, TrainCall,
+                        Views, EngineView)
+from sched.events import Event, EventLog
+
+
+@dataclass
+class PromptItem:
+    prompt_index: int
+    prompt_ids: list[int]
+    answer: str | None
+
+
+class Backend(Protocol):
+    num_engines: int
+
+    def now(self) -> float: ...
+    def submit(self, engine: int, reqs: list[Request], prompts: dict[int, PromptItem]) -> None: ...
+    def command(self, cmd: Abort | Interrupt | Migrate | LoadWeights) -> None: ...
+    def train(self, call: TrainCall, groups: list[Group]) -> None: ...
+    def next_event(self) -> Event: ...  # blocks until one is available (the backend enforces its own deadline)
+
+
+class InvariantError(RuntimeError):
+    """A policy made a decision that breaks a rule every preset must keep."""
+
+
+class Controller:
+    def __init__(self, preset: Preset, source: Callable[[int], list[PromptItem]], group_size: int,
+                 prompts_per_step: int, total_steps: int, log: EventLog | None = None, **params: Any):
+        self.preset = preset
+        self.source = source
+        self.total_steps = total_steps
+        self.log = log or EventLog()
+        self.v = Views(params=dict(group_size=group_size, prompts_per_step=prompts_per_step, **params))
+        self.prompts: dict[int, PromptItem] = {}   # group_id -> its prompt
+        self.next_req = 0
+        self.next_group = 0
+        self.trained: set[tuple[int, int]] = set()  # (group_id, sample_index) handed to the trainer
+        self.dropped = 0
+
+    # ---------------------------------------------------------------------------------------------- main loop
+    @property
+    def done(self) -> bool:
+        return self.v.trainer.steps_done >= self.total_steps and not self.v.trainer.busy
+
+    def run(self, backend: Backend) -> Views:
+        self.v.engines = [EngineView(engine=i) for i in range(backend.num_engines)]
+        self.decide(backend)
+        while not self.done:
+            ev = backend.next_event()
+            self.apply(ev)
+            self.decide(backend)
+        self.log.flush()
+        return self.v
+
+    def emit(self, ev: Event) -> None:
+        self.log.write(ev)
+
+    # ------------------------------------------------------------------------------------------------- events
+    def apply(self, ev: Event) -> None:
+        v = self.v
+        v.now = ev.t
+        self.emit(ev)
+        k = ev.kind
+        if k == "tokens_decoded":
+            e = v.engines[ev.engine]
+            d = ev.data
+            e.running, e.waiting = d.get("running", e.running), d.get("waiting", e.waiting)
+            e.kv_used, e.kv_free = d.get("kv_used", e.kv_used), d.get("kv_free", e.kv_free)
+            e.tokens_decoded = d.get("total", e.tokens_decoded)
+            for rid, n in d.get("progress", {}).items():
+                if int(rid) in v.requests:
+                    v.requests[int(rid)].tokens = n
+        elif k == "trajectory_finished":
+            r = v.requests[ev.req_id]
+            r.state, r.tokens = "finished", ev.data.get("tokens", r.tokens)
+            v.engines[r.engine].assigned -= 1
+        elif k == "reward_scored":
+            traj: Trajectory = ev.payload
+            g = v.groups[ev.group_id]
+            if traj is None or traj.group_id != g.group_id:
+                raise InvariantError(f"reward_scored event without its trajectory for group {ev.group_id}")
+            g.trajectories.append(traj)
+            g.scored += 1
+            if g.scored + g.dropped == g.size:
+                self.emit(Event("group_materialized", v.now, group_id=g.group_id, version=g.version))
+        elif k == "trajectory_aborted":
+            r = v.requests[ev.req_id]
+            v.engines[r.engine].assigned -= 1
+            if ev.data.get("requeue"):
+                r.state, r.engine = "pending", -1
+            else:
+                r.state = "aborted"
+                g = v.groups[r.group_id]
+                g.dropped += 1
+                self.dropped += 1
+                if g.scored + g.dropped == g.size and g.scored:
+                    self.emit(Event("group_materialized", v.now, group_id=g.group_id, version=g.version))
+        elif k == "train_step_done":
+            t = v.trainer
+            t.busy = False
+            if ev.data.get("stepped", True):
+                t.version, t.steps_done, t.groups_since_step = ev.version, t.steps_done + 1, 0
+        elif k == "version_published":
+            v.trainer.published = max(v.trainer.published, ev.version)
+        elif k == "weights_loaded":
+            e = v.engines[ev.engine]
+            e.version, e.loading = ev.version, False
+        elif k == "rank_failed":
+            raise RuntimeError(f"rank {ev.rank} failed: {ev.data.get('error', 'unknown error')}")
+
+    # ---------------------------------------------------------------------------------------------- decisions
+    def decide(self, backend: Backend) -> None:
+        p, v = self.preset, self.v
+        n = 0 if self.v.trainer.steps_done >= self.total_steps else p.dispatch.intake(v)
+        if n > 0:
+            self.start_round(n)
+        for sub in p.dispatch.admit(v):
+            self.submit(backend, sub)
+        for cmd in p.rebalance.plan(v):
+            backend.command(cmd)
+        if not v.trainer.busy:
+            gids = p.handoff.ready(v)
+            if gids:
+                self.train(backend, p.update.decide(gids, v), gids)
+        for cmd in p.weight_sync.engines_to_load(v):
+            if cmd.version > v.trainer.published:
+                raise InvariantError(f"engine {cmd.engine} told to load unpublished version {cmd.version}")
+            v.engines[cmd.engine].loading = True
+            backend.command(cmd)
+
+    def start_round(self, n_prompts: int) -> None:
+        v = self.v
+        items = self.source(n_prompts)
+        v.round += 1
+        v.round_groups[v.round] = []
+        G = int(v.params["group_size"])
+        for item in items:
+            gid = self.next_group
+            self.next_group += 1
+            self.prompts[gid] = item
+            v.groups[gid] = GroupState(gid, item.prompt_index, v.round, G, answer=item.answer)
+            v.round_groups[v.round].append(gid)
+            for s in range(G):
+                v.requests[self.next_req] = Request(self.next_req, gid, s, item.prompt_index, v.round,
+                                                    len(item.prompt_ids), t_created=v.now)
+                self.next_req += 1
+        self.emit(Event("round_started", v.now, data={"round": v.round, "prompts": len(items)}))
+
+    def submit(self, backend: Backend, sub: Submit) -> None:
+        v = self.v
+        e = v.engines[sub.engine]
+        reqs = [v.requests[i] for i in sub.req_ids]
+        for r in reqs:
+            if r.state != "pending":
+                raise InvariantError(f"request {r.req_id} submitted twice (state {r.state})")
+            r.state, r.engine, r.version = "running", sub.engine, e.version
+            self.emit(Event("request_admitted", v.now, engine=sub.engine, req_id=r.req_id, group_id=r.group_id,
+                            version=e.version))
+        e.assigned += len(reqs)
+        backend.submit(sub.engine, reqs, {r.group_id: self.prompts[r.group_id] for r in reqs})
+
+    def train(self, backend: Backend, call: TrainCall, gids: list[int]) -> None:
+        v = self.v
+        groups = []
+        for gid in gids:
+            g = v.groups[gid]
+            if g.consumed or not g.materialized:
+                raise InvariantError(f"group {gid} handed to the trainer "
+                                     f"{'twice' if g.consumed else 'before it was materialised'}")
+            for t in g.trajectories:
+                key = (gid, t.sample_index)
+                if key in self.trained:
+                    raise InvariantError(f"trajectory {key} trained twice")
+                self.trained.add(key)
+            g.consumed = True
+            groups.append(Group(gid, g.prompt_index, g.answer, sorted(g.trajectories, key=lambda t: t.sample_index)))
+        v.trainer.busy = True
+        v.trainer.groups_consumed += len(gids)
+        v.trainer.groups_since_step += len(gids)
+        self.emit(Event("train_started", v.now, version=v.trainer.version,
+                        data={"groups": gids, "step": call.step, "publish": call.publish}))
+        backend.train(call, groups)
+        self.prune()
+
+    def prune(self) -> None:
+        """Forget rounds that are fully consumed (older than the current one), so long runs stay bounded."""
+        v = self.v
+        for r in [r for r in v.round_groups if r < v.round]:
+            if all(v.groups[g].consumed for g in v.round_groups[r]):
+                for g in v.round_groups.pop(r):
+                    del v.groups[g]
+                    self.prompts.pop(g, None)
+                for rid in [i for i, q in v.requests.items() if q.round == r]:
+                    del v.requests[rid]

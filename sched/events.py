@@ -1,0 +1,88 @@
+"""Events: what engines, reward scorers and the trainer report, in both worlds (runtime and simulator).
+
+Every event is written to the run's `events.jsonl`; metrics and the timeline picture are computed from that log
+by the same code whether it came from torch.distributed ranks or from the simulator's virtual clock.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+# The event kinds of DESIGN.md, plus the activity spans the timeline draws.
+KINDS = frozenset({
+    "round_started",          # controller pulled a round of prompts (data: prompts, requests)
+    "request_admitted",       # dispatch sent a request to an engine
+    "tokens_decoded",         # periodic per-engine counters (data: tokens, running, kv_used, kv_free)
+    "trajectory_finished",    # engine finished a sample (data: tokens, finish_reason)
+    "reward_scored",          # the sample's reward is known (data: reward, correct, failed)
+    "group_finished",         # all G samples of a group finished decoding
+    "group_materialized",     # all G samples scored: the group is trainable
+    "train_started",          # trainer began consuming a batch (data: groups, step, publish)
+    "train_step_done",        # optimizer step applied (version = new trainer version; data: metrics)
+    "version_published",      # weights of `version` are on every rollout rank's relay
+    "weights_loaded",         # engine adopted `version`
+    "trajectory_aborted", "trajectory_interrupted", "trajectory_migrated",
+    "engine_busy", "engine_idle",  # engine activity spans (for the bubble ratio and the timeline)
+    "rank_failed",
+})
+
+
+@dataclass
+class Event:
+    kind: str
+    t: float                       # seconds since the run started (wall clock or virtual)
+    rank: int = -1                 # global rank that produced it (-1: controller)
+    engine: int = -1
+    req_id: int = -1
+    group_id: int = -1
+    version: int = -1
+    data: dict[str, Any] = field(default_factory=dict)
+    payload: Any = field(default=None, repr=False, compare=False)  # in-process only (e.g. a Trajectory); not logged
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown event kind {self.kind!r}")
+
+    def to_json(self) -> str:
+        d = {k: getattr(self, k) for k in ("rank", "engine", "req_id", "group_id", "version", "data")}
+        d = {k: v for k, v in d.items() if not (v == -1 or v == {})}
+        d["kind"], d["t"] = self.kind, round(self.t, 6)
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> "Event":
+        return cls(**json.loads(line))
+
+
+class EventLog:
+    """Append-only JSONL event log (or in-memory only when path is None)."""
+
+    def __init__(self, path: str | Path | None = None, keep: bool = True):
+        self.path = Path(path) if path else None
+        self._f: IO[str] | None = open(self.path, "a") if self.path else None
+        self.keep = keep
+        self.events: list[Event] = []
+
+    def write(self, ev: Event) -> None:
+        if self.keep:
+            self.events.append(ev)
+        if self._f is not None:
+            self._f.write(ev.to_json() + "\n")
+
+    def flush(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_events(path: str | Path) -> Iterator[Event]:
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                yield Event.from_json(line)
