@@ -1,0 +1,97 @@
+"""Split the torchrun world into a train partition and a rollout partition, and make the process groups.
+
+    global rank 0 .. T-1     train ranks (FSDP2 over `train_group`); rank 0 is the train leader and the controller
+    global rank T .. W-1     rollout ranks, one decode engine each
+    publish_group            train leader + every rollout rank (weights: NCCL on GPU, gloo on CPU)
+    control_group            every rank, gloo, for the control channel (requests, trajectories, events)
+
+The train leader is global rank 0 on purpose: torch.distributed.checkpoint's full-state-dict helpers gather to
+global rank 0 (see DESIGN.md, Pitfalls). In colocated mode every rank is both a train and a rollout rank and the
+engine shares the trainer's weights in place, so there is no publish group.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Topology:
+    rank: int
+    world: int
+    train_ranks: list[int]
+    rollout_ranks: list[int]
+    colocate: bool
+    device: torch.device
+    train_group: dist.ProcessGroup | None = None
+    publish_group: dist.ProcessGroup | None = None
+    control_group: dist.ProcessGroup | None = None
+    mesh: object | None = field(default=None, repr=False)  # DeviceMesh over train_group (train ranks only)
+
+    @property
+    def is_train(self) -> bool:
+        return self.rank in self.train_ranks
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.rank in self.rollout_ranks
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def engine_rank(self, engine: int) -> int:
+        return self.rollout_ranks[engine]
+
+    def engine_of(self, rank: int) -> int:
+        return self.rollout_ranks.index(rank)
+
+
+def split_ranks(world: int, rollout_ranks: int, rollout_fraction: float, colocate: bool) -> tuple[list[int], list[int]]:
+    """(train ranks, rollout ranks). Raises ValueError naming the config keys when the split is impossible."""
+    if colocate:
+        return list(range(world)), list(range(world))
+    if world < 2:
+        raise ValueError(f"a disaggregated run needs at least 2 ranks (got a world of {world}); launch with "
+                         f"torchrun --nproc_per_node>=2, or set cluster.colocate = true")
+    n = rollout_ranks if rollout_ranks > 0 else round(world * rollout_fraction)
+    n = max(1, min(world - 1, n)) if rollout_ranks == 0 else n
+    if not 1 <= n <= world - 1:
+        raise ValueError(f"cluster.rollout_ranks = {rollout_ranks} leaves no ranks for the other partition in a "
+                         f"world of {world}; allowed: 1..{world - 1}")
+    return list(range(world - n)), list(range(world - n, world))
+
+
+def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colocate: bool = False,
+                     backend: str = "auto", timeout_s: float = 300.0) -> Topology:
+    """Initialise torch.distributed from torchrun's environment (or a world of one without it)."""
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29555"))
+    cuda = torch.cuda.is_available() and backend != "gloo"
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    pg_backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(pg_backend, timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train, rollout = split_ranks(world, rollout_ranks, rollout_fraction, colocate)
+    topo = Topology(rank, world, train, rollout, colocate, device)
+    # every rank creates every group, in the same order
+    topo.control_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+    train_group = dist.new_group(train, backend=pg_backend, timeout=timeout)
+    publish_group = None if colocate else dist.new_group([0] + rollout, backend=pg_backend, timeout=timeout)
+    if topo.is_train:
+        topo.train_group = train_group
+        from torch.distributed.device_mesh import DeviceMesh
+        topo.mesh = DeviceMesh.from_group(train_group, device.type)
+    if rank == 0 or topo.is_rollout:
+        topo.publish_group = publish_group
+    return topo
