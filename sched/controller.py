@@ -96,7 +96,8 @@ class Controller:
             g.trajectories.append(traj)
             g.scored += 1
             if g.scored + g.dropped == g.size:
-                self.emit(Event("group_materialized", v.now, group_id=g.group_id, version=g.version))
+                self.emit(Event("group_materialized", v.now, group_id=g.group_id, version=g.version,
+                                data={"round": g.round}))
         elif k == "trajectory_aborted":
             r = v.requests[ev.req_id]
             v.engines[r.engine].assigned -= 1
@@ -108,7 +109,8 @@ class Controller:
                 g.dropped += 1
                 self.dropped += 1
                 if g.scored + g.dropped == g.size and g.scored:
-                    self.emit(Event("group_materialized", v.now, group_id=g.group_id, version=g.version))
+                    self.emit(Event("group_materialized", v.now, group_id=g.group_id, version=g.version,
+                                data={"round": g.round}))
         elif k == "train_step_done":
             t = v.trainer
             t.busy = False

@@ -1,0 +1,112 @@
+"""Metrics computed from an event log: the same code for a real run's events.jsonl and for the simulator's.
+
+Definitions (names shared by the runtime, the simulator and the papers' reproduction scripts):
+    trainer_wait_ratio      RolloutPipe §5.1: trainer-side wait / (wait + compute), over the run's makespan
+    trainer_wait_ratio_eq4  RolloutPipe Eq. 4, per round: (first train start - round start) / (round's train end -
+                            round start), averaged over rounds
+    engine_idle_ratio       1 - busy decode time / (engines x makespan) (RollPacker's "bubble ratio", suggested form)
+    rollout_to_train_end    per round: end of the train call that consumed its last group - round start (mean)
+    weight_sync_s           mean time from a publishing step's end to version_published
+    staleness               histogram of (trainer version at consumption - generating version) over trained samples
+    samples_per_s, tokens_per_s   finished trajectories (and their response tokens) per second of makespan
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any, Iterable
+
+from sched.events import Event
+
+
+def _busy_time(spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, b - a) for a, b in spans)
+
+
+def engine_spans(events: Iterable[Event], end: float) -> dict[int, list[tuple[float, float]]]:
+    """Busy intervals per engine from engine_busy / engine_idle events."""
+    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    open_at: dict[int, float] = {}
+    for e in events:
+        if e.kind == "engine_busy" and e.engine not in open_at:
+            open_at[e.engine] = e.t
+        elif e.kind == "engine_idle" and e.engine in open_at:
+            spans[e.engine].append((open_at.pop(e.engine), e.t))
+    for eng, t in open_at.items():
+        spans[eng].append((t, end))
+    return spans
+
+
+def trainer_spans(events: Iterable[Event]) -> list[tuple[float, float, dict[str, Any]]]:
+    """(start, end, train_started data) of every train call."""
+    out, start = [], None
+    for e in events:
+        if e.kind == "train_started":
+            start = e
+        elif e.kind == "train_step_done" and start is not None:
+            out.append((start.t, e.t, start.data))
+            start = None
+    return out
+
+
+def summarize(events: list[Event], num_engines: int | None = None) -> dict[str, Any]:
+    if not events:
+        return {}
+    t0 = min(e.t for e in events if e.kind == "round_started") if any(
+        e.kind == "round_started" for e in events) else events[0].t
+    t_end = max(e.t for e in events)
+    makespan = max(t_end - t0, 1e-9)
+    train = trainer_spans(events)
+    compute = sum(b - a for a, b, _ in train)
+    train_end = train[-1][1] if train else t_end
+    wait = max(0.0, (train_end - t0) - compute)
+    out: dict[str, Any] = {"makespan_s": makespan, "train_compute_s": compute,
+                           "trainer_wait_ratio": wait / max(wait + compute, 1e-9)}
+
+    # per-round figures
+    round_start = {e.data["round"]: e.t for e in events if e.kind == "round_started"}
+    group_round = {e.group_id: e.data.get("round", -1) for e in events if e.kind == "group_materialized"}
+    first_start: dict[int, float] = {}
+    last_end: dict[int, float] = {}
+    for a, b, data in train:
+        for g in data.get("groups", []):
+            r = group_round.get(g, -1)
+            first_start.setdefault(r, a)
+            last_end[r] = b
+    eq4, r2t = [], []
+    for r, ts in round_start.items():
+        if r in last_end:
+            span = last_end[r] - ts
+            r2t.append(span)
+            eq4.append((first_start[r] - ts) / span if span > 0 else 0.0)
+    if r2t:
+        out["rollout_to_train_end_s"] = sum(r2t) / len(r2t)
+        out["trainer_wait_ratio_eq4"] = sum(eq4) / len(eq4)
+
+    # engines
+    spans = engine_spans(events, t_end)
+    n_eng = num_engines or (max(spans) + 1 if spans else 0)
+    if n_eng:
+        busy = sum(_busy_time(s) for s in spans.values())
+        out["engine_idle_ratio"] = 1.0 - busy / (n_eng * makespan)
+
+    # throughput and staleness
+    fin = [e for e in events if e.kind == "trajectory_finished"]
+    out["samples_per_s"] = len(fin) / makespan
+    out["tokens_per_s"] = sum(e.data.get("tokens", 0) for e in fin) / makespan
+    gen_version = {e.group_id: e.version for e in events if e.kind == "group_materialized"}
+    stale: Counter[int] = Counter()
+    for e in events:
+        if e.kind == "train_started":
+            for g in e.data.get("groups", []):
+                if g in gen_version:
+                    stale[e.version - gen_version[g]] += 1
+    out["staleness"] = dict(sorted(stale.items()))
+    out["staleness_max"] = max(stale) if stale else 0
+
+    # weight sync
+    done_t = {e.version: e.t for e in events if e.kind == "train_step_done" and e.data.get("stepped", True)}
+    sync = [e.t - done_t[e.version] for e in events if e.kind == "version_published" and e.version in done_t]
+    if sync:
+        out["weight_sync_s"] = sum(sync) / len(sync)
+    out["dropped"] = sum(1 for e in events if e.kind == "trajectory_aborted" and not e.data.get("requeue"))
+    return out
