@@ -1,0 +1,412 @@
+"""Run configuration: one TOML file per run, mapped onto typed dataclasses.
+
+    cfg = load_config("configs/tiny.toml", ["--train.lr=1e-5", "--sched.dispatch.name=fifo"])
+
+Every key is declared once, in its section below, with its default, its range or choices and a one-line help.
+One generic validator, `build`, maps a TOML table onto a dataclass (types, declared constraints, then the
+class's cross-field `check()`); policy modules call it on their free-form `[sched.<kind>]` tables. Mistakes raise
+`ConfigError` before any work starts, naming the dotted key, its source (file or "command line") and what is
+allowed. `[sched]` holds the run's own sub-tables; `sched.load_preset` lays them over the preset file.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import difflib
+import functools
+import operator
+import re
+import sys
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CMDLINE = "command line"
+DEFAULTS = "defaults"
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config mistake; the message names the dotted key, its source and what is allowed."""
+
+
+def F(default: Any, *, help: str, ge: float | None = None, gt: float | None = None, le: float | None = None,
+      lt: float | None = None, choices: tuple | None = None, length: int | None = None) -> Any:
+    """A dataclass field with its constraints beside it. Range bounds apply to each item of a list."""
+    meta = dict(help=help, ge=ge, gt=gt, le=le, lt=lt, choices=choices, length=length)
+    if isinstance(default, type):  # a nested section
+        return field(default_factory=default, metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ------------------------------------------------------------------------------------------------ the sections
+
+@dataclass
+class ModelConfig:
+    path: str = F("", help="local Hugging Face model dir; '' = random weights in the `preset` shapes")
+    preset: str = F("tiny", choices=("tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"), help="random-init shapes")
+    dtype: str = F("auto", choices=("auto", "float32", "bfloat16", "float16"), help="auto = bf16 on GPU, fp32 on CPU")
+    tokenizer: str = F("", help="tokenizer dir; '' = the model dir's own, or the synthetic task's")
+    init_seed: int = F(0, ge=0, help="seed of the random-init weights (independent of the run seed)")
+
+
+@dataclass
+class DataConfig:
+    source: str = F("synthetic", help="'synthetic' or a path to a .jsonl / .parquet file of prompts")
+    prompt_field: str = F("prompt", help="record field holding the prompt text")
+    answer_field: str = F("answer", help="record field holding the reference answer the reward checks")
+    task: str = F("reverse", help="synthetic task name (when source = 'synthetic')")
+    num_prompts: int = F(1024, ge=1, help="number of synthetic prompts")
+    max_prompt_tokens: int = F(256, ge=1, help="prompt length cap in tokens")
+    chat_template: bool = F(False, help="wrap prompts in the tokenizer's chat template")
+    system_prompt: str = F("", help="system message when chat_template is on ('' = none)")
+    shuffle: bool = F(True, help="shuffle prompt order each epoch")
+    seed: int = F(0, ge=0, help="seed of synthetic generation and shuffling")
+
+
+@dataclass
+class RewardConfig:
+    kind: str = F("synthetic", choices=("synthetic", "math", "exact"), help="task checker | math-verify | exact")
+    timeout_s: float = F(5.0, gt=0, help="verifier time limit per response; a timeout scores 0")
+    format_weight: float = F(0.0, ge=0, help="partial credit for a well-formed but wrong answer")
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = F(8, ge=1, help="G: samples per prompt (a GRPO group)")
+    prompts_per_step: int = F(32, ge=1, help="prompts (groups) per optimizer step")
+    max_new_tokens: int = F(1024, ge=1, help="response length cap in tokens")
+    temperature: float = F(1.0, ge=0, help="sampling temperature; 0 = greedy")
+    top_p: float = F(1.0, gt=0, le=1, help="nucleus sampling mass; 1 = off")
+    top_k: int = F(-1, ge=-1, help="-1 = off, else sample from the k most likely tokens")
+    kv_block_size: int = F(16, ge=1, help="tokens per paged-KV block")
+    kv_cache_tokens: int = F(65536, ge=1, help="KV pool size in tokens on CPU (GPU sizes it from gpu_memory_fraction)")
+    gpu_memory_fraction: float = F(0.85, gt=0, le=1, help="share of GPU memory the engine may use (weights + KV)")
+    max_num_seqs: int = F(256, ge=1, help="most sequences in one engine batch")
+    max_batch_tokens: int = F(16384, ge=1, help="most tokens (prefill + decode) in one engine step")
+    cuda_graphs: bool = F(True, help="capture decode steps as CUDA graphs (GPU only; ignored on CPU)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = F(100, ge=1, help="training steps (batches) in the run; optimizer steps when 1 epoch, 1 minibatch")
+    lr: float = F(1e-6, gt=0, help="peak learning rate (AdamW)")
+    min_lr_ratio: float = F(0.1, ge=0, le=1, help="cosine floor as a fraction of lr")
+    warmup_steps: int = F(0, ge=0, help="linear warmup steps from 0 to lr")
+    lr_schedule: str = F("constant", choices=("cosine", "constant"), help="lr after warmup")
+    weight_decay: float = F(0.0, ge=0, help="AdamW decoupled weight decay")
+    betas: list[float] = F([0.9, 0.999], ge=0, lt=1, length=2, help="AdamW (beta1, beta2)")
+    adam_eps: float = F(1e-8, gt=0, help="AdamW epsilon")
+    grad_clip: float = F(1.0, gt=0, help="max global gradient norm")
+    micro_batch_tokens: int = F(16384, ge=1, help="packed tokens per forward/backward on one train rank")
+    activation_checkpointing: bool = F(False, help="recompute each block's activations in backward")
+    loss_agg: str = F("token_mean", choices=("token_mean", "seq_mean", "seq_sum_norm"),
+                      help="token_mean (DAPO) | seq_mean (GRPO) | seq_sum_norm (Dr.GRPO: sum / max_new_tokens)")
+    ratio_level: str = F("token", choices=("token", "sequence"), help="ratio per token, or per sequence (GSPO)")
+    clip_low: float = F(0.2, ge=0, lt=1, help="ratio clipped below at 1 - clip_low")
+    clip_high: float = F(0.2, ge=0, help="ratio clipped above at 1 + clip_high (clip-higher: DAPO uses 0.28)")
+    adv_norm: str = F("std", choices=("std", "none"), help="divide group advantages by their std, or not (Dr.GRPO)")
+    kl_coef: float = F(0.0, ge=0, help="weight of the KL penalty to the initial policy; 0 = no reference model")
+    filter_zero_variance: bool = F(False, help="drop groups whose rewards are all equal (DAPO dynamic sampling)")
+    ppo_epochs: int = F(1, ge=1, help="passes over each batch")
+    minibatches: int = F(1, ge=1, help="optimizer steps per pass, each on 1/minibatches of the batch")
+
+
+@dataclass
+class SchedConfig:
+    preset: str = F("sync", help="scheduling preset: configs/sched/<preset>.toml")
+    dispatch: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's dispatch module")
+    handoff: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's handoff module")
+    update: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's update module")
+    weight_sync: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's weight_sync module")
+    rebalance: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's rebalance module")
+
+
+@dataclass
+class ClusterConfig:
+    rollout_ranks: int = F(0, ge=0, help="ranks running decode engines; 0 = use rollout_fraction")
+    rollout_fraction: float = F(0.25, gt=0, lt=1, help="share of ranks for rollout when rollout_ranks = 0")
+    colocate: bool = F(False, help="engines and trainer share every rank, taking turns")
+    backend: str = F("auto", choices=("auto", "gloo", "nccl"), help="tensor backend; auto = nccl on CUDA, gloo on CPU")
+    timeout_s: float = F(600.0, gt=0, help="deadline of every blocking wait (collectives, queues)")
+
+
+@dataclass
+class LogConfig:
+    dir: str = F("", help="run directory; '' = runs/<name>-<YYYYmmdd-HHMMSS>")
+    wandb: bool = F(False, help="log to Weights & Biases (offline when not logged in)")
+    wandb_project: str = F("tidal", help="wandb project")
+    wandb_entity: str = F("", help="wandb team or user; '' = your default")
+    progress: bool = F(True, help="progress bar on the console")
+    every: int = F(1, ge=1, help="log metrics every N steps")
+    level: str = F("info", choices=("debug", "info", "warning", "error"), help="console log level")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = F("", help="checkpoint directory; '' = <log.dir>/checkpoints")
+    every: int = F(0, ge=0, help="save every N steps; 0 = only at the end")
+    keep: int = F(2, ge=1, help="newest checkpoints kept on disk")
+    resume: str = F("", help="'' = fresh start, 'latest' = newest in dir, or a checkpoint path")
+    export_hf: bool = F(True, help="also write the final weights in the Hugging Face layout")
+
+
+@dataclass
+class Config:
+    name: str = F("default", help="run name; defaults to the config file's stem")
+    seed: int = F(0, ge=0, help="global seed (torch, python, sampling)")
+    deterministic: bool = F(False, help="deterministic algorithms: same seed, same run (slower)")
+    model: ModelConfig = F(ModelConfig, help="the policy model")
+    data: DataConfig = F(DataConfig, help="prompts")
+    reward: RewardConfig = F(RewardConfig, help="verifiable reward")
+    rollout: RolloutConfig = F(RolloutConfig, help="sampling and the decode engine")
+    train: TrainConfig = F(TrainConfig, help="optimizer and GRPO loss")
+    sched: SchedConfig = F(SchedConfig, help="rollout/train scheduling policy")
+    cluster: ClusterConfig = F(ClusterConfig, help="ranks and process groups")
+    log: LogConfig = F(LogConfig, help="metrics, console, wandb")
+    checkpoint: CheckpointConfig = F(CheckpointConfig, help="save, resume, export")
+    sources: ClassVar[dict[str, str]] = {}  # set by load_config: dotted key -> file path or "command line"
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        """Cross-field rules, all in one place; each yields (dotted key, what is wrong)."""
+        d, r, t = self.data, self.rollout, self.train
+        if d.source != "synthetic" and not d.source.endswith((".jsonl", ".parquet")):
+            yield "data.source", "must be 'synthetic' or a path ending in .jsonl or .parquet"
+        if self.reward.kind == "synthetic" and d.source != "synthetic":
+            yield "reward.kind", f"scores only the synthetic task, not data.source = {d.source!r}; use math or exact"
+        if r.top_k == 0:
+            yield "rollout.top_k", "must be -1 (off) or >= 1"
+        if r.kv_cache_tokens < r.kv_block_size:
+            yield "rollout.kv_cache_tokens", f"must be >= rollout.kv_block_size = {r.kv_block_size}"
+        if r.max_batch_tokens < r.max_num_seqs:
+            yield "rollout.max_batch_tokens", f"must be >= rollout.max_num_seqs = {r.max_num_seqs} (a decode step)"
+        if t.clip_high < t.clip_low:
+            yield "train.clip_high", f"must be >= train.clip_low = {t.clip_low} (clip-higher widens the upper bound)"
+        if t.filter_zero_variance and r.group_size == 1:
+            yield "train.filter_zero_variance", "would drop every group: rollout.group_size is 1"
+        if t.minibatches > r.prompts_per_step * r.group_size:
+            yield "train.minibatches", f"must be <= samples per step = {r.prompts_per_step * r.group_size}"
+
+
+# -------------------------------------------------------------------------------------------- the validator
+
+def build(dataclass_type: type[T], mapping: Mapping[str, Any], source: str, prefix: str = "", *,
+          key_sources: Mapping[str, str] | None = None) -> T:
+    """Map a TOML table onto `dataclass_type`: each key's type and F() constraints, required keys, then the class's
+    own `check()` yielding (key, problem) pairs. Errors quote `prefix` (the table's dotted path) and `source` (its
+    origin), or `key_sources[dotted key]` where given (as in `Config.sources`). Raises ConfigError on a problem."""
+    return _build(dataclass_type, mapping, prefix, functools.partial(_source, key_sources or {}, source))
+
+
+def _build(cls: type[T], mapping: Mapping[str, Any], prefix: str, where: Callable[[str], str]) -> T:
+    known = {f.name: f for f in fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in mapping.items():
+        dotted = _join(prefix, key)
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {_join(prefix, close[0])}?" if close else ""
+            what = "section" if not prefix and isinstance(value, dict) else "key"
+            raise ConfigError(f"unknown {what} {dotted} (from {where(dotted)}){hint} "
+                              f"Valid keys{f' in [{prefix}]' if prefix else ''}: {', '.join(known)}")
+        kwargs[key] = _typed(value, hints[key], dotted, where)
+        problem = _constraint_problem(kwargs[key], known[key].metadata)
+        if problem:
+            raise ConfigError(f"{dotted} = {_toml_value(kwargs[key])} (from {where(dotted)}): {problem}")
+    for name, f in known.items():
+        if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
+            what = f" ({f.metadata['help']})" if f.metadata.get("help") else ""
+            raise ConfigError(f"{_join(prefix, name)}{what} is required but missing (from {where(prefix)})")
+    obj = cls(**kwargs)
+    for key, problem in (obj.check() if hasattr(obj, "check") else ()):
+        dotted, value = _join(prefix, key), functools.reduce(getattr, key.split("."), obj)
+        raise ConfigError(f"{dotted} = {_toml_value(value)} (from {where(dotted)}): {problem}")
+    return obj
+
+
+def _typed(value: Any, tp: Any, dotted: str, where: Callable[[str], str]) -> Any:
+    """`value` checked against `tp`: bool, int, float (an int is fine), str, list[T], dict[str, T], Any, dataclass."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if is_dataclass(tp) and isinstance(value, dict):
+        return _build(tp, value, dotted, where)
+    elif origin is list and isinstance(value, list):
+        return [_typed(v, args[0] if args else Any, f"{dotted}[{i}]", where) for i, v in enumerate(value)]
+    elif (origin is dict or tp is dict) and isinstance(value, dict):
+        return {k: _typed(v, args[1] if args else Any, f"{dotted}.{k}", where) for k, v in value.items()}
+    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif tp in (bool, int, str) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a quoted string"}
+    if origin is list:
+        want = f"an array (each item {names.get(args[0], str(args[0])) if args else 'any value'})"
+    else:
+        want = "a table" if origin is dict or tp is dict or is_dataclass(tp) else names.get(tp, str(tp))
+    got = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array", dict: "a table"}
+    raise ConfigError(f"{dotted} = {_toml_value(value)} (from {where(dotted)}): expected {want}, "
+                      f"got {got.get(type(value), type(value).__name__)}")
+
+
+def _constraint_problem(value: Any, meta: Mapping[str, Any]) -> str | None:
+    """What breaks the F() constraints in `meta`, or None. NaN is in no range."""
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        return "must be one of " + ", ".join(_toml_value(c) for c in meta["choices"])
+    if meta.get("length") is not None and len(value) != meta["length"]:
+        return f"must have exactly {meta['length']} items"
+    ops = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le), "lt": ("<", operator.lt)}
+    bounds = [(sym, op, meta[k]) for k, (sym, op) in ops.items() if meta.get(k) is not None]
+    items = value if isinstance(value, list) else [value]
+    if not all(op(v, b) for v in items for _, op, b in bounds):
+        each = "each item " if isinstance(value, list) else ""
+        return f"{each}must be " + " and ".join(f"{sym} {b}" for sym, _, b in bounds)
+    return None
+
+
+def _source(sources: Mapping[str, str], default: str, dotted: str) -> str:
+    """Where `dotted` came from; an array item (`a.b[1]`) comes from where its array came from."""
+    return sources.get(re.sub(r"\[\d+\].*$", "", dotted), default)
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+# -------------------------------------------------------------------------------------- loading and overrides
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """The Config from TOML file `path` (None = all defaults) with `--section.key=value` overrides applied in
+    order. Override values are TOML values when they parse as one (1e-5, true, [0.9, 0.95], "x"), else bare
+    strings (--log.dir=runs/x); a string field always takes the text as written. Raises ConfigError."""
+    raw: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        raw = _read_toml(Path(path))
+        _record(raw, str(path), "", sources)
+        if "name" not in raw:
+            raw["name"] = Path(path).stem
+    for arg in overrides:
+        _apply_override(raw, arg, sources)
+    cfg = _build(Config, raw, "", functools.partial(_source, sources, DEFAULTS))
+    cfg.sources = sources
+    return cfg
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        nearby = sorted(str(p) for p in path.parent.glob("*.toml")) if path.parent.is_dir() else []
+        found = f"; found: {', '.join(nearby)}" if nearby else ""
+        raise ConfigError(f"config file not found: {path}{found}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"malformed TOML in {path}: {e}") from None
+
+
+def _record(table: Mapping[str, Any], source: str, prefix: str, sources: dict[str, str]) -> None:
+    for key, value in table.items():
+        sources[_join(prefix, key)] = source
+        if isinstance(value, dict):
+            _record(value, source, _join(prefix, key), sources)
+
+
+def _apply_override(raw: dict[str, Any], arg: str, sources: dict[str, str]) -> None:
+    key, eq, text = arg[2:].partition("=")
+    parts = key.split(".")
+    why = "does not start with --" if not arg.startswith("--") else "has no '='" if not eq else \
+        "has a malformed key" if not all(re.fullmatch(r"[A-Za-z0-9_-]+", p) for p in parts) else ""
+    if why:
+        raise ConfigError(f"bad override {arg!r} (from {CMDLINE}): it {why}; expected --section.key=value, "
+                          "e.g. --train.lr=1e-5")
+    tp: Any = Config
+    for p in parts:  # the declared type, to keep the text of string fields as written (--name=123)
+        tp = typing.get_type_hints(tp).get(p, Any) if is_dataclass(tp) else Any
+    try:  # a TOML value if it parses as one, else the bare text; string fields always take the text
+        value = tomllib.loads(f"v = {text}")["v"] if "\n" not in text else text
+    except tomllib.TOMLDecodeError:
+        value = text
+    value = text if tp is str and not isinstance(value, str) else value
+    node = raw
+    for i in range(1, len(parts)):  # walk (or make) the tables above the key
+        node, here = node.setdefault(parts[i - 1], {}), ".".join(parts[:i])
+        sources.setdefault(here, CMDLINE)
+        if not isinstance(node, dict):
+            raise ConfigError(f"bad override {arg!r} (from {CMDLINE}): {here} is a value, not a table")
+    node[parts[-1]] = value
+    sources[key] = CMDLINE
+    if isinstance(value, dict):
+        _record(value, CMDLINE, key, sources)
+
+
+# ------------------------------------------------------------------------------------------------- writing
+
+def to_toml(cfg: Any) -> str:
+    """The dataclass `cfg` (every value, defaults included) as TOML text; load_config reads it back equal."""
+    lines = ["# Resolved run config (config.to_toml). Reload: load_config(path, [])."]
+    _write_table(cfg, "", lines)
+    return "\n".join(lines) + "\n"
+
+
+def save_config(cfg: Config, run_dir: str | Path) -> Path:
+    """Write `run_dir/config.toml` (creating run_dir) and return its path."""
+    path = Path(run_dir) / "config.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_toml(cfg), encoding="utf-8")
+    return path
+
+
+def resolve_run_dir(cfg: Config, now: datetime.datetime | None = None) -> str:
+    """`log.dir`, or runs/<name>-<YYYYmmdd-HHMMSS> when it is '' (call on one rank and share the answer)."""
+    return cfg.log.dir or f"runs/{cfg.name}-{(now or datetime.datetime.now()):%Y%m%d-%H%M%S}"
+
+
+def _write_table(obj: Any, prefix: str, lines: list[str]) -> None:
+    """Scalars, lists and free-form tables (inline), each with its help as a comment, then one [section] each."""
+    for f in fields(obj):
+        if not is_dataclass(value := getattr(obj, f.name)):
+            lines.append(f"{_toml_str(f.name, key=True)} = {_toml_value(value)}{_comment(f.metadata)}")
+    for f in fields(obj):
+        if is_dataclass(value := getattr(obj, f.name)):
+            lines += ["", f"[{_join(prefix, f.name)}]{_comment(f.metadata)}"]
+            _write_table(value, _join(prefix, f.name), lines)
+
+
+def _comment(meta: Mapping[str, Any]) -> str:
+    choices = f" ({' | '.join(map(str, meta['choices']))})" if meta.get("choices") else ""
+    return f"  # {meta['help']}{choices}" if meta.get("help") else ""
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf") if v in (float("inf"), float("-inf")) else repr(v)
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return _toml_str(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_str(k, key=True)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write a {type(v).__name__} as TOML")
+
+
+def _toml_str(s: str, key: bool = False) -> str:
+    """A TOML basic string; a key stays bare where TOML allows."""
+    if key and re.fullmatch(r"[A-Za-z0-9_-]+", s):
+        return s
+    esc = {'"': '\\"', "\\": "\\\\"}
+    return '"' + "".join(esc.get(c, f"\\u{ord(c):04x}" if c < " " or c == "\x7f" else c) for c in s) + '"'
+
