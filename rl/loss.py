@@ -1,0 +1,126 @@
+"""GRPO policy loss over packed tokens, with the variants users expect. Pure functions on tensors.
+
+Per token t of sequence i (only tokens with mask = 1 count):
+    ratio r_t      = exp(logp_t - old_logp_t)                                   ratio_level="token" (PPO / GRPO)
+                   = sg[s_i] * exp(logp_t - sg[logp_t]),
+                     s_i = exp(mean_{t in i}(logp_t - old_logp_t))              ratio_level="sequence" (GSPO,
+                     Zheng et al. 2025, in the paper's GSPO-token form: the value is the sequence ratio, the
+                     gradient is s_i * grad logp_t, so clipping acts per sequence; with equal advantages over a
+                     sequence this is exactly GSPO's sequence-level gradient)
+    pg_t           = max(-A_i r_t, -A_i clip(r_t, 1 - clip_low, 1 + clip_high))  (PPO clip; separate bounds are
+                     DAPO's clip-higher, Yu et al. 2025, section 3.1)
+    kl_t           = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                 (k3 estimator of KL(pi || ref),
+                     as in GRPO; weighted by kl_coef)
+    l_t            = pg_t + kl_coef * kl_t
+Aggregation (`normaliser` is for the whole optimizer step, so micro-batching never changes loss or gradients):
+    token_mean     sum_t l_t / N_tokens                         DAPO token-level loss (section 3.3)
+    seq_mean       sum_i (sum_{t in i} l_t / |i|) / N_seqs       GRPO's original sample-level mean
+    seq_sum_norm   sum_i (sum_{t in i} l_t / max_len) / N_seqs   Dr.GRPO (Liu et al. 2025): a constant length
+Sequences are never split across micro-batches, so per-sequence sums are complete within one call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+LOSS_AGGS = ("token_mean", "seq_mean", "seq_sum_norm")
+RATIO_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor                         # scalar, already divided by the (global) normaliser
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)  # detached sums over masked tokens
+    num_tokens: int = 0                        # masked tokens in this call
+
+    def metrics(self) -> dict[str, float]:
+        """Token means of the statistics of this call alone."""
+        n = max(self.num_tokens, 1)
+        return {k: float(v) / n for k, v in self.sums.items()}
+
+
+def segment_sum(x: torch.Tensor, seq_idx: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[N] values, [N] sequence index in [0, num_seqs) -> [num_seqs] sums (differentiable)."""
+    return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_idx, x)
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator with log_ratio = log q(x) - log p(x), x ~ p: an unbiased, non-negative KL(p || q)."""
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def default_normaliser(loss_agg: str, mask: torch.Tensor, seq_idx: torch.Tensor, num_seqs: int) -> float:
+    """The normaliser of this batch alone: masked tokens (token_mean) or sequences with any masked token."""
+    if loss_agg == "token_mean":
+        return float(mask.sum())
+    return float((segment_sum(mask.float(), seq_idx, num_seqs) > 0).sum())
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, seq_idx: torch.Tensor,
+                mask: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None, *,
+                clip_low: float = 0.2, clip_high: float = 0.2, loss_agg: str = "token_mean",
+                ratio_level: str = "token", kl_coef: float = 0.0, max_len: int | None = None,
+                normaliser: float | None = None, num_seqs: int | None = None) -> LossOutput:
+    """The GRPO loss of one (micro-)batch of packed tokens; see the module docstring for the formulas.
+
+    logp: [N] current policy log-probs (with grad); old_logp: [N] behaviour log-probs; advantages: [N] (the
+    sequence's advantage on each of its tokens); seq_idx: [N] int64 in [0, num_seqs); mask: [N] 1 where the token
+    is trained on; ref_logp: [N] or None. normaliser: tokens (token_mean) or sequences (seq_*) of the whole step;
+    None means this batch alone.
+    """
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg {loss_agg!r} is not one of {LOSS_AGGS}")
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level {ratio_level!r} is not one of {RATIO_LEVELS}")
+    if loss_agg == "seq_sum_norm" and not max_len:
+        raise ValueError("loss_agg='seq_sum_norm' (Dr.GRPO) needs max_len, the constant per-sequence divisor")
+    if kl_coef and ref_logp is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
+    seq_idx = seq_idx.long()
+    num_seqs = int(seq_idx.max()) + 1 if num_seqs is None and seq_idx.numel() else int(num_seqs or 0)
+    mask = (torch.ones_like(logp) if mask is None else mask).to(logp.dtype)
+    old_logp, advantages = old_logp.to(logp.dtype), advantages.to(logp.dtype)
+    if normaliser is None:
+        normaliser = default_normaliser(loss_agg, mask, seq_idx, num_seqs)
+    normaliser = float(normaliser) if float(normaliser) > 0 else 1.0  # an empty batch has a zero numerator
+
+    log_ratio = logp - old_logp
+    if ratio_level == "token":
+        ratio = torch.exp(log_ratio)
+    else:
+        seq_tokens = segment_sum(mask, seq_idx, num_seqs).clamp(min=1)
+        seq_log_ratio = segment_sum(log_ratio.detach() * mask, seq_idx, num_seqs) / seq_tokens
+        ratio = torch.exp(logp - logp.detach() + seq_log_ratio[seq_idx])
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    pg = torch.maximum(-advantages * ratio, -advantages * clipped)
+    per_token = pg
+    kl_ref = None
+    if ref_logp is not None:
+        kl_ref = k3(ref_logp.to(logp.dtype) - logp)
+        if kl_coef:
+            per_token = per_token + kl_coef * kl_ref
+    per_token = per_token * mask
+
+    if loss_agg == "token_mean":
+        loss = per_token.sum() / normaliser
+    else:
+        seq_sum = segment_sum(per_token, seq_idx, num_seqs)
+        if loss_agg == "seq_mean":
+            seq_sum = seq_sum / segment_sum(mask, seq_idx, num_seqs).clamp(min=1)
+        else:
+            seq_sum = seq_sum / float(max_len)
+        loss = seq_sum.sum() / normaliser
+
+    with torch.no_grad():
+        r = ratio.detach()
+        sums = {
+            "clip_frac_low": ((advantages < 0) & (r < 1 - clip_low)).to(mask.dtype).mul(mask).sum(),
+            "clip_frac_high": ((advantages > 0) & (r > 1 + clip_high)).to(mask.dtype).mul(mask).sum(),
+            "approx_kl": (k3(logp.detach() - old_logp) * mask).sum(),  # KL(old || new), x ~ old
+            "ratio_mean": (r * mask).sum(),
+            "pg_loss": (pg.detach() * mask).sum(),
+        }
+        if kl_ref is not None:
+            sums["kl_ref"] = (kl_ref.detach() * mask).sum()
+    return LossOutput(loss, sums, int(mask.sum().item()))

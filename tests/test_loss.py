@@ -1,0 +1,159 @@
+"""rl/loss.py and rl/advantages.py against the formulas written out plainly: loops over sequences and tokens."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from rl.advantages import compute_advantages, group_advantages
+from rl.loss import policy_loss
+from rl.types import Group, Trajectory
+
+LENS = [3, 5, 1, 4]
+MASKS = [[0, 1, 1], [0, 0, 1, 1, 1], [1], [1, 1, 0, 1]]  # a zero in the middle too: the mask is the only truth
+ADVS = [1.3, -0.7, 0.4, -1.1]
+MAX_LEN = 6
+
+
+def batch(seed=1, spread=0.5):  # seed 1: both clip sides hit, at both ratio levels, for both clip ranges
+    g = torch.Generator().manual_seed(seed)
+    n = sum(LENS)
+    old = -torch.rand(n, generator=g, dtype=torch.float64) * 3
+    new = (old + spread * torch.randn(n, generator=g, dtype=torch.float64)).requires_grad_()
+    ref = old + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
+    seq_idx = torch.repeat_interleave(torch.arange(len(LENS)), torch.tensor(LENS))
+    adv = torch.tensor(ADVS, dtype=torch.float64)[seq_idx]
+    mask = torch.tensor(sum(MASKS, []), dtype=torch.float64)
+    return new, old, ref, adv, seq_idx, mask
+
+
+def direct_loss(new, old, ref, agg, ratio_level, clip_low, clip_high, kl_coef):
+    """The same objective, one sequence and one token at a time. The GSPO ratio here is the sequence ratio
+    itself, s_i = exp(mean(logp - old)), fully differentiable (the paper's sequence-level objective)."""
+    per_seq, n_tokens, start = [], 0, 0
+    for i, (length, m) in enumerate(zip(LENS, MASKS)):
+        toks = [start + t for t in range(length) if m[t]]
+        s = torch.exp(sum(new[t] - old[t] for t in toks) / len(toks))
+        terms = []
+        for t in toks:
+            r = torch.exp(new[t] - old[t]) if ratio_level == "token" else s
+            a = ADVS[i]
+            pg = torch.max(-a * r, -a * torch.clamp(r, 1 - clip_low, 1 + clip_high))
+            d = ref[t] - new[t]
+            kl = torch.exp(d) - d - 1
+            terms.append(pg + kl_coef * kl)
+        per_seq.append(terms)
+        n_tokens += len(toks)
+        start += length
+    if agg == "token_mean":
+        return sum(sum(ts) for ts in per_seq) / n_tokens
+    if agg == "seq_mean":
+        return sum(sum(ts) / len(ts) for ts in per_seq) / len(per_seq)
+    return sum(sum(ts) / MAX_LEN for ts in per_seq) / len(per_seq)
+
+
+CASES = list(itertools.product(["token_mean", "seq_mean", "seq_sum_norm"], ["token", "sequence"],
+                               [0.0, 0.1], [(0.2, 0.2), (0.2, 0.28)]))
+
+
+@pytest.mark.parametrize("agg,ratio_level,kl_coef,clip", CASES)
+def test_loss_and_grads_match_direct_formula(agg, ratio_level, kl_coef, clip):
+    new, old, ref, adv, seq_idx, mask = batch()
+    kw = dict(clip_low=clip[0], clip_high=clip[1], loss_agg=agg, ratio_level=ratio_level, kl_coef=kl_coef,
+              max_len=MAX_LEN)
+    out = policy_loss(new, old, adv, seq_idx, mask, ref if kl_coef else None, **kw)
+    (g_ours,) = torch.autograd.grad(out.loss, new)
+    ref_loss = direct_loss(new, old, ref, agg, ratio_level, clip[0], clip[1], kl_coef)
+    (g_ref,) = torch.autograd.grad(ref_loss, new)
+    assert torch.allclose(out.loss, ref_loss, atol=1e-12, rtol=1e-10)
+    assert torch.allclose(g_ours, g_ref, atol=1e-12, rtol=1e-10)
+    assert (g_ours[mask == 0] == 0).all()
+    assert out.num_tokens == int(mask.sum())
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("clip", [(0.2, 0.2), (0.2, 0.28)])
+def test_the_fixed_batch_clips_on_both_sides_but_not_everywhere(ratio_level, clip):
+    new, old, ref, adv, seq_idx, mask = batch()
+    m = policy_loss(new, old, adv, seq_idx, mask, clip_low=clip[0], clip_high=clip[1],
+                    ratio_level=ratio_level).metrics()
+    assert 0 < m["clip_frac_low"] and 0 < m["clip_frac_high"] and m["clip_frac_low"] + m["clip_frac_high"] < 1
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("log_ratio,adv,clipped", [(2.0, 1.0, True), (2.0, -1.0, False),
+                                                   (-2.0, -1.0, True), (-2.0, 1.0, False)])
+def test_clipping_zeroes_the_gradient_on_the_clipped_side(ratio_level, log_ratio, adv, clipped):
+    old = torch.full((6,), -1.0, dtype=torch.float64)
+    new = (old + log_ratio).requires_grad_()
+    seq_idx = torch.tensor([0, 0, 0, 1, 1, 1])
+    out = policy_loss(new, old, torch.full((6,), adv, dtype=torch.float64), seq_idx, clip_low=0.2, clip_high=0.28,
+                      ratio_level=ratio_level)
+    (g,) = torch.autograd.grad(out.loss, new)
+    m = out.metrics()
+    if clipped:
+        assert (g == 0).all()
+        assert m["clip_frac_high" if log_ratio > 0 else "clip_frac_low"] == 1.0
+    else:  # the unclipped term is the larger loss: PPO keeps its gradient (pushes the ratio back)
+        assert (g.abs() > 0).all()
+        assert m["clip_frac_high"] == m["clip_frac_low"] == 0.0
+    assert m["ratio_mean"] == pytest.approx(math.exp(log_ratio))
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "seq_sum_norm"])
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_micro_batching_does_not_change_loss_or_gradients(agg, ratio_level):
+    new, old, ref, adv, seq_idx, mask = batch(seed=3)
+    kw = dict(clip_low=0.2, clip_high=0.28, loss_agg=agg, ratio_level=ratio_level, kl_coef=0.05, max_len=MAX_LEN)
+    full = policy_loss(new, old, adv, seq_idx, mask, ref, **kw)
+    (g_full,) = torch.autograd.grad(full.loss, new)
+    normaliser = mask.sum() if agg == "token_mean" else len(LENS)
+    cut = LENS[0] + LENS[1]
+    total, sums = 0.0, {}
+    for sl, first_seq in ((slice(0, cut), 0), (slice(cut, None), 2)):
+        out = policy_loss(new[sl], old[sl], adv[sl], seq_idx[sl] - first_seq, mask[sl], ref[sl],
+                          normaliser=float(normaliser), **kw)
+        total = total + out.loss
+        for k, v in out.sums.items():
+            sums[k] = sums.get(k, 0) + v
+    (g_micro,) = torch.autograd.grad(total, new)
+    assert torch.allclose(total, full.loss, atol=1e-12)
+    assert torch.allclose(g_micro, g_full, atol=1e-12)
+    for k, v in full.sums.items():
+        assert torch.allclose(sums[k], v, atol=1e-12), k
+
+
+def test_argument_errors():
+    new, old, ref, adv, seq_idx, mask = batch()
+    with pytest.raises(ValueError, match="max_len"):
+        policy_loss(new, old, adv, seq_idx, mask, loss_agg="seq_sum_norm")
+    with pytest.raises(ValueError, match="loss_agg"):
+        policy_loss(new, old, adv, seq_idx, mask, loss_agg="mean")
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(new, old, adv, seq_idx, mask, kl_coef=0.1)
+
+
+# ---- advantages ----------------------------------------------------------------------------------------------
+def _group(gid, rewards):
+    trajs = [Trajectory(gid, j, [1], [2], [0.0], [0], reward=r) for j, r in enumerate(rewards)]
+    return Group(gid, gid, None, trajs)
+
+
+def test_group_advantages_std_and_dr_grpo():
+    r = [1.0, 0.0, 0.0, 1.0, 1.0]
+    mean = sum(r) / len(r)
+    std = math.sqrt(sum((x - mean) ** 2 for x in r) / (len(r) - 1))
+    assert group_advantages(r, "std") == pytest.approx([(x - mean) / (std + 1e-6) for x in r])
+    assert group_advantages(r, "none") == pytest.approx([x - mean for x in r])
+    assert group_advantages([0.5], "std") == [0.0]
+
+
+def test_zero_variance_groups_are_filtered_and_counted():
+    groups = [_group(0, [1, 1, 1]), _group(1, [0, 1, 0]), _group(2, [0, 0, 0]), _group(3, [0.2, 0.7, 0.2])]
+    res = compute_advantages(groups, "none", filter_zero_variance=True)
+    assert [g.group_id for g in res.groups] == [1, 3]
+    assert res.num_filtered == 2 and res.num_groups == 4
+    assert res.advantages[0] == pytest.approx([-1 / 3, 2 / 3, -1 / 3])
+    kept_all = compute_advantages(groups, "std", filter_zero_variance=False)
+    assert len(kept_all.groups) == 4 and kept_all.num_filtered == 0
+    assert kept_all.advantages[0] == [0.0, 0.0, 0.0]

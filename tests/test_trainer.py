@@ -1,0 +1,218 @@
+"""The trainer in one process (no process group: unsharded): batching, schedule, activation checkpointing,
+micro-batch invariance, on-policy ratio = 1, checkpoints, and a learning smoke test."""
+import math
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer, cu_seqlens_from_lengths
+from rl.advantages import compute_advantages
+from rl.types import Group, Trajectory
+from trainer import TrainConfig, Trainer
+from trainer.batch import assign_to_ranks, build_samples, collate, pack_micro_batches
+from trainer.optim import lr_factor
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: intra-op threads only fight (30x slower measured)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_cfg(tied: bool = True) -> ModelConfig:
+    return ModelConfig(family="qwen3" if tied else "qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=tied,
+                       qk_norm=tied, attention_bias=not tied)
+
+
+def tiny_model(tied: bool = True, seed: int = 0) -> Transformer:
+    return Transformer(tiny_cfg(tied)).init_weights(std=0.1, seed=seed)
+
+
+def make_groups(seed: int, n_groups: int = 3, group_size: int = 4, max_resp: int = 10) -> list[Group]:
+    """Random prompts and responses with made-up behaviour logprobs near the truth's scale and varied rewards."""
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for gi in range(n_groups):
+        prompt = torch.randint(3, VOCAB, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+        trajs = []
+        for j in range(group_size):
+            n = int(torch.randint(1, max_resp + 1, (1,), generator=g))
+            resp = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+            lps = (-math.log(VOCAB) + 0.3 * torch.randn(n, generator=g)).tolist()
+            trajs.append(Trajectory(gi, j, prompt, resp, lps, [0] * n, reward=float(torch.rand(1, generator=g))))
+        groups.append(Group(seed * 100 + gi, gi, None, trajs))
+    return groups
+
+
+# Adam's first steps are nearly sign(grad): a gradient element at rounding-noise level would flip a whole lr-sized
+# update between two summation orders. Equivalence tests use a larger eps so the update is smooth in the gradient.
+SMOOTH_ADAM = dict(adam_eps=1e-4)
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def on_policy_groups(model: Transformer, seed: int, n_groups: int = 4, group_size: int = 8, resp_len: int = 4,
+                     temperature: float = 1.0, reward=None) -> list[Group]:
+    """Responses sampled from `model` itself, with the sampling log-probs as behaviour log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for gi in range(n_groups):
+        prompt = torch.randint(3, VOCAB, (5,), generator=g).tolist()
+        seqs = [list(prompt) for _ in range(group_size)]
+        lps: list[list[float]] = [[] for _ in range(group_size)]
+        with torch.no_grad():
+            for _ in range(resp_len):
+                ids = torch.tensor(sum(seqs, []))
+                cu = cu_seqlens_from_lengths([len(s) for s in seqs])
+                logp = (model.forward_packed(ids, cu)[cu[1:] - 1] / temperature).log_softmax(-1)
+                nxt = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
+                for s, lp, tok, row in zip(seqs, lps, nxt.tolist(), logp):
+                    s.append(tok)
+                    lp.append(float(row[tok]))
+        trajs = []
+        for j, (s, lp) in enumerate(zip(seqs, lps)):
+            resp = s[len(prompt):]
+            r = reward(resp) if reward else float(torch.rand(1, generator=g))
+            trajs.append(Trajectory(gi, j, prompt, resp, lp, [0] * resp_len, reward=r))
+        groups.append(Group(seed * 100 + gi, gi, None, trajs))
+    return groups
+
+
+# ---- batching ------------------------------------------------------------------------------------------------
+def test_collate_aligns_targets_with_the_positions_that_predict_them():
+    t = Trajectory(0, 0, [10, 11, 12], [20, 21], [-1.0, -2.0], [0, 0], reward=1.0)
+    u = Trajectory(0, 1, [13], [22, 23, 24], [-3.0, -4.0, -5.0], [0, 0, 0], reward=0.0)
+    samples = build_samples(compute_advantages([Group(0, 0, None, [t, u])], "none"))
+    b = collate(samples)
+    assert b.input_ids.tolist() == [10, 11, 12, 20, 13, 22, 23]
+    assert b.positions.tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert b.loss_index.tolist() == [2, 3, 4, 5, 6]  # the position before each target
+    assert b.targets.tolist() == [20, 21, 22, 23, 24]
+    assert b.seq_idx.tolist() == [0, 0, 1, 1, 1]
+    assert b.advantages.tolist() == [0.5, 0.5, -0.5, -0.5, -0.5]
+    assert b.old_logprobs.tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0]
+
+
+def test_rank_split_is_balanced_and_micro_batches_respect_the_budget():
+    costs = [9, 1, 7, 3, 3, 8, 2, 5]
+    plan = assign_to_ranks(costs, 3)
+    assert sorted(sum(plan, [])) == list(range(len(costs)))
+    loads = [sum(costs[i] for i in p) for p in plan]
+    assert max(loads) - min(loads) <= max(costs) and max(loads) <= 14
+    assert assign_to_ranks([4], 2) == [[0], []]  # a rank may get nothing (it runs a dummy micro-batch)
+    bins = pack_micro_batches(list(range(len(costs))), costs, budget=10)
+    assert sorted(sum(bins, [])) == list(range(len(costs)))
+    assert all(sum(costs[i] for i in b) <= 10 for b in bins)
+    assert pack_micro_batches([0, 1], [30, 2], budget=10) == [[0], [1]]  # too long for the budget: alone
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    f = [lr_factor(s, warmup_steps=2, total_steps=10, schedule="cosine", min_lr_ratio=0.1) for s in range(12)]
+    assert f[0] == 0.5 and f[1] == 1.0 and f[2] == 1.0
+    assert all(a >= b for a, b in zip(f[2:], f[3:]))
+    assert f[10] == pytest.approx(0.1) and f[11] == pytest.approx(0.1)
+    assert lr_factor(7, 2, 10, "constant") == 1.0
+
+
+# ---- the train step ------------------------------------------------------------------------------------------
+def test_on_policy_batch_has_ratio_one():
+    model = tiny_model(tied=False)
+    groups = on_policy_groups(model, seed=0, temperature=0.7)
+    tr = Trainer(model, TrainConfig(lr=1e-4, micro_batch_tokens=20), temperature=0.7)
+    m = tr.train_step(groups)
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["approx_kl"] == pytest.approx(0.0, abs=1e-8)
+    assert m["clip_frac_low"] == m["clip_frac_high"] == 0.0
+    assert 0 < m["entropy"] <= math.log(VOCAB) + 1e-4
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "seq_sum_norm"])
+def test_micro_batch_budget_does_not_change_the_update(agg):
+    out = []
+    for budget in (1000, 12):
+        tr = Trainer(tiny_model(), TrainConfig(lr=1e-2, loss_agg=agg, micro_batch_tokens=budget, **SMOOTH_ADAM),
+                     max_response_len=10)
+        m = tr.train_step(make_groups(5))
+        out.append((weights(tr.model), m))
+    (w_a, m_a), (w_b, m_b) = out
+    for name in w_a:
+        assert torch.allclose(w_a[name], w_b[name], atol=1e-5, rtol=0), name
+    assert m_a["loss"] == pytest.approx(m_b["loss"], rel=1e-5)
+
+
+def test_activation_checkpointing_gives_the_same_step():
+    out = []
+    for ac in (False, True):
+        tr = Trainer(tiny_model(tied=False), TrainConfig(lr=1e-2, activation_checkpointing=ac, micro_batch_tokens=30,
+                                                        minibatches=2, ppo_epochs=2, **SMOOTH_ADAM))
+        ms = [tr.train_step(make_groups(s)) for s in (1, 2)]
+        out.append((weights(tr.model), ms))
+    (w_off, m_off), (w_on, m_on) = out
+    for name in w_off:
+        assert torch.allclose(w_off[name], w_on[name], atol=1e-5, rtol=0), name
+    assert m_on[-1]["optimizer_steps"] == 4 and m_on[-1]["grad_norm"] == pytest.approx(m_off[-1]["grad_norm"])
+
+
+def test_all_groups_filtered_skips_the_step():
+    groups = make_groups(4)
+    for g in groups:
+        for t in g.trajectories:
+            t.reward = 1.0
+    tr = Trainer(tiny_model(), TrainConfig(lr=1e-2, filter_zero_variance=True))
+    before = weights(tr.model)
+    m = tr.train_step(groups)
+    assert m["skipped"] == 1.0 and m["filtered_groups"] == 3.0 and m["optimizer_steps"] == 0.0
+    assert all(torch.equal(before[n], p) for n, p in weights(tr.model).items())
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="max_response_len"):
+        Trainer(tiny_model(), TrainConfig(loss_agg="seq_sum_norm"))
+    with pytest.raises(ValueError, match="reference model"):
+        Trainer(tiny_model(), TrainConfig(kl_coef=0.1))
+
+
+def test_learning_smoke_reward_for_even_tokens():
+    """Reward = share of even tokens in the response: a few steps raise the policy's probability of even tokens."""
+    torch.manual_seed(0)
+    model = tiny_model(tied=False)
+    eval_prompts = torch.randint(3, VOCAB, (16, 5), generator=torch.Generator().manual_seed(99))
+    even = torch.arange(VOCAB) % 2 == 0
+
+    def p_even() -> float:
+        with torch.no_grad():
+            cu = cu_seqlens_from_lengths([5] * len(eval_prompts))
+            probs = model.forward_packed(eval_prompts.reshape(-1), cu)[cu[1:] - 1].softmax(-1)
+        return float(probs[:, even].sum(-1).mean())
+
+    tr = Trainer(model, TrainConfig(lr=3e-3, clip_high=0.28, loss_agg="token_mean", micro_batch_tokens=64))
+    start = p_even()
+    rewards = []
+    for step in range(6):
+        groups = on_policy_groups(model, seed=step, reward=lambda r: sum(t % 2 == 0 for t in r) / len(r))
+        m = tr.train_step(groups)
+        rewards.append(m["reward_mean"])
+    assert p_even() > start + 0.05, (start, p_even(), rewards)  # 0.50 -> 0.60 when written
+
+
+def test_checkpoints_keep_last_and_latest(tmp_path):
+    from trainer.checkpoint import completed, latest
+    tr = Trainer(tiny_model(), TrainConfig(lr=1e-2))
+    assert latest(tmp_path) is None
+    for s in range(3):
+        tr.train_step(make_groups(s))
+        tr.save_checkpoint(tmp_path, extra={"s": s}, keep_last=2)
+    assert [step for step, _ in completed(tmp_path)] == [2, 3]
+    assert latest(tmp_path).name == "step_3"
+    fresh = Trainer(tiny_model(seed=5), TrainConfig(lr=1e-2))
+    assert fresh.load_checkpoint(latest(tmp_path)) == {"s": 2} and fresh.step == 3
+    for name, p in weights(fresh.model).items():
+        assert torch.equal(p, weights(tr.model)[name]), name

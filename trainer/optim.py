@@ -1,0 +1,71 @@
+"""AdamW, the learning-rate schedule (linear warmup, then cosine decay to min_lr_ratio, or constant) and gradient
+clipping by the global norm.
+
+Parameters may be FSDP2 DTensors: AdamW is elementwise, so each rank steps its own shard; the fused (CUDA) and
+foreach (CPU) implementations accept DTensors. `torch.nn.utils.clip_grad_norm_` computes the norm of DTensor
+gradients as a DTensor whose value is reduced over the mesh, i.e. the norm of the full (unsharded) gradient; the
+equivalence tests check this against an unsharded run.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+LR_SCHEDULES = ("cosine", "constant")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (projections, embeddings); none on norms and biases."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.AdamW:
+    """AdamW from cfg.lr, cfg.betas, cfg.weight_decay; fused on CUDA, foreach elsewhere."""
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+                             eps=getattr(cfg, "adam_eps", 1e-8), fused=True if on_cuda else None,
+                             foreach=None if on_cuda else True)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine",
+              min_lr_ratio: float = 0.0) -> float:
+    """Multiplier of the base lr before optimizer step `step` (0-based)."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule {schedule!r} is not one of {LR_SCHEDULES}")
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    decay_steps = max(total_steps - warmup_steps, 1)
+    progress = min(max(step - warmup_steps, 0) / decay_steps, 1.0)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup + cosine over cfg.steps optimizer steps (cfg.steps trainer calls x ppo_epochs x minibatches)."""
+    total = int(cfg.steps) * int(getattr(cfg, "ppo_epochs", 1)) * int(getattr(cfg, "minibatches", 1))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+        s, int(cfg.warmup_steps), total, cfg.lr_schedule, float(cfg.min_lr_ratio)))
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
+    """Clip to max_norm (no clipping if None or <= 0) and return the global pre-clip norm."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm and max_norm > 0 else float("inf"),
+                                          foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,0 +1,193 @@
+"""The GRPO trainer of the train partition: FSDP2 over the train ranks, one `train_step(groups)` per batch.
+
+A step: group advantages (GRPO / Dr.GRPO) with zero-variance groups dropped (DAPO dynamic sampling), samples split
+into `minibatches`, each minibatch one optimizer step (repeated for `ppo_epochs`, PPO style). Within a minibatch
+every rank takes its token-balanced share of sequences, packs them into micro-batches (`PackedCausal`),
+recomputes log-probs with the current weights (chunked logprob + entropy from hidden states and lm_head, never
+the full-vocabulary logits), and back-propagates the loss divided by the minibatch's global normaliser, so the
+result does not depend on the number of ranks or micro-batches. Then grad clipping, AdamW, the LR schedule.
+
+Every train rank calls `train_step` with the same groups (the runtime broadcasts them). Without an initialised
+process group the trainer runs unsharded in one process (debugging, and the reference of the equivalence tests).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model.attention import PackedCausal
+from rl.advantages import compute_advantages
+from rl.loss import policy_loss
+from rl.types import Group
+from trainer import checkpoint
+from trainer.batch import MicroBatch, Sample, assign_to_ranks, build_samples, collate, dummy_batch, \
+    pack_micro_batches, split_even
+from trainer.fsdp import build_mesh, is_sharded, shard_model, apply_activation_checkpointing
+from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+
+try:  # the chunked logprob + entropy autograd function (Triton rows on CUDA)
+    from kernels.logprobs import token_logprobs
+except ImportError:  # pragma: no cover - a plain fallback with the same signature
+    def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=None, with_entropy=True):
+        logp = ((hidden @ weight.T).float() / temperature).log_softmax(-1)
+        return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1).detach()
+
+
+@dataclass
+class TrainConfig:
+    """The trainer's knobs; config.py's `train` section has the same names and can be passed instead."""
+    lr: float = 1e-6
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"       # "cosine" | "constant"
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 16384
+    activation_checkpointing: bool = False
+    loss_agg: str = "token_mean"        # "token_mean" (DAPO) | "seq_mean" (GRPO) | "seq_sum_norm" (Dr.GRPO)
+    ratio_level: str = "token"          # "token" | "sequence" (GSPO)
+    clip_low: float = 0.2
+    clip_high: float = 0.2              # DAPO clip-higher: 0.28
+    adv_norm: str = "std"               # "std" | "none" (Dr.GRPO)
+    kl_coef: float = 0.0
+    filter_zero_variance: bool = False
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    steps: int = 100                    # train_step calls in the run (the cosine spans steps*epochs*minibatches)
+
+
+STAT_KEYS = ("pg_loss", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "kl_ref", "entropy")
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, cfg: Any, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str = "cpu", ref_model: nn.Module | None = None, *,
+                 temperature: float = 1.0, max_response_len: int | None = None, logprob_chunk: int | None = None):
+        """model: a model.Transformer with the same full weights on every train rank. group: the train ranks
+        (default: the world). temperature: the sampling temperature the behaviour log-probs were taken at.
+        max_response_len: Dr.GRPO's constant divisor (rollout.max_new_tokens), needed for loss_agg="seq_sum_norm"."""
+        self.cfg, self.device = cfg, torch.device(device)
+        self.temperature, self.max_len, self.logprob_chunk = float(temperature), max_response_len, logprob_chunk
+        if cfg.loss_agg == "seq_sum_norm" and not max_response_len:
+            raise ValueError("loss_agg='seq_sum_norm' (Dr.GRPO) needs max_response_len (rollout.max_new_tokens)")
+        if cfg.kl_coef and ref_model is None:
+            raise ValueError(f"kl_coef={cfg.kl_coef} needs a reference model")
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = (group or dist.group.WORLD) if self.distributed else None
+        self.world = dist.get_world_size(self.group) if self.distributed else 1
+        self.rank = dist.get_rank(self.group) if self.distributed else 0
+        self.model = model.to(self.device)
+        self.ref_model = ref_model.to(self.device).eval().requires_grad_(False) if ref_model is not None else None
+        if self.distributed:
+            self.mesh = build_mesh(self.group, self.device.type)
+            shard_model(self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing)
+            if self.ref_model is not None:
+                shard_model(self.ref_model, self.mesh)
+        elif cfg.activation_checkpointing:
+            apply_activation_checkpointing(self.model)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.step = 0              # train_step calls done
+        self.optimizer_steps = 0
+
+    # ---- one batch ---------------------------------------------------------------------------------------------
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        adv = compute_advantages(groups, cfg.adv_norm, cfg.filter_zero_variance)
+        samples = build_samples(adv)
+        rewards = [r for g in groups for r in g.rewards]
+        metrics: dict[str, float] = {
+            "groups": float(len(groups)), "filtered_groups": float(adv.num_filtered),
+            "reward_mean": sum(rewards) / max(len(rewards), 1), "sequences": float(len(samples)),
+            "tokens": float(sum(len(s.targets) for s in samples)),
+        }
+        self.model.train()
+        steps: list[dict[str, float]] = []
+        if samples:
+            chunks = [samples[r.start:r.stop] for r in split_even(len(samples), min(cfg.minibatches, len(samples)))]
+            ref_cache: dict[tuple[int, int], torch.Tensor] = {}
+            for _ in range(cfg.ppo_epochs):
+                for i, chunk in enumerate(chunks):
+                    steps.append(self._optimizer_step(chunk, i, ref_cache))
+        for k in steps[0] if steps else ():
+            metrics[k] = steps[-1][k] if k == "lr" else sum(s[k] for s in steps) / len(steps)
+        metrics["optimizer_steps"] = float(len(steps))
+        metrics["skipped"] = float(not steps)
+        metrics["step_time_s"] = time.perf_counter() - t0
+        self.step += 1
+        return metrics
+
+    def _optimizer_step(self, chunk: list[Sample], chunk_id: int,
+                        ref_cache: dict[tuple[int, int], torch.Tensor]) -> dict[str, float]:
+        cfg = self.cfg
+        costs = [s.num_tokens for s in chunk]
+        normaliser = sum(len(s.targets) for s in chunk) if cfg.loss_agg == "token_mean" else len(chunk)
+        plans = [pack_micro_batches(idx, costs, cfg.micro_batch_tokens) for idx in assign_to_ranks(costs, self.world)]
+        mine, n_micro = plans[self.rank], max(len(p) for p in plans)
+        acc = torch.zeros(len(STAT_KEYS) + 2, dtype=torch.float64)  # stat sums, loss, tokens
+        for k in range(n_micro):
+            batch = collate([chunk[i] for i in mine[k]], self.device) if k < len(mine) else dummy_batch(self.device)
+            ref = ref_cache.get((chunk_id, k))
+            if ref is None and self.ref_model is not None:
+                ref = ref_cache[(chunk_id, k)] = self.logprobs(self.ref_model, batch, grad=False)[0]
+            logp, entropy = self.logprobs(self.model, batch, grad=True)
+            out = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.seq_idx, batch.mask, ref,
+                              clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
+                              ratio_level=cfg.ratio_level, kl_coef=cfg.kl_coef, max_len=self.max_len,
+                              normaliser=normaliser, num_seqs=batch.num_seqs)
+            # FSDP averages gradients over the ranks; every rank's loss is already a share of the global sum.
+            (out.loss * self.world).backward()
+            sums = dict(out.sums, entropy=(entropy.detach().float() * batch.mask).sum())
+            acc[:len(STAT_KEYS)] += torch.stack([sums.get(key, torch.zeros(())).double().cpu() for key in STAT_KEYS])
+            acc[-2] += out.loss.detach().double().cpu()
+            acc[-1] += batch.num_loss_tokens
+        if self.distributed:
+            acc = acc.to(self.device)
+            dist.all_reduce(acc, group=self.group)
+            acc = acc.cpu()
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm = clip_grad_norm([p for p in self.model.parameters()], cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.optimizer_steps += 1
+        n = max(float(acc[-1]), 1.0)
+        stats = {key: float(acc[i]) / n for i, key in enumerate(STAT_KEYS) if key != "kl_ref" or self.ref_model}
+        return dict(stats, loss=float(acc[-2]), grad_norm=grad_norm, lr=float(lr))
+
+    def logprobs(self, model: nn.Module, batch: MicroBatch, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies [N] of batch.targets at batch.loss_index under `model`."""
+        with torch.set_grad_enabled(grad):
+            hidden = model(batch.input_ids, batch.positions, PackedCausal(batch.cu_seqlens))
+            h = hidden.index_select(0, batch.loss_index)
+            logp, entropy = token_logprobs(h, model.lm_head.weight, batch.targets, self.temperature,
+                                           self.logprob_chunk, with_entropy=True)
+        if not grad and is_sharded(model):
+            model.reshard()  # the root stays gathered after forward (see trainer/fsdp.py); no backward will free it
+        return logp, entropy
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def save_checkpoint(self, ckpt_dir: str | Path, extra: dict[str, Any] | None = None,
+                        keep_last: int | None = None) -> Path:
+        """dir/step_{self.step}: model, optimizer, LR schedule, trainer counters and the caller's `extra`."""
+        counters = {"step": self.step, "optimizer_steps": self.optimizer_steps}
+        return checkpoint.save(ckpt_dir, self.step, self.model, self.optimizer, self.scheduler,
+                               {"trainer": counters, "extra": extra}, self.group, keep_last)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any] | None:
+        """Restore what save_checkpoint wrote; returns the caller's `extra`."""
+        side = checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.group)
+        self.step, self.optimizer_steps = side["trainer"]["step"], side["trainer"]["optimizer_steps"]
+        return side["extra"]
+
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        checkpoint.export_hf(self.model, self.model.config, path, self.group, dtype)
