@@ -2,4 +2,16 @@
 
 KV cache layout, shared with engine/: one (k_cache, v_cache) pair per layer, each [num_blocks, block_size,
 num_kv_heads, head_dim]. A token's slot is block_id * block_size + offset; slot -1 means "do not write".
+
+  paged_attention.py  paged_decode (flash-decoding, GQA-packed, split-KV + reduce), re-exports paged_prefill
+  paged_prefill.py    paged_prefill (extend attention over a paged prefix; flash-attn when importable)
+  kv_cache.py         write_kv (scatter new K/V by slot mapping)
+  logprobs.py         token_logprobs (chunked logprob + entropy from hidden states, an autograd Function)
+  rmsnorm.py, rope.py rms_norm (+ residual), rope (q and k) for the engine's GPU path
+  _triton.py          lazy jit (TRITON_INTERPRET is read at first launch) and the implementation choice
+  memtrack.py         LiveBytes: peak tensor memory on any device (tests and bench/)
+
+Every dispatcher takes `impl=None|"auto"|"triton"|"ref"` (None: the TIDAL_KERNELS variable, default "auto"):
+"auto" runs Triton when the tensors are on CUDA and triton imports, the reference otherwise; "triton" on CPU tensors
+runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, the tests' path). flash-attn is never required.
 """

@@ -1,0 +1,224 @@
+"""Per-token log-probability of a target and entropy, from final hidden states and the lm_head weight, without ever
+materialising the full [T, V] logits (a 16k-token micro-batch of a 151,936-word vocabulary would be ~10 GB in fp32).
+
+With z = (hidden @ weight.T).float() / temperature (rows [T, V]), lse = logsumexp(z), p = softmax(z):
+  logprob[t] = z[t, target[t]] - lse[t],   entropy[t] = lse[t] - sum_v p[t, v] z[t, v]   (= -sum p log p).
+Backward, with upstream gradients g_lp, g_ent [T] and E[z] = sum_v p z:
+  dL/dz[t, v] = g_lp[t] * (onehot(target)[v] - p[t, v]) - g_ent[t] * p[t, v] * (z[t, v] - E[z][t]),
+  dL/dlogits = dL/dz / temperature;  grad_hidden = dL/dlogits @ weight;  grad_weight = dL/dlogits.T @ hidden.
+
+`ChunkedLogprobs` (a torch.autograd.Function) bounds the transient memory by `chunk_size` tokens x V:
+- forward: token chunks; per chunk one matmul [C, V], then the row statistics (lse, target logit, E[z]); only
+  lse and E[z] ([T] fp32 each) are saved, plus references to the inputs;
+- backward: vocabulary chunks of about chunk_size * V / T words, so the transient [T, Vc] has the same size; each
+  chunk's logits are recomputed, turned into dL/dlogits, and give grad_weight[chunk] in one matmul (no accumulation
+  across chunks) and a contribution to grad_hidden (accumulated in fp32, [T, H]).
+The row statistics and dL/dlogits are either plain PyTorch ops (the reference, CPU) or two Triton kernels that read
+each logit once (`_stats_kernel`: online logsumexp/entropy over vocabulary tiles; `_grad_kernel`: dL/dlogits in
+place). The matmuls are cuBLAS in both. `token_logprobs_naive` (full log_softmax) is the oracle and the baseline.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import cdiv, lazy_jit, use_triton
+
+tl = None  # triton.language, bound by lazy_jit at the first launch (see kernels/_triton.py)
+
+CHUNK_ELEMENTS = 1 << 25  # default transient logits budget: chunk_size * V ~ 32M elements (128 MiB in fp32)
+
+
+def token_logprobs_naive(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         temperature: float = 1.0, with_entropy: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Full-vocabulary log_softmax (materialises [T, V] logits): the oracle and the bench baseline."""
+    logits = hidden @ weight.T
+    logp = (logits.to(_acc_dtype(logits.dtype)) / temperature).log_softmax(-1)
+    lp = logp.gather(-1, targets.long()[:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return lp, ent
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics dtype: fp32, or fp64 for fp64 inputs (exact oracle tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ---- row statistics and dL/dlogits: PyTorch reference ----------------------------------------------------------
+
+def _stats_ref(raw: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """raw logits [C, V] (any float dtype) -> lse, target logit, E[z] ([C] fp32; E[z] None without entropy)."""
+    z = raw.to(_acc_dtype(raw.dtype))
+    z.div_(temperature)
+    lse = torch.logsumexp(z, -1)
+    zt = z.gather(-1, targets.long()[:, None]).squeeze(-1)
+    if not with_entropy:
+        return lse, zt, None
+    p = z.sub(lse[:, None]).exp_()
+    ez = torch.bmm(p[:, None, :], z[:, :, None]).view(-1)  # sum_v p z without another [C, V] temporary
+    return lse, zt, ez
+
+
+def _grad_ref(raw: torch.Tensor, targets: torch.Tensor, col0: int, lse: torch.Tensor, ez: torch.Tensor | None,
+              g_lp: torch.Tensor, g_ent: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """raw logits [T, Vc] of vocabulary columns [col0, col0 + Vc) -> dL/dlogits [T, Vc] in raw's dtype."""
+    z = raw.to(_acc_dtype(raw.dtype))
+    z.div_(temperature)
+    dz = z.sub(lse[:, None]).exp_()  # p
+    coef = g_lp[:, None].expand_as(dz) if g_ent is None else z.sub_(ez[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None])
+    dz.mul_(coef).neg_()
+    local = targets.long() - col0
+    hit = (local >= 0) & (local < raw.shape[1])
+    rows = hit.nonzero().squeeze(-1)
+    dz[rows, local[rows]] += g_lp[rows]
+    return dz.div_(temperature).to(raw.dtype)
+
+
+# ---- the same two steps as Triton kernels ----------------------------------------------------------------------
+
+@lazy_jit
+def _stats_kernel(raw_ptr, tgt_ptr, lse_ptr, zt_ptr, ez_ptr, V, stride_r, inv_temp,
+                  WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row: a single pass over the vocabulary with a running max m, s = sum e^(z-m), a = sum e^(z-m) z."""
+    row = tl.program_id(0).to(tl.int64)
+    base = raw_ptr + row * stride_r
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), 0)
+    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), 0)
+    a = tl.sum(tl.zeros([BLOCK_V], tl.float32), 0)
+    for start in range(0, V, BLOCK_V):
+        ok = start + offs < V
+        z = tl.load(base + start + offs, mask=ok, other=0.0).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, tl.max(tl.where(ok, z, float("-inf")), 0))
+        scale = tl.exp(m - m_new)
+        e = tl.where(ok, tl.exp(z - m_new), 0.0)
+        s = s * scale + tl.sum(e, 0)
+        if WITH_ENTROPY:
+            a = a * scale + tl.sum(e * z, 0)
+        m = m_new
+    tgt = tl.load(tgt_ptr + row).to(tl.int64)
+    tl.store(lse_ptr + row, m + tl.log(s))
+    tl.store(zt_ptr + row, tl.load(base + tgt).to(tl.float32) * inv_temp)
+    if WITH_ENTROPY:
+        tl.store(ez_ptr + row, a / s)
+
+
+@lazy_jit
+def _grad_kernel(raw_ptr, tgt_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, Vc, col0, stride_r, inv_temp,
+                 HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One (row, vocabulary tile): overwrite raw logits with dL/dlogits."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    ok = cols < Vc
+    ptrs = raw_ptr + row * stride_r + cols
+    z = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) * inv_temp
+    g_lp = tl.load(glp_ptr + row)
+    p = tl.exp(z - tl.load(lse_ptr + row))
+    coef = g_lp + tl.zeros([BLOCK_V], tl.float32)
+    if HAS_ENT:
+        coef += tl.load(gent_ptr + row) * (z - tl.load(ez_ptr + row))
+    dz = -p * coef + tl.where(cols + col0 == tl.load(tgt_ptr + row), g_lp, 0.0)
+    tl.store(ptrs, (dz * inv_temp).to(raw_ptr.dtype.element_ty), mask=ok)
+
+
+def _stats_triton(raw: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    C, V = raw.shape
+    lse, zt = (torch.empty(C, dtype=torch.float32, device=raw.device) for _ in range(2))
+    ez = torch.empty_like(lse) if with_entropy else lse
+    _stats_kernel[(C,)](raw, targets, lse, zt, ez, V, raw.stride(0), 1.0 / temperature,
+                        WITH_ENTROPY=with_entropy, BLOCK_V=min(4096, 1 << (V - 1).bit_length()), num_warps=8)
+    return lse, zt, (ez if with_entropy else None)
+
+
+def _grad_triton(raw: torch.Tensor, targets: torch.Tensor, col0: int, lse: torch.Tensor, ez: torch.Tensor | None,
+                 g_lp: torch.Tensor, g_ent: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    T, Vc = raw.shape
+    block_v = min(4096, 1 << (Vc - 1).bit_length())
+    _grad_kernel[(T, cdiv(Vc, block_v))](
+        raw, targets, lse, ez if ez is not None else lse, g_lp, g_ent if g_ent is not None else g_lp, Vc, col0,
+        raw.stride(0), 1.0 / temperature, HAS_ENT=g_ent is not None, BLOCK_V=block_v, num_warps=8)
+    return raw
+
+
+# ---- the autograd Function and the public entry point ----------------------------------------------------------
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """(hidden [T, H], weight [V, H], targets [T]) -> (logprobs [T] fp32, entropy [T] fp32 or empty)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk_size: int, with_entropy: bool, triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)  # an unused output (say, entropy only logged) skips its gradient terms
+        T = hidden.shape[0]
+        stats = _stats_triton if triton else _stats_ref
+        lse = torch.empty(T, dtype=_acc_dtype(hidden.dtype), device=hidden.device)
+        lp = torch.empty_like(lse)
+        ez = torch.empty_like(lse) if with_entropy else None
+        for i in range(0, T, chunk_size):
+            j = min(i + chunk_size, T)
+            raw = hidden[i:j] @ weight.T
+            lse[i:j], zt, ez_c = stats(raw, targets[i:j], temperature, with_entropy)
+            lp[i:j] = zt - lse[i:j]
+            if with_entropy:
+                ez[i:j] = ez_c
+            del raw
+        ctx.save_for_backward(hidden, weight, targets, lse, ez if with_entropy else lse)
+        ctx.cfg = (temperature, chunk_size, with_entropy, triton)
+        ent = lse - ez if with_entropy else lse.new_empty(0)
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None):
+        hidden, weight, targets, lse, ez = ctx.saved_tensors
+        temperature, chunk_size, with_entropy, triton = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        T, V = hidden.shape[0], weight.shape[0]
+        if g_lp is None and (g_ent is None or not with_entropy):
+            return None, None, None, None, None, None, None
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype).contiguous()
+        g_ent = g_ent.to(lse.dtype).contiguous() if with_entropy and g_ent is not None else None
+        grad = _grad_triton if triton else _grad_ref
+        gh = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if need_h else None
+        gw = torch.empty_like(weight) if need_w else None
+        vc = max(1, chunk_size * V // max(T, 1))
+        vc = vc if vc < 256 else vc // 256 * 256  # matmul-friendly widths
+        for a in range(0, V, vc):
+            b = min(a + vc, V)
+            dz = grad(hidden @ weight[a:b].T, targets, a, lse, ez if g_ent is not None else None, g_lp, g_ent,
+                      temperature)
+            if need_w:
+                torch.mm(dz.T, hidden, out=gw[a:b])
+            if need_h:
+                if gh.dtype == dz.dtype:
+                    gh.addmm_(dz, weight[a:b])
+                else:
+                    gh += dz @ weight[a:b]
+            del dz
+        return (gh.to(hidden.dtype) if need_h else None), gw, None, None, None, None, None
+
+
+def default_chunk_size(vocab: int) -> int:
+    """Tokens per forward chunk so that a chunk's logits hold about CHUNK_ELEMENTS values (a power of two >= 16)."""
+    c = max(16, CHUNK_ELEMENTS // max(vocab, 1))
+    return 1 << (c.bit_length() - 1)
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   chunk_size: int | None = None, with_entropy: bool = True, *, impl: str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden [..., H] (final, normed hidden states), weight [V, H] (lm_head; may be tied to the embedding),
+    targets [...] int ids in [0, V) -> (logprobs [...] fp32, entropy [...] fp32 or None), differentiable w.r.t.
+    hidden and weight, with transient memory bounded by chunk_size tokens x V logits (default: default_chunk_size).
+    impl: "auto" (Triton row kernels on CUDA), "triton", "ref" (see kernels/_triton.py); the matmuls are torch's."""
+    lead = hidden.shape[:-1]
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    t1 = targets.reshape(-1)
+    t1 = t1 if t1.is_contiguous() else t1.contiguous()
+    chunk = chunk_size or default_chunk_size(weight.shape[0])
+    triton = use_triton(impl, h2, weight) and hidden.dtype != torch.float64  # fp64: always the reference
+    lp, ent = ChunkedLogprobs.apply(h2, weight, t1, float(temperature), int(chunk), bool(with_entropy), triton)
+    return lp.view(lead), (ent.view(lead) if with_entropy else None)
