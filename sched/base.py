@@ -63,7 +63,7 @@ class GroupState:
 @dataclass
 class EngineView:
     engine: int
-    version: int = 0             # weights the engine generates with
+    version: int = -1            # weights the engine generates with (-1: none loaded yet)
     running: int = 0             # requests in its batch (as last reported)
     waiting: int = 0             # requests queued at the engine
     kv_used: int = 0
@@ -76,7 +76,7 @@ class EngineView:
 @dataclass
 class TrainerView:
     version: int = 0             # optimizer steps taken = version of the trainer's weights
-    published: int = 0           # latest version available to engines
+    published: int = -1          # latest version available to engines (the backend publishes 0 at start)
     busy: bool = False           # a train call is in flight
     steps_done: int = 0
     groups_consumed: int = 0

@@ -56,15 +56,39 @@ class Controller:
     def done(self) -> bool:
         return self.v.trainer.steps_done >= self.total_steps and not self.v.trainer.busy
 
-    def run(self, backend: Backend) -> Views:
-        self.v.engines = [EngineView(engine=i) for i in range(backend.num_engines)]
+    def run(self, backend: Backend, after_event: Callable[[Event], None] | None = None) -> Views:
+        """Drive the policies until `total_steps` optimizer steps are done. `after_event` runs after each event is
+        applied and decided on (the runtime checkpoints there at step boundaries)."""
+        if not self.v.engines:
+            self.v.engines = [EngineView(engine=i) for i in range(backend.num_engines)]
         self.decide(backend)
         while not self.done:
             ev = backend.next_event()
             self.apply(ev)
             self.decide(backend)
+            if after_event is not None:
+                after_event(ev)
         self.log.flush()
         return self.v
+
+    def quiescent(self) -> bool:
+        """Nothing generated-but-unconsumed and nothing in flight: a checkpoint needs no trajectory state."""
+        return self.v.in_flight() == 0 and not self.v.open_groups() and not self.v.trainer.busy
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.v.trainer
+        return {"next_req": self.next_req, "next_group": self.next_group, "round": self.v.round,
+                "trainer": {"version": t.version, "steps_done": t.steps_done, "groups_consumed": t.groups_consumed},
+                "dropped": self.dropped, "policies": {k: p.state_dict() for k, p in self.preset.policies().items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_req, self.next_group, self.v.round = state["next_req"], state["next_group"], state["round"]
+        t = self.v.trainer
+        t.version, t.steps_done = state["trainer"]["version"], state["trainer"]["steps_done"]
+        t.groups_consumed = state["trainer"]["groups_consumed"]
+        self.dropped = state["dropped"]
+        for k, p in self.preset.policies().items():
+            p.load_state_dict(state["policies"].get(k, {}))
 
     def emit(self, ev: Event) -> None:
         self.log.write(ev)

@@ -20,10 +20,11 @@ class FakeBackend:
         self.t = 0.0
         self.q: list[tuple[float, int, Event]] = []
         self.n = 0
-        self.engine_version = [0] * num_engines
+        self.engine_version = [-1] * num_engines
         self.engine_load = [0] * num_engines
         self.trainer_version = 0
         self.trained_batches: list[tuple[int, list]] = []
+        self.push(0.0, Event("version_published", 0, version=0))  # engines start from the trainer's weights
 
     def now(self):
         return self.t

@@ -1,0 +1,120 @@
+"""Turn a Config into the run's parts: tokenizer, prompt source, reward function, model weights, run directory."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from config import resolve_run_dir, save_config
+from model import ModelConfig, Transformer, load_model
+from model.presets import preset_config
+from model.tokenizer import load_tokenizer
+from rl.rewards import RewardResult, get_reward_fn
+from rl.tasks import SyntheticTask
+from runtime.topology import Topology
+from sched.controller import PromptItem
+
+
+class PromptSource:
+    """Prompts in a deterministic shuffled order, epoch after epoch; `state_dict` is the position (for resume)."""
+
+    def __init__(self, items: list[PromptItem], seed: int, shuffle: bool):
+        if not items:
+            raise ValueError("the prompt dataset is empty (after skipping over-long prompts)")
+        self.items, self.seed, self.shuffle = items, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.items)))
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(len(self.items), generator=g).tolist()
+
+    def __call__(self, n: int) -> list[PromptItem]:
+        out = []
+        for _ in range(n):
+            if self.pos == len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._make_order()
+            out.append(self.items[self._order[self.pos]])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, s: dict[str, int]) -> None:
+        self.epoch, self.pos = s["epoch"], s["pos"]
+        self._order = self._make_order()
+
+
+@dataclass
+class RunParts:
+    model_cfg: ModelConfig
+    tokenizer: Any
+    reward_fn: Callable[[str, str], RewardResult]
+    source: PromptSource | None       # leader only
+    skipped_prompts: int = 0
+    max_new_tokens: int = 0
+
+
+def build_run(cfg: Any, with_data: bool) -> RunParts:
+    d = cfg.data
+    task = None
+    if d.source == "synthetic":
+        task = SyntheticTask(d.task, d.num_prompts, d.seed)
+        tok = task.tokenizer()
+        reward = get_reward_fn("synthetic") if cfg.reward.kind == "synthetic" else \
+            get_reward_fn(cfg.reward.kind, timeout_s=cfg.reward.timeout_s)
+    else:
+        tok_dir = cfg.model.tokenizer or cfg.model.path
+        if not tok_dir:
+            raise ValueError("data.source is a file, so the run needs a tokenizer: set model.path or model.tokenizer")
+        tok = load_tokenizer(tok_dir)
+        reward = get_reward_fn(cfg.reward.kind, timeout_s=cfg.reward.timeout_s)
+    if cfg.model.path:
+        mcfg = ModelConfig.from_dir(cfg.model.path)
+    else:
+        mcfg = preset_config(cfg.model.preset, vocab_size=len(tok) if cfg.model.preset == "tiny" else None,
+                             eos_token_id=tok.eos_token_id)
+    if len(tok) > mcfg.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tok)} tokens but the model's vocab_size is {mcfg.vocab_size}")
+    source, skipped = None, 0
+    if with_data:
+        if task is not None:
+            items = [PromptItem(i, tok.encode(p, add_special_tokens=False), a)
+                     for i, (p, a) in enumerate(task.prompts())]
+        else:
+            from rl.data import load_prompt_items
+            items = load_prompt_items(cfg, tok)
+        kept = [it for it in items if len(it.prompt_ids) <= d.max_prompt_tokens]
+        skipped = len(items) - len(kept)
+        source = PromptSource(kept, d.seed, d.shuffle)
+    return RunParts(mcfg, tok, reward, source, skipped, cfg.rollout.max_new_tokens)
+
+
+def model_dtype(cfg: Any, device: torch.device) -> torch.dtype:
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+
+
+def model_for_rank(cfg: Any, parts: RunParts, topo: Topology) -> Transformer:
+    """Full fp32 weights for a train rank (FSDP2 shards them; mixed precision casts on GPU); the engine's dtype
+    for a rollout rank (whose weights are replaced by the trainer's first publication anyway)."""
+    dtype = torch.float32 if topo.is_train else model_dtype(cfg, topo.device)
+    if cfg.model.path:
+        return load_model(cfg.model.path, topo.device, dtype)
+    with torch.device(topo.device):
+        model = Transformer(parts.model_cfg)
+    return model.init_weights(seed=cfg.model.init_seed).to(dtype)
+
+
+def make_run_dir(cfg: Any) -> str:
+    run_dir = Path(resolve_run_dir(cfg))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir)
+    return str(run_dir)

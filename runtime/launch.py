@@ -1,0 +1,133 @@
+"""What each role does for the whole run: the leader (controller + trainer thread), the other train ranks, and
+the rollout ranks. train.py picks one per rank."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from runtime.backend import RuntimeBackend
+from runtime.build import RunParts, model_dtype
+from runtime.channel import Channel
+from runtime.logger import MetricsLogger
+from runtime.rollout_worker import RolloutWorker, SamplingConfig
+from runtime.topology import Topology
+from runtime.train_worker import TrainerThread, follower_loop
+from sched.controller import Controller
+from sched.events import Event
+from trainer import checkpoint
+from trainer.publish import WeightPublisher, WeightReceiver
+from trainer.trainer import Trainer
+
+
+def make_trainer(cfg: Any, model: torch.nn.Module, topo: Topology) -> tuple[Trainer, WeightPublisher]:
+    ref = copy.deepcopy(model) if cfg.train.kl_coef > 0 else None
+    trainer = Trainer(model, cfg.train, group=topo.train_group, device=topo.device, ref_model=ref,
+                      temperature=cfg.rollout.temperature or 1.0, max_response_len=cfg.rollout.max_new_tokens)
+    publisher = WeightPublisher(trainer.model, topo.publish_group, topo.train_group,
+                                dtype=model_dtype(cfg, topo.device), verify=cfg.cluster.verify_weights)
+    return trainer, publisher
+
+
+def run_follower(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology) -> None:
+    trainer, publisher = make_trainer(cfg, model, topo)
+    resume = resume_path(cfg)
+    if resume is not None:
+        trainer.load_checkpoint(resume)
+    follower_loop(trainer, publisher, topo)
+
+
+def run_rollout(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology, channel: Channel,
+                t0: float) -> None:
+    r = cfg.rollout
+    on_gpu = topo.device.type == "cuda"
+    engine = LLMEngine(model, EngineConfig(
+        block_size=r.kv_block_size, num_kv_tokens=None if on_gpu else r.kv_cache_tokens,
+        memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
+        cuda_graphs=r.cuda_graphs, seed=cfg.seed), tokenizer=parts.tokenizer, version=-1)
+    tok = parts.tokenizer
+    worker = RolloutWorker(
+        engine, channel, topo.engine_of(topo.rank), topo.rank, parts.reward_fn,
+        lambda ids: tok.decode(ids, skip_special_tokens=True),
+        WeightReceiver(topo.publish_group, src=0, device="cpu"),
+        SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed), t0, cfg.cluster.timeout_s)
+    worker.run()
+
+
+def resume_path(cfg: Any) -> Path | None:
+    if not cfg.checkpoint.resume:
+        return None
+    if cfg.checkpoint.resume == "latest":
+        if not cfg.log.dir:
+            raise ValueError("checkpoint.resume = 'latest' needs log.dir (the run directory to resume)")
+        path = checkpoint.latest(Path(cfg.log.dir) / "checkpoints")
+        if path is None:
+            raise FileNotFoundError(f"checkpoint.resume = 'latest': no complete checkpoint in {cfg.log.dir}/checkpoints")
+        return path
+    path = Path(cfg.checkpoint.resume)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint.resume = {cfg.checkpoint.resume!r} is not a directory")
+    return path
+
+
+def run_leader(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology, channel: Channel,
+               controller: Controller, log: MetricsLogger, run_dir: str, t0: float) -> None:
+    trainer, publisher = make_trainer(cfg, model, topo)
+    resume = resume_path(cfg)
+    if resume is not None:
+        extra = trainer.load_checkpoint(resume) or {}
+        controller.load_state_dict(extra["controller"])
+        parts.source.load_state_dict(extra["data"])
+        torch.set_rng_state(extra["rng"])
+    tt = TrainerThread(trainer, publisher, topo, channel, t0)
+    backend = RuntimeBackend(topo, channel, tt.queue, t0, cfg.cluster.timeout_s)
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    timeout = cfg.cluster.timeout_s
+
+    def save() -> None:
+        extra = {"controller": controller.state_dict(), "data": parts.source.state_dict(),
+                 "rng": torch.get_rng_state()}
+        tt.call(("checkpoint", str(ckpt_dir), extra, cfg.checkpoint.keep), timeout)
+
+    def after_event(ev: Event) -> None:
+        every = cfg.checkpoint.every
+        if ev.kind == "version_published" and every and ev.version % every == 0 and 0 < ev.version < cfg.train.steps:
+            if controller.quiescent():
+                save()
+
+    tt.queue.put(("publish", trainer.step))  # the engines start from the trainer's weights
+    try:
+        controller.run(backend, after_event)
+        save()
+        if cfg.checkpoint.export_hf:
+            tt.call(("export", str(Path(run_dir) / "hf")), timeout)
+    finally:
+        for r in topo.rollout_ranks:
+            channel.send(("stop",), r)
+        tt.stop(timeout)
+        log.close()
+    finish_run(run_dir, log, parts)
+
+
+def finish_run(run_dir: str, log: MetricsLogger, parts: RunParts) -> None:
+    """summary.json and timeline.png, both from the event log."""
+    from sched.events import read_events
+    from sched.metrics import summarize
+    from sched.timeline import draw
+    events = list(read_events(Path(run_dir) / "events.jsonl"))
+    summary = summarize(events)
+    hist = log.history
+    if hist:
+        k = max(1, len(hist) // 4)
+        summary["reward_first"] = sum(h.get("reward_mean", 0) for h in hist[:k]) / k
+        summary["reward_last"] = sum(h.get("reward_mean", 0) for h in hist[-k:]) / k
+    summary["skipped_prompts"] = parts.skipped_prompts
+    (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    draw(events, Path(run_dir) / "timeline.png", Path(run_dir).name)
+    print(f"run directory: {run_dir}  reward {summary.get('reward_first', 0):.3f} -> "
+          f"{summary.get('reward_last', 0):.3f}  ({summary['makespan_s']:.1f}s)")

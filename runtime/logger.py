@@ -1,0 +1,81 @@
+"""The leader's run log: events.jsonl (every event), metrics.jsonl (one line per train step), a console progress
+bar, and wandb when `log.wandb` is set (offline mode when no API key is configured).
+
+Per-step metrics = the trainer's (loss, KL, entropy, clip fractions, grad norm, lr, reward mean, accuracy,
+response lengths) + what the event log says about the step's window (tokens/s, trainer waiting ratio, engine idle
+ratio, staleness, weight-sync time), computed by sched/metrics.py, the same code the simulator reports with.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from sched.events import Event, EventLog
+from sched.metrics import summarize
+
+WINDOW_KEYS = ("tokens_per_s", "samples_per_s", "trainer_wait_ratio", "engine_idle_ratio", "staleness_max")
+
+
+class MetricsLogger(EventLog):
+    def __init__(self, cfg: Any, run_dir: str | Path, num_engines: int | None = None):
+        super().__init__(Path(run_dir) / "events.jsonl", keep=False)
+        self.run_dir = Path(run_dir)
+        self.metrics_f = open(self.run_dir / "metrics.jsonl", "a")
+        self.num_engines = num_engines
+        self.every = cfg.log.every
+        self.window: list[Event] = []
+        self.step_end: dict[int, float] = {}
+        self.last_sync_s: float | None = None
+        self.history: list[dict[str, Any]] = []
+        self.bar = None
+        if cfg.log.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=cfg.train.steps, desc="steps", dynamic_ncols=True, leave=True)
+        self.wandb = None
+        if cfg.log.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError("log.wandb = true but wandb is not installed: pip install -e '.[wandb]'")
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self.wandb = wandb.init(project=cfg.log.wandb_project, name=self.run_dir.name, dir=str(self.run_dir),
+                                    mode=mode, config={"run_dir": str(self.run_dir)})
+
+    def write(self, ev: Event) -> None:
+        super().write(ev)
+        self.window.append(ev)
+        if ev.kind == "version_published" and ev.version in self.step_end:
+            self.last_sync_s = ev.t - self.step_end[ev.version]
+        if ev.kind == "train_step_done" and ev.data.get("stepped", True):
+            self.step_end[ev.version] = ev.t
+            self.on_step(ev)
+
+    def on_step(self, ev: Event) -> None:
+        summary = summarize(self.window, self.num_engines)
+        row: dict[str, Any] = {"step": ev.version, "time_s": round(ev.t, 3)}
+        row.update({k: v for k, v in ev.data.items() if k != "stepped"})
+        row.update({k: summary[k] for k in WINDOW_KEYS if k in summary})
+        if self.last_sync_s is not None:
+            row["weight_sync_s"] = self.last_sync_s
+        self.window = [e for e in self.window if e.kind in ("group_materialized",)][-10_000:]
+        self.history.append(row)
+        if ev.version % self.every == 0:
+            self.metrics_f.write(json.dumps(row) + "\n")
+            self.metrics_f.flush()
+            self.flush()
+            if self.wandb is not None:
+                self.wandb.log(row, step=ev.version)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{row.get('reward_mean', 0):.3f}", acc=f"{row.get('accuracy', 0):.2f}",
+                                 loss=f"{row.get('loss', 0):.3f}")
+
+    def close(self) -> None:
+        super().close()
+        self.metrics_f.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,153 @@
+"""The rollout partition's worker loop: one decode engine per rollout rank, driven by control-channel messages.
+
+    ("submit", [spec, ...])      add requests (prompt ids, group id, sample index, answer) to the engine
+    ("recv_weights", version)    join the publication broadcast; keep the weights in this rank's relay (CPU copy)
+    ("load", version)            adopt the relay's weights in the engine (the weight-sync policy says when)
+    ("abort", req_ids, requeue)  stop requests; report them aborted (requeued or dropped)
+    ("stop",)                    leave the loop
+
+Between messages the engine steps. Finished samples are scored right here (the reward function runs beside the
+engine, as in the papers' disaggregated setups) and sent back as events, batched one message per engine step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from engine.engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.sequence import Request as EngineRequest
+from rl.rewards import RewardResult
+from runtime.channel import Channel
+from sched.events import Event
+from trainer.publish import WeightReceiver
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    seed: int
+    counters_every: int = 8  # send a tokens_decoded event every N engine steps
+
+
+def request_seed(run_seed: int, group_id: int, sample_index: int) -> int:
+    """Per-sample seed: a sample's tokens do not depend on batching, engine or timing (reproducible runs)."""
+    return (run_seed * 1_000_003 + group_id * 9_973 + sample_index) % (2**63 - 1)
+
+
+class RolloutWorker:
+    def __init__(self, engine: LLMEngine, channel: Channel, engine_index: int, rank: int,
+                 reward_fn: Callable[[str, str], RewardResult], decode: Callable[[list[int]], str],
+                 receiver: WeightReceiver | None, sampling: SamplingConfig, t0: float, timeout_s: float):
+        self.engine, self.channel, self.engine_index, self.rank = engine, channel, engine_index, rank
+        self.reward_fn, self.decode, self.receiver, self.sampling = reward_fn, decode, receiver, sampling
+        self.t0, self.timeout_s = t0, timeout_s
+        self.answers: dict[str, tuple[int, str | None]] = {}   # engine request id -> (req_id, answer)
+        self.relay: dict[str, torch.Tensor] = {}
+        self.relay_version = -1
+        self.outbox: list[Event] = []
+        self.busy = False
+        self.steps = 0
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def event(self, kind: str, **kw: Any) -> None:
+        self.outbox.append(Event(kind, self.now(), rank=self.rank, engine=self.engine_index, **kw))
+
+    def flush(self) -> None:
+        if self.outbox:
+            self.channel.send(self.outbox, 0)
+            self.outbox = []
+
+    # --------------------------------------------------------------------------------------------- messages
+    def handle(self, msg: tuple) -> bool:
+        """Apply one controller message; False means stop."""
+        kind = msg[0]
+        if kind == "submit":
+            s = self.sampling
+            for spec in msg[1]:
+                params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
+                                        max_new_tokens=s.max_new_tokens,
+                                        seed=request_seed(s.seed, spec["group_id"], spec["sample_index"]))
+                rid = self.engine.add_request(EngineRequest(
+                    spec["prompt_ids"], params, request_id=str(spec["req_id"]), group_id=spec["group_id"],
+                    sample_index=spec["sample_index"], prompt_index=spec["prompt_index"]))
+                self.answers[rid] = (spec["req_id"], spec["answer"])
+        elif kind == "recv_weights":
+            if self.receiver is None:
+                raise RuntimeError(f"rank {self.rank} told to receive weights but it has no publication group")
+            self.relay_version = self.receiver.receive(self._into_relay)
+        elif kind == "load":
+            version = msg[1]
+            if version != self.relay_version:
+                raise RuntimeError(f"rank {self.rank}: told to load version {version} but the relay holds "
+                                   f"{self.relay_version}")
+            self.engine.load_weights(self.relay.items(), version)
+            self.event("weights_loaded", version=version)
+        elif kind == "abort":
+            _, req_ids, requeue = msg
+            for req_id in req_ids:
+                out = self.engine.abort(str(req_id))
+                if out is not None:
+                    self.answers.pop(out.request_id, None)
+                    self.event("trajectory_aborted", req_id=req_id, group_id=out.group_id,
+                               data={"requeue": bool(requeue), "tokens": len(out.token_ids)})
+        elif kind == "stop":
+            return False
+        else:
+            raise ValueError(f"rank {self.rank}: unknown control message {kind!r}")
+        return True
+
+    def _into_relay(self, tensors, version: int) -> None:
+        self.relay = {name: t.detach().to("cpu", copy=True) for name, t in tensors}
+
+    # ------------------------------------------------------------------------------------------------ stepping
+    def step(self) -> None:
+        if not self.busy:
+            self.busy = True
+            self.event("engine_busy", version=self.engine.version)
+        finished = self.engine.step()
+        self.steps += 1
+        for out in finished:
+            req_id, answer = self.answers.pop(out.request_id)
+            traj = out.to_trajectory()
+            result = self.reward_fn(self.decode(out.token_ids), answer or "")
+            traj.reward, traj.correct = result.reward, result.correct
+            traj.meta["reward_failed"] = result.failed
+            self.event("trajectory_finished", req_id=req_id, group_id=out.group_id, version=out.version,
+                       data={"tokens": len(out.token_ids), "finish_reason": out.finish_reason})
+            self.event("reward_scored", req_id=req_id, group_id=out.group_id, version=out.version,
+                       data={"reward": result.reward, "correct": result.correct, "failed": result.failed},
+                       payload=traj)
+        if self.steps % self.sampling.counters_every == 0:
+            snap = self.engine.snapshot()
+            self.event("tokens_decoded", version=snap.version,
+                       data={"total": snap.num_tokens_decoded, "running": len(snap.running),
+                             "waiting": len(snap.waiting), "kv_used": snap.kv_blocks_used,
+                             "kv_free": snap.kv_blocks_free})
+        if not self.engine.has_unfinished():
+            self.busy = False
+            self.event("engine_idle", version=self.engine.version)
+        if finished or not self.busy:
+            self.flush()
+
+    def run(self) -> None:
+        while True:
+            msgs = self.channel.poll()
+            if not msgs and not self.engine.has_unfinished():
+                self.flush()
+                msgs = [self.channel.get(timeout=self.timeout_s, waiting_for="work from the controller (rank 0)")]
+            for _, msg in msgs:
+                if not self.handle(msg):
+                    self.flush()
+                    return
+                self.flush()
+            if self.engine.has_unfinished():
+                self.step()

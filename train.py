@@ -1,0 +1,107 @@
+"""GRPO with verifiable rewards: a rollout partition of decode engines and an FSDP2 train partition, scheduled by
+a pluggable policy (sched/). One entry point for every rank.
+
+    # the tiny offline default (random tiny model, synthetic task): 1 rollout rank + 3 train ranks on CPU
+    torchrun --nproc_per_node=4 train.py --config configs/tiny.toml
+    # any key can be overridden from the command line
+    torchrun --nproc_per_node=4 train.py --config configs/tiny.toml --train.steps=20 --sched.preset=sync
+    # one GPU: engine and trainer share the device (colocated)
+    torchrun --nproc_per_node=1 train.py --config configs/X.toml --cluster.colocate=true
+    # two nodes of 8: run this on each node, with the same rendezvous endpoint
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py --config C
+
+Global rank 0 is the train leader and runs the controller (sched/controller.py) in its main thread and the
+trainer in a second thread; the other train ranks follow it through FSDP2 collectives; rollout ranks run
+runtime/rollout_worker.py. Everything a run writes goes to its run directory: config.toml, events.jsonl,
+metrics.jsonl, timeline.png, checkpoints/ and the exported model in hf/.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import sched as policies
+from config import ConfigError, build, load_config
+from runtime.build import build_run, make_run_dir, model_for_rank
+from runtime.channel import Channel
+from runtime.logger import MetricsLogger
+from runtime.topology import init_distributed
+from sched.controller import Controller
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    path, rest = None, []
+    it = iter(argv)
+    for a in it:
+        if a == "--config":
+            path = next(it, None)
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    return path, rest
+
+
+def main(argv: list[str]) -> int:
+    # 1. configuration: every mistake is reported here, before any process group or model exists
+    path, overrides = parse_args(argv)
+    try:
+        cfg = load_config(path, overrides)
+        preset = policies.load_preset(cfg.sched.preset, _sched_tables(cfg), _param_builder(cfg))
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    # 2. ranks and process groups; one run directory, named on rank 0
+    c = cfg.cluster
+    topo = init_distributed(c.rollout_ranks, c.rollout_fraction, c.colocate, c.backend, c.timeout_s)
+    if topo.colocate:
+        raise SystemExit("cluster.colocate = true is not implemented yet; use a disaggregated launch")
+    torch.manual_seed(cfg.seed)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    holder = [(make_run_dir(cfg), time.time()) if topo.is_leader else None]
+    dist.broadcast_object_list(holder, src=0, group=topo.control_group)
+    run_dir, t0 = holder[0]
+    channel = Channel(topo.control_group, topo.rank, c.timeout_s)
+
+    # 3. the model, data and reward on every rank (each rank builds only what its role needs)
+    parts = build_run(cfg, with_data=topo.is_leader)
+    model = model_for_rank(cfg, parts, topo)
+
+    # 4. roles
+    if topo.is_rollout:
+        from runtime.launch import run_rollout
+        run_rollout(cfg, parts, model, topo, channel, t0)
+    elif not topo.is_leader:
+        from runtime.launch import run_follower
+        run_follower(cfg, parts, model, topo)
+    else:
+        from runtime.launch import run_leader
+        log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))
+        controller = Controller(preset, parts.source, cfg.rollout.group_size, cfg.rollout.prompts_per_step,
+                                cfg.train.steps, log=log)
+        run_leader(cfg, parts, model, topo, channel, controller, log, run_dir, t0)
+
+    # 5. orderly shutdown: every rank stops its neighbour's inbox, then leaves
+    dist.barrier(group=topo.control_group)
+    channel.close(stop_peer=(topo.rank + 1) % topo.world)
+    dist.destroy_process_group()
+    return 0
+
+
+def _sched_tables(cfg) -> dict:
+    s = cfg.sched
+    return {k: getattr(s, k) for k in ("dispatch", "handoff", "update", "weight_sync", "rebalance")}
+
+
+def _param_builder(cfg):
+    src = f"configs/sched/{cfg.sched.preset}.toml"
+    return lambda cls, table, prefix: build(cls, table, src, prefix, key_sources=cfg.sources)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
