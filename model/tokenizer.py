@@ -1,0 +1,110 @@
+"""Tokenizers: load a local Hugging Face tokenizer, encode prompts (with the chat template when asked), find the
+end-of-sequence ids, and build a tiny character-level tokenizer for the offline synthetic task.
+
+Nothing here touches the network: every load is `local_files_only`, and the character tokenizer is built in memory
+with the `tokenizers` library and saved in the ordinary HF layout so it reloads through `load_tokenizer`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, processors
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+# Each message becomes <|role|>content<eos>; the generation prompt opens an assistant turn.
+CHAR_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+Prompt = str | list[dict[str, Any]]
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """A fast tokenizer from a local HF directory. FileNotFoundError if the directory or its tokenizer files are
+    missing, ValueError if they are there but cannot be loaded. Never downloads anything."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"{path}: tokenizer directory does not exist")
+    if not any((p / f).is_file() for f in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path}: no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds (OSError, ValueError, json errors, Rust exceptions)
+        raise ValueError(f"{path}: could not load tokenizer ({type(e).__name__}: {e})") from e
+    if not isinstance(tok, PreTrainedTokenizerFast):
+        raise ValueError(f"{path}: loaded a slow tokenizer ({type(tok).__name__}); a tokenizer.json is required")
+    return tok
+
+
+def encode_prompt(tok: PreTrainedTokenizerFast, prompt: Prompt, chat_template: bool) -> list[int]:
+    """Prompt token ids. With `chat_template`, a string becomes one user message, the template is rendered with
+    add_generation_prompt=True and tokenized without extra special tokens (the template places them). Without it, a
+    string is tokenized as is with the tokenizer's own special tokens (e.g. Llama's BOS)."""
+    if chat_template:
+        if not tok.chat_template:
+            raise ValueError(f"chat_template=True but tokenizer {tok.name_or_path!r} has no chat template")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise TypeError(f"prompt must be a string or a list of message dicts, got {type(prompt).__name__}")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+    if not isinstance(prompt, str):
+        raise ValueError("a list of messages needs chat_template=True (there is no plain-text form of a conversation)")
+    return list(tok(prompt)["input_ids"])
+
+
+def eos_ids(tok: PreTrainedTokenizerFast, model_cfg: Any = None) -> list[int]:
+    """Token ids that end a response: the tokenizer's EOS plus the model config's `eos_token_id` (int or list),
+    deduplicated, in that order. ValueError if neither defines one."""
+    ids: list[int] = []
+    cands: list[Any] = [tok.eos_token_id]
+    cfg_eos = getattr(model_cfg, "eos_token_id", None) if model_cfg is not None else None
+    cands += cfg_eos if isinstance(cfg_eos, (list, tuple)) else [cfg_eos]
+    for i in cands:
+        if isinstance(i, int) and i >= 0 and i not in ids:
+            ids.append(i)
+    if not ids:
+        raise ValueError(f"tokenizer {tok.name_or_path!r} and the model config define no eos token id")
+    return ids
+
+
+def build_char_tokenizer(chars: str, path: str | Path | None = None,
+                         chat_template: bool = False) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: <pad>=0, <bos>=1, <eos>=2, <unk>=3, then one id per character of `chars` in
+    order (then the role tokens when `chat_template`). Encoding prepends <bos>; decoding concatenates characters.
+    Saved with `save_pretrained` to `path` when given."""
+    if not chars:
+        raise ValueError("build_char_tokenizer needs at least one character")
+    if len(set(chars)) != len(chars):
+        raise ValueError(f"duplicate characters in {chars!r}")
+    specials = [PAD, BOS, EOS, UNK]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for c in chars:
+        vocab[c] = len(vocab)
+    # A BPE with no merges is exactly a character-level model: each character is looked up on its own.
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
+    core.add_special_tokens(specials)
+    if chat_template:
+        core.add_special_tokens(list(ROLE_TOKENS))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
+                                  unk_token=UNK)
+    if chat_template:
+        tok.chat_template = CHAR_CHAT_TEMPLATE
+    if path is not None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(path))
+    return tok
+
+
+def char_vocab(tok: PreTrainedTokenizerFast) -> dict[str, int]:
+    """The character -> id map of a character tokenizer (special tokens excluded)."""
+    return {t: i for t, i in tok.get_vocab().items() if len(t) == 1}
+

@@ -1,0 +1,94 @@
+"""model/tokenizer.py: the character tokenizer, loading from disk (offline), prompt encoding and EOS ids."""
+from __future__ import annotations
+
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from model.tokenizer import ROLE_TOKENS, build_char_tokenizer, char_vocab, encode_prompt, eos_ids, load_tokenizer
+
+CHARS = "abcdef=x "
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args!r}")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_special_ids_and_roundtrip():
+    tok = build_char_tokenizer(CHARS)
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert len(tok) == 4 + len(CHARS)
+    ids = tok("ab=fx")["input_ids"]
+    assert ids[0] == 1 and len(ids) == 6  # <bos> then one id per character
+    assert ids[1:] == [char_vocab(tok)[c] for c in "ab=fx"]
+    assert tok.decode(ids, skip_special_tokens=True) == "ab=fx"
+    assert tok.decode(ids[1:] + [tok.eos_token_id]) == "ab=fx<eos>"
+    assert tok.decode(tok("a b")["input_ids"], skip_special_tokens=True) == "a b"  # spaces are characters too
+
+
+def test_unknown_character_maps_to_unk():
+    tok = build_char_tokenizer("ab")
+    assert tok("aZb")["input_ids"] == [1, 4, tok.unk_token_id, 5]
+
+
+@pytest.mark.parametrize("chars", ["", "aba"])
+def test_bad_alphabet(chars):
+    with pytest.raises(ValueError):
+        build_char_tokenizer(chars)
+
+
+def test_save_and_reload_offline(tmp_path, no_network, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    built = build_char_tokenizer(CHARS, tmp_path / "tok", chat_template=True)
+    tok = load_tokenizer(tmp_path / "tok")
+    assert tok.get_vocab() == built.get_vocab()
+    for text in ["abc", "f=x", "a b c"]:
+        assert tok(text)["input_ids"] == built(text)["input_ids"]
+        assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+    assert tok.chat_template == built.chat_template
+    assert eos_ids(tok) == [2]
+
+
+def test_chat_template_applied():
+    tok = build_char_tokenizer(CHARS, chat_template=True)
+    user, assistant = (tok.convert_tokens_to_ids(t) for t in ROLE_TOKENS[1:])
+    ids = encode_prompt(tok, "ab", chat_template=True)
+    assert ids == [1, user, *tok("ab", add_special_tokens=False)["input_ids"], 2, assistant]
+    msgs = [{"role": "system", "content": "x"}, {"role": "user", "content": "ab"}]
+    ids = encode_prompt(tok, msgs, chat_template=True)
+    assert tok.decode(ids) == "<bos><|system|>x<eos><|user|>ab<eos><|assistant|>"
+    assert encode_prompt(tok, "ab", chat_template=False) == tok("ab")["input_ids"]
+
+
+def test_chat_template_requested_but_absent():
+    tok = build_char_tokenizer(CHARS)
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompt(tok, "ab", chat_template=True)
+    with pytest.raises(ValueError, match="chat_template=True"):
+        encode_prompt(tok, [{"role": "user", "content": "ab"}], chat_template=False)
+
+
+def test_eos_ids_merges_model_config():
+    tok = build_char_tokenizer(CHARS)
+    assert eos_ids(tok, SimpleNamespace(eos_token_id=[7, 2])) == [2, 7]
+    assert eos_ids(tok, SimpleNamespace(eos_token_id=5)) == [2, 5]
+    assert eos_ids(tok, SimpleNamespace(eos_token_id=None)) == [2]
+
+
+def test_load_errors_name_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_tokenizer(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty"):
+        load_tokenizer(tmp_path / "empty")
+    broken = tmp_path / "broken"
+    build_char_tokenizer(CHARS, broken)
+    (broken / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="broken"):
+        load_tokenizer(broken)
