@@ -17,6 +17,7 @@ metrics.jsonl, timeline.png, checkpoints/ and the exported model in hf/.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -60,6 +61,8 @@ def main(argv: list[str]) -> int:
     topo = init_distributed(c.rollout_ranks, c.rollout_fraction, c.colocate, c.backend, c.timeout_s)
     if topo.colocate:
         raise SystemExit("cluster.colocate = true is not implemented yet; use a disaggregated launch")
+    if topo.device.type == "cpu":  # ranks share the cores: oversubscribed threads make small ops many times slower
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)

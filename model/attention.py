@@ -36,30 +36,30 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 class PackedCausal:
     """Causal self-attention within each of several sequences packed into one [T, ...] tensor.
 
-    flash-attn's varlen kernel on CUDA when importable; otherwise SDPA, either with one block-diagonal causal mask
-    (moderate T) or one call per sequence (large T, where a T x T mask would not fit).
+    flash-attn's varlen kernel on CUDA when importable; otherwise the sequences are scattered into a padded
+    [B, Lmax] batch for one causal SDPA call (B * Lmax^2 work, never more than a T x T mask) and gathered back.
+    Padding sits after each sequence's last token, so causal masking keeps real tokens from seeing it.
     """
-
-    MASK_LIMIT = 1 << 24  # elements of the T x T boolean mask we are willing to build
 
     def __init__(self, cu_seqlens: torch.Tensor, scale: float | None = None):
         self.cu_seqlens = cu_seqlens.to(torch.int32)
         self.lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         self.max_seqlen = max(self.lengths) if self.lengths else 0
         self.scale = scale
-        self._mask: torch.Tensor | None = None
+        self._index: torch.Tensor | None = None
 
     @classmethod
     def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> "PackedCausal":
         return cls(cu_seqlens_from_lengths(lengths, device))
 
-    def _block_causal_mask(self, device: torch.device) -> torch.Tensor:
-        if self._mask is None:
-            seq_id = torch.repeat_interleave(
-                torch.arange(len(self.lengths), device=device), torch.tensor(self.lengths, device=device))
-            pos = torch.arange(seq_id.numel(), device=device)
-            self._mask = (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
-        return self._mask
+    def _padded_index(self, device: torch.device) -> torch.Tensor:
+        """Row of each packed token in the flattened [B * Lmax] padded batch."""
+        if self._index is None:
+            lengths = torch.tensor(self.lengths, device=device)
+            seq = torch.repeat_interleave(torch.arange(len(self.lengths), device=device), lengths)
+            pos = positions_from_cu_seqlens(self.cu_seqlens.to(device))
+            self._index = seq * self.max_seqlen + pos
+        return self._index
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
@@ -68,14 +68,17 @@ class PackedCausal:
             cu = self.cu_seqlens.to(q.device)
             return flash_attn_varlen_func(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen,
                                           softmax_scale=scale, causal=True)
-        T = q.shape[0]
         if len(self.lengths) == 1:
             return _sdpa(q, k, v, scale, is_causal=True)
-        if T * T <= self.MASK_LIMIT:
-            return _sdpa(q, k, v, scale, mask=self._block_causal_mask(q.device))
-        outs = [_sdpa(qs, ks, vs, scale, is_causal=True) for qs, ks, vs in
-                zip(q.split(self.lengths), k.split(self.lengths), v.split(self.lengths))]
-        return torch.cat(outs)
+        B, L = len(self.lengths), self.max_seqlen
+        idx = self._padded_index(q.device)
+
+        def pad(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
+            return x.new_zeros(B * L, *x.shape[1:]).index_copy(0, idx, x).view(B, L, *x.shape[1:]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+        return out.transpose(1, 2).reshape(B * L, *q.shape[1:]).index_select(0, idx)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -6,7 +6,7 @@ from model.config import ModelConfig
 
 _SHAPES = {
     #             hidden  inter  layers heads kv  head_dim  vocab   tied   rope_theta
-    "tiny":       (64,    128,   2,     4,    2,  16,       None,   True,  10000.0),
+    "tiny":       (64,    256,   2,     4,    2,  16,       None,   False, 10000.0),
     "qwen3-0.6b": (1024,  3072,  28,    16,   8,  128,      151936, True,  1e6),
     "qwen3-1.7b": (2048,  6144,  28,    16,   8,  128,      151936, True,  1e6),
     "qwen3-8b":   (4096,  12288, 36,    32,   8,  128,      151936, False, 1e6),

@@ -11,6 +11,7 @@ from config import resolve_run_dir, save_config
 from model import ModelConfig, Transformer, load_model
 from model.presets import preset_config
 from model.tokenizer import load_tokenizer
+from rl.data import PromptDataset, PromptSampler
 from rl.rewards import RewardResult, get_reward_fn
 from rl.tasks import SyntheticTask
 from runtime.topology import Topology
@@ -18,37 +19,20 @@ from sched.controller import PromptItem
 
 
 class PromptSource:
-    """Prompts in a deterministic shuffled order, epoch after epoch; `state_dict` is the position (for resume)."""
+    """The controller's prompt supply: `source(n)` -> the next n prompts of the dataset's deterministic shuffled
+    order (rl.data.PromptSampler), with the sampler's state for resume."""
 
-    def __init__(self, items: list[PromptItem], seed: int, shuffle: bool):
-        if not items:
-            raise ValueError("the prompt dataset is empty (after skipping over-long prompts)")
-        self.items, self.seed, self.shuffle = items, seed, shuffle
-        self.epoch, self.pos = 0, 0
-        self._order = self._make_order()
-
-    def _make_order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.items)))
-        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return torch.randperm(len(self.items), generator=g).tolist()
+    def __init__(self, sampler: PromptSampler):
+        self.sampler = sampler
 
     def __call__(self, n: int) -> list[PromptItem]:
-        out = []
-        for _ in range(n):
-            if self.pos == len(self._order):
-                self.epoch, self.pos = self.epoch + 1, 0
-                self._order = self._make_order()
-            out.append(self.items[self._order[self.pos]])
-            self.pos += 1
-        return out
+        return [PromptItem(p.index, p.prompt_ids, p.answer) for p in self.sampler.next_batch(n)]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
+        return self.sampler.state_dict()
 
     def load_state_dict(self, s: dict[str, int]) -> None:
-        self.epoch, self.pos = s["epoch"], s["pos"]
-        self._order = self._make_order()
+        self.sampler.load_state_dict(s)
 
 
 @dataclass
@@ -85,14 +69,12 @@ def build_run(cfg: Any, with_data: bool) -> RunParts:
     source, skipped = None, 0
     if with_data:
         if task is not None:
-            items = [PromptItem(i, tok.encode(p, add_special_tokens=False), a)
-                     for i, (p, a) in enumerate(task.prompts())]
+            ds = PromptDataset.from_synthetic(task, tok, d.max_prompt_tokens, d.chat_template)
         else:
-            from rl.data import load_prompt_items
-            items = load_prompt_items(cfg, tok)
-        kept = [it for it in items if len(it.prompt_ids) <= d.max_prompt_tokens]
-        skipped = len(items) - len(kept)
-        source = PromptSource(kept, d.seed, d.shuffle)
+            ds = PromptDataset.from_file(d.source, tok, d.max_prompt_tokens, d.prompt_field, d.answer_field,
+                                         d.chat_template)
+        skipped = len(ds.skipped_too_long)
+        source = PromptSource(PromptSampler(ds, d.seed, d.shuffle))
     return RunParts(mcfg, tok, reward, source, skipped, cfg.rollout.max_new_tokens)
 
 

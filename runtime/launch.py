@@ -50,13 +50,20 @@ def run_rollout(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topolog
         block_size=r.kv_block_size, num_kv_tokens=None if on_gpu else r.kv_cache_tokens,
         memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
         cuda_graphs=r.cuda_graphs, seed=cfg.seed), tokenizer=parts.tokenizer, version=-1)
-    tok = parts.tokenizer
     worker = RolloutWorker(
         engine, channel, topo.engine_of(topo.rank), topo.rank, parts.reward_fn,
-        lambda ids: tok.decode(ids, skip_special_tokens=True),
+        response_decoder(parts.tokenizer, engine.eos_ids),
         WeightReceiver(topo.publish_group, src=0, device="cpu"),
         SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed), t0, cfg.cluster.timeout_s)
     worker.run()
+
+
+def response_decoder(tok: Any, eos_ids: frozenset[int]):
+    """Text the reward sees: the final EOS dropped, every other special token kept, so a policy cannot earn reward
+    by padding with special tokens that a skip-special-tokens decode would hide."""
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids[:-1] if ids and ids[-1] in eos_ids else ids, skip_special_tokens=False)
+    return decode
 
 
 def resume_path(cfg: Any) -> Path | None:

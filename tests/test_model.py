@@ -35,16 +35,16 @@ def test_packed_sequences_match_separate_transformers_calls(pair):
     assert (got - ref).abs().max().item() < 1e-4
 
 
-def test_packed_large_total_uses_per_sequence_path(pair, monkeypatch):
-    from model.attention import PackedCausal
-    hf, ours, _ = pair
-    monkeypatch.setattr(PackedCausal, "MASK_LIMIT", 16)  # force the no-mask path
-    lens = [9, 14]
-    ids = torch.randint(0, 128, (sum(lens),), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = torch.cat([hf(x[None]).logits[0] for x in ids.split(lens)])
-        got = ours.forward_packed(ids, cu_seqlens_from_lengths(lens))
-    assert (got - ref).abs().max().item() < 1e-4
+def test_packed_attention_equals_a_block_causal_mask():
+    from model.attention import PackedCausal, _sdpa
+    g = torch.Generator().manual_seed(5)
+    lens = [3, 9, 1, 6]
+    q, k, v = (torch.randn(sum(lens), h, 8, generator=g) for h in (4, 2, 2))
+    seq = torch.repeat_interleave(torch.arange(4), torch.tensor(lens))
+    pos = torch.arange(sum(lens))
+    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+    ref = _sdpa(q, k, v, 8 ** -0.5, mask=mask)
+    assert torch.allclose(PackedCausal.from_lengths(lens)(0, q, k, v), ref, atol=1e-6)
 
 
 def test_gradients_match_transformers(pair):
