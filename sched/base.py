@@ -106,7 +106,9 @@ class Views:
         return [g for g in self.groups.values() if g.materialized and not g.consumed]
 
     def round_done(self, r: int) -> bool:
-        return all(self.groups[g].materialized for g in self.round_groups.get(r, []))
+        """Every group of round r is materialised (False for a round this controller has no groups of)."""
+        gids = self.round_groups.get(r)
+        return bool(gids) and all(self.groups[g].materialized for g in gids)
 
     def engines_at(self, version: int) -> bool:
         return all(e.version == version and not e.loading for e in self.engines)
