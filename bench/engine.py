@@ -1,0 +1,218 @@
+"""Decode throughput: our engine vs transformers on the same random model and workload, in one run.
+
+    python bench/engine.py                  # CPU: small Qwen3-shaped model, 64 prompts, lengths in [32, 256]
+    python bench/engine.py --device cuda    # GPU: Qwen3-0.6B-shaped model (bf16), 256 prompts, lengths in [100, 1024]
+
+Workload: random prompt token ids and output lengths, each uniform in [min, max]; EOS is ignored, so every request
+generates exactly its output length. Throughput counts those requested output tokens over wall time.
+Peers: transformers `generate` with static batches of --hf-batch-size requests in arrival order (left padded; a batch
+runs until its longest request is done) and, where installed, `generate_batch`-style continuous batching (the
+ContinuousBatchingManager with per-request max_new_tokens). The ratio is against the faster peer.
+On CUDA it also reports the fraction of the memory-bandwidth roofline reached by decode steps: (weight bytes + KV
+bytes attended) per step over step time, against a device-to-device copy bandwidth measured in the same run.
+The last line is the headline, e.g. `engine_vs_hf_generate: 4.2x`.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import EngineConfig, LLMEngine, Request, SamplingParams  # noqa: E402
+from model import load_model  # noqa: E402
+
+SHAPES = {  # Qwen3 family; "tiny" and "small" fit a 2-core box, "qwen3-0.6b" is the GPU workload's model
+    "tiny": dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32),
+    "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--shape", choices=sorted(SHAPES), help="model shape (default: small on cpu, qwen3-0.6b on cuda)")
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--min-len", type=int, help="min prompt and output length")
+    p.add_argument("--max-len", type=int, help="max prompt and output length")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--hf-batch-size", type=int, help="static batch size for transformers generate")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf-cb", action="store_true", help="skip transformers continuous batching")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch CPU threads for both (default: torch's)")
+    p.add_argument("--repeats", type=int, default=2, help="alternate engine and hf generate runs; keep each's best")
+    a = p.parse_args(argv)
+    cpu = a.device == "cpu"
+    for k, cpu_v, gpu_v in [("shape", "small", "qwen3-0.6b"), ("num_prompts", 64, 256), ("min_len", 32, 100),
+                            ("max_len", 256, 1024), ("max_num_seqs", 64, 256), ("hf_batch_size", 64, 256)]:
+        if getattr(a, k) is None:
+            setattr(a, k, cpu_v if cpu else gpu_v)
+    return a
+
+
+def make_models(device: str, shape: str, tmp: Path):
+    """The same random weights as a transformers model and as ours."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    cfg = Qwen3Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
+    hf.save_pretrained(str(tmp))
+    return hf, load_model(tmp, device=device)
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return prompts, [rng.randint(lo, hi) for _ in range(n)]
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_engine(model, prompts, outs, args):
+    pool = None if args.device == "cuda" else args.max_num_seqs * 2 * args.max_len  # CPU: room for all at full length
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=max(2048, args.max_num_seqs),
+                                        num_kv_tokens=pool, memory_fraction=0.5))
+    eng.generate([Request(p[:16], SamplingParams(temperature=0, max_new_tokens=4)) for p in prompts[:4]])  # warm-up
+    reqs = [Request(p, SamplingParams(temperature=1.0, max_new_tokens=o, ignore_eos=True, seed=i))
+            for i, (p, o) in enumerate(zip(prompts, outs))]
+    decode_bytes = decode_time = 0.0
+    cfg = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * eng.runner.dtype.itemsize
+    sync(args.device)
+    t0 = time.perf_counter()
+    ids = {eng.add_request(r) for r in reqs}
+    got = 0
+    while eng.has_unfinished():
+        got += sum(len(o.token_ids) for o in eng.step() if o.request_id in ids)
+        s = eng.last_step
+        if s.num_decode == s.num_seqs:
+            decode_bytes += weight_bytes + s.context_tokens * kv_per_token
+            decode_time += s.seconds
+    sync(args.device)
+    secs = time.perf_counter() - t0
+    assert got == sum(outs), (got, sum(outs))
+    snap = eng.snapshot()
+    del eng
+    if args.device == "cuda":  # hand the KV pool back before transformers needs the memory
+        gc.collect()
+        torch.cuda.empty_cache()
+    return secs, decode_bytes / decode_time if decode_time else 0.0, snap
+
+
+def run_hf_generate(hf, prompts, outs, args):
+    dev = args.device
+    hf.generate(torch.tensor([prompts[0][:8]], device=dev), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    sync(dev)
+    t0 = time.perf_counter()
+    for s in range(0, len(prompts), args.hf_batch_size):
+        ps, n = prompts[s:s + args.hf_batch_size], max(outs[s:s + args.hf_batch_size])
+        width = max(map(len, ps))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=dev)
+        hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=True, top_k=0,
+                    pad_token_id=0)
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+def run_hf_continuous(hf, prompts, outs, args):
+    """transformers' continuous batching (what generate_batch runs), with each request's own max_new_tokens."""
+    from transformers import GenerationConfig
+    if not hasattr(hf, "continuous_batching_context_manager"):
+        return None
+    hf.set_attn_implementation("sdpa")
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(outs))
+    with hf.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5) as manager:
+        sync(args.device)
+        t0 = time.perf_counter()
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=o)
+        done = 0
+        while done < len(prompts):
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                done += 1
+            elif r is None and not manager.is_running():
+                raise RuntimeError("transformers continuous batching stopped early")
+        sync(args.device)
+        secs = time.perf_counter() - t0
+    hf.set_attn_implementation("sdpa")
+    return secs
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync(device)
+    return 2 * 10 * x.numel() / (time.perf_counter() - t0)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/engine.py: --device cuda but CUDA is not available")
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, ours = make_models(args.device, args.shape, Path(tmp))
+    prompts, outs = workload(args.num_prompts, args.min_len, args.max_len, SHAPES[args.shape]["vocab_size"] - 1,
+                             args.seed)
+    total = sum(outs)
+    print(f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {total} output tokens, "
+          f"lengths in [{args.min_len}, {args.max_len}], model {args.shape}, device {args.device}, "
+          f"{torch.get_num_threads()} threads, {args.max_num_seqs} sequences at a time")
+    secs, hf_secs = float("inf"), float("inf")
+    for _ in range(args.repeats):  # alternating, best of each: shared machines are noisy
+        with torch.inference_mode():
+            s, bw_, snap_ = run_engine(ours, prompts, outs, args)
+            if s < secs:
+                secs, decode_bw, snap = s, bw_, snap_
+            if not args.skip_hf:
+                hf_secs = min(hf_secs, run_hf_generate(hf, prompts, outs, args))
+    ours_tps = total / secs
+    print(f"engine: {ours_tps:.1f} tok/s ({secs:.2f} s, {snap.num_steps} steps, {snap.num_preemptions} preemptions)")
+    if args.device == "cuda":
+        bw = copy_bandwidth("cuda")
+        print(f"engine decode: {decode_bw / 1e9:.0f} GB/s of weights + KV read, copy bandwidth {bw / 1e9:.0f} GB/s, "
+              f"roofline fraction {decode_bw / bw:.2f}")
+    del ours
+    if args.skip_hf:
+        return
+    peers = {"hf_generate": hf_secs}
+    print(f"hf generate (static batches of {args.hf_batch_size}): {total / hf_secs:.1f} tok/s ({hf_secs:.2f} s)")
+    if not args.skip_hf_cb:
+        cb = run_hf_continuous(hf, prompts, outs, args)
+        if cb is not None:
+            peers["hf_continuous_batching"] = cb
+            print(f"hf continuous batching: {total / cb:.1f} tok/s ({cb:.2f} s)")
+    best = min(peers, key=peers.get)
+    print(f"engine_vs_{best.replace('hf_continuous_batching', 'hf_generate_batch')}: "
+          f"{ours_tps / (total / peers[best]):.1f}x")
+
+
+if __name__ == "__main__":
+    main()

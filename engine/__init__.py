@@ -1,0 +1,9 @@
+"""Paged-KV decode engine: sequences, block manager, scheduler, runner, sampler (see DESIGN.md, "Engine")."""
+from engine.config import EngineConfig
+from engine.engine import LLMEngine, StepStats
+from engine.sampling import SamplingParams
+from engine.scheduler import AdmitFn, EngineSnapshot, fifo
+from engine.sequence import Request, RequestOutput, UnfinishedRequest
+
+__all__ = ["EngineConfig", "LLMEngine", "StepStats", "SamplingParams", "EngineSnapshot", "AdmitFn", "fifo", "Request",
+           "RequestOutput", "UnfinishedRequest"]

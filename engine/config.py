@@ -1,0 +1,40 @@
+"""Engine settings: KV pool size, batching limits, device and dtype."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    # KV pool size: num_kv_tokens, else kv_cache_bytes, else (CUDA) memory_fraction of the GPU memory still free
+    # after the weights and a warm-up forward, else (CPU) room for max_num_seqs full-length sequences, at most 1 GiB.
+    num_kv_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    memory_fraction: float = 0.9
+    max_num_seqs: int = 256  # sequences running at once (each holds KV blocks)
+    max_batch_tokens: int = 4096  # tokens computed per step (decodes + prefill chunks)
+    max_model_len: int | None = None  # prompt + generated; default: the model's max_position_embeddings
+    chunked_prefill: bool = True  # a prompt longer than the step's leftover budget is prefilled over several steps
+    dtype: str | torch.dtype | None = None  # weights and KV; default: the model's parameter dtype
+    device: str | torch.device | None = None  # default: where the model's parameters are
+    cuda_graphs: bool = True  # capture decode steps per batch-size bucket (CUDA only)
+    attention: str = "auto"  # "auto" | "kernels" (the kernels/ dispatchers) | "batched" (the CPU batched path)
+    seed: int = 0  # the engine's generator, used by requests without their own seed
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_batch_tokens < self.max_num_seqs:
+            raise ValueError(f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= max_batch_tokens "
+                             f"({self.max_batch_tokens}): every running sequence takes a token per step")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if isinstance(self.dtype, str):
+            if self.dtype not in DTYPES:
+                raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            self.dtype = DTYPES[self.dtype]

@@ -1,0 +1,188 @@
+"""LLMEngine: requests in, finished outputs out, one scheduled step at a time.
+
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=64))
+    outputs = engine.generate([Request(prompt_ids, SamplingParams(temperature=1.0, seed=i), group_id=g, ...)])
+
+`step()` is schedule -> run the model -> sample -> append tokens and retire finished sequences. Around it: `abort`,
+`export` / `import_request` (move an unfinished request between engines), `load_weights` (new weights tagged with a
+version; running sequences are recomputed under them, so no KV from the old weights is reused) and `snapshot`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling import SamplingParams
+from engine.scheduler import AdmitFn, EngineSnapshot, Scheduler, fifo
+from engine.sequence import Request, RequestOutput, Sequence, UnfinishedRequest
+from model.transformer import Transformer
+
+
+@dataclass
+class StepStats:
+    """What the last step did (for benchmarks and the engine's event stream)."""
+    num_seqs: int = 0  # sequences that computed tokens
+    num_tokens: int = 0  # tokens computed (prefill + decode)
+    num_decode: int = 0  # sequences that computed exactly one token
+    num_sampled: int = 0
+    context_tokens: int = 0  # sum over computed sequences of their context length (KV tokens attended to)
+    seconds: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, config: EngineConfig | None = None, tokenizer=None, version: int = 0,
+                 admit: AdmitFn = fifo, clock: Callable[[], float] = time.time):
+        self.config = config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.version = version
+        self.clock = clock
+        self.runner = ModelRunner(model, config)
+        self.device = self.runner.device
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_batch_tokens,
+                                   config.chunked_prefill, admit, self.snapshot)
+        self.sampler = Sampler(self.device, config.seed)
+        self.eos_ids = _eos_ids(model.config.eos_token_id, tokenizer)
+        self.seqs: dict[str, Sequence] = {}  # unfinished requests by id
+        self.num_steps = self.num_tokens_decoded = self.num_prefill_tokens = 0
+        self.last_step = StepStats()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def add_request(self, request: Request | list[int] | str, params: SamplingParams | None = None) -> str:
+        """Queue a request (or a prompt, as token ids or text when the engine has a tokenizer). Returns its id."""
+        if not isinstance(request, Request):
+            request = Request(self._encode(request), params or SamplingParams())
+        return self._add(Sequence(request, self.clock(), self.device))
+
+    def _add(self, seq: Sequence) -> str:
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already in this engine")
+        if seq.num_tokens >= self.max_model_len:
+            raise ValueError(f"request {seq.request_id}: {seq.num_tokens} tokens leave no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _encode(self, prompt: list[int] | str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs an engine built with a tokenizer")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that finished in it."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            self.last_step = StepStats()
+            return []
+        logits = self.runner.run(batch)
+        tokens, logprobs, sampling_logprobs = [], [], []
+        if batch.sample_seqs:
+            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=logits.device)
+            tokens, logprobs, sampling_logprobs = self.sampler(
+                logits[rows], [s.params for s in batch.sample_seqs], [s.generator for s in batch.sample_seqs])
+        self.scheduler.postprocess(batch)
+        now, finished = self.clock(), []
+        for seq, tok, lp, slp in zip(batch.sample_seqs, tokens, logprobs, sampling_logprobs):
+            seq.append(tok, lp, slp, self.version, now)
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                seq.finish_reason, seq.finish_time = reason, now
+                self.scheduler.finish(seq)
+                finished.append(self.seqs.pop(seq.request_id).output())
+        self.num_steps += 1
+        self.num_tokens_decoded += len(tokens)
+        self.num_prefill_tokens += batch.num_batched_tokens - batch.num_decode
+        self.last_step = StepStats(
+            len(batch.seqs), batch.num_batched_tokens, batch.num_decode, len(tokens),
+            sum(s.num_cached_tokens for s in batch.seqs), time.perf_counter() - t0)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            return "stop"
+        if seq.num_generated >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def generate(self, requests: Iterable[Request | list[int] | str],
+                 params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run the given requests to completion (along with anything already queued); outputs in input order."""
+        ids = [self.add_request(r, params) for r in requests]
+        wanted, done = set(ids), {}
+        while wanted - done.keys():
+            if not self.has_unfinished():
+                raise RuntimeError("requests vanished from the engine (aborted or exported during generate)")
+            outs = self.step()
+            if not outs and not self.last_step.num_seqs:
+                raise RuntimeError("the engine made no progress: the admission hook admitted nothing runnable")
+            done.update((o.request_id, o) for o in outs if o.request_id in wanted)
+        return [done[i] for i in ids]
+
+    # ---- taking requests out, putting them in ---------------------------------------------------------------------
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now. Returns its output so far (finish_reason "abort"), or None if it is not here."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.finish_reason, seq.finish_time = "abort", self.clock()
+        return seq.output()
+
+    def export(self, request_id: str) -> UnfinishedRequest:
+        """Take an unfinished request out of this engine, to be resumed elsewhere with `import_request`."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            raise KeyError(f"no unfinished request {request_id!r} in this engine")
+        self.scheduler.remove(seq)
+        return seq.unfinished()
+
+    def import_request(self, unfinished: UnfinishedRequest) -> str:
+        """Resume a request exported from another engine: prompt + its generated tokens are re-prefilled here."""
+        return self._add(Sequence.resume(unfinished, self.device))
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Copy new weights into the model in place and tag what is generated from now on with `version`. Running
+        sequences are preempted (recomputed under the new weights when they resume): no KV computed by the old
+        weights is read again. Tokens generated before keep their old version. Returns the tensor count."""
+        n = self.runner.load_weights(weights)
+        self.scheduler.preempt_all()
+        self.version = version
+        return n
+
+    # ---- reporting ----------------------------------------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        bm, sch = self.block_manager, self.scheduler
+        return EngineSnapshot(
+            version=self.version, running=[s.request_id for s in sch.running],
+            waiting=[s.request_id for s in sch.waiting], kv_blocks_used=bm.num_used, kv_blocks_free=bm.num_free,
+            kv_blocks_total=bm.num_blocks, block_size=bm.block_size, num_tokens_decoded=self.num_tokens_decoded,
+            num_prefill_tokens=self.num_prefill_tokens, num_steps=self.num_steps,
+            num_preemptions=sch.num_preemptions, time=self.clock())
+
+
+def _eos_ids(model_eos: int | list[int] | None, tokenizer) -> frozenset[int]:
+    ids = set([model_eos] if isinstance(model_eos, int) else model_eos or [])
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

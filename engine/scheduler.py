@@ -1,0 +1,243 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+Every step takes the running sequences first, oldest first (a decoding one computes 1 token, one still prefilling a
+long prompt takes a chunk of what is left of the token budget), then admits waiting ones through the `admit` hook
+(FIFO unless a dispatch policy installs its own), each with a first prefill chunk. Prefill and decode share a step.
+When the block pool runs dry the newest running sequence is preempted by recompute: its blocks are freed and it
+goes back to the front of the waiting queue with its tokens, to be re-prefilled (prompt + generated) later.
+
+GRPO groups: when a fresh request of group g is admitted, its waiting siblings with the same prompt attach to it as
+`forks`; the prompt is prefilled once, and in the step that completes it every fork gets the leader's blocks
+(shared, copy-on-write) and samples its first token from the leader's logits row with its own generator.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class EngineSnapshot:
+    """What an engine reports about itself (and what an admission hook sees)."""
+    version: int
+    running: list[str]  # request ids of sequences holding KV blocks
+    waiting: list[str]  # request ids queued for (re-)prefill, next first
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    block_size: int
+    num_tokens_decoded: int = 0  # tokens sampled since the engine started
+    num_prefill_tokens: int = 0  # prompt / recomputed tokens run through the model
+    num_steps: int = 0
+    num_preemptions: int = 0
+    time: float = 0.0
+
+    @property
+    def kv_utilization(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+
+AdmitFn = Callable[[list[Sequence], EngineSnapshot], list[Sequence]]
+
+
+def fifo(waiting: list[Sequence], snapshot: EngineSnapshot) -> list[Sequence]:
+    """Default admission: in arrival order (preempted sequences are at the front)."""
+    return waiting
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]  # sequences computing tokens this step; the `num_decode` one-token ones come first
+    num_tokens: list[int]
+    num_decode: int
+    logit_indices: list[int]  # indices into seqs of those whose computed tokens reach their end: one logits row each
+    sample_seqs: list[Sequence]  # sequences receiving a new token (includes forks, which have no row of their own)
+    sample_rows: list[int]  # for each of sample_seqs, its row among the logits rows
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies (src, dst), do first
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batch_tokens: int,
+                 chunked_prefill: bool = True, admit: AdmitFn = fifo,
+                 snapshot: Callable[[], EngineSnapshot] | None = None):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.chunked_prefill = chunked_prefill
+        self.admit = admit
+        self.snapshot = snapshot
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_seats = list(range(max_num_seqs - 1, -1, -1))
+        self.watermark = self.bm.num_blocks // 100  # kept free when admitting next to running sequences
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_batch_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        copies: list[tuple[int, int]] = []
+        forked: dict[int, list[Sequence]] = {}  # id(leader) -> forks created this step
+        i, preempted = 0, False
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self.bm.can_allocate(seq, n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                copies += self._take(seq, n, chosen, forked)
+                budget -= n
+                i += 1
+        for fs in forked.values():
+            self.running += fs
+        if budget > 0 and self.waiting and self.free_seats and not preempted:  # short of blocks: admit nobody
+            budget = self._admit(budget, chosen, copies, forked)
+        return self._batch(chosen, copies, forked)
+
+    def _admit(self, budget: int, chosen: list, copies: list, forked: dict) -> int:
+        snapshot = self.snapshot() if self.snapshot is not None else None
+        for seq in list(self.admit(list(self.waiting), snapshot)):  # type: ignore[arg-type]
+            if budget <= 0 or not self.free_seats:
+                break
+            if seq.status is not SeqStatus.WAITING or seq.leader is not None:
+                continue  # the hook returned something not (or no longer) admissible on its own
+            n = min(seq.num_uncomputed, budget)
+            if n < seq.num_uncomputed and not self.chunked_prefill:
+                break
+            if 1 + len(seq.forks) > len(self.free_seats):
+                break
+            reserve = self.watermark if self.running else 0
+            if not self.bm.can_allocate(seq, n, reserve):
+                break
+            self.waiting.remove(seq)
+            if seq.can_fork or seq.forks:
+                self._gather_siblings(seq)
+            seq.status = SeqStatus.RUNNING
+            seq.seat = self.free_seats.pop()
+            self.running.append(seq)
+            copies += self._take(seq, n, chosen, forked)
+            self.running += forked.get(id(seq), [])
+            budget -= n
+        return budget
+
+    def _gather_siblings(self, leader: Sequence) -> None:
+        """Waiting group siblings with the same prompt fork from `leader` (as many as there are seats for)."""
+        room = len(self.free_seats) - 1 - len(leader.forks)  # the caller checked that this is >= 0
+        for s in list(self.waiting) if room > 0 else []:
+            if s.can_fork and s.leader is None and not s.forks and leader.same_prompt(s):
+                self.waiting.remove(s)
+                s.leader = leader
+                leader.forks.append(s)
+                room -= 1
+                if room == 0:
+                    break
+        for f in leader.forks:  # reserve their seats now; they start running when the prompt is done
+            f.seat = self.free_seats.pop()
+
+    def _take(self, seq: Sequence, n: int, chosen: list, forked: dict) -> list[tuple[int, int]]:
+        copies = self.bm.allocate(seq, n)
+        chosen.append((seq, n))
+        if seq.num_cached_tokens + n == seq.num_tokens and seq.forks:
+            for f in seq.forks:
+                self.bm.fork(seq, f)
+                f.num_cached_tokens = seq.num_cached_tokens + n
+                f.leader = None
+                f.status = SeqStatus.RUNNING
+            forked[id(seq)] = seq.forks
+            seq.forks = []
+        return copies
+
+    def _batch(self, chosen: list[tuple[Sequence, int]], copies: list, forked: dict) -> ScheduledBatch:
+        order = [c for c in chosen if c[1] == 1] + [c for c in chosen if c[1] > 1]
+        seqs, num_tokens = [c[0] for c in order], [c[1] for c in order]
+        logit_indices, sample_seqs, sample_rows = [], [], []
+        for i, (seq, n) in enumerate(order):
+            if seq.num_cached_tokens + n == seq.num_tokens:
+                row = len(logit_indices)
+                logit_indices.append(i)
+                for s in [seq] + forked.get(id(seq), []):
+                    sample_seqs.append(s)
+                    sample_rows.append(row)
+        num_decode = sum(1 for n in num_tokens if n == 1)
+        return ScheduledBatch(seqs, num_tokens, num_decode, logit_indices, sample_seqs, sample_rows, copies)
+
+    def postprocess(self, batch: ScheduledBatch) -> None:
+        """After the forward pass: the computed tokens' K/V are in the pool."""
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_cached_tokens += n
+
+    # ---- leaving the running set ----------------------------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        seq.num_cached_tokens = 0
+        if seq.seat >= 0:
+            self.free_seats.append(seq.seat)
+            seq.seat = -1
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute-preemption: free the blocks, requeue at the front with the tokens generated so far."""
+        self.running.remove(seq)
+        self._release(seq)
+        for f in seq.forks:  # forks keep their reservation only while the leader runs
+            self.free_seats.append(f.seat)
+            f.seat = -1
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def preempt_all(self) -> None:
+        for seq in reversed(list(self.running)):
+            self.preempt(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take `seq` out of the engine (abort / export) wherever it is. A leader hands its place to a fork."""
+        if seq.leader is not None:  # a fork still waiting for its leader's prompt
+            seq.leader.forks.remove(seq)
+            seq.leader = None
+            if seq.seat >= 0:
+                self.free_seats.append(seq.seat)
+                seq.seat = -1
+        elif seq.forks:
+            heir, rest = seq.forks[0], seq.forks[1:]
+            heir.leader, heir.forks, heir.status = None, rest, seq.status
+            for f in rest:
+                f.leader = heir
+            if seq.status is SeqStatus.RUNNING:  # the heir takes over the prompt prefilled so far, and the seat
+                heir.block_table, heir.num_cached_tokens, heir.table_synced = seq.block_table, seq.num_cached_tokens, 0
+                self.free_seats.append(heir.seat)
+                heir.seat = seq.seat
+                self.running[self.running.index(seq)] = heir
+            else:
+                self.waiting[self.waiting.index(seq)] = heir
+            seq.block_table, seq.forks, seq.seat, seq.num_cached_tokens = [], [], -1, 0
+        elif seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED

@@ -1,0 +1,193 @@
+"""Requests in, outputs out, and the engine's per-sequence state in between.
+
+A `Request` is what a caller submits (prompt tokens, sampling params, GRPO group id and sample index). The engine
+turns it into a `Sequence` (token ids, KV block table, generated logprobs and versions) and, when it finishes or is
+aborted, into a `RequestOutput`. An unfinished sequence can leave one engine as an `UnfinishedRequest` and resume
+in another. None of these hold tensors except the sequence's own torch.Generator.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from engine.sampling import SamplingParams
+from rl.types import Trajectory
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None  # assigned by the engine when None
+    group_id: int = -1  # GRPO group: samples of one group with the same prompt share its KV blocks
+    sample_index: int = 0
+    prompt_index: int = -1  # position of the prompt in the dataset, carried through for logs
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = [int(t) for t in self.prompt_ids]
+        if not self.prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
+        if self.request_id is None:
+            self.request_id = f"req-{next(_ids)}"
+
+
+@dataclass
+class RequestOutput:
+    """A finished (or aborted) request. `logprobs[i]`: log p(token_ids[i]) under the raw model with the request's
+    temperature applied and no top-k/top-p truncation (temperature 1 for greedy requests) -- the behaviour-policy
+    logprob the trainer's importance ratio needs. `sampling_logprobs[i]`: under the distribution actually sampled
+    from (after top-k/top-p; 0.0 for greedy). `versions[i]`: the weight version that produced token i."""
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    sampling_logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    group_id: int = -1
+    sample_index: int = 0
+    prompt_index: int = -1
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def version(self) -> int:
+        """The oldest weight version among the generated tokens (-1 if none were generated)."""
+        return min(self.versions) if self.versions else -1
+
+    def to_trajectory(self) -> Trajectory:
+        return Trajectory(
+            group_id=self.group_id, sample_index=self.sample_index, prompt_ids=list(self.prompt_ids),
+            response_ids=list(self.token_ids), logprobs=list(self.logprobs), versions=list(self.versions),
+            finish_reason=self.finish_reason, prompt_index=self.prompt_index,
+            meta=dict(request_id=self.request_id, arrival_time=self.arrival_time,
+                      first_token_time=self.first_token_time, finish_time=self.finish_time,
+                      num_preemptions=self.num_preemptions))
+
+
+@dataclass
+class UnfinishedRequest:
+    """A request taken out of one engine mid-generation, to be resumed by another (`LLMEngine.import_request`),
+    which re-prefills prompt + generated tokens and carries on. `rng_state` is the request's seeded generator
+    state, so a seeded sampled continuation is the one the first engine would have produced."""
+    request: Request
+    token_ids: list[int]
+    logprobs: list[float]
+    sampling_logprobs: list[float]
+    versions: list[int]
+    arrival_time: float
+    first_token_time: float | None = None
+    rng_state: bytes | None = None
+    num_preemptions: int = 0
+
+
+class SeqStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Engine-side state of one request. `token_ids` = prompt + generated; the first `num_cached_tokens` of them
+    have their K/V in the pool (in the blocks of `block_table`). Each step computes some of the rest; when it
+    reaches the end, the step samples the next token. Decode is the case of exactly one token left to compute."""
+
+    def __init__(self, request: Request, arrival_time: float, device: torch.device):
+        self.request = request
+        self.request_id: str = request.request_id  # type: ignore[assignment]
+        self.params = request.params
+        self.token_ids: list[int] = list(request.prompt_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.status = SeqStatus.WAITING
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.table_synced = 0  # the runner's copy of block_table is valid for entries [0, table_synced)
+        self.seat = -1  # row of the runner's block-table tensor while running
+        self.logprobs: list[float] = []
+        self.sampling_logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time = 0.0
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.leader: Sequence | None = None  # a group sibling being prefilled that this one will fork from
+        self.forks: list[Sequence] = []  # siblings waiting to fork from this one once its prompt is prefilled
+        self.generator: torch.Generator | None = None
+        if self.params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}, {self.status.name}, tokens={len(self.token_ids)}, "
+                f"cached={self.num_cached_tokens}, blocks={self.block_table})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def can_fork(self) -> bool:
+        """Fresh (nothing computed or generated) and part of a group, so group siblings may share its prompt."""
+        return self.request.group_id >= 0 and self.num_generated == 0 and self.num_cached_tokens == 0
+
+    def same_prompt(self, other: Sequence) -> bool:
+        return (self.request.group_id == other.request.group_id
+                and self.request.prompt_ids == other.request.prompt_ids)
+
+    def append(self, token: int, logprob: float, sampling_logprob: float, version: int, now: float) -> None:
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.sampling_logprobs.append(sampling_logprob)
+        self.versions.append(version)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def output(self) -> RequestOutput:
+        r = self.request
+        return RequestOutput(
+            request_id=self.request_id, prompt_ids=list(r.prompt_ids),
+            token_ids=self.token_ids[self.num_prompt_tokens:],
+            logprobs=list(self.logprobs), sampling_logprobs=list(self.sampling_logprobs), versions=list(self.versions),
+            finish_reason=self.finish_reason or "abort", group_id=r.group_id, sample_index=r.sample_index,
+            prompt_index=r.prompt_index, arrival_time=self.arrival_time, first_token_time=self.first_token_time,
+            finish_time=self.finish_time, num_preemptions=self.num_preemptions)
+
+    def unfinished(self) -> UnfinishedRequest:
+        state = None
+        if self.generator is not None:
+            state = self.generator.get_state().numpy().tobytes()
+        return UnfinishedRequest(
+            request=self.request, token_ids=self.token_ids[self.num_prompt_tokens:], logprobs=list(self.logprobs),
+            sampling_logprobs=list(self.sampling_logprobs), versions=list(self.versions),
+            arrival_time=self.arrival_time, first_token_time=self.first_token_time, rng_state=state,
+            num_preemptions=self.num_preemptions)
+
+    @classmethod
+    def resume(cls, u: UnfinishedRequest, device: torch.device) -> Sequence:
+        seq = cls(u.request, u.arrival_time, device)
+        seq.token_ids += list(u.token_ids)
+        seq.logprobs, seq.sampling_logprobs = list(u.logprobs), list(u.sampling_logprobs)
+        seq.versions = list(u.versions)
+        seq.first_token_time = u.first_token_time
+        seq.num_preemptions = u.num_preemptions
+        if seq.generator is not None and u.rng_state is not None:
+            try:
+                seq.generator.set_state(torch.frombuffer(bytearray(u.rng_state), dtype=torch.uint8))
+            except RuntimeError:  # a state from another device type: reseed deterministically instead
+                seq.generator.manual_seed(seq.params.seed + len(u.token_ids))  # type: ignore[operator]
+        return seq

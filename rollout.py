@@ -1,0 +1,161 @@
+"""Standalone generation with our engine: prompts from a JSONL file in, sampled responses as JSONL out.
+
+    python rollout.py --model DIR --prompts prompts.jsonl --out samples.jsonl \\
+        [--max-new-tokens 256 --temperature 1.0 --top-p 1.0 --top-k 0 --n 1 --seed 0 --prompt-field prompt]
+
+Each input line is a JSON object whose `--prompt-field` holds text (tokenized with the model directory's tokenizer;
+`--chat-template` wraps it as one user turn) or a list of token ids. Each output line is one sample:
+{"prompt_index", "sample_index", "token_ids", "text", "logprobs", "finish_reason"}. The n samples of a prompt form
+one group, so the engine prefills the prompt once. Sample j of prompt i is seeded with seed + i * n + j.
+
+Bad input (model directory, prompt file, parameters) is reported in one line on stderr with exit code 2.
+This file is also where the rollout partition's worker loop lives (it reuses `load_engine` and the engine API).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from engine import EngineConfig, LLMEngine, Request, SamplingParams
+
+
+class UsageError(Exception):
+    """Bad input from the command line; reported without a traceback, exit code 2."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rollout.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument("--prompts", required=True, help="JSONL file, one prompt per line")
+    p.add_argument("--out", required=True, help="JSONL file to write, one sample per line")
+    p.add_argument("--prompt-field", default="prompt", help="field of each line holding the prompt")
+    p.add_argument("--chat-template", action="store_true", help="render text prompts with the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: no top-k")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: checkpoint's")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--num-kv-tokens", type=int, default=None, help="KV pool size (default: from free memory)")
+    args = p.parse_args(argv)
+    checks = [(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}"),
+              (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
+              (args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}"),
+              (args.n >= 1, f"--n must be >= 1, got {args.n}"),
+              (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
+              (args.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")]
+    for ok, msg in checks:
+        if not ok:
+            p.error(msg)
+    return args
+
+
+def load_prompts(path: str | Path, field: str) -> list[str | list[int]]:
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"prompts file {path} does not exist")
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise UsageError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        if field not in row:
+            raise UsageError(f"{path}:{lineno}: no field {field!r} (fields: {', '.join(map(repr, row)) or 'none'})")
+        prompt = row[field]
+        is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        if not (isinstance(prompt, str) or is_ids) or not prompt:
+            raise UsageError(f"{path}:{lineno}: field {field!r} must be a non-empty string or list of token ids")
+        prompts.append(prompt)
+    if not prompts:
+        raise UsageError(f"{path}: no prompts")
+    return prompts
+
+
+def load_engine(model_dir: str, device: str, dtype: str | None, **config) -> LLMEngine:
+    """Our model and (if the directory has one) its tokenizer, wrapped in an engine."""
+    from model import CheckpointError, ModelConfigError, load_model
+    from model.tokenizer import load_tokenizer
+    try:
+        model = load_model(model_dir, device=device, dtype=getattr(torch, dtype) if dtype else None)
+    except (FileNotFoundError, ModelConfigError, CheckpointError) as e:
+        raise UsageError(f"--model: {e}") from None
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except FileNotFoundError:
+        tokenizer = None
+    except ValueError as e:
+        raise UsageError(f"--model: {e}") from None
+    return LLMEngine(model, EngineConfig(device=device, **config), tokenizer=tokenizer)
+
+
+def encode(engine: LLMEngine, prompts: list[str | list[int]], chat_template: bool) -> list[list[int]]:
+    from model.tokenizer import encode_prompt
+    vocab = engine.runner.model.config.vocab_size
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if engine.tokenizer is None:
+                raise UsageError(f"prompt {i} is text but the model directory has no tokenizer")
+            try:
+                p = encode_prompt(engine.tokenizer, p, chat_template)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        if not all(0 <= t < vocab for t in p):
+            raise UsageError(f"prompt {i}: token ids must be in [0, {vocab})")
+        if len(p) >= engine.max_model_len:
+            raise UsageError(f"prompt {i}: {len(p)} tokens leave no room to generate (max {engine.max_model_len})")
+        out.append(p)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:  # argparse has printed its message
+        return int(e.code or 0)
+    try:
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UsageError("--device cuda, but CUDA is not available")
+        out_path = Path(args.out)
+        if not out_path.parent.is_dir():
+            raise UsageError(f"--out: directory {out_path.parent} does not exist")
+        prompts = load_prompts(args.prompts, args.prompt_field)
+        engine = load_engine(args.model, args.device, args.dtype, max_num_seqs=args.max_num_seqs,
+                             max_batch_tokens=max(4096, args.max_num_seqs), num_kv_tokens=args.num_kv_tokens)
+        prompt_ids = encode(engine, prompts, args.chat_template)
+    except UsageError as e:
+        print(f"rollout.py: error: {e}", file=sys.stderr)
+        return 2
+
+    requests = []
+    for i, ids in enumerate(prompt_ids):
+        for j in range(args.n):
+            params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                    max_new_tokens=args.max_new_tokens, seed=args.seed + i * args.n + j)
+            requests.append(Request(ids, params, group_id=i, sample_index=j, prompt_index=i))
+    outputs = engine.generate(requests)
+
+    tok = engine.tokenizer
+    with open(out_path, "w") as f:
+        for o in outputs:
+            text = tok.decode(o.token_ids, skip_special_tokens=True) if tok is not None else None
+            f.write(json.dumps(dict(prompt_index=o.prompt_index, sample_index=o.sample_index, token_ids=o.token_ids,
+                                    text=text, logprobs=o.logprobs, finish_reason=o.finish_reason)) + "\n")
+    print(f"rollout.py: wrote {len(outputs)} samples for {len(prompt_ids)} prompts to {out_path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
