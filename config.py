@@ -137,6 +137,8 @@ class ClusterConfig:
     colocate: bool = F(False, help="engines and trainer share every rank, taking turns")
     backend: str = F("auto", choices=("auto", "gloo", "nccl"), help="tensor backend; auto = nccl on CUDA, gloo on CPU")
     timeout_s: float = F(600.0, gt=0, help="deadline of every blocking wait (collectives, queues)")
+    cpu_threads: int = F(1, ge=0, help="torch threads per CPU rank; 0 = cores / ranks on the node (more threads "
+                         "than free cores make small ops many times slower)")
     verify_weights: bool = F(True, help="checksum every published tensor on the engines; a mismatch stops the run")
 
 

@@ -59,10 +59,9 @@ def main(argv: list[str]) -> int:
     # 2. ranks and process groups; one run directory, named on rank 0
     c = cfg.cluster
     topo = init_distributed(c.rollout_ranks, c.rollout_fraction, c.colocate, c.backend, c.timeout_s)
-    if topo.colocate:
-        raise SystemExit("cluster.colocate = true is not implemented yet; use a disaggregated launch")
-    if topo.device.type == "cpu":  # ranks share the cores: oversubscribed threads make small ops many times slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    if topo.device.type == "cpu":
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(c.cpu_threads or max(1, (os.cpu_count() or 1) // local_ranks))
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -76,7 +75,15 @@ def main(argv: list[str]) -> int:
     model = model_for_rank(cfg, parts, topo)
 
     # 4. roles
-    if topo.is_rollout:
+    log = controller = None
+    if topo.is_leader:
+        log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))
+        controller = Controller(preset, parts.source, cfg.rollout.group_size, cfg.rollout.prompts_per_step,
+                                cfg.train.steps, log=log)
+    if topo.colocate:
+        from runtime.launch import run_colocated
+        run_colocated(cfg, parts, model, topo, channel, controller, log, run_dir, t0)
+    elif topo.is_rollout:
         from runtime.launch import run_rollout
         run_rollout(cfg, parts, model, topo, channel, t0)
     elif not topo.is_leader:
@@ -84,9 +91,6 @@ def main(argv: list[str]) -> int:
         run_follower(cfg, parts, model, topo)
     else:
         from runtime.launch import run_leader
-        log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))
-        controller = Controller(preset, parts.source, cfg.rollout.group_size, cfg.rollout.prompts_per_step,
-                                cfg.train.steps, log=log)
         run_leader(cfg, parts, model, topo, channel, controller, log, run_dir, t0)
 
     # 5. orderly shutdown: every rank stops its neighbour's inbox, then leaves

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from rl.types import Group
-from runtime.channel import Channel, ChannelTimeout
+from runtime.channel import WORKER, Channel, ChannelTimeout
 from runtime.topology import Topology
 from sched.base import Abort, Interrupt, LoadWeights, Migrate, Request, TrainCall
 from sched.controller import PromptItem
@@ -39,13 +39,13 @@ class RuntimeBackend:
                       prompt_index=r.prompt_index, prompt_ids=prompts[r.group_id].prompt_ids,
                       answer=prompts[r.group_id].answer) for r in reqs]
         self.assigned[engine] += len(reqs)
-        self.channel.send(("submit", specs), self.topo.engine_rank(engine))
+        self.channel.send(("submit", specs), self.topo.engine_rank(engine), WORKER)
 
     def command(self, cmd: Abort | Interrupt | Migrate | LoadWeights) -> None:
         if isinstance(cmd, LoadWeights):
-            self.channel.send(("load", cmd.version), self.topo.engine_rank(cmd.engine))
+            self.channel.send(("load", cmd.version), self.topo.engine_rank(cmd.engine), WORKER)
         elif isinstance(cmd, Abort):
-            self.channel.send(("abort", cmd.req_ids, cmd.requeue), self.topo.engine_rank(cmd.engine))
+            self.channel.send(("abort", cmd.req_ids, cmd.requeue), self.topo.engine_rank(cmd.engine), WORKER)
         else:
             raise NotImplementedError(f"{type(cmd).__name__} is not supported by the runtime yet")
 

@@ -1,9 +1,10 @@
 """The control channel: picklable Python objects between ranks over a dedicated gloo process group.
 
 torch.distributed is the transport (no RPC framework). Gloo receive handles cannot be polled, so each rank runs
-one inbox thread that blocks in an any-source `recv` and drops what arrives into a `queue.Queue`; the rank's main
-loop then reads that queue with a deadline. A message is a 2-int64 header (source rank, payload bytes) followed
-by the pickled payload as uint8.
+one inbox thread that blocks in an any-source `recv` and drops what arrives into a `queue.Queue` per port; the
+rank's loops read their port's queue with a deadline. Ports let one rank host two roles (the controller and a
+worker, in colocated mode). A message is a 3-int64 header (source rank, payload bytes, port) followed by the
+pickled payload as uint8.
 
 Deadlines: every `get` takes a timeout, and `ChannelTimeout` names who was being waited for, so a silent peer ends
 the job with a message instead of hanging at a collective for the process group's default 30 minutes.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
-import time
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 HEADER_TAG, PAYLOAD_TAG = 11, 12
 _STOP = -1
+CONTROLLER, WORKER = 0, 1  # ports
 
 
 class ChannelTimeout(TimeoutError):
@@ -32,67 +33,72 @@ class Channel:
         self.group = group
         self.rank = rank
         self.timeout_s = timeout_s
-        self.inbox: "queue.Queue[tuple[int, Any]]" = queue.Queue()
+        self.inboxes: dict[int, "queue.Queue[tuple[int, Any]]"] = {CONTROLLER: queue.Queue(), WORKER: queue.Queue()}
         self._send_lock = threading.Lock()
         self.bytes_sent = 0
         self.messages_sent = 0
         self._thread: threading.Thread | None = None
-        if group is not None:
+        if group is not None and dist.get_world_size(group) > 1:  # a world of one only posts to itself
             self._thread = threading.Thread(target=self._receive_loop, name=f"inbox-r{rank}", daemon=True)
             self._thread.start()
 
     # ------------------------------------------------------------------------------------------------- sending
-    def send(self, obj: Any, dst: int) -> None:
+    def send(self, obj: Any, dst: int, port: int = CONTROLLER) -> None:
         if dst == self.rank:  # same process (e.g. the trainer thread reporting to the controller)
-            self.inbox.put((self.rank, obj))
+            self.inboxes[port].put((self.rank, obj))
             return
         data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         with self._send_lock:
-            dist.send(torch.tensor([self.rank, data.numel()], dtype=torch.int64), dst, group=self.group,
+            dist.send(torch.tensor([self.rank, data.numel(), port], dtype=torch.int64), dst, group=self.group,
                       tag=HEADER_TAG)
             dist.send(data, dst, group=self.group, tag=PAYLOAD_TAG)
         self.bytes_sent += data.numel()
         self.messages_sent += 1
 
-    def post(self, obj: Any) -> None:
+    def post(self, obj: Any, port: int = CONTROLLER) -> None:
         """Deliver to this rank's own inbox (from another thread of the same rank)."""
-        self.inbox.put((self.rank, obj))
+        self.inboxes[port].put((self.rank, obj))
 
     # ----------------------------------------------------------------------------------------------- receiving
     def _receive_loop(self) -> None:
         while True:
-            header = torch.zeros(2, dtype=torch.int64)
+            header = torch.zeros(3, dtype=torch.int64)
             try:
                 dist.recv(header, src=None, group=self.group, tag=HEADER_TAG)
-            except Exception as e:  # process group torn down or timed out: tell the main loop, then stop
-                self.inbox.put((-1, ("channel_error", repr(e))))
+            except Exception as e:  # process group torn down or timed out: tell the loops, then stop
+                for q in self.inboxes.values():
+                    q.put((-1, ("channel_error", repr(e))))
                 return
-            src, n = int(header[0]), int(header[1])
+            src, n, port = int(header[0]), int(header[1]), int(header[2])
             if n == _STOP:
                 return
             buf = torch.empty(n, dtype=torch.uint8)
             dist.recv(buf, src=src, group=self.group, tag=PAYLOAD_TAG)
-            self.inbox.put((src, pickle.loads(buf.numpy().tobytes())))
+            self.inboxes[port].put((src, pickle.loads(buf.numpy().tobytes())))
 
-    def get(self, timeout: float | None = None, waiting_for: str = "a message") -> tuple[int, Any]:
+    def get(self, timeout: float | None = None, waiting_for: str = "a message", port: int = CONTROLLER
+            ) -> tuple[int, Any]:
         """Next (source rank, object); raises ChannelTimeout after `timeout` seconds (default: the channel's)."""
         timeout = self.timeout_s if timeout is None else timeout
         try:
-            src, obj = self.inbox.get(timeout=timeout)
+            src, obj = self.inboxes[port].get(timeout=timeout)
         except queue.Empty:
             raise ChannelTimeout(f"rank {self.rank} waited {timeout:.0f}s for {waiting_for}") from None
         if src == -1 and isinstance(obj, tuple) and obj[0] == "channel_error":
             raise ConnectionError(f"rank {self.rank}: control channel failed: {obj[1]}")
         return src, obj
 
-    def poll(self) -> list[tuple[int, Any]]:
-        """Everything already delivered, without blocking."""
+    def poll(self, port: int = CONTROLLER) -> list[tuple[int, Any]]:
+        """Everything already delivered to `port`, without blocking."""
         out = []
         while True:
             try:
-                out.append(self.inbox.get_nowait())
+                src, obj = self.inboxes[port].get_nowait()
             except queue.Empty:
                 return out
+            if src == -1 and isinstance(obj, tuple) and obj[0] == "channel_error":
+                raise ConnectionError(f"rank {self.rank}: control channel failed: {obj[1]}")
+            out.append((src, obj))
 
     def close(self, stop_peer: int | None) -> None:
         """Stop the inbox thread of `stop_peer` (ranks stop each other in a ring after a barrier), then join ours."""
@@ -100,8 +106,7 @@ class Channel:
             return
         if stop_peer is not None and stop_peer != self.rank:
             with self._send_lock:
-                dist.send(torch.tensor([self.rank, _STOP], dtype=torch.int64), stop_peer, group=self.group,
+                dist.send(torch.tensor([self.rank, _STOP, 0], dtype=torch.int64), stop_peer, group=self.group,
                           tag=HEADER_TAG)
-        if self._thread is not None:
-            deadline = time.monotonic() + 10
-            self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._thread is not None and stop_peer is not None and stop_peer != self.rank:
+            self._thread.join(timeout=10)  # a world of one has no peer to stop it: the daemon thread just ends

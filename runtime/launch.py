@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from runtime.backend import RuntimeBackend
 from runtime.build import RunParts, model_dtype
-from runtime.channel import Channel
+from runtime.channel import WORKER, Channel
 from runtime.logger import MetricsLogger
 from runtime.rollout_worker import RolloutWorker, SamplingConfig
 from runtime.topology import Topology
@@ -25,13 +25,32 @@ from trainer.publish import WeightPublisher, WeightReceiver
 from trainer.trainer import Trainer
 
 
-def make_trainer(cfg: Any, model: torch.nn.Module, topo: Topology) -> tuple[Trainer, WeightPublisher]:
+def make_trainer(cfg: Any, model: torch.nn.Module, topo: Topology) -> tuple[Trainer, WeightPublisher | None]:
     ref = copy.deepcopy(model) if cfg.train.kl_coef > 0 else None
     trainer = Trainer(model, cfg.train, group=topo.train_group, device=topo.device, ref_model=ref,
                       temperature=cfg.rollout.temperature or 1.0, max_response_len=cfg.rollout.max_new_tokens)
+    if topo.colocate:
+        return trainer, None
     publisher = WeightPublisher(trainer.model, topo.publish_group, topo.train_group,
                                 dtype=model_dtype(cfg, topo.device), verify=cfg.cluster.verify_weights)
     return trainer, publisher
+
+
+def make_engine(cfg: Any, model: torch.nn.Module, parts: RunParts, topo: Topology) -> LLMEngine:
+    r = cfg.rollout
+    on_gpu = topo.device.type == "cuda"
+    return LLMEngine(model, EngineConfig(
+        block_size=r.kv_block_size, num_kv_tokens=None if on_gpu else r.kv_cache_tokens,
+        memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
+        cuda_graphs=r.cuda_graphs, seed=cfg.seed), tokenizer=parts.tokenizer, version=-1)
+
+
+def worker_args(cfg: Any, parts: RunParts, engine: LLMEngine, topo: Topology, channel: Channel, t0: float,
+                receiver: WeightReceiver | None) -> tuple:
+    r = cfg.rollout
+    return (engine, channel, topo.engine_of(topo.rank), topo.rank, parts.reward_fn,
+            response_decoder(parts.tokenizer, engine.eos_ids), receiver,
+            SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed), t0, cfg.cluster.timeout_s)
 
 
 def run_follower(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology) -> None:
@@ -44,18 +63,39 @@ def run_follower(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topolo
 
 def run_rollout(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology, channel: Channel,
                 t0: float) -> None:
-    r = cfg.rollout
-    on_gpu = topo.device.type == "cuda"
-    engine = LLMEngine(model, EngineConfig(
-        block_size=r.kv_block_size, num_kv_tokens=None if on_gpu else r.kv_cache_tokens,
-        memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
-        cuda_graphs=r.cuda_graphs, seed=cfg.seed), tokenizer=parts.tokenizer, version=-1)
-    worker = RolloutWorker(
-        engine, channel, topo.engine_of(topo.rank), topo.rank, parts.reward_fn,
-        response_decoder(parts.tokenizer, engine.eos_ids),
-        WeightReceiver(topo.publish_group, src=0, device="cpu"),
-        SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed), t0, cfg.cluster.timeout_s)
+    engine = make_engine(cfg, model, parts, topo)
+    receiver = WeightReceiver(topo.publish_group, src=0, device="cpu")
+    RolloutWorker(*worker_args(cfg, parts, engine, topo, channel, t0, receiver)).run()
+
+
+def run_colocated(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology, channel: Channel,
+                  controller: Controller | None, log: MetricsLogger | None, run_dir: str, t0: float) -> None:
+    """Every rank: an engine on a private copy of the weights plus an FSDP2 trainer shard; rank 0 also runs the
+    controller in a thread (runtime/colocated.py)."""
+    from runtime.colocated import ColocatedBackend, ColocatedWorker, ControllerThread
+    engine = make_engine(cfg, copy.deepcopy(model).to(model_dtype(cfg, topo.device)), parts, topo)
+    trainer, _ = make_trainer(cfg, model, topo)
+    resume = resume_path(cfg)
+    extra = (trainer.load_checkpoint(resume) or {}) if resume is not None else None
+    worker = ColocatedWorker(*worker_args(cfg, parts, engine, topo, channel, t0, None), trainer=trainer)
+    ctl = None
+    if topo.is_leader:
+        if extra is not None:
+            restore(controller, parts, extra)
+        backend = ColocatedBackend(topo, channel, None, t0, cfg.cluster.timeout_s)
+
+        def finish(b: ColocatedBackend) -> None:
+            b.call(("checkpoint", str(Path(run_dir) / "checkpoints"), leader_state(controller, parts),
+                    cfg.checkpoint.keep))
+            if cfg.checkpoint.export_hf:
+                b.call(("export", str(Path(run_dir) / "hf")))
+        ctl = ControllerThread(controller, backend, finish)
+    worker.start()
     worker.run()
+    if ctl is not None:
+        ctl.join(cfg.cluster.timeout_s)
+        log.close()
+        finish_run(run_dir, log, parts)
 
 
 def response_decoder(tok: Any, eos_ids: frozenset[int]):
@@ -87,19 +127,14 @@ def run_leader(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology
     trainer, publisher = make_trainer(cfg, model, topo)
     resume = resume_path(cfg)
     if resume is not None:
-        extra = trainer.load_checkpoint(resume) or {}
-        controller.load_state_dict(extra["controller"])
-        parts.source.load_state_dict(extra["data"])
-        torch.set_rng_state(extra["rng"])
+        restore(controller, parts, trainer.load_checkpoint(resume) or {})
     tt = TrainerThread(trainer, publisher, topo, channel, t0)
     backend = RuntimeBackend(topo, channel, tt.queue, t0, cfg.cluster.timeout_s)
     ckpt_dir = Path(run_dir) / "checkpoints"
     timeout = cfg.cluster.timeout_s
 
     def save() -> None:
-        extra = {"controller": controller.state_dict(), "data": parts.source.state_dict(),
-                 "rng": torch.get_rng_state()}
-        tt.call(("checkpoint", str(ckpt_dir), extra, cfg.checkpoint.keep), timeout)
+        tt.call(("checkpoint", str(ckpt_dir), leader_state(controller, parts), cfg.checkpoint.keep), timeout)
 
     def after_event(ev: Event) -> None:
         every = cfg.checkpoint.every
@@ -115,10 +150,21 @@ def run_leader(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology
             tt.call(("export", str(Path(run_dir) / "hf")), timeout)
     finally:
         for r in topo.rollout_ranks:
-            channel.send(("stop",), r)
+            channel.send(("stop",), r, WORKER)
         tt.stop(timeout)
         log.close()
     finish_run(run_dir, log, parts)
+
+
+def leader_state(controller: Controller, parts: RunParts) -> dict[str, Any]:
+    """What a checkpoint holds beyond the trainer's state: controller counters and policy state, data position, RNG."""
+    return {"controller": controller.state_dict(), "data": parts.source.state_dict(), "rng": torch.get_rng_state()}
+
+
+def restore(controller: Controller, parts: RunParts, extra: dict[str, Any]) -> None:
+    controller.load_state_dict(extra["controller"])
+    parts.source.load_state_dict(extra["data"])
+    torch.set_rng_state(extra["rng"])
 
 
 def finish_run(run_dir: str, log: MetricsLogger, parts: RunParts) -> None:

@@ -21,7 +21,7 @@ from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import Request as EngineRequest
 from rl.rewards import RewardResult
-from runtime.channel import Channel
+from runtime.channel import WORKER, Channel
 from sched.events import Event
 from trainer.publish import WeightReceiver
 
@@ -140,10 +140,11 @@ class RolloutWorker:
 
     def run(self) -> None:
         while True:
-            msgs = self.channel.poll()
+            msgs = self.channel.poll(WORKER)
             if not msgs and not self.engine.has_unfinished():
                 self.flush()
-                msgs = [self.channel.get(timeout=self.timeout_s, waiting_for="work from the controller (rank 0)")]
+                msgs = [self.channel.get(timeout=self.timeout_s, waiting_for="work from the controller (rank 0)",
+                                         port=WORKER)]
             for _, msg in msgs:
                 if not self.handle(msg):
                     self.flush()

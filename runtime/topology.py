@@ -84,8 +84,10 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
     rank, world = dist.get_rank(), dist.get_world_size()
     train, rollout = split_ranks(world, rollout_ranks, rollout_fraction, colocate)
     topo = Topology(rank, world, train, rollout, colocate, device)
-    # every rank creates every group, in the same order
-    topo.control_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+    # every rank creates every group, in the same order. The control channel's inbox threads wait in an
+    # any-source recv for as long as a rank has nothing to do, so its gloo timeout is effectively off; the
+    # deadlines that matter are enforced by Channel.get, which names who was being waited for.
+    topo.control_group = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(days=30))
     train_group = dist.new_group(train, backend=pg_backend, timeout=timeout)
     publish_group = None if colocate else dist.new_group([0] + rollout, backend=pg_backend, timeout=timeout)
     if topo.is_train:

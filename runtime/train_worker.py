@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from rl.types import Group
-from runtime.channel import Channel
+from runtime.channel import WORKER, Channel
 from runtime.topology import Topology
 from sched.events import Event
 from trainer.publish import WeightPublisher
@@ -101,7 +101,7 @@ class TrainerThread:
 
     def _notify(self, version: int) -> None:
         for r in self.topo.rollout_ranks:
-            self.channel.send(("recv_weights", version), r)
+            self.channel.send(("recv_weights", version), r, WORKER)
 
     def _loop(self) -> None:
         try:
