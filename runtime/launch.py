@@ -50,7 +50,8 @@ def worker_args(cfg: Any, parts: RunParts, engine: LLMEngine, topo: Topology, ch
     r = cfg.rollout
     return (engine, channel, topo.engine_of(topo.rank), topo.rank, parts.reward_fn,
             response_decoder(parts.tokenizer, engine.eos_ids), receiver,
-            SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed), t0, cfg.cluster.timeout_s)
+            SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed), t0, cfg.cluster.timeout_s,
+            cfg.cluster.verify_weights)
 
 
 def run_follower(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology) -> None:

@@ -23,7 +23,11 @@ from engine.sequence import Request as EngineRequest
 from rl.rewards import RewardResult
 from runtime.channel import WORKER, Channel
 from sched.events import Event
-from trainer.publish import WeightReceiver
+from trainer.publish import WeightReceiver, checksum
+
+
+class WeightMismatchError(RuntimeError):
+    """An engine's weights differ from what the trainer published."""
 
 
 @dataclass
@@ -44,13 +48,16 @@ def request_seed(run_seed: int, group_id: int, sample_index: int) -> int:
 class RolloutWorker:
     def __init__(self, engine: LLMEngine, channel: Channel, engine_index: int, rank: int,
                  reward_fn: Callable[[str, str], RewardResult], decode: Callable[[list[int]], str],
-                 receiver: WeightReceiver | None, sampling: SamplingConfig, t0: float, timeout_s: float):
+                 receiver: WeightReceiver | None, sampling: SamplingConfig, t0: float, timeout_s: float,
+                 verify_weights: bool = False):
         self.engine, self.channel, self.engine_index, self.rank = engine, channel, engine_index, rank
         self.reward_fn, self.decode, self.receiver, self.sampling = reward_fn, decode, receiver, sampling
         self.t0, self.timeout_s = t0, timeout_s
         self.answers: dict[str, tuple[int, str | None]] = {}   # engine request id -> (req_id, answer)
         self.relay: dict[str, torch.Tensor] = {}
         self.relay_version = -1
+        self.relay_sums: dict[str, tuple[float, int]] = {}
+        self.verify_weights = verify_weights
         self.outbox: list[Event] = []
         self.busy = False
         self.steps = 0
@@ -90,6 +97,8 @@ class RolloutWorker:
                 raise RuntimeError(f"rank {self.rank}: told to load version {version} but the relay holds "
                                    f"{self.relay_version}")
             self.engine.load_weights(self.relay.items(), version)
+            if self.verify_weights:
+                self.check_engine_weights()
             self.event("weights_loaded", version=version)
         elif kind == "abort":
             _, req_ids, requeue = msg
@@ -107,6 +116,18 @@ class RolloutWorker:
 
     def _into_relay(self, tensors, version: int) -> None:
         self.relay = {name: t.detach().to("cpu", copy=True) for name, t in tensors}
+        if self.verify_weights:  # the receiver already checked these against the trainer's checksums
+            self.relay_sums = {name: checksum(t) for name, t in self.relay.items()}
+
+    def check_engine_weights(self) -> None:
+        """The engine's tensors after a load equal the relay's (hence the trainer's) bit for bit, or the run stops
+        naming the first tensor that differs."""
+        params = self.engine.runner.model.state_dict()
+        for name, want in self.relay_sums.items():
+            got = checksum(params[name])
+            if got[1] != want[1]:
+                raise WeightMismatchError(f"rank {self.rank}: engine tensor {name} differs from the published "
+                                          f"version {self.relay_version} after loading (checksum {got} != {want})")
 
     # ------------------------------------------------------------------------------------------------ stepping
     def step(self) -> None:
