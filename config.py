@@ -185,6 +185,9 @@ class Config:
             yield "data.source", "must be 'synthetic' or a path ending in .jsonl or .parquet"
         if self.reward.kind == "synthetic" and d.source != "synthetic":
             yield "reward.kind", f"scores only the synthetic task, not data.source = {d.source!r}; use math or exact"
+        if d.source != "synthetic" and not (self.model.path or self.model.tokenizer):
+            yield "data.source", ("is a prompt file, so the run needs a tokenizer: set model.path (a model directory "
+                                  "with its tokenizer) or model.tokenizer")
         if r.top_k == 0:
             yield "rollout.top_k", "must be -1 (off) or >= 1"
         if r.kv_cache_tokens < r.kv_block_size:
@@ -217,7 +220,7 @@ def _build(cls: type[T], mapping: Mapping[str, Any], prefix: str, where: Callabl
         dotted = _join(prefix, key)
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {_join(prefix, close[0])}?" if close else ""
+            hint = f"; did you mean {_join(prefix, close[0])}?" if close else "."
             what = "section" if not prefix and isinstance(value, dict) else "key"
             raise ConfigError(f"unknown {what} {dotted} (from {where(dotted)}){hint} "
                               f"Valid keys{f' in [{prefix}]' if prefix else ''}: {', '.join(known)}")
@@ -313,7 +316,14 @@ def _read_toml(path: Path) -> dict[str, Any]:
         nearby = sorted(str(p) for p in path.parent.glob("*.toml")) if path.parent.is_dir() else []
         found = f"; found: {', '.join(nearby)}" if nearby else ""
         raise ConfigError(f"config file not found: {path}{found}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
+    except OSError as e:  # permissions, I/O errors
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"malformed TOML in {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start})") from None
+    except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"malformed TOML in {path}: {e}") from None
 
 

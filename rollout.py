@@ -8,13 +8,16 @@ Each input line is a JSON object whose `--prompt-field` holds text (tokenized wi
 {"prompt_index", "sample_index", "token_ids", "text", "logprobs", "finish_reason"}. The n samples of a prompt form
 one group, so the engine prefills the prompt once. Sample j of prompt i is seeded with seed + i * n + j.
 
-Bad input (model directory, prompt file, parameters) is reported in one line on stderr with exit code 2.
+Bad input (model directory, prompt file, parameters) is reported in one line on stderr with exit code 2. The output
+is written to a temporary file beside --out and renamed into place when complete, so a run that fails or is
+interrupted never leaves a partial --out behind (a previous complete one stays as it was).
 This file is also where the rollout partition's worker loop lives (it reuses `load_engine` and the engine API).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,19 +53,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
               (args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}"),
               (args.n >= 1, f"--n must be >= 1, got {args.n}"),
               (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
-              (args.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")]
+              (args.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {args.max_num_seqs}"),
+              (args.num_kv_tokens is None or args.num_kv_tokens >= 1,
+               f"--num-kv-tokens must be >= 1, got {args.num_kv_tokens}"),
+              (_device_ok(args.device), f"--device must be cpu, cuda or cuda:N, got {args.device!r}")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
     return args
 
 
+def _device_ok(device: str) -> bool:
+    try:
+        return torch.device(device).type in ("cpu", "cuda")
+    except (RuntimeError, ValueError):
+        return False
+
+
 def load_prompts(path: str | Path, field: str) -> list[str | list[int]]:
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"prompts file {path} does not exist")
+        raise UsageError(f"prompts file {path} " + ("is a directory" if path.is_dir() else "does not exist"))
     prompts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at position {e.start + 1} "
+                             "of the line)") from None
         if not line.strip():
             continue
         try:
@@ -89,7 +107,7 @@ def load_engine(model_dir: str, device: str, dtype: str | None, **config) -> LLM
     from model.tokenizer import load_tokenizer
     try:
         model = load_model(model_dir, device=device, dtype=getattr(torch, dtype) if dtype else None)
-    except (FileNotFoundError, ModelConfigError, CheckpointError) as e:
+    except (OSError, ModelConfigError, CheckpointError) as e:  # missing, unreadable, truncated, misshapen
         raise UsageError(f"--model: {e}") from None
     try:
         tokenizer = load_tokenizer(model_dir)
@@ -131,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         out_path = Path(args.out)
         if not out_path.parent.is_dir():
             raise UsageError(f"--out: directory {out_path.parent} does not exist")
+        if out_path.is_dir():
+            raise UsageError(f"--out: {out_path} is a directory; give a file name")
         prompts = load_prompts(args.prompts, args.prompt_field)
         engine = load_engine(args.model, args.device, args.dtype, max_num_seqs=args.max_num_seqs,
                              max_batch_tokens=max(4096, args.max_num_seqs), num_kv_tokens=args.num_kv_tokens)
@@ -148,11 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     outputs = engine.generate(requests)
 
     tok = engine.tokenizer
-    with open(out_path, "w") as f:
-        for o in outputs:
-            text = tok.decode(o.token_ids, skip_special_tokens=True) if tok is not None else None
-            f.write(json.dumps(dict(prompt_index=o.prompt_index, sample_index=o.sample_index, token_ids=o.token_ids,
-                                    text=text, logprobs=o.logprobs, finish_reason=o.finish_reason)) + "\n")
+    tmp = out_path.with_name(f".{out_path.name}.tmp{os.getpid()}")  # same directory: the rename is atomic
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for o in outputs:
+                text = tok.decode(o.token_ids, skip_special_tokens=True) if tok is not None else None
+                f.write(json.dumps(dict(prompt_index=o.prompt_index, sample_index=o.sample_index,
+                                        token_ids=o.token_ids, text=text, logprobs=o.logprobs,
+                                        finish_reason=o.finish_reason)) + "\n")
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)  # only still there if writing failed
     print(f"rollout.py: wrote {len(outputs)} samples for {len(prompt_ids)} prompts to {out_path}", file=sys.stderr)
     return 0
 

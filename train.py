@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 import sched as policies
 from config import ConfigError, build, load_config
-from runtime.build import build_run, make_run_dir, model_for_rank
+from runtime.build import build_run, device_for_rank, make_run_dir, model_for_rank
 from runtime.channel import Channel
 from runtime.logger import MetricsLogger
-from runtime.topology import init_distributed
+from runtime.topology import init_distributed, split_ranks
 from sched.controller import Controller
 
 
@@ -52,12 +52,22 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(path, overrides)
         preset = policies.load_preset(cfg.sched.preset, _sched_tables(cfg), _param_builder(cfg))
+        c = cfg.cluster
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        train_ranks, _ = split_ranks(world, c.rollout_ranks, c.rollout_fraction, c.colocate)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
-    # 2. ranks and process groups; one run directory, named on rank 0
-    c = cfg.cluster
+    # 2. the model, data and reward (each rank builds what its role needs): bad files fail here, in one line
+    try:
+        parts = build_run(cfg, with_data=rank == 0)
+        model = model_for_rank(cfg, parts, device_for_rank(c.backend), rank in train_ranks)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    # 3. ranks and process groups; one run directory, named on rank 0
     topo = init_distributed(c.rollout_ranks, c.rollout_fraction, c.colocate, c.backend, c.timeout_s)
     if topo.device.type == "cpu":
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -69,10 +79,6 @@ def main(argv: list[str]) -> int:
     dist.broadcast_object_list(holder, src=0, group=topo.control_group)
     run_dir, t0 = holder[0]
     channel = Channel(topo.control_group, topo.rank, c.timeout_s)
-
-    # 3. the model, data and reward on every rank (each rank builds only what its role needs)
-    parts = build_run(cfg, with_data=topo.is_leader)
-    model = model_for_rank(cfg, parts, topo)
 
     # 4. roles
     log = controller = None

@@ -50,8 +50,8 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ModelConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ModelConfigError(f"head_dim={self.head_dim} must be positive and even for rotary embeddings")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE:
             raise ModelConfigError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE}")
@@ -77,12 +77,23 @@ class ModelConfig:
     # ---- HF config.json ----------------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ModelConfigError(f"{source}: expected a JSON object of model settings, got {type(d).__name__}")
         family = d.get("model_type")
         if family not in FAMILIES:
             raise ModelConfigError(f"{source}: model_type {family!r} is not supported; supported: {sorted(FAMILIES)}")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(d.get(key), int) or d[key] <= 0:
+            if not isinstance(d.get(key), int) or isinstance(d[key], bool) or d[key] <= 0:
                 raise ModelConfigError(f"{source}: {key} must be a positive integer, got {d.get(key)!r}")
+        for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):  # optional, but typed if given
+            if d.get(key) is not None and (not isinstance(d[key], int) or isinstance(d[key], bool) or d[key] <= 0):
+                raise ModelConfigError(f"{source}: {key} must be a positive integer, got {d[key]!r}")
+        for key in ("rms_norm_eps", "rope_theta"):
+            if d.get(key) is not None and (not isinstance(d[key], (int, float)) or isinstance(d[key], bool)):
+                raise ModelConfigError(f"{source}: {key} must be a number, got {d[key]!r}")
+        for key in ("rope_parameters", "rope_scaling"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise ModelConfigError(f"{source}: {key} must be an object, got {d[key]!r}")
         if d.get("use_sliding_window"):
             raise ModelConfigError(f"{source}: use_sliding_window=true is not supported")
         if d.get("mlp_bias"):
@@ -92,6 +103,8 @@ class ModelConfig:
         # transformers >= 5 writes rope_parameters={rope_theta, rope_type, ...}; older files use rope_theta/rope_scaling.
         rope = dict(d.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+            raise ModelConfigError(f"{source}: rope_parameters.rope_theta must be a number, got {theta!r}")
         scaling = rope or dict(d.get("rope_scaling") or {})
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
@@ -100,27 +113,30 @@ class ModelConfig:
         n_heads = d["num_attention_heads"]
         _, qk_norm, bias = FAMILIES[family]
         dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
-        return cls(
-            family=family,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=n_heads,
-            num_kv_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=qk_norm,
-            attention_bias=bias if d.get("attention_bias") is None else bool(d["attention_bias"]) or bias,
-            dtype=str(dtype).replace("torch.", ""),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-            hf_config=dict(d),
-        )
+        try:
+            return cls(
+                family=family,
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"],
+                num_layers=d["num_hidden_layers"],
+                num_heads=n_heads,
+                num_kv_heads=d.get("num_key_value_heads") or n_heads,
+                head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                rope_theta=float(theta),
+                rope_scaling=scaling,
+                max_position_embeddings=d.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                qk_norm=qk_norm,
+                attention_bias=bias if d.get("attention_bias") is None else bool(d["attention_bias"]) or bias,
+                dtype=str(dtype).replace("torch.", ""),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=d.get("eos_token_id"),
+                hf_config=dict(d),
+            )
+        except ModelConfigError as e:  # __post_init__'s checks do not know the file
+            raise ModelConfigError(f"{source}: {e}") from None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -128,8 +144,8 @@ class ModelConfig:
         if not f.is_file():
             raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
         try:
-            d = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
+            d = json.loads(f.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelConfigError(f"{f}: not valid JSON ({e})") from None
         return cls.from_hf(d, source=str(f))
 

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model.config import ModelConfig
@@ -20,23 +20,51 @@ class CheckpointError(ValueError):
 
 
 def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory: those its index lists, else every `*.safetensors` in it.
+    CheckpointError for an unreadable or malformed index; FileNotFoundError when there are no safetensors (pickled
+    `*.bin` / `*.pt` weights are never loaded: they can run code when unpickled)."""
     if (path / INDEX).is_file():
-        index = json.loads((path / INDEX).read_text())
-        return [path / f for f in sorted(set(index["weight_map"].values()))]
+        where = path / INDEX
+        try:
+            index = json.loads(where.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{where}: not valid JSON ({e}); the index may be truncated") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{where}: expected an object with a non-empty \"weight_map\" "
+                                  f"{{tensor name: file name}}")
+        bad = [n for n in weight_map.values()
+               if not isinstance(n, str) or not n.endswith(".safetensors") or Path(n).name != n]
+        if bad:
+            raise CheckpointError(f"{where}: weight_map must name *.safetensors files in the same directory, "
+                                  f"got {', '.join(repr(n) for n in bad[:3])}")
+        return [path / f for f in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weights next to config.json")
+        pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+        hint = (f" (found {', '.join(pickled[:3])}: pickled weights are not loaded, since unpickling can run code; "
+                "convert them to safetensors)") if pickled else ""
+        raise FileNotFoundError(f"{path}: no *.safetensors weights next to config.json{hint}")
     return files
 
 
 def read_state_dict(path: str | Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files. FileNotFoundError for a shard the index lists but that
+    is absent; CheckpointError for a truncated or corrupt file, or a tensor stored in two files."""
     out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     for f in weight_files(Path(path)):
         if not f.is_file():
             raise FileNotFoundError(f"{f}: listed in {INDEX} but missing")
-        with safe_open(str(f), framework="pt", device=str(device)) as sf:
-            for key in sf.keys():
-                out[key] = sf.get_tensor(key)
+        try:
+            with safe_open(str(f), framework="pt", device=str(device)) as sf:
+                for key in sf.keys():
+                    if key in origin:
+                        raise CheckpointError(f"{path}: tensor {key} is stored twice, in {origin[key]} and {f.name}")
+                    out[key], origin[key] = sf.get_tensor(key), f.name
+        except SafetensorError as e:  # header too small / too large, file not fully covered: truncated or corrupt
+            raise CheckpointError(f"{f}: cannot read this safetensors file ({e}); is it truncated or corrupt?"
+                                  ) from None
     return out
 
 
@@ -59,9 +87,11 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
         raise CheckpointError(f"{path}: weights do not match config.json: missing {missing[:5]}"
                               f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                               f"{' ...' if len(unexpected) > 5 else ''}")
-    for k, t in state.items():
-        if tuple(t.shape) != tuple(expected[k].shape):
-            raise CheckpointError(f"{path}: {k} has shape {tuple(t.shape)}, config.json implies {tuple(expected[k].shape)}")
+    wrong = [f"{k} has shape {tuple(state[k].shape)}, config.json implies {tuple(v.shape)}"
+             for k, v in expected.items() if tuple(state[k].shape) != tuple(v.shape)]  # in module order
+    if wrong:
+        raise CheckpointError(f"{path}: {len(wrong)} tensor(s) do not match config.json: {'; '.join(wrong[:4])}"
+                              f"{' ...' if len(wrong) > 4 else ''}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

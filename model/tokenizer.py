@@ -29,7 +29,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     missing, ValueError if they are there but cannot be loaded. Never downloads anything."""
     p = Path(path)
     if not p.is_dir():
-        raise FileNotFoundError(f"{path}: tokenizer directory does not exist")
+        what = "is a file, not a directory" if p.exists() else "does not exist"
+        raise FileNotFoundError(f"{path}: tokenizer directory {what}")
     if not any((p / f).is_file() for f in _TOKENIZER_FILES):
         raise FileNotFoundError(f"{path}: no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})")
     try:

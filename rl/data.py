@@ -39,7 +39,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
     (numbered from 1). FileNotFoundError if missing; invalid JSON raises DataError with the line number."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"{path}: prompt data file not found")
+        raise FileNotFoundError(f"{path}: prompt data file not found" + (" (it is a directory)" if p.is_dir() else ""))
     if p.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -51,8 +51,13 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
             raise DataError(f"{path}: not a readable Parquet file ({e})") from e
         yield from enumerate(rows, start=1)
         return
-    with p.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with p.open("rb") as f:  # bytes, decoded per line, so that bad UTF-8 is reported with its line number
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at position "
+                                f"{e.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:

@@ -11,11 +11,21 @@ math scoring (extraction included) runs in a small pool of reusable worker proce
 verifier that hangs, raises or kills its process gives `failed=True`, reward 0 and a reason; the worker is replaced
 and the caller, in whatever thread it runs, carries on. The pipe round trip to a warm worker costs ~0.05 ms; a
 typical scoring call 0.2-1 ms (sympy), measured on an idle core.
+
+`get_reward_fn` wraps every kind in `CheckedReward`: a result that is not a `RewardResult` with a finite real
+`reward` raises `RewardError` naming the kind, rather than reaching the advantages as a string, None or NaN.
+
+Model output is never evaluated as code: extraction is regular expressions, and math_verify parses LaTeX with its
+ANTLR grammar into sympy objects; its plain-expression fallback hands sympy's `parse_expr` (which does `eval`) only
+text its regex admits: digits, `.`, whitespace and the operators `+ - * / ^ ( ) × ÷`, so no names or attributes.
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
+import math
+import numbers
 import os
 import queue
 import re
@@ -241,6 +251,7 @@ def _normalise(s: str, casefold: bool = False) -> str:
 class ExactReward:
     """1 when the response equals the answer after collapsing whitespace (and case folding if asked)."""
     casefold: bool = False
+    timeout_s: float | None = None  # accepted like every kind's (the run passes reward.timeout_s); never hangs
 
     def __call__(self, response_text: str, answer: str) -> RewardResult:
         ok = _normalise(response_text, self.casefold) == _normalise(answer, self.casefold)
@@ -257,8 +268,48 @@ def _synthetic(**kwargs: Any) -> RewardFn:
 REWARD_KINDS: dict[str, Callable[..., RewardFn]] = {"math": MathReward, "exact": ExactReward, "synthetic": _synthetic}
 
 
-def get_reward_fn(kind: str, **options: Any) -> RewardFn:
-    """The reward function for a config's `reward.kind`; options go to its constructor (e.g. timeout_s=2)."""
+class RewardError(TypeError):
+    """A reward function returned something other than a RewardResult with a finite real reward."""
+
+
+def check_result(kind: str, result: Any, response_text: str = "") -> RewardResult:
+    """`result` if it is a RewardResult whose reward is a finite real number (made a float), else RewardError naming
+    the reward kind, what came back, and the start of the response it was scoring."""
+    about = f"reward kind {kind!r}, scoring response {response_text[:60]!r}"
+    if not isinstance(result, RewardResult):
+        raise RewardError(f"{about}: returned {type(result).__name__} {result!r:.80}, not a RewardResult(reward: float,"
+                          f" correct: bool, ...)")
+    r = result.reward
+    if isinstance(r, bool) or not isinstance(r, numbers.Real):
+        raise RewardError(f"{about}: returned a non-numeric reward {r!r:.80} ({type(r).__name__}); "
+                          "RewardResult.reward must be a float")
+    if not math.isfinite(r):
+        raise RewardError(f"{about}: returned a non-finite reward {r}")
+    return result if type(r) is float else dataclasses.replace(result, reward=float(r))
+
+
+class CheckedReward:
+    """A reward function whose every result goes through `check_result`. The wrapped function is `.fn`; its other
+    attributes (timeout_s, casefold, ...) read through the wrapper."""
+
+    def __init__(self, kind: str, fn: RewardFn):
+        self.kind, self.fn = kind, fn
+
+    def __call__(self, response_text: str, answer: str) -> RewardResult:
+        return check_result(self.kind, self.fn(response_text, answer), response_text)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("kind", "fn") or name.startswith("__"):  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.fn, name)
+
+    def __repr__(self) -> str:
+        return f"CheckedReward({self.kind!r}, {self.fn!r})"
+
+
+def get_reward_fn(kind: str, **options: Any) -> CheckedReward:
+    """The reward function for a config's `reward.kind`; options go to its constructor (e.g. timeout_s=2). Its
+    results are checked (see `check_result`)."""
     if kind not in REWARD_KINDS:
         raise ValueError(f"unknown reward kind {kind!r}; valid kinds: {', '.join(REWARD_KINDS)}")
-    return REWARD_KINDS[kind](**options)
+    return CheckedReward(kind, REWARD_KINDS[kind](**options))

@@ -1,6 +1,7 @@
 """Turn a Config into the run's parts: tokenizer, prompt source, reward function, model weights, run directory."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -14,7 +15,6 @@ from model.tokenizer import load_tokenizer
 from rl.data import PromptDataset, PromptSampler
 from rl.rewards import RewardResult, get_reward_fn
 from rl.tasks import SyntheticTask
-from runtime.topology import Topology
 from sched.controller import PromptItem
 
 
@@ -45,20 +45,24 @@ class RunParts:
     max_new_tokens: int = 0
 
 
+def reward_fn(cfg: Any) -> Callable[[str, str], RewardResult]:
+    kind = cfg.reward.kind
+    return get_reward_fn(kind, timeout_s=cfg.reward.timeout_s) if kind == "math" else get_reward_fn(kind)
+
+
 def build_run(cfg: Any, with_data: bool) -> RunParts:
     d = cfg.data
     task = None
     if d.source == "synthetic":
         task = SyntheticTask(d.task, d.num_prompts, d.seed)
         tok = task.tokenizer()
-        reward = get_reward_fn("synthetic") if cfg.reward.kind == "synthetic" else \
-            get_reward_fn(cfg.reward.kind, timeout_s=cfg.reward.timeout_s)
+        reward = reward_fn(cfg)
     else:
         tok_dir = cfg.model.tokenizer or cfg.model.path
         if not tok_dir:
             raise ValueError("data.source is a file, so the run needs a tokenizer: set model.path or model.tokenizer")
         tok = load_tokenizer(tok_dir)
-        reward = get_reward_fn(cfg.reward.kind, timeout_s=cfg.reward.timeout_s)
+        reward = reward_fn(cfg)
     if cfg.model.path:
         mcfg = ModelConfig.from_dir(cfg.model.path)
     else:
@@ -84,13 +88,20 @@ def model_dtype(cfg: Any, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
 
 
-def model_for_rank(cfg: Any, parts: RunParts, topo: Topology) -> Transformer:
+def device_for_rank(backend: str) -> torch.device:
+    """This rank's device, from torchrun's LOCAL_RANK (the same rule init_distributed applies)."""
+    if torch.cuda.is_available() and backend != "gloo":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def model_for_rank(cfg: Any, parts: RunParts, device: torch.device, is_train: bool) -> Transformer:
     """Full fp32 weights for a train rank (FSDP2 shards them; mixed precision casts on GPU); the engine's dtype
     for a rollout rank (whose weights are replaced by the trainer's first publication anyway)."""
-    dtype = torch.float32 if topo.is_train else model_dtype(cfg, topo.device)
+    dtype = torch.float32 if is_train else model_dtype(cfg, device)
     if cfg.model.path:
-        return load_model(cfg.model.path, topo.device, dtype)
-    with torch.device(topo.device):
+        return load_model(cfg.model.path, device, dtype)
+    with torch.device(device):
         model = Transformer(parts.model_cfg)
     return model.init_weights(seed=cfg.model.init_seed).to(dtype)
 

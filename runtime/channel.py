@@ -74,6 +74,8 @@ class Channel:
                 return
             buf = torch.empty(n, dtype=torch.uint8)
             dist.recv(buf, src=src, group=self.group, tag=PAYLOAD_TAG)
+            # Unpickling can run code: this is safe only because every sender is a rank of this same job (the
+            # control group is made by train.py over torchrun's own ranks). Never point it at untrusted peers.
             self.inboxes[port].put((src, pickle.loads(buf.numpy().tobytes())))
 
     def get(self, timeout: float | None = None, waiting_for: str = "a message", port: int = CONTROLLER

@@ -145,7 +145,7 @@ def test_exact_match():
 
 
 def test_registry():
-    assert isinstance(get_reward_fn("math", timeout_s=2.0), MathReward)
+    assert isinstance(get_reward_fn("math", timeout_s=2.0).fn, MathReward)
     assert get_reward_fn("exact", casefold=True).casefold
     with pytest.raises(ValueError, match="valid kinds: math, exact, synthetic"):
         get_reward_fn("bleu")

@@ -109,7 +109,9 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     else:
         set_model_state_dict(model, state["model"])
     own = path / f"extra_rank{rank}.pt"
-    side = torch.load(own if own.is_file() else path / "extra_rank0.pt", weights_only=False)
+    # weights_only: tensors and plain containers only, never arbitrary pickled objects (a checkpoint directory is
+    # data, not code), so `extra` and the policies' state_dicts must hold only those.
+    side = torch.load(own if own.is_file() else path / "extra_rank0.pt", weights_only=True)
     if scheduler is not None and side["scheduler"] is not None:
         scheduler.load_state_dict(side["scheduler"])
     return side["extra"]
