@@ -27,6 +27,7 @@ import torch.distributed as dist
 import sched as policies
 from config import ConfigError, build, load_config
 from runtime.build import build_run, device_for_rank, make_run_dir, model_for_rank
+from runtime import watchdog
 from runtime.channel import Channel
 from runtime.logger import MetricsLogger
 from runtime.topology import init_distributed, split_ranks
@@ -78,9 +79,27 @@ def main(argv: list[str]) -> int:
     holder = [(make_run_dir(cfg), time.time()) if topo.is_leader else None]
     dist.broadcast_object_list(holder, src=0, group=topo.control_group)
     run_dir, t0 = holder[0]
+    watchdog.install(run_dir, topo.rank)
     channel = Channel(topo.control_group, topo.rank, c.timeout_s)
 
-    # 4. roles
+    # 4. roles; a deadline that fires anywhere ends the job with a stall report (runtime/watchdog.py)
+    try:
+        run_role(cfg, preset, parts, model, topo, channel, run_dir, t0)
+    except Exception as e:
+        if watchdog.is_timeout(e):
+            role = "leader" if topo.is_leader else "rollout" if topo.is_rollout else "train"
+            watchdog.report_stall(run_dir, topo.rank, e, f"running as a {role} rank")
+        raise
+
+    # 5. orderly shutdown: every rank stops its neighbour's inbox, then leaves
+    dist.barrier(group=topo.control_group)
+    channel.close(stop_peer=(topo.rank + 1) % topo.world)
+    dist.destroy_process_group()
+    watchdog.uninstall()
+    return 0
+
+
+def run_role(cfg, preset, parts, model, topo, channel, run_dir: str, t0: float) -> None:
     log = controller = None
     if topo.is_leader:
         log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))
@@ -98,12 +117,6 @@ def main(argv: list[str]) -> int:
     else:
         from runtime.launch import run_leader
         run_leader(cfg, parts, model, topo, channel, controller, log, run_dir, t0)
-
-    # 5. orderly shutdown: every rank stops its neighbour's inbox, then leaves
-    dist.barrier(group=topo.control_group)
-    channel.close(stop_peer=(topo.rank + 1) % topo.world)
-    dist.destroy_process_group()
-    return 0
 
 
 def _sched_tables(cfg) -> dict:

@@ -22,6 +22,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import Request as EngineRequest
 from rl.rewards import RewardResult
 from runtime.channel import WORKER, Channel
+from runtime.watchdog import maybe_stall
 from sched.events import Event
 from trainer.publish import WeightReceiver, checksum
 
@@ -78,6 +79,7 @@ class RolloutWorker:
         """Apply one controller message; False means stop."""
         kind = msg[0]
         if kind == "submit":
+            maybe_stall(self.rank)
             s = self.sampling
             for spec in msg[1]:
                 params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
