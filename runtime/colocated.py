@@ -46,10 +46,10 @@ class ColocatedWorker(RolloutWorker):
         kind = msg[0]
         if kind == "train":
             _, call, groups = msg
-            metrics = self.trainer.train_step(groups)
+            metrics = self.trainer.train_step(groups, step=call.step)
             if self.rank == 0:
                 self.event("train_step_done", version=self.trainer.step,
-                           data={"stepped": True, **rollout_stats(groups), **_floats(metrics)})
+                           data={"stepped": call.step, **rollout_stats(groups), **_floats(metrics)})
             if call.publish:
                 if self.rank == 0:
                     self.event("version_published", version=self.trainer.step)

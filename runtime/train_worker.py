@@ -50,10 +50,10 @@ def run_item(item: tuple, trainer: Trainer, publisher: WeightPublisher,
     kind = item[0]
     if kind == "train":
         _, call, groups = item
-        metrics = trainer.train_step(groups)
+        metrics = trainer.train_step(groups, step=call.step)
         if report:
             report(Event("train_step_done", clock(), rank=0, version=trainer.step,
-                         data={"stepped": True, **rollout_stats(groups), **_floats(metrics)}))
+                         data={"stepped": call.step, **rollout_stats(groups), **_floats(metrics)}))
         if call.publish:
             _publish(trainer.step, publisher, report, notify_engines, clock)
     elif kind == "publish":

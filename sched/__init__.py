@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sched import barrier, fifo, step_publish, whole_round  # noqa: F401  (registration)
+from sched import cgp, every_u, frontier, skewness, stream_handoff, stream_update, tail_abort, tail_batching  # noqa: F401
 from sched.base import KIND_BASES, REGISTRY, Preset, build_policy
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "sched"

@@ -31,11 +31,12 @@ class Request:
     prompt_index: int
     round: int
     prompt_len: int
-    state: str = "pending"       # pending | running | finished | aborted | interrupted
+    state: str = "pending"       # pending | running | finished | aborting | requeueing | aborted | interrupted
     engine: int = -1
     tokens: int = 0              # response tokens so far (as last reported)
     version: int = -1            # weight version it was admitted under
     t_created: float = 0.0
+    finished_seq: int = -1       # Views.seq when its trajectory_finished arrived (finish order; -1: not finished)
 
 
 @dataclass
@@ -50,10 +51,23 @@ class GroupState:
     dropped: int = 0             # samples aborted for good (counted, never trained on)
     trajectories: list[Trajectory] = field(default_factory=list)
     consumed: bool = False       # handed to the trainer
+    req_ids: list[int] = field(default_factory=list)  # its requests, by sample index
+    prompt: Any = None           # its PromptItem (a policy that re-runs a prompt hands it back in a RoundPlan)
+    materialized_seq: int = -1   # Views.seq when it materialised (materialisation order; -1: not yet)
 
     @property
     def materialized(self) -> bool:
         return self.scored + self.dropped >= self.size and self.scored > 0
+
+    @property
+    def void(self) -> bool:
+        """Every sample dropped: nothing of it will ever be trained (e.g. a prompt deferred by tail batching)."""
+        return self.scored == 0 and self.dropped >= self.size
+
+    @property
+    def closed(self) -> bool:
+        """Nothing more to do for it: trained, or void."""
+        return self.consumed or self.void
 
     @property
     def version(self) -> int:
@@ -91,7 +105,9 @@ class Views:
     trainer: TrainerView = field(default_factory=TrainerView)
     round: int = -1                       # id of the latest round started
     round_groups: dict[int, list[int]] = field(default_factory=dict)  # round -> its group ids
+    plans: dict[int, "RoundPlan"] = field(default_factory=dict)        # round -> how it was composed
     now: float = 0.0
+    seq: int = 0                          # events applied so far (orders finishes and materialisations)
     params: dict[str, Any] = field(default_factory=dict)  # run-level knobs: group_size, prompts_per_step, ...
 
     def pending(self) -> list[Request]:
@@ -99,22 +115,28 @@ class Views:
         return [r for r in self.requests.values() if r.state == "pending"]
 
     def open_groups(self) -> list[GroupState]:
-        return [g for g in self.groups.values() if not g.consumed]
+        return [g for g in self.groups.values() if not g.closed]
 
     def ready_groups(self) -> list[GroupState]:
         """Materialised groups not yet handed to the trainer, in group-id (submission) order."""
         return [g for g in self.groups.values() if g.materialized and not g.consumed]
 
     def round_done(self, r: int) -> bool:
-        """Every group of round r is materialised (False for a round this controller has no groups of)."""
+        """Every group of round r is materialised or void (False for a round this controller has no groups of)."""
         gids = self.round_groups.get(r)
-        return bool(gids) and all(self.groups[g].materialized for g in gids)
+        return bool(gids) and all(self.groups[g].materialized or self.groups[g].void for g in gids)
+
+    def completes_round(self, group_ids: list[int]) -> bool:
+        """Training these groups leaves nothing of their round to train: every other group of it is closed."""
+        batch = set(group_ids)
+        r = self.groups[group_ids[0]].round
+        return all(g in batch or self.groups[g].closed for g in self.round_groups.get(r, []))
 
     def engines_at(self, version: int) -> bool:
         return all(e.version == version and not e.loading for e in self.engines)
 
     def in_flight(self) -> int:
-        return sum(1 for r in self.requests.values() if r.state in ("pending", "running"))
+        return sum(1 for r in self.requests.values() if r.state in ("pending", "running", "aborting", "requeueing"))
 
 
 # ------------------------------------------------------------------------------------------------ decisions
@@ -127,7 +149,24 @@ class Submit:
 
 
 @dataclass
+class RoundPlan:
+    """How a round is composed; `Dispatch.intake` may return one instead of a bare count of fresh prompts."""
+    fresh: int = 0               # new prompts pulled from the data source
+    prompts: list[Any] = field(default_factory=list)  # PromptItems to run again (they come first), e.g. a long queue
+    group_size: int = 0          # requests per prompt (0: the run's group_size)
+    kind: str = "normal"         # a label for the log and for other policies ("short", "long", ...)
+    keep_groups: int = 0         # speculative round: groups a rebalance module keeps (0: all)
+    keep_per_group: int = 0      # speculative round: trajectories kept per group (0: all)
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.keep_groups or self.keep_per_group)
+
+
+@dataclass
 class Abort:
+    """Stop requests (pending, running or finished ones); the controller routes each to the engine holding it
+    (`engine` is advisory) and settles races by the rules of sched/aborts.py."""
     engine: int
     req_ids: list[int]
     requeue: bool = False        # True: back to pending (resumed later); False: dropped and counted
@@ -185,10 +224,11 @@ class Policy:
 class Dispatch(Policy):
     kind = "dispatch"
 
-    def intake(self, v: Views) -> int:
-        """How many new prompts to pull into the pipeline now. Default: synchronous rounds — a new round of
-        `prompts_per_step` prompts once the last one is fully consumed and every engine holds the latest weights."""
-        if v.round >= 0 and any(not v.groups[g].consumed for g in v.round_groups.get(v.round, [])):
+    def intake(self, v: Views) -> "int | RoundPlan":
+        """How many new prompts to pull into the pipeline now (0: none), or a `RoundPlan`. Default: synchronous
+        rounds — a new round of `prompts_per_step` prompts once the last one is fully closed (trained or void) and
+        every engine holds the latest weights."""
+        if v.round >= 0 and any(not v.groups[g].closed for g in v.round_groups.get(v.round, [])):
             return 0
         if v.trainer.busy or not v.engines_at(v.trainer.version):
             return 0

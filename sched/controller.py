@@ -3,7 +3,8 @@
 
 Loop: take the next event, fold it into the views, log it, then ask each mechanism for decisions and hand them to
 the backend. The controller also checks the invariants every preset must keep (a group is trained whole, once,
-only after it is materialised; nothing finished is lost), so a buggy policy fails loudly in tests.
+only after it is materialised; nothing finished is lost), so a buggy policy fails loudly in tests. Abort decisions
+and the events that settle them follow the rules of sched/aborts.py (mixed in here).
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from rl.types import Group, Trajectory
-from sched.base import (Abort, GroupState, Interrupt, LoadWeights, Migrate, Preset, Request, Submit, TrainCall,
-                        Views, EngineView)
+from sched.aborts import AbortRules, InvariantError
+from sched.base import (Abort, GroupState, Interrupt, LoadWeights, Migrate, Preset, Request, RoundPlan, Submit,
+                        TrainCall, Views, EngineView)
 from sched.events import Event, EventLog
 
 
@@ -33,11 +35,10 @@ class Backend(Protocol):
     def next_event(self) -> Event: ...  # blocks until one is available (the backend enforces its own deadline)
 
 
-class InvariantError(RuntimeError):
-    """A policy made a decision that breaks a rule every preset must keep."""
+__all__ = ["Backend", "Controller", "InvariantError", "PromptItem"]
 
 
-class Controller:
+class Controller(AbortRules):
     def __init__(self, preset: Preset, source: Callable[[int], list[PromptItem]], group_size: int,
                  prompts_per_step: int, total_steps: int, log: EventLog | None = None, **params: Any):
         self.preset = preset
@@ -97,6 +98,7 @@ class Controller:
     def apply(self, ev: Event) -> None:
         v = self.v
         v.now = ev.t
+        v.seq += 1
         self.emit(ev)
         k = ev.kind
         if k == "tokens_decoded":
@@ -110,31 +112,21 @@ class Controller:
                     v.requests[int(rid)].tokens = n
         elif k == "trajectory_finished":
             r = v.requests[ev.req_id]
-            r.state, r.tokens = "finished", ev.data.get("tokens", r.tokens)
+            r.tokens, r.finished_seq = ev.data.get("tokens", r.tokens), v.seq
             v.engines[r.engine].assigned -= 1
+            self.on_finished(r)
         elif k == "reward_scored":
             traj: Trajectory = ev.payload
             g = v.groups[ev.group_id]
             if traj is None or traj.group_id != g.group_id:
                 raise InvariantError(f"reward_scored event without its trajectory for group {ev.group_id}")
-            g.trajectories.append(traj)
-            g.scored += 1
-            if g.scored + g.dropped == g.size:
-                self.emit(Event("group_materialized", v.now, group_id=g.group_id, version=g.version,
-                                data={"round": g.round}))
+            r = v.requests.get(ev.req_id) if ev.req_id >= 0 else v.requests.get(g.req_ids[traj.sample_index])
+            if r is None or r.state != "aborted":  # a discarded trajectory is never trained
+                g.trajectories.append(traj)
+                g.scored += 1
+                self._materialize(g)
         elif k == "trajectory_aborted":
-            r = v.requests[ev.req_id]
-            v.engines[r.engine].assigned -= 1
-            if ev.data.get("requeue"):
-                r.state, r.engine = "pending", -1
-            else:
-                r.state = "aborted"
-                g = v.groups[r.group_id]
-                g.dropped += 1
-                self.dropped += 1
-                if g.scored + g.dropped == g.size and g.scored:
-                    self.emit(Event("group_materialized", v.now, group_id=g.group_id, version=g.version,
-                                data={"round": g.round}))
+            self.on_aborted(v.requests[ev.req_id], bool(ev.data.get("requeue")))
         elif k == "train_step_done":
             t = v.trainer
             t.busy = False
@@ -151,14 +143,17 @@ class Controller:
     # ---------------------------------------------------------------------------------------------- decisions
     def decide(self, backend: Backend) -> None:
         p, v = self.preset, self.v
-        n = 0 if self.v.trainer.steps_done >= self.total_steps else p.dispatch.intake(v)
-        if n > 0:
-            self.start_round(n)
+        plan = 0 if self.v.trainer.steps_done >= self.total_steps else p.dispatch.intake(v)
+        if isinstance(plan, RoundPlan) or plan > 0:
+            self.start_round(plan)
         for sub in p.dispatch.admit(v):
             self.submit(backend, sub)
         for cmd in p.rebalance.plan(v):
-            backend.command(cmd)
-        if not v.trainer.busy:
+            if isinstance(cmd, Abort):
+                self.abort(backend, cmd)
+            else:
+                backend.command(cmd)
+        if not v.trainer.busy and v.trainer.steps_done < self.total_steps:
             gids = p.handoff.ready(v)
             if gids:
                 self.train(backend, p.update.decide(gids, v), gids)
@@ -168,23 +163,30 @@ class Controller:
             v.engines[cmd.engine].loading = True
             backend.command(cmd)
 
-    def start_round(self, n_prompts: int) -> None:
+    def start_round(self, plan: int | RoundPlan) -> None:
         v = self.v
-        items = self.source(n_prompts)
+        plan = plan if isinstance(plan, RoundPlan) else RoundPlan(fresh=int(plan))
+        items = [PromptItem(**p) if isinstance(p, dict) else p for p in plan.prompts]
+        items += self.source(plan.fresh) if plan.fresh > 0 else []
         v.round += 1
         v.round_groups[v.round] = []
-        G = int(v.params["group_size"])
+        v.plans[v.round] = plan
+        G = int(plan.group_size or v.params["group_size"])
         for item in items:
             gid = self.next_group
             self.next_group += 1
             self.prompts[gid] = item
-            v.groups[gid] = GroupState(gid, item.prompt_index, v.round, G, answer=item.answer)
+            g = v.groups[gid] = GroupState(gid, item.prompt_index, v.round, G, answer=item.answer, prompt=item)
             v.round_groups[v.round].append(gid)
             for s in range(G):
                 v.requests[self.next_req] = Request(self.next_req, gid, s, item.prompt_index, v.round,
                                                     len(item.prompt_ids), t_created=v.now)
+                g.req_ids.append(self.next_req)
                 self.next_req += 1
-        self.emit(Event("round_started", v.now, data={"round": v.round, "prompts": len(items)}))
+        data = {"round": v.round, "prompts": len(items), "group_size": G, "kind": plan.kind}
+        if plan.speculative:
+            data.update(keep_groups=plan.keep_groups, keep_per_group=plan.keep_per_group)
+        self.emit(Event("round_started", v.now, data=data))
 
     def submit(self, backend: Backend, sub: Submit) -> None:
         v = self.v
@@ -226,7 +228,8 @@ class Controller:
         """Forget rounds that are fully consumed (older than the current one), so long runs stay bounded."""
         v = self.v
         for r in [r for r in v.round_groups if r < v.round]:
-            if all(v.groups[g].consumed for g in v.round_groups[r]):
+            if all(v.groups[g].closed for g in v.round_groups[r]):
+                v.plans.pop(r, None)
                 for g in v.round_groups.pop(r):
                     del v.groups[g]
                     self.prompts.pop(g, None)

@@ -1,7 +1,8 @@
 """Whole-round handoff: the synchronous baseline's barrier (RolloutPipe §2.1 "Slime submits all groups ...
 only at rollout completion").
 
-The trainer gets nothing until every group of the current round is materialised, then gets all of them.
+The trainer gets nothing until every group of the current round is materialised (or void: every sample dropped,
+as a prompt deferred by tail batching), then gets all the materialised ones.
 Invariant kept: a batch is exactly one round, so all its samples share the round's generating version.
 """
 from __future__ import annotations
@@ -16,5 +17,5 @@ class WholeRound(Handoff):
     def ready(self, v: Views) -> list[int] | None:
         if v.round < 0 or not v.round_done(v.round):
             return None
-        gids = [g for g in v.round_groups[v.round] if not v.groups[g].consumed]
+        gids = [g for g in v.round_groups[v.round] if v.groups[g].materialized and not v.groups[g].consumed]
         return gids or None

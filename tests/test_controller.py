@@ -150,3 +150,18 @@ def test_event_log_round_trips(tmp_path):
     back = list(read_events(tmp_path / "events.jsonl"))
     assert [e.kind for e in back] == [e.kind for e in log.events]
     assert all(b.t == pytest.approx(a.t, abs=1e-6) for a, b in zip(log.events, back))
+
+
+def test_no_training_past_the_step_budget_with_many_steps_per_round():
+    """every_u takes several optimizer steps per round: the run must stop at exactly total_steps."""
+    class SlowTrainer(FakeBackend):  # every group is ready whenever a step ends: the handoff always has work
+        def train(self, call, groups):
+            self.trained_batches.append((self.trainer_version, groups))
+            self.trainer_version += call.step
+            self.push(1000.0, Event("train_step_done", 0, version=self.trainer_version, data={"stepped": call.step}))
+            if call.publish:
+                self.push(1001.0, Event("version_published", 0, version=self.trainer_version))
+    for seed in range(3):
+        backend = SlowTrainer(2, seed)
+        Controller(sched.load_preset("rolloutpipe"), source(), 4, 8, 3).run(backend)
+        assert backend.trainer_version == 3 and len(backend.trained_batches) == 3

@@ -7,6 +7,16 @@ recomputes log-probs with the current weights (chunked logprob + entropy from hi
 the full-vocabulary logits), and back-propagates the loss divided by the minibatch's global normaliser, so the
 result does not depend on the number of ranks or micro-batches. Then grad clipping, AdamW, the LR schedule.
 
+Gradient accumulation (RollPacker's stream trainer, §4.4; StreamRL's dynamic batches): `train_step(groups,
+step=False)` back-propagates these groups and keeps the gradients (no optimizer step, nothing zeroed); the next
+`step=True` call adds its own groups and applies ONE optimizer step over everything since the last step. The
+accumulated gradient is kept normalised by the running sample / token count (before each new batch the gradients
+so far are rescaled by N_before / N_after, and the batch's loss is divided by N_after), so the step's gradient is
+exactly that of one call on all the groups together, for every loss aggregation and any rank count. The ratio's
+old log-probs are always the generating version's (`Trajectory.logprobs`), so intermediate optimizer steps of an
+every-U update (RolloutPipe) never move a later batch's behaviour policy. Accumulating needs minibatches = 1 and
+ppo_epochs = 1 (each of those is its own optimizer step).
+
 Every train rank calls `train_step` with the same groups (the runtime broadcasts them). Without an initialised
 process group the trainer runs unsharded in one process (debugging, and the reference of the equivalence tests).
 """
@@ -61,7 +71,7 @@ class TrainConfig:
     filter_zero_variance: bool = False
     ppo_epochs: int = 1
     minibatches: int = 1
-    steps: int = 100                    # train_step calls in the run (the cosine spans steps*epochs*minibatches)
+    steps: int = 100                    # stepping train_step calls in the run (cosine spans steps*epochs*minibatches)
 
 
 STAT_KEYS = ("pg_loss", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "kl_ref", "entropy")
@@ -95,13 +105,19 @@ class Trainer:
             apply_activation_checkpointing(self.model)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
-        self.step = 0              # train_step calls done
+        self.step = 0              # stepping train_step calls done (= the weight version the runtime publishes)
         self.optimizer_steps = 0
+        self.accumulated = 0.0     # normaliser (tokens or sequences) of the gradients held since the last step
 
     # ---- one batch ---------------------------------------------------------------------------------------------
-    def train_step(self, groups: list[Group]) -> dict[str, float]:
+    def train_step(self, groups: list[Group], step: bool = True) -> dict[str, float]:
+        """Back-propagate `groups`; with step=True also apply the optimizer step over them and everything
+        accumulated by earlier step=False calls. Returns this call's metrics (optimizer_steps: 0 when not stepping)."""
         t0 = time.perf_counter()
         cfg = self.cfg
+        if not step and (cfg.minibatches > 1 or cfg.ppo_epochs > 1):
+            raise ValueError(f"train_step(step=False) accumulates into one optimizer step, but minibatches = "
+                             f"{cfg.minibatches} and ppo_epochs = {cfg.ppo_epochs} make each call several; set both to 1")
         adv = compute_advantages(groups, cfg.adv_norm, cfg.filter_zero_variance)
         samples = build_samples(adv)
         rewards = [r for g in groups for r in g.rewards]
@@ -111,26 +127,39 @@ class Trainer:
             "tokens": float(sum(len(s.targets) for s in samples)),
         }
         self.model.train()
-        steps: list[dict[str, float]] = []
+        passes: list[dict[str, float]] = []
+        n_steps = 0
         if samples:
             chunks = [samples[r.start:r.stop] for r in split_even(len(samples), min(cfg.minibatches, len(samples)))]
             ref_cache: dict[tuple[int, int], torch.Tensor] = {}
             for _ in range(cfg.ppo_epochs):
                 for i, chunk in enumerate(chunks):
-                    steps.append(self._optimizer_step(chunk, i, ref_cache))
-        for k in steps[0] if steps else ():
-            metrics[k] = steps[-1][k] if k == "lr" else sum(s[k] for s in steps) / len(steps)
-        metrics["optimizer_steps"] = float(len(steps))
-        metrics["skipped"] = float(not steps)
+                    passes.append(self._backward(chunk, i, ref_cache))
+                    if step:
+                        passes[-1].update(self._apply())
+                        n_steps += 1
+        elif step and self.accumulated:
+            metrics.update(self._apply())
+            n_steps = 1
+        for k in passes[0] if passes else ():
+            metrics[k] = passes[-1][k] if k == "lr" else sum(s[k] for s in passes) / len(passes)
+        metrics["optimizer_steps"] = float(n_steps)
+        metrics["skipped"] = float(not passes and not n_steps)
         metrics["step_time_s"] = time.perf_counter() - t0
-        self.step += 1
+        self.step += int(step)
         return metrics
 
-    def _optimizer_step(self, chunk: list[Sample], chunk_id: int,
-                        ref_cache: dict[tuple[int, int], torch.Tensor]) -> dict[str, float]:
+    def _backward(self, chunk: list[Sample], chunk_id: int,
+                  ref_cache: dict[tuple[int, int], torch.Tensor]) -> dict[str, float]:
+        """Forward/backward of one chunk into the gradients, keeping them normalised by the accumulated count."""
         cfg = self.cfg
         costs = [s.num_tokens for s in chunk]
-        normaliser = sum(len(s.targets) for s in chunk) if cfg.loss_agg == "token_mean" else len(chunk)
+        own = float(sum(len(s.targets) for s in chunk) if cfg.loss_agg == "token_mean" else len(chunk))
+        normaliser = self.accumulated + own
+        if self.accumulated:  # the gradients so far were divided by the old count: bring them onto the new one
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(self.accumulated / normaliser)
         plans = [pack_micro_batches(idx, costs, cfg.micro_batch_tokens) for idx in assign_to_ranks(costs, self.world)]
         mine, n_micro = plans[self.rank], max(len(p) for p in plans)
         acc = torch.zeros(len(STAT_KEYS) + 2, dtype=torch.float64)  # stat sums, loss, tokens
@@ -154,15 +183,22 @@ class Trainer:
             acc = acc.to(self.device)
             dist.all_reduce(acc, group=self.group)
             acc = acc.cpu()
+        self.accumulated = normaliser
+        loss = float(acc[-2]) if normaliser == own else float(acc[-2]) * normaliser / own  # this chunk's own mean
+        n = max(float(acc[-1]), 1.0)
+        stats = {key: float(acc[i]) / n for i, key in enumerate(STAT_KEYS) if key != "kl_ref" or self.ref_model}
+        return dict(stats, loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]))
+
+    def _apply(self) -> dict[str, float]:
+        """Clip, step, zero: one optimizer step over the accumulated (normalised) gradients."""
         lr = self.optimizer.param_groups[0]["lr"]
-        grad_norm = clip_grad_norm([p for p in self.model.parameters()], cfg.grad_clip)
+        grad_norm = clip_grad_norm([p for p in self.model.parameters()], self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.optimizer_steps += 1
-        n = max(float(acc[-1]), 1.0)
-        stats = {key: float(acc[i]) / n for i, key in enumerate(STAT_KEYS) if key != "kl_ref" or self.ref_model}
-        return dict(stats, loss=float(acc[-2]), grad_norm=grad_norm, lr=float(lr))
+        self.accumulated = 0.0
+        return dict(grad_norm=grad_norm, lr=float(lr))
 
     def logprobs(self, model: nn.Module, batch: MicroBatch, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies [N] of batch.targets at batch.loss_index under `model`."""
@@ -179,6 +215,9 @@ class Trainer:
     def save_checkpoint(self, ckpt_dir: str | Path, extra: dict[str, Any] | None = None,
                         keep_last: int | None = None) -> Path:
         """dir/step_{self.step}: model, optimizer, LR schedule, trainer counters and the caller's `extra`."""
+        if self.accumulated:
+            raise RuntimeError("checkpoint with accumulated gradients not yet stepped (train_step(step=False) "
+                               "since the last step): they would be lost; checkpoint after a stepping call")
         counters = {"step": self.step, "optimizer_steps": self.optimizer_steps}
         return checkpoint.save(ckpt_dir, self.step, self.model, self.optimizer, self.scheduler,
                                {"trainer": counters, "extra": extra}, self.group, keep_last)

@@ -1,0 +1,399 @@
+"""Each new sched module's decisions on hand-built views, the controller's abort rules event by event, and the
+pure helpers (length ranking, resource splits, adaptive reward timeout)."""
+import pytest
+
+import sched
+from config import ConfigError, build
+from rl.types import Trajectory
+from sched.base import Abort, EngineView, GroupState, Request, RoundPlan, Submit, Views
+from sched.cgp import CompleteGroupPipelining
+from sched.controller import Controller, InvariantError, PromptItem
+from sched.events import Event, EventLog
+from sched.every_u import EveryU
+from sched.frontier import FrontierDispatch
+from sched.length_rank import PREDICTORS, HistoryPredictor
+from sched.resource_split import should_scale_out, split_cross_dc, split_gpus, split_instances
+from sched.reward_timeout import AdaptiveTimeout
+from sched.skewness import SkewnessDispatch
+from sched.stream_handoff import StreamHandoff
+from sched.stream_update import StreamUpdate
+from sched.tail_abort import TailAbort
+from sched.tail_batching import TailBatching
+from sched.whole_round import WholeRound
+
+
+def views(groups, engines=2, group_size=None, prompts_per_step=2, plan=None, rnd=0):
+    """groups: per group a list of request states; "finished:<seq>" sets the finish order. Group i has prompt i."""
+    v = Views(params=dict(group_size=group_size or len(groups[0]), prompts_per_step=prompts_per_step))
+    v.engines = [EngineView(e, version=0) for e in range(engines)]
+    v.round, v.round_groups[rnd], v.plans[rnd] = rnd, [], plan or RoundPlan(fresh=len(groups))
+    rid = 0
+    for gid, states in enumerate(groups):
+        g = v.groups[gid] = GroupState(gid, gid, rnd, len(states), prompt=PromptItem(gid, [1, 2], str(gid)))
+        v.round_groups[rnd].append(gid)
+        for s, st in enumerate(states):
+            st, _, seq = st.partition(":")
+            r = v.requests[rid] = Request(rid, gid, s, gid, rnd, 2 + gid, state=st,
+                                          engine=-1 if st == "pending" else 0, finished_seq=int(seq or -1))
+            if st in ("running", "aborting", "requeueing"):
+                v.engines[0].assigned += 1
+            g.req_ids.append(rid)
+            rid += 1
+    return v
+
+
+def materialize(v, gid, seq, scored=None):
+    g = v.groups[gid]
+    g.scored, g.materialized_seq = g.size if scored is None else scored, seq
+    g.dropped = g.size - g.scored
+    for i in g.req_ids:
+        v.requests[i].state = "finished"
+
+
+# ---- frontier (FGD) --------------------------------------------------------------------------------------------
+def test_frontier_admits_only_the_earliest_unfinished_groups():
+    v = views([["pending"] * 3] * 5)
+    subs = FrontierDispatch(FrontierDispatch.Params(width=2)).admit(v)
+    assert [(s.engine, s.req_ids) for s in subs] == [(0, [0, 1, 2]), (1, [3, 4, 5])]  # whole groups, spread
+    v = views([["finished:1"] * 3, ["running"] * 3, ["pending"] * 3, ["pending"] * 3])
+    assert [s.req_ids for s in FrontierDispatch(FrontierDispatch.Params(width=2)).admit(v)] == [[6, 7, 8]]
+    # group 1 finished before group 0: F = {0, 2}, not contiguous
+    v = views([["running"] * 2, ["finished:1"] * 2, ["pending"] * 2, ["pending"] * 2])
+    assert [s.req_ids for s in FrontierDispatch(FrontierDispatch.Params(width=2)).admit(v)] == [[4, 5]]
+    # a requeued request returns to its group's engine, and the group still holds its slot
+    v = views([["running", "pending"], ["pending", "pending"]], engines=3)
+    v.requests[0].engine = 2
+    assert [(s.engine, s.req_ids) for s in FrontierDispatch(FrontierDispatch.Params(width=1)).admit(v)] == [(2, [1])]
+    # aborting requests do not hold a slot (their group is serving-complete for FGD)
+    v = views([["aborting", "finished:1"], ["pending", "pending"]])
+    assert [s.req_ids for s in FrontierDispatch(FrontierDispatch.Params(width=1)).admit(v)] == [[2, 3]]
+    with pytest.raises(ConfigError, match="width = 0 .*must be >= 1"):
+        sched.load_preset("rolloutpipe", {"dispatch": {"width": 0}}, lambda cls, t, pre: build(cls, t, "x", pre))
+
+
+# ---- CGP and stream handoffs -------------------------------------------------------------------------------------
+def test_cgp_hands_u_groups_in_materialisation_order_and_the_round_rest():
+    v = views([["running"] * 2] * 5)
+    cgp = CompleteGroupPipelining(CompleteGroupPipelining.Params(groups=2))
+    materialize(v, 3, seq=5)
+    assert cgp.ready(v) is None                      # one group: wait for U
+    materialize(v, 1, seq=7)
+    assert cgp.ready(v) == [3, 1]                    # FIFO by materialisation, not by id
+    materialize(v, 0, seq=9)
+    materialize(v, 4, seq=8)
+    materialize(v, 2, seq=10)
+    assert cgp.ready(v) == [3, 1]
+    for g in (3, 1, 4, 0):
+        v.groups[g].consumed = True
+    assert cgp.ready(v) == [2]                       # R not a multiple of U: the rest goes once nothing else can
+    v = views([["running"] * 2] * 3)
+    materialize(v, 0, seq=1)
+    v.groups[1].dropped = 2                          # void (deferred): nothing else of the round can come but 2
+    assert cgp.ready(v) is None
+    materialize(v, 2, seq=2)
+    assert cgp.ready(v) == [0, 2]
+
+
+def test_stream_handoff_hands_everything_ready_once_enough():
+    v = views([["running"] * 2] * 4)
+    h = StreamHandoff(StreamHandoff.Params(min_groups=2))
+    materialize(v, 2, seq=3)
+    assert h.ready(v) is None
+    materialize(v, 0, seq=4)
+    materialize(v, 1, seq=2)
+    assert h.ready(v) == [1, 2, 0]
+    for g in (0, 1, 2):
+        v.groups[g].consumed = True
+    materialize(v, 3, seq=9)
+    assert h.ready(v) == [3]                         # the round's rest, below min_groups
+
+
+def test_batches_never_mix_rounds():
+    v = views([["running"] * 2] * 2)
+    v.round_groups[1] = [7]
+    v.groups[7] = GroupState(7, 7, 1, 2, scored=2, materialized_seq=1)
+    materialize(v, 0, seq=2)
+    assert StreamHandoff().ready(v) == [0] and CompleteGroupPipelining().ready(v) is None
+
+
+# ---- updates -----------------------------------------------------------------------------------------------------
+def test_every_u_steps_every_u_groups_and_publishes_after_the_round():
+    v = views([["finished:1"]] * 5)
+    u = EveryU(EveryU.Params(groups=2))
+    assert (u.decide([0, 1], v).step, u.decide([0, 1], v).publish) == (True, False)
+    assert (u.decide([0], v).step, u.decide([0], v).publish) == (False, False)    # a streamed group accumulates
+    v.trainer.groups_since_step = 1
+    assert u.decide([1], v).step
+    for g in (0, 1, 2):
+        v.groups[g].consumed = True
+    v.groups[4].dropped = 1                          # void
+    v.trainer.groups_since_step = 0
+    call = u.decide([3], v)
+    assert call.step and call.publish                # the round's last group steps and publishes, whatever U
+
+
+def test_stream_update_steps_once_at_round_end():
+    v = views([["finished:1"]] * 3)
+    assert StreamUpdate().decide([0, 2], v) == StreamUpdate().decide([0, 2], v)
+    c = StreamUpdate().decide([0, 2], v)
+    assert (c.step, c.publish) == (False, False)
+    v.groups[1].consumed = True
+    c = StreamUpdate().decide([0, 2], v)
+    assert (c.step, c.publish) == (True, True)
+
+
+# ---- tail batching ------------------------------------------------------------------------------------------------
+def test_tail_batching_plans_short_rounds_then_a_long_round_from_the_queue():
+    tb = TailBatching()
+    v = Views(params=dict(group_size=8, prompts_per_step=128), engines=[EngineView(0, version=0)])
+    p = tb.intake(v)
+    assert (p.fresh, p.group_size, p.kind, p.keep_groups, p.keep_per_group) == (160, 10, "short", 128, 8)
+    # a short round in which 3 prompts ended void (deferred): queued once, the round is closed, next is short
+    v = views([["finished:1"]] * 4 + [["aborted"]] * 3, engines=1, group_size=2, prompts_per_step=3,
+              plan=RoundPlan(fresh=7, group_size=3, kind="short", keep_groups=4, keep_per_group=1))
+    for g in range(4):
+        materialize(v, g, seq=g)
+        v.groups[g].consumed = True
+    for g in range(4, 7):
+        v.groups[g].dropped = 1
+    assert tb.intake(v).kind == "long"               # 3 queued >= P0 = 3
+    assert tb.long_queue == [] and tb.intake(v).kind == "short"  # harvested once only
+    # nothing while the round is open or the engines are behind
+    v.groups[0].consumed = False
+    assert tb.intake(v) == 0
+    with pytest.raises(ValueError, match="admit"):
+        TailBatching(TailBatching.Params(admit="tail_batching"))
+    with pytest.raises(ValueError, match="admit_params"):
+        TailBatching(TailBatching.Params(admit="frontier", admit_params={"widht": 2}))
+
+
+def test_tail_batching_queue_survives_a_checkpoint():
+    tb = TailBatching()
+    tb.long_queue = [PromptItem(4, [1, 2], "a")]
+    fresh = TailBatching()
+    fresh.load_state_dict(tb.state_dict())
+    v = Views(params=dict(group_size=2, prompts_per_step=1), engines=[EngineView(0, version=0)])
+    plan = fresh.intake(v)
+    assert plan.kind == "long" and plan.prompts == [{"prompt_index": 4, "prompt_ids": [1, 2], "answer": "a"}]
+
+
+def test_tail_abort_keeps_the_first_finishers_and_defers_the_rest():
+    plan = RoundPlan(fresh=3, group_size=3, kind="short", keep_groups=2, keep_per_group=2)
+    # group 0: 2 finished -> kept, its running third aborted; group 1: 1 finished, racing; group 2: none yet
+    v = views([["finished:4", "running", "finished:2"], ["finished:3", "running", "running"],
+               ["running", "pending", "running"]], group_size=2, plan=plan)
+    ta = TailAbort()
+    assert [(a.req_ids, a.requeue) for a in ta.plan(v)] == [([1], False)]
+    v.requests[1].state = "aborting"
+    assert ta.plan(v) == []
+    v.requests[8].state, v.requests[8].finished_seq = "finished", 6   # group 2's first finish
+    v.requests[6].state, v.requests[6].finished_seq = "finished", 7   # its second: kept, P0 = 2 reached
+    out = ta.plan(v)
+    victims = sorted(i for a in out for i in a.req_ids)
+    assert victims == [3, 4, 5, 7]                   # all of group 1 (finished one too), group 2's pending third
+    assert all(not a.requeue for a in out) and 0 in ta.settled
+    assert ta.plan(v) == []                          # settled
+    long = views([["running"] * 2] * 3, plan=RoundPlan(prompts=[1, 2, 3], kind="long"))
+    assert TailAbort().plan(long) == []              # non-speculative rounds are never touched
+
+
+def test_tail_abort_orders_by_finish_not_by_sample_index():
+    plan = RoundPlan(fresh=2, group_size=3, kind="short", keep_groups=1, keep_per_group=1)
+    v = views([["running", "finished:9", "running"], ["finished:5", "running", "running"]], plan=plan, group_size=1)
+    assert sorted(i for a in TailAbort().plan(v) for i in a.req_ids) == [0, 1, 2, 4, 5]
+
+
+# ---- skewness dispatch and the ranker ----------------------------------------------------------------------------
+def test_history_predictor():
+    h = HistoryPredictor()
+    assert h.predict(3, prompt_len=7) == 7.0         # nothing seen: prompt length
+    h.observe(1, prompt_len=4, response_len=10)
+    h.observe(1, prompt_len=4, response_len=30)
+    assert h.predict(1, 4) == 20.0
+    assert h.predict(2, 8) == pytest.approx(40.0)    # unseen: mean response x relative prompt length
+    g = HistoryPredictor()
+    g.load_state_dict(h.state_dict())
+    assert g.predict(1, 4) == 20.0 and set(PREDICTORS) >= {"history", "prompt_length"}
+
+
+def test_skewness_sends_the_predicted_long_tail_to_dedicated_engines_longest_first():
+    v = views([["pending"] * 2] * 5, engines=3)      # prompt i has prompt_len 2 + i: group 4 predicted longest
+    d = SkewnessDispatch(SkewnessDispatch.Params(long_fraction=0.2, long_engines=1))
+    subs = d.admit(v)
+    assert d.long == {4}
+    placed = {s.engine: s.req_ids for s in subs}
+    assert placed[2] == [8, 9]                       # the long tail alone on the dedicated engine
+    assert placed[0] == [6, 7, 0, 1] and placed[1] == [4, 5, 2, 3]  # LPT: longest first onto the least work
+    # small batches on the long engines: the second long group waits while the first runs
+    v = views([["pending"] * 2] * 4, engines=2)
+    d = SkewnessDispatch(SkewnessDispatch.Params(long_fraction=0.5, long_engines=1, long_batch=2))
+    assert [s.engine for s in d.admit(v) for _ in s.req_ids].count(1) == 2
+    # finished responses teach the ranker; one engine: LPT order only
+    v = views([["pending"], ["pending"]], engines=1)
+    d = SkewnessDispatch()
+    d.ranker.observe(0, 2, 100)
+    d.ranker.observe(1, 3, 5)                        # the longer prompt had the shorter answers
+    assert d.admit(v)[0].req_ids == [0, 1] and d.long == {0}
+
+
+def test_skewness_learns_from_finished_requests():
+    v = views([["pending"], ["pending"]], engines=1)
+    d = SkewnessDispatch()
+    d.admit(v)
+    v.requests[0].state, v.requests[0].tokens = "finished", 50
+    d.admit(v)
+    assert d.ranker.predict(0, 2) == 50.0 and not d.work.get(0)
+
+
+# ---- the controller's abort rules ------------------------------------------------------------------------------
+class Stub:
+    num_engines = 1
+
+    def __init__(self):
+        self.cmds, self.trained = [], []
+
+    def now(self):
+        return 0.0
+
+    def submit(self, engine, reqs, prompts):
+        pass
+
+    def command(self, cmd):
+        self.cmds.append(cmd)
+
+    def train(self, call, groups):
+        self.trained.append((call, groups))
+
+
+def controller(aborts, group_size=3, handoff="whole_round"):
+    preset = sched.load_preset("sync", {"handoff": {"name": handoff}})
+    preset.rebalance.plan = lambda v: aborts.pop(0) if aborts else []
+    src = iter(range(100))
+    ctl = Controller(preset, lambda n: [PromptItem(next(src), [1, 2], "x") for _ in range(n)], group_size, 1, 5,
+                     log=EventLog())
+    ctl.v.engines = [EngineView(0, version=0)]
+    return ctl
+
+
+def traj(gid, s):
+    return Trajectory(gid, s, [1, 2], [3], [-1.0], [0], "stop", reward=float(s))
+
+
+def test_abort_rules_running_pending_finished_and_races():
+    aborts = [[], [Abort(0, [0, 1])]]
+    ctl, b = controller(aborts), Stub()
+    ctl.decide(b)                                     # round 0 starts, all 3 submitted
+    ctl.apply(Event("trajectory_finished", 1, engine=0, req_id=2, group_id=0, data={"tokens": 1}))
+    ctl.decide(b)                                     # abort 0 and 1 (running): sent, counted dropped at once
+    assert b.cmds == [Abort(0, [0, 1], False)] and ctl.dropped == 2
+    assert [ctl.v.requests[i].state for i in (0, 1)] == ["aborting", "aborting"]
+    ctl.apply(Event("trajectory_aborted", 2, engine=0, req_id=0, data={"requeue": False}))  # the ack
+    ctl.apply(Event("trajectory_finished", 2, engine=0, req_id=1, group_id=0))              # lost the race
+    ctl.apply(Event("reward_scored", 3, req_id=1, group_id=0, payload=traj(0, 1)))          # ignored
+    ctl.apply(Event("reward_scored", 3, req_id=2, group_id=0, payload=traj(0, 2)))
+    g = ctl.v.groups[0]
+    assert (g.scored, g.dropped, ctl.dropped, ctl.v.engines[0].assigned) == (1, 2, 2, 0) and g.materialized
+    assert ctl.v.requests[1].state == "aborted"
+    ctl.decide(b)
+    (call, groups), = b.trained
+    assert [t.sample_index for t in groups[0].trajectories] == [2]
+    closed = [e for e in ctl.log.events if e.kind == "trajectory_aborted"]
+    assert [(e.req_id, e.data) for e in closed] == [(0, {"requeue": False}),
+                                                    (1, {"requeue": False, "discarded": True})]
+    with pytest.raises(InvariantError, match="after its group"):
+        ctl.abort(b, Abort(0, [2]))                   # trained: can never be dropped
+
+
+def test_abort_of_pending_and_scored_requests_is_settled_locally():
+    ctl, b = controller([]), Stub()
+    ctl.start_round(1)
+    ctl.submit(b, Submit(0, [0, 1]))
+    ctl.apply(Event("trajectory_finished", 1, engine=0, req_id=0, group_id=0))
+    ctl.apply(Event("reward_scored", 1, req_id=0, group_id=0, payload=traj(0, 0)))
+    ctl.abort(b, Abort(0, [0, 2]))                   # 0 finished and scored: discarded; 2 never sent: local
+    g = ctl.v.groups[0]
+    assert b.cmds == [] and (g.scored, g.dropped, g.trajectories) == (0, 2, [])
+    assert [e.data for e in ctl.log.events if e.kind == "trajectory_aborted"] == [
+        {"requeue": False, "discarded": True}, {"requeue": False, "local": True}]
+    ctl.abort(b, Abort(0, [1]))
+    assert g.void and g.closed and not g.materialized and ctl.v.round_done(0) and ctl.v.open_groups() == []
+    assert WholeRound().ready(ctl.v) is None          # a void group is never handed to the trainer
+    ctl.apply(Event("trajectory_aborted", 2, engine=0, req_id=1, data={"requeue": False}))
+    assert ctl.quiescent()
+
+
+def test_requeue_returns_to_pending_unless_it_finished_first():
+    ctl, b = controller([]), Stub()
+    ctl.start_round(1)
+    ctl.submit(b, Submit(0, [0, 1, 2]))
+    ctl.abort(b, Abort(0, [0, 1], requeue=True))
+    assert b.cmds == [Abort(0, [0, 1], True)] and ctl.dropped == 0
+    ctl.apply(Event("trajectory_aborted", 1, engine=0, req_id=0, data={"requeue": True}))
+    ctl.apply(Event("trajectory_finished", 1, engine=0, req_id=1, group_id=0))
+    assert [ctl.v.requests[i].state for i in (0, 1)] == ["pending", "finished"]
+    with pytest.raises(InvariantError, match="state pending"):
+        ctl.apply(Event("trajectory_aborted", 2, engine=0, req_id=0, data={"requeue": True}))
+
+
+def test_round_plan_reruns_prompts_with_its_own_group_size():
+    ctl, b = controller([]), Stub()
+    ctl.start_round(RoundPlan(prompts=[{"prompt_index": 9, "prompt_ids": [5], "answer": "y"}], fresh=1,
+                              group_size=2, kind="long"))
+    assert [(g.prompt_index, g.size) for g in ctl.v.groups.values()] == [(9, 2), (0, 2)]
+    assert ctl.log.events[-1].data == {"round": 0, "prompts": 2, "group_size": 2, "kind": "long"}
+
+
+# ---- pure helpers ------------------------------------------------------------------------------------------------
+def test_split_gpus_balances_the_stages():
+    s = split_gpus(12, gen_time=lambda x: 100 / x, train_time=lambda y: 200 / y)
+    assert (s.gen, s.train, s.time) == (4, 8, 25.0)
+    plateau = split_gpus(16, gen_time=lambda x: max(10.0, 40 / x), train_time=lambda y: max(10.0, 80 / y))
+    assert (plateau.gen, plateau.train, plateau.time) == (4, 8, 10.0)   # ties: the fewest GPUs
+    assert split_gpus(16, lambda x: 64 / x, lambda y: 64 / y, gen_unit=4, train_unit=4).gen % 4 == 0
+    with pytest.raises(ValueError):
+        split_gpus(3, lambda x: 1.0, lambda y: 1.0, gen_unit=2, train_unit=2)
+
+
+def test_split_cross_dc_shrinks_the_faster_stage():
+    gen, train = (lambda x: 90 / x), (lambda y: 100 / y)
+    s = split_cross_dc(32, 8, gen, train)             # gen is faster: shrink it toward train's 12.5 s
+    assert (s.gen, s.train) == (7, 8) and s.time == pytest.approx(90 / 7)   # argmin |.| lands slower
+    safe = split_cross_dc(32, 8, gen, train, safe=True)
+    assert (safe.gen, safe.train, safe.time) == (8, 8, 12.5)
+    assert split_cross_dc(4, 64, gen, train).gen == 4 and split_cross_dc(4, 64, gen, train).train < 64
+
+
+def test_scale_out_rule():
+    gen = lambda x: 100 / x  # noqa: E731
+    assert should_scale_out(30, 10, gen, gen_gpus=4, unit=4)      # gap 20 >= 25 - 12.5 that one more unit saves
+    assert not should_scale_out(20, 10, gen, gen_gpus=4, unit=4)
+    assert not should_scale_out(10, 20, gen, gen_gpus=4, unit=4)
+
+
+def test_split_instances_gives_the_long_tail_its_own_instances():
+    # StreamRL Fig. 6a: DP 2, two long-tail samples twice as long as 64 regular ones, PTL rising with batch size
+    ptl = lambda bs: 1.0 + 0.05 * bs  # noqa: E731
+    lengths = [2.0, 2.0] + [1.0] * 64
+    assert split_instances(lengths, 2, ptl, max_bs=lambda L: 1000, alpha=2 / 66) == (1, 1)
+    assert split_instances(lengths, 1, ptl, max_bs=lambda L: 1000) == (0, 1)
+    many = [10.0] * 10 + [1.0] * 90
+    nl, nr = split_instances(many, 8, ptl, max_bs=lambda L: 16, alpha=0.1, objective="max")
+    assert nl + nr == 8 and 1 <= nl < 8
+
+
+def test_adaptive_timeout():
+    t = AdaptiveTimeout()
+    assert t.timeout_s("tc1") == 30.0                 # never solved: the cap
+    t.observe("tc1", 1.0, correct=True)
+    assert t.timeout_s("tc1") == 2.0                  # 1.5 x 1 s, floored at 2 s
+    t.observe("tc1", 4.0, correct=True)
+    t.observe("tc1", 3.0, correct=True)               # the anchor is the slowest correct run
+    t.observe("tc1", 29.0, correct=False)             # wrong answers never move it
+    assert t.timeout_s("tc1") == 6.0
+    t.observe("tc2", 25.0, correct=True)
+    assert t.timeout_s("tc2") == 30.0
+    u = AdaptiveTimeout(AdaptiveTimeout.Params(scale=2.0, min_s=0.5, max_s=10.0))
+    u.load_state_dict(t.state_dict())
+    assert u.timeout_s("tc1") == 8.0 and u.timeout_s("tc2") == 10.0
+    with pytest.raises(ValueError):
+        AdaptiveTimeout.Params(min_s=5, max_s=1)
