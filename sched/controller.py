@@ -117,7 +117,9 @@ class Controller(AbortRules):
             self.on_finished(r)
         elif k == "reward_scored":
             traj: Trajectory = ev.payload
-            g = v.groups[ev.group_id]
+            g = v.groups.get(ev.group_id)
+            if g is None:  # its round was consumed and forgotten: a discarded sample's late reward
+                return
             if traj is None or traj.group_id != g.group_id:
                 raise InvariantError(f"reward_scored event without its trajectory for group {ev.group_id}")
             r = v.requests.get(ev.req_id) if ev.req_id >= 0 else v.requests.get(g.req_ids[traj.sample_index])
@@ -126,7 +128,8 @@ class Controller(AbortRules):
                 g.scored += 1
                 self._materialize(g)
         elif k == "trajectory_aborted":
-            self.on_aborted(v.requests[ev.req_id], bool(ev.data.get("requeue")))
+            if ev.req_id in v.requests:  # else its round was already consumed and forgotten
+                self.on_aborted(v.requests[ev.req_id], bool(ev.data.get("requeue")))
         elif k == "train_step_done":
             t = v.trainer
             t.busy = False

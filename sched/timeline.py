@@ -33,7 +33,7 @@ def draw(events: list[Event], out: str | Path, title: str = "") -> Path:
     tr = n_eng
     ax.broken_barh([(0, t_end)], (tr - 0.35, 0.7), facecolors="#eeeeee")
     ax.broken_barh([(a - t0, b - a) for a, b, _ in trainer_spans(events)], (tr - 0.35, 0.7), facecolors="#f58518")
-    done = {e.version: e.t for e in events if e.kind == "train_step_done"}
+    done = {e.version: e.t for e in events if e.kind == "train_step_done" and e.data.get("stepped", True)}
     pubs = [(done[e.version] - t0, e.t - done[e.version]) for e in events
             if e.kind == "version_published" and e.version in done]
     ax.broken_barh(pubs, (tr - 0.35, 0.7), facecolors="#e45756")

@@ -165,3 +165,12 @@ def test_no_training_past_the_step_budget_with_many_steps_per_round():
         backend = SlowTrainer(2, seed)
         Controller(sched.load_preset("rolloutpipe"), source(), 4, 8, 3).run(backend)
         assert backend.trainer_version == 3 and len(backend.trained_batches) == 3
+
+
+def test_late_events_for_a_forgotten_round_are_ignored():
+    """A discarded sample's reward (or abort) can arrive after its round was consumed and pruned."""
+    ctl = Controller(sched.load_preset("sync"), source(), 2, 1, 1)
+    traj = Trajectory(12345, 0, [1], [2], [-1.0], [0], "stop", reward=1.0)
+    ctl.apply(Event("reward_scored", 1.0, req_id=999, group_id=12345, payload=traj))
+    ctl.apply(Event("trajectory_aborted", 1.0, req_id=999, group_id=12345, data={"requeue": False}))
+    assert ctl.v.groups == {} and ctl.dropped == 0

@@ -1,0 +1,21 @@
+"""Discrete-event simulator: the same sched/ policies and Controller as the runtime, driven on a virtual clock by
+simulated engines and a simulated trainer (DESIGN.md, "Simulator").
+
+    clock.py     event queue on a virtual clock
+    cost.py      the cost model (decode step, prefill, train, weight sync, reward latency)
+    profiles.py  named calibrations, every constant with its source
+    workload.py  response-length distributions per paper setting, and trace replay
+    engine.py    simulated engine: continuous batching, paged KV, preemption by recompute
+    backend.py   SimBackend: the controller's Backend protocol; emits the runtime's events
+    run.py       simulate(...) -> SimResult (events, metrics, timing)
+    compare.py   `python -m sim.compare`: every preset on one workload, a table and timelines
+    repro.py     `python -m sim.repro PAPER`: our numbers beside a paper's
+    calibrate.py `python -m sim.calibrate RUN_DIR`: cost constants from a real run of ours
+"""
+from sim.cost import CostModel, RewardLatency
+from sim.profiles import PROFILES, get_profile
+from sim.run import SimResult, simulate
+from sim.workload import WORKLOADS, LengthModel, TraceError, TraceWorkload, get_workload, load_trace, save_trace
+
+__all__ = ["CostModel", "RewardLatency", "PROFILES", "get_profile", "SimResult", "simulate", "WORKLOADS",
+           "LengthModel", "TraceError", "TraceWorkload", "get_workload", "load_trace", "save_trace"]

@@ -1,0 +1,183 @@
+"""SimBackend: the controller's Backend (sched/controller.py) on a virtual clock.
+
+It emits the same events as the runtime (runtime/rollout_worker.py, runtime/train_worker.py), with the same data
+fields, so sched.metrics and sched.timeline read a simulated log exactly as a real one:
+
+    engine_busy / engine_idle          decode activity spans per engine
+    tokens_decoded                     engine counters (total, running, waiting, kv_used/kv_free in blocks, plus
+                                       tokens, preemptions, and per-request progress when enabled)
+    trajectory_finished                data: tokens, finish_reason
+    reward_scored                      data: reward, correct, failed; payload: an rl.types.Trajectory whose token
+                                       ids / logprobs / versions have the simulated length (versions per token)
+    trajectory_aborted                 data: requeue, tokens (for Abort commands)
+    weights_loaded                     after LoadWeights (relay -> engine, cost.load_s)
+    train_step_done                    data: stepped, reward_mean, accuracy, response_len_mean/max, truncated_frac,
+                                       samples, tokens, step_time_s
+    version_published                  after a publishing train call (cost.publish_s), and version 0 at start
+
+The trainer runs one call at a time, in order, like the runtime's trainer thread: a call starts when the previous
+call and its publication are done. `colocated=True` models engines and trainer time-sharing the same GPUs (veRL,
+our runtime's colocated mode): every engine stops decoding while the trainer works and publishes.
+"""
+from __future__ import annotations
+
+import random
+from statistics import mean
+
+from rl.types import Group, Trajectory
+from sched.base import Abort, Interrupt, LoadWeights, Migrate, Request, TrainCall
+from sched.controller import PromptItem
+from sched.events import Event
+from sim.clock import EventQueue
+from sim.cost import CostModel
+from sim.engine import SimEngine, SimRequest
+from sim.tokens import RunList
+from sim.workload import Workload
+
+FAKE_TOKEN, FAKE_LOGPROB = 7, -1.0
+
+
+class SimStalled(RuntimeError):
+    """Nothing is in flight but the controller still waits: the policy will never make progress."""
+
+
+class StopSimulation(Exception):
+    """Raised by next_event once `stop_after_samples` trained samples have been reported done (see simulate)."""
+
+
+def rollout_stats(groups: list[Group]) -> dict[str, float]:
+    """Same keys as runtime.train_worker.rollout_stats (kept here so the simulator does not import torch)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {}
+    lens = [len(t.response_ids) for t in trajs]
+    return {"reward_mean": mean(t.reward or 0.0 for t in trajs),
+            "accuracy": mean(1.0 if t.correct else 0.0 for t in trajs),
+            "response_len_mean": mean(lens), "response_len_max": float(max(lens)),
+            "truncated_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in trajs),
+            "samples": float(len(trajs))}
+
+
+class SimBackend:
+    def __init__(self, cost: CostModel, workload: Workload, num_engines: int, train_gpus: int, seed: int = 0, *,
+                 colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
+                 max_events: int | None = None, stop_after_samples: int | None = None):
+        if num_engines < 1 or train_gpus < 1:
+            raise ValueError(f"need at least one engine and one train GPU, got {num_engines} and {train_gpus}")
+        self.cost, self.workload, self.train_gpus, self.colocated = cost, workload, train_gpus, colocated
+        self.q = EventQueue()
+        first_rank = 0 if colocated else train_gpus
+        self.engines = [SimEngine(i, first_rank + i * cost.gpus_per_engine, cost, self, counters_every_s, progress)
+                        for i in range(num_engines)]
+        self.rng = random.Random(f"sim-backend:{seed}")
+        self.trainer_version = 0
+        self.trainer_free = 0.0
+        self.max_events = max_events
+        self.events_out = 0
+        self.stop_after_samples = stop_after_samples
+        self.samples_trained = 0   # samples of train calls whose train_step_done has been delivered
+        self.emit(Event("version_published", 0.0, rank=0, version=0))  # engines start from the trainer's weights
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engines)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(e.preemptions for e in self.engines)
+
+    # ------------------------------------------------------------------------------------------ engine host
+    def emit(self, ev: Event) -> None:
+        self.q.push(ev.t, ev)
+
+    def wake(self, engine: int, t: float, gen: int) -> None:
+        self.q.push(t, (engine, gen))
+
+    def finished(self, engine: int, r: SimRequest, t: float) -> None:
+        spec = self.workload.prompt(r.prompt_index)
+        correct = self.rng.random() < spec.p_correct
+        reason = "length" if r.done >= self.workload.max_len else "stop"
+        traj = Trajectory(r.group_id, r.sample_index, r.prompt_ids, RunList.of(FAKE_TOKEN, r.done),
+                          RunList.of(FAKE_LOGPROB, r.done), RunList(r.runs), reason, reward=float(correct),
+                          correct=correct, prompt_index=r.prompt_index,
+                          meta={"engine": engine, "preemptions": r.preemptions})
+        version = min(v for v, _ in r.runs)
+        rank = self.engines[engine].rank
+        self.emit(Event("trajectory_finished", t, rank=rank, engine=engine, req_id=r.req_id, group_id=r.group_id,
+                        version=version, data={"tokens": r.done, "finish_reason": reason}))
+        self.emit(Event("reward_scored", t + self.cost.reward.sample(self.rng), rank=rank, engine=engine,
+                        req_id=r.req_id, group_id=r.group_id, version=version,
+                        data={"reward": float(correct), "correct": correct, "failed": False}, payload=traj))
+
+    # ---------------------------------------------------------------------------------------- Backend protocol
+    def now(self) -> float:
+        return self.q.now
+
+    def submit(self, engine: int, reqs: list[Request], prompts: dict[int, PromptItem]) -> None:
+        w = self.workload
+        sims = [SimRequest(r.req_id, r.group_id, r.sample_index, r.prompt_index, r.prompt_len,
+                           w.response_len(r.prompt_index, r.sample_index), w.max_len, prompts[r.group_id].prompt_ids)
+                for r in reqs]
+        self.engines[engine].add(sims, self.now())
+
+    def command(self, cmd: Abort | Interrupt | Migrate | LoadWeights) -> None:
+        if isinstance(cmd, LoadWeights):
+            self.engines[cmd.engine].hold(self.now(), duration=self.cost.load_s, version=cmd.version)
+        elif isinstance(cmd, Abort):
+            e = self.engines[cmd.engine]
+            for r in e.remove(cmd.req_ids, self.now()):
+                self.emit(Event("trajectory_aborted", e.t, rank=e.rank, engine=e.index, req_id=r.req_id,
+                                group_id=r.group_id, version=min((v for v, _ in r.runs), default=e.version),
+                                data={"requeue": bool(cmd.requeue), "tokens": r.done}))
+            e.plan()
+        else:
+            raise NotImplementedError(
+                f"{type(cmd).__name__} is not simulated yet (Interrupt and Migrate come with the off-policy work: "
+                "SimEngine.remove keeps a request's tokens and per-token versions, SimEngine.add re-prefills them)")
+
+    def train(self, call: TrainCall, groups: list[Group]) -> None:
+        now = self.now()
+        tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
+        start = max(now, self.trainer_free)
+        dur = self.cost.train_s(tokens, self.train_gpus)
+        done = start + dur
+        if call.step:
+            self.trainer_version += 1
+        self.emit(Event("train_step_done", done, rank=0, version=self.trainer_version,
+                        data={"stepped": call.step, **rollout_stats(groups), "tokens": float(tokens),
+                              "step_time_s": dur}))
+        self.trainer_free = done
+        if call.publish:
+            self.trainer_free = done + self.cost.publish_s
+            self.emit(Event("version_published", self.trainer_free, rank=0, version=self.trainer_version,
+                            data={"seconds": self.cost.publish_s}))
+        if self.colocated:
+            for e in self.engines:
+                e.hold(now, until=self.trainer_free)
+
+    def run_until(self, t: float) -> list[Event]:
+        """Advance the clock to t, returning the events due by then (for tests and tools driving engines directly)."""
+        out = []
+        while self.q and self.q.peek_time() <= t:
+            out.append(self.next_event())
+        self.q.now = max(self.q.now, t)
+        return out
+
+    def next_event(self) -> Event:
+        if self.stop_after_samples is not None and self.samples_trained >= self.stop_after_samples:
+            raise StopSimulation
+        while True:
+            if not self.q:
+                busy = [e.index for e in self.engines if e.running or e.waiting]
+                raise SimStalled(f"simulation stalled at t={self.q.now:.3f} s: nothing is in flight (engines with "
+                                 f"work: {busy[:8]}, trainer idle) and the controller is still waiting")
+            t, item = self.q.pop()
+            if isinstance(item, Event):
+                self.events_out += 1
+                if self.max_events is not None and self.events_out > self.max_events:
+                    raise SimStalled(f"more than {self.max_events} events by t={t:.3f} s: is the policy looping?")
+                if item.kind == "train_step_done":
+                    self.samples_trained += int(item.data.get("samples", 0))
+                return item
+            engine, gen = item
+            self.engines[engine].on_wake(t, gen)

@@ -1,0 +1,98 @@
+"""Cost-model constants measured from one of our own runs (a run directory with events.jsonl and metrics.jsonl).
+
+    python train.py --config configs/tiny.toml --log.dir=/tmp/run     # any run of ours, CPU or GPU
+    python -m sim.calibrate /tmp/run [--train-ranks N]
+
+What it measures (and how the cpu_tiny profile in sim/profiles.py was filled in):
+    decode   the rollout worker sends a tokens_decoded event every `counters_every` (8) engine steps with the engine's
+             running total; between two consecutive ones inside a busy span, (dt / 8) is the step time and
+             (d_total / 8) the mean batch size n. A least-squares fit of step = k3 * n + k4 gives the CPU profile's
+             k3, k4 (k1 = k2 = 0: a tiny model on CPU is compute-bound, its KV reads are negligible)
+    train    step_time_s / trained tokens from metrics.jsonl (median), times the train ranks = s per token on one
+             GPU/rank; the trainer's `tokens` counts response tokens only, so pass the mean prompt length
+             (--prompt-tokens) to count what the forward pass processes (prompt + response), as sim/cost.py does
+    publish  train_step_done -> version_published (sched.metrics weight_sync_s)
+    load     version_published -> weights_loaded, per engine
+    reward   trajectory_finished -> reward_scored, per request
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from sched.events import Event, read_events
+from sched.metrics import engine_spans, summarize
+
+COUNTERS_EVERY = 8  # runtime/rollout_worker.py SamplingConfig.counters_every
+
+
+def decode_fit(events: list[Event]) -> dict[str, float]:
+    end = max(e.t for e in events)
+    spans = engine_spans(events, end)
+    pts: list[tuple[float, float]] = []  # (n, step seconds)
+    last: dict[int, Event] = {}
+    for e in events:
+        if e.kind == "engine_busy":
+            last.pop(e.engine, None)
+        elif e.kind == "tokens_decoded":
+            p = last.get(e.engine)
+            same_span = p is not None and any(a <= p.t and e.t <= b for a, b in spans.get(e.engine, []))
+            if same_span and e.data["total"] > p.data["total"]:
+                pts.append(((e.data["total"] - p.data["total"]) / COUNTERS_EVERY, (e.t - p.t) / COUNTERS_EVERY))
+            last[e.engine] = e
+    busy = sum(b - a for s in spans.values() for a, b in s)
+    tokens = sum(e.data.get("tokens", 0) for e in events if e.kind == "trajectory_finished")
+    out = {"busy_s": busy, "tokens": float(tokens), "busy_s_per_token": busy / max(tokens, 1), "fit_points": len(pts)}
+    if len(pts) >= 2 and len({n for n, _ in pts}) >= 2:
+        mn, ms = statistics.fmean(n for n, _ in pts), statistics.fmean(s for _, s in pts)
+        var = sum((n - mn) ** 2 for n, _ in pts)
+        k3 = max(0.0, sum((n - mn) * (s - ms) for n, s in pts) / var)
+        out.update(k3=k3, k4=max(0.0, ms - k3 * mn), mean_batch=mn)
+    return out
+
+
+def measure(run_dir: str | Path, train_ranks: int | None = None, prompt_tokens: float = 0.0) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    events = list(read_events(run_dir / "events.jsonl"))
+    if not events:
+        raise ValueError(f"{run_dir}/events.jsonl holds no events")
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if line.strip()]
+    engine_ranks = sorted({e.rank for e in events if e.engine >= 0 and e.rank >= 0})
+    ranks = train_ranks or (engine_ranks[0] if engine_ranks and engine_ranks[0] > 0 else 1)
+    per_tok = [m["step_time_s"] / (m["tokens"] + prompt_tokens * m.get("samples", 0)) for m in metrics
+               if m.get("tokens")]
+    pub = {e.version: e.t for e in events if e.kind == "version_published"}
+    loads = [e.t - pub[e.version] for e in events if e.kind == "weights_loaded" and e.version in pub]
+    fin = {e.req_id: e.t for e in events if e.kind == "trajectory_finished"}
+    rew = [e.t - fin[e.req_id] for e in events if e.kind == "reward_scored" and e.req_id in fin]
+    out: dict[str, Any] = {"run": str(run_dir), "train_ranks": ranks, **decode_fit(events)}
+    if per_tok:
+        out["train_s_per_token_one_rank"] = statistics.median(per_tok) * ranks
+    out["publish_s"] = summarize(events).get("weight_sync_s")
+    out["load_s"] = statistics.median(loads) if loads else None
+    out["reward_s_median"] = statistics.median(rew) if rew else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir")
+    ap.add_argument("--train-ranks", type=int, help="train ranks of the run (default: the first engine's rank)")
+    ap.add_argument("--prompt-tokens", type=float, default=0.0, help="mean prompt tokens per sample of the run")
+    args = ap.parse_args(argv)
+    try:
+        m = measure(args.run_dir, args.train_ranks, args.prompt_tokens)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for k, v in m.items():
+        print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Every scheduling preset in configs/sched/*.toml on one common long-tail workload, side by side.
+
+    python -m sim.compare [--gpus 64] [--trace FILE.jsonl] [--seed 0] [--out runs/compare] [--json]
+
+Setting (defaults): RollPacker's 7B/8k long-tail workload (sim/workload.py) on the h800_7b cost profile, GPUs split
+half engines (TP 1) and half trainer, GRPO groups of 8, 128 prompts per round (RollPacker's P0), and each preset runs
+until it has trained `--rounds` rounds' worth of samples (the same work for presets whose optimizer steps differ;
+the default 5 covers a whole tail-batching period, so deferred long prompts are paid for).
+Columns:
+    throughput              trained samples / seconds from the first round start to the last train call's end
+    rollout_to_train_end_s  RolloutPipe's "main time", mean over rounds (sched/metrics.py)
+    trainer_wait_ratio      RolloutPipe §5.1: trainer wait / (wait + compute)
+    engine_idle_ratio       1 - decode busy time / (engines x makespan)
+A preset that fails is a row with its error, not a crash. Each preset's timeline goes to OUT/<preset>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import sched
+from sim.run import draw_timeline, simulate
+from sim.workload import get_workload, load_trace, TraceError
+
+KEYS = ("preset", "throughput", "rollout_to_train_end_s", "trainer_wait_ratio", "engine_idle_ratio")
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in sched.PRESET_DIR.glob("*.toml"))
+
+
+def throughput(events: list, samples: int) -> float:
+    starts = [e.t for e in events if e.kind == "round_started"]
+    ends = [e.t for e in events if e.kind == "train_step_done"]
+    return samples / (max(ends) - min(starts)) if starts and ends and max(ends) > min(starts) else 0.0
+
+
+def run_one(name: str, args: argparse.Namespace, workload: Any, out: Path | None) -> dict[str, Any]:
+    try:
+        engines, train = max(1, args.gpus // 2), max(1, args.gpus - args.gpus // 2)
+        samples = args.rounds * args.prompts * args.group_size
+        r = simulate(name, workload, args.cost, engines, train, steps=10**9, group_size=args.group_size,
+                     prompts_per_step=args.prompts, seed=args.seed, samples=samples)
+        m = r.metrics
+        row = {"preset": name, "throughput": throughput(r.events, m["samples_trained"]),
+               "rollout_to_train_end_s": m.get("rollout_to_train_end_s"),
+               "trainer_wait_ratio": m.get("trainer_wait_ratio"), "engine_idle_ratio": m.get("engine_idle_ratio")}
+        if out is not None:
+            draw_timeline(r.events, out / f"{name}.png", name, r.num_engines)
+        return row
+    except Exception as e:  # one broken preset must not hide the others
+        row = {k: None for k in KEYS}
+        row.update(preset=name, error=f"{type(e).__name__}: {e}")
+        if args.verbose:
+            traceback.print_exc()
+        return row
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'preset':16s} {'samples/s':>10s} {'rollout_to_train_end_s':>23s} {'trainer_wait':>13s} "
+            f"{'engine_idle':>12s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['preset']:16s} FAILED: {r['error']}")
+            continue
+        r2t = r["rollout_to_train_end_s"]
+        lines.append(f"{r['preset']:16s} {r['throughput']:10.2f} {('%.1f' % r2t) if r2t is not None else '-':>23s} "
+                     f"{r['trainer_wait_ratio']:13.1%} {r['engine_idle_ratio']:12.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=64, help="simulated GPUs, half engines and half trainer")
+    ap.add_argument("--trace", help="replay response lengths from a JSONL trace instead of the workload model")
+    ap.add_argument("--workload", default="rollpacker_7b_8k")
+    ap.add_argument("--cost", default="h800_7b", help="cost profile (sim/profiles.py)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds' worth of samples each preset trains (5 = one tail-batching period, 4 short + 1 long)")
+    ap.add_argument("--prompts", type=int, default=128, help="prompts per round")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--out", default="runs/compare", help="directory for the timeline pictures")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the table as a JSON list of rows")
+    ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing presets")
+    args = ap.parse_args(argv)
+    if args.gpus < 2:
+        ap.error("--gpus must be at least 2 (one engine, one train GPU)")
+    try:
+        workload = load_trace(args.trace) if args.trace else get_workload(args.workload, args.seed)
+    except (TraceError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = None if args.no_plots else Path(args.out)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    rows = [run_one(name, args, workload, out) for name in presets()]
+    print(json.dumps(rows) if args.json else format_table(rows))
+    if out is not None and not args.json:
+        print(f"timelines: {out}/<preset>.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The simulator's cost model: every duration the virtual clock advances by comes from here.
+
+Decode step latency (one engine step: every running sequence gets one token)
+
+    L(n, kv) = k1 * kv + max(k2, k3 * n) + k4                                   [seconds]
+
+n = running sequences, kv = context tokens they attend over (prompt + generated, summed). This is the latency
+(denominator) of StaleFlow's throughput model, Eq. (2)/(13), T = n / L (StaleFlow §5.3, App. B): attention reads the
+KV cache (memory-bound, k1 per token), the GEMMs read the weights once per step (k2) until the batch is large enough
+to be compute-bound (k3 per sequence), plus a fixed per-step cost k4 (scheduling, sampling, launches, TP
+all-reduces). We use this form because (a) it is also exactly what a memory roofline gives — bytes(weights +
+KV)/bandwidth + overhead, with the compute roof as the max — so profiles can be derived from hardware datasheets
+(sim/profiles.py, `roofline`) or taken from a paper's regression (StaleFlow Table 4) with the same code; and (b) it
+is linear in kv, so many decode steps sum in closed form while kv grows by n per step, which lets the engine model
+jump from one event to the next instead of stepping (sim/engine.py).
+
+Other costs: prefill is linear in tokens (compute-bound); training is seconds per trained token (prompt +
+response) for one GPU, divided by the train partition's GPUs, plus a per-call overhead; publishing weights is one
+broadcast from the trainer to every engine's relay; loading is relay -> engine; reward latency is a per-sample
+distribution. The named calibrations, each constant with its source, are in sim/profiles.py.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class RewardLatency:
+    """Seconds from a trajectory's last token to its reward: a mixture of lognormal components, each capped at its
+    own timeout, some fraction of which runs into the timeout (a code sandbox killing a slow test)."""
+
+    # (weight, median_s, sigma, timeout_s, timeout_frac) per component
+    components: tuple[tuple[float, float, float, float, float], ...] = ((1.0, 0.02, 1.0, 2.0, 0.0),)
+
+    def sample(self, rng: random.Random) -> float:
+        u = rng.random() * sum(c[0] for c in self.components)
+        for w, median, sigma, timeout, frac in self.components:
+            if u <= w:
+                break
+            u -= w
+        if frac > 0 and rng.random() < frac:
+            return timeout
+        return min(timeout, median * math.exp(sigma * rng.gauss(0.0, 1.0)))
+
+    def mean(self) -> float:
+        """Approximate mean (ignores the cap on the lognormal body)."""
+        tot = sum(c[0] for c in self.components)
+        return sum(w / tot * (f * t + (1 - f) * min(t, m * math.exp(s * s / 2)))
+                   for w, m, s, t, f in self.components)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    name: str
+    k1: float                       # s per resident context token per decode step (KV read)
+    k2: float                       # s per decode step for reading the weights once
+    k3: float                       # s per running sequence per decode step when compute-bound
+    k4: float                       # s fixed per decode step
+    prefill_s_per_token: float      # s per prompt (or recomputed) token
+    kv_capacity_tokens: int         # KV cache size of one engine, in tokens
+    train_s_per_token: float        # s per trained token (prompt + response) on ONE train GPU
+    publish_s: float                # trainer -> every engine's relay, per published version
+    load_s: float                   # relay -> engine weights, per LoadWeights
+    reward: RewardLatency = field(default_factory=RewardLatency)
+    block_size: int = 16            # tokens per KV block (our engine's default, engine/config.py)
+    max_num_seqs: int = 256         # most sequences in one engine batch
+    gpus_per_engine: int = 1        # tensor-parallel size of one engine
+    train_overhead_s: float = 0.0   # fixed per train call (launch, optimizer step)
+    sources: Mapping[str, str] = field(default_factory=dict)  # constant -> where its value comes from
+
+    def __post_init__(self) -> None:
+        for k in ("k1", "k2", "k3", "k4", "prefill_s_per_token", "train_s_per_token", "publish_s", "load_s",
+                  "train_overhead_s"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"cost profile {self.name!r}: {k} must be >= 0, got {getattr(self, k)}")
+        if self.k2 + self.k4 <= 0:
+            raise ValueError(f"cost profile {self.name!r}: a decode step must take time (k2 + k4 > 0)")
+        if self.kv_capacity_tokens < self.block_size or self.max_num_seqs < 1:
+            raise ValueError(f"cost profile {self.name!r}: needs kv_capacity_tokens >= block_size and "
+                             f"max_num_seqs >= 1")
+
+    # ------------------------------------------------------------------------------------------------ decode
+    @property
+    def kv_capacity_blocks(self) -> int:
+        return self.kv_capacity_tokens // self.block_size
+
+    def step_s(self, n: int, kv: float) -> float:
+        """Latency of one decode step with n running sequences attending over kv context tokens."""
+        return self.k1 * kv + max(self.k2, self.k3 * n) + self.k4
+
+    def steps_s(self, n: int, kv0: float, m: int) -> float:
+        """Total latency of m consecutive decode steps starting at kv0 context tokens (kv grows by n per step)."""
+        if m <= 0:
+            return 0.0
+        base = max(self.k2, self.k3 * n) + self.k4 + self.k1 * kv0
+        return m * base + self.k1 * n * m * (m - 1) / 2.0
+
+    def steps_reaching(self, n: int, kv0: float, dt: float) -> int:
+        """Smallest m >= 0 with steps_s(n, kv0, m) >= dt: the step boundary at or after dt into a run of steps."""
+        if dt <= 0:
+            return 0
+        base = max(self.k2, self.k3 * n) + self.k4 + self.k1 * kv0
+        a = self.k1 * n / 2.0
+        b = base - a
+        m = dt / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a)
+        m = max(0, math.floor(m))
+        while self.steps_s(n, kv0, m) < dt - 1e-12:
+            m += 1
+        while m > 0 and self.steps_s(n, kv0, m - 1) >= dt - 1e-12:
+            m -= 1
+        return m
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.prefill_s_per_token * tokens
+
+    # ------------------------------------------------------------------------------------------------- train
+    def train_s(self, tokens: int, train_gpus: int) -> float:
+        """One train call over `tokens` trained tokens on the train partition (perfect data-parallel scaling)."""
+        return self.train_overhead_s + tokens * self.train_s_per_token / max(1, train_gpus)
+
+    def decode_tokens_per_s(self, n: int, kv: float) -> float:
+        return n / self.step_s(n, kv)

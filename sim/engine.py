@@ -1,0 +1,308 @@
+"""A simulated decode engine: continuous batching on a virtual clock, shaped like our engine/ (engine/scheduler.py).
+
+Model, per engine step (every running sequence gets one token; step time from sim/cost.py):
+  - admission, FIFO from the waiting queue, while a seat is free (`max_num_seqs`) and the KV blocks fit (keeping a 1%
+    watermark free when others run, as engine/scheduler.py does); nobody is admitted in a step that preempted;
+  - KV in fixed-size blocks; the G samples of a group resident on the engine share their prompt's full blocks
+    (prefix sharing with copy-on-write of the partial last block), each sample owns the rest;
+  - a newly admitted sequence's prefill (prompt + tokens it already had, i.e. recompute after a preemption) is paid
+    in its first step, at `prefill_s_per_token`; a group sibling of a resident sequence skips the shared prompt;
+  - when the running set needs more blocks than the pool holds, the most recently admitted sequence is preempted by
+    recompute (blocks freed, back to the front of the queue with its tokens) until the rest fit.
+
+Efficiency: between two events the running set is fixed, so the engine plans a *segment* of m steps at once, up to
+the next finish or the step at which KV would overflow, and sums their time in closed form (kv grows by n per step).
+Anything arriving mid-segment (a submit, a command) first brings the engine to the next step boundary (`sync`), then
+the engine re-plans. 1024 engines x thousands of requests cost O(events x running), not O(tokens).
+
+Extension points for the off-policy work: `remove` takes requests out with their state (tokens so far, per-token
+version runs) and `add` accepts partially generated requests (their tokens are re-prefilled), so interrupt = remove +
+park, and migrate = remove here + add there; `hold` pauses decoding (weight loads, colocated training).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from sched.events import Event
+from sim.cost import CostModel
+
+
+@dataclass(eq=False)  # identity equality: list.remove must not compare field by field
+class SimRequest:
+    req_id: int
+    group_id: int
+    sample_index: int
+    prompt_index: int
+    prompt_len: int
+    target: int                     # response length this sample will have (from the workload)
+    max_len: int                    # the response cap: reaching it means finish_reason "length"
+    prompt_ids: Sequence[int] = ()
+    done: int = 0                   # response tokens generated so far
+    runs: list[list[int]] = field(default_factory=list)  # [[version, tokens], ...] in generation order
+    preemptions: int = 0
+    prefill: int = 0                # tokens its next step must prefill (set on admission, 0 once computed)
+
+    def add_tokens(self, version: int, k: int) -> None:
+        if self.runs and self.runs[-1][0] == version:
+            self.runs[-1][1] += k
+        else:
+            self.runs.append([version, k])
+
+
+class EngineHost(Protocol):
+    """What an engine needs from the backend that owns the clock."""
+
+    def emit(self, ev: Event) -> None: ...
+    def wake(self, engine: int, t: float, gen: int) -> None: ...
+    def finished(self, engine: int, req: SimRequest, t: float) -> None: ...
+
+
+@dataclass
+class _Segment:
+    start: float
+    prefill_s: float
+    n: int
+    kv0: int
+    m: int
+
+    def boundary(self, cost: CostModel, j: int) -> float:
+        """Time of the end of step j of this segment (the first step carries the prefill)."""
+        return self.start if j <= 0 else self.start + self.prefill_s + cost.steps_s(self.n, self.kv0, j)
+
+
+class SimEngine:
+    def __init__(self, index: int, rank: int, cost: CostModel, host: EngineHost,
+                 counters_every_s: float | None = None, progress: bool = False):
+        self.index, self.rank, self.cost, self.host = index, rank, cost, host
+        self.counters_every_s, self.progress = counters_every_s, progress
+        self.bs, self.cap = cost.block_size, cost.kv_capacity_blocks
+        self.running: list[SimRequest] = []
+        self.waiting: deque[SimRequest] = deque()
+        self.version = -1
+        self.t = 0.0                  # the state is exact at this instant
+        self.seg: _Segment | None = None
+        self.gen = 0                  # bumps whenever a planned wake-up becomes stale
+        self.hold_until = -math.inf   # no decoding before this (weight load, colocated training)
+        self.pending_version: int | None = None
+        self.busy = False
+        self.group_ref: dict[int, int] = {}  # group id -> running members sharing its prompt blocks
+        self.shared_blocks = 0
+        self.private_blocks = 0       # sum of _private(r, 0) over the running set
+        self.kv_tokens = 0            # context tokens of the running set (what attention reads)
+        self.tokens_total = 0
+        self._tokens_reported = 0
+        self._t_counter = -math.inf
+        self.preemptions = 0
+        self.peak_blocks = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------------------------------------------ KV blocks
+    def _private(self, r: SimRequest, j: int) -> int:
+        return -(-(r.prompt_len % self.bs + r.done + j) // self.bs)
+
+    def need(self, j: int = 0) -> int:
+        """Blocks the running set needs to run its (j+1)-th step from now."""
+        if j == 0:
+            return self.shared_blocks + self.private_blocks
+        return self.shared_blocks + sum(self._private(r, j) for r in self.running)
+
+    def overflows_within(self, m: int) -> bool:
+        """Whether the running set outgrows the pool within its next m steps (a cheap bound first)."""
+        n_blocks = -(-(m - 1) // self.bs)  # each sequence gains at most this many blocks in m - 1 steps
+        if self.need(0) + len(self.running) * n_blocks <= self.cap:
+            return False
+        return self.need(m - 1) > self.cap
+
+    def fits_alone(self, r: SimRequest) -> bool:
+        return r.prompt_len // self.bs + -(-(r.prompt_len % self.bs + r.max_len) // self.bs) <= self.cap
+
+    def _attach(self, r: SimRequest) -> None:
+        self.running.append(r)
+        if self.group_ref.get(r.group_id, 0) == 0:
+            self.shared_blocks += r.prompt_len // self.bs
+        self.group_ref[r.group_id] = self.group_ref.get(r.group_id, 0) + 1
+        self.kv_tokens += r.prompt_len + r.done
+        self.private_blocks += self._private(r, 0)
+
+    def _detach(self, r: SimRequest) -> None:
+        self.running.remove(r)
+        left = self.group_ref[r.group_id] - 1
+        if left == 0:
+            del self.group_ref[r.group_id]
+            self.shared_blocks -= r.prompt_len // self.bs
+        else:
+            self.group_ref[r.group_id] = left
+        self.kv_tokens -= r.prompt_len + r.done
+        self.private_blocks -= self._private(r, 0)
+
+    # --------------------------------------------------------------------------------------------- the clock
+    def sync(self, now: float) -> None:
+        """Bring the state to the first step boundary at or after `now`: changes take effect between steps."""
+        seg = self.seg
+        if seg is None:
+            self.t = max(self.t, now)
+            return
+        elapsed = now - seg.start
+        j = 0 if elapsed <= 0 else max(1, self.cost.steps_reaching(seg.n, seg.kv0, elapsed - seg.prefill_s))
+        j = min(j, seg.m)
+        self._advance(j)
+        self.t = seg.boundary(self.cost, j)
+        self.seg = None
+        self.gen += 1
+        if j == seg.m:
+            self._finish_done()
+
+    def _advance(self, j: int) -> None:
+        if j <= 0:
+            return
+        bs, v, private = self.bs, self.version, 0
+        for r in self.running:
+            r.done += j
+            r.prefill = 0
+            runs = r.runs
+            if runs and runs[-1][0] == v:
+                runs[-1][1] += j
+            else:
+                runs.append([v, j])
+            private += -(-(r.prompt_len % bs + r.done) // bs)
+        self.private_blocks = private
+        n = len(self.running)
+        self.kv_tokens += n * j
+        self.tokens_total += n * j
+        self.steps += j
+
+    def _finish_done(self) -> None:
+        for r in [r for r in self.running if r.done >= r.target]:
+            self._detach(r)
+            self.host.finished(self.index, r, self.t)
+
+    def on_wake(self, t: float, gen: int) -> None:
+        if gen != self.gen:
+            return  # superseded by a sync
+        if self.seg is not None:
+            self._advance(self.seg.m)
+            self.seg = None
+            self.t = t
+            self._finish_done()
+            if self.counters_every_s is not None and self.t - self._t_counter >= self.counters_every_s:
+                self.counters()
+        self.t = max(self.t, t)
+        if self.t >= self.hold_until and self.pending_version is not None:
+            self.version, self.pending_version = self.pending_version, None
+            self.host.emit(Event("weights_loaded", self.t, rank=self.rank, engine=self.index, version=self.version))
+        self.plan()
+
+    # ------------------------------------------------------------------------------------------------ planning
+    def plan(self) -> None:
+        """Decide the next segment of steps from the current (synced) state and schedule its end."""
+        if self.seg is not None:
+            return
+        self.gen += 1
+        if self.t < self.hold_until:
+            self.host.wake(self.index, self.hold_until, self.gen)
+            return
+        if not self._preempt_to_fit():
+            self._admit()
+        if not self.running:
+            self._set_busy(False)
+            return
+        self._set_busy(True)
+        n = len(self.running)
+        m = min(r.target - r.done for r in self.running)
+        if self.overflows_within(m):  # KV overflows inside the segment: stop at the last step that fits
+            lo, hi = 0, m - 1            # need(lo) <= cap < need(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if self.need(mid) <= self.cap else (lo, mid)
+            m = lo + 1
+        prefill_s = self.cost.prefill_s(sum(r.prefill for r in self.running))  # admitted since the last step
+        if self.counters_every_s is not None:
+            m = min(m, max(1, self.cost.steps_reaching(n, self.kv_tokens, self.counters_every_s - prefill_s)))
+        self.peak_blocks = max(self.peak_blocks, self.need(m - 1))
+        self.seg = _Segment(self.t, prefill_s, n, self.kv_tokens, m)
+        self.host.wake(self.index, self.seg.boundary(self.cost, m), self.gen)
+
+    def _preempt_to_fit(self) -> bool:
+        preempted = False
+        while self.running and self.need(0) > self.cap:
+            victim = self.running[-1]
+            self._detach(victim)
+            victim.preemptions += 1
+            self.preemptions += 1
+            self.waiting.appendleft(victim)
+            preempted = True
+        return preempted
+
+    def _admit(self) -> None:
+        """FIFO admission; each admitted request's first step prefills its prompt (unless a resident sibling
+        holds it) and the tokens it already had (recompute after a preemption)."""
+        need0, watermark = self.need(0), self.cap // 100
+        while self.waiting and len(self.running) < self.cost.max_num_seqs:
+            r = self.waiting[0]
+            resident = self.group_ref.get(r.group_id, 0) > 0
+            extra = (0 if resident else r.prompt_len // self.bs) + self._private(r, 0)
+            if need0 + extra + (watermark if self.running else 0) > self.cap:
+                break
+            self.waiting.popleft()
+            self._attach(r)
+            need0 += extra
+            r.prefill = (r.prompt_len % self.bs if resident else r.prompt_len) + r.done
+
+    def _set_busy(self, busy: bool) -> None:
+        if busy != self.busy:
+            self.busy = busy
+            self.host.emit(Event("engine_busy" if busy else "engine_idle", self.t, rank=self.rank, engine=self.index,
+                                 version=self.version))
+            if not busy and self.counters_every_s is not None:
+                self.counters()
+
+    def counters(self) -> None:
+        """A tokens_decoded event with the engine's counters (as the runtime's rollout worker sends)."""
+        data: dict[str, Any] = {
+            "tokens": self.tokens_total - self._tokens_reported, "total": self.tokens_total,
+            "running": len(self.running), "waiting": len(self.waiting), "kv_used": self.need(0),
+            "kv_free": self.cap - self.need(0), "preemptions": self.preemptions}
+        if self.progress:
+            data["progress"] = {r.req_id: r.done for r in list(self.running) + list(self.waiting)}
+        self._tokens_reported, self._t_counter = self.tokens_total, self.t
+        self.host.emit(Event("tokens_decoded", self.t, rank=self.rank, engine=self.index, version=self.version,
+                             data=data))
+
+    # ----------------------------------------------------------------------------------------- external calls
+    def add(self, reqs: list[SimRequest], now: float) -> None:
+        """Queue requests (fresh, or partially generated: their tokens so far are re-prefilled)."""
+        for r in reqs:
+            if not self.fits_alone(r):
+                raise ValueError(f"engine {self.index}: request {r.req_id} (prompt {r.prompt_len} + up to {r.max_len} "
+                                 f"response tokens) cannot fit in the KV pool of {self.cap} blocks x {self.bs} tokens "
+                                 f"(cost profile {self.cost.name!r})")
+        self.sync(now)
+        self.waiting.extend(reqs)
+        self.plan()
+
+    def remove(self, req_ids: list[int], now: float) -> list[SimRequest]:
+        """Take requests out wherever they are (running or queued), with their state; unknown ids are skipped
+        (already finished). The caller re-plans with `plan()` after emitting its events."""
+        self.sync(now)
+        want, out = set(req_ids), []
+        for r in [r for r in self.running if r.req_id in want]:
+            self._detach(r)
+            out.append(r)
+        for r in [r for r in self.waiting if r.req_id in want]:
+            self.waiting.remove(r)
+            out.append(r)
+        return out
+
+    def hold(self, now: float, duration: float = 0.0, until: float | None = None, version: int | None = None) -> None:
+        """Stop decoding for `duration` from the next step boundary (a weight load, adopting `version` at its end) or
+        until `until` (colocated training); running requests stay resident and resume afterwards."""
+        self.sync(now)
+        end = max(self.hold_until, self.t) + duration if until is None else max(self.hold_until, until)
+        self.hold_until = end
+        if version is not None:
+            self.pending_version = version
+        self._set_busy(False)
+        self.plan()

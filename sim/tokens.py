@@ -1,0 +1,61 @@
+"""RunList: a read-only list stored as runs of equal values, for the fake token ids, logprobs and per-token versions
+of simulated trajectories. A thousand-prompt round of 8 samples x 16k tokens would otherwise hold hundreds of
+millions of list slots; here each trajectory costs a few runs and still has the simulated length, indexes, iterates
+(at C speed, so `min(traj.versions)` stays cheap) and compares equal to the plain list it stands for.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+from typing import Any, Iterable, Iterator
+
+
+class RunList(Sequence):
+    __slots__ = ("_runs", "_len", "_ends")
+
+    def __init__(self, runs: Iterable[tuple[Any, int] | list]):
+        self._runs = tuple((v, int(c)) for v, c in runs if int(c) > 0)
+        self._len = sum(c for _, c in self._runs)
+        self._ends: list[int] | None = None
+
+    @classmethod
+    def of(cls, value: Any, n: int) -> "RunList":
+        out = cls.__new__(cls)
+        out._runs, out._len, out._ends = (((value, n),) if n > 0 else ()), max(0, n), None
+        return out
+
+    @property
+    def runs(self) -> tuple[tuple[Any, int], ...]:
+        return self._runs
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return list(self)[i]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("RunList index out of range")
+        if self._ends is None:
+            self._ends = list(itertools.accumulate(c for _, c in self._runs))
+        return self._runs[bisect.bisect_right(self._ends, i)][0]
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.chain.from_iterable(itertools.repeat(v, c) for v, c in self._runs)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RunList):
+            return self._runs == other._runs
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"RunList({list(self._runs)!r})"
+
+    def tolist(self) -> list[Any]:
+        return list(self)

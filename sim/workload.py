@@ -1,0 +1,260 @@
+"""Workloads: how long each sampled response is, per prompt, with a long tail and within-group correlation.
+
+Length model (`LengthModel`), per prompt p and sample k:
+
+    z_p ~ N(0, 1)                      prompt difficulty (shared by the G samples of a group)
+    e_pk ~ N(0, 1)                     per-sample noise
+    len_pk = min(cap, median * exp(sigma_prompt * z_p + sigma_sample * e_pk))
+    with probability runaway_p the sample instead runs to the cap (repetition / endless reasoning)
+
+so log-lengths within a group correlate with ICC = sigma_prompt^2 / (sigma_prompt^2 + sigma_sample^2). The papers
+say difficult prompts "consistently produce long responses" (RollPacker §6.3) and that a group's trajectories "tend to
+be either all long or all short" (StaleFlow App. C) but give no number: we take ICC = 0.6 (assumption). A sample's
+reward is correct with probability sigmoid(-1.5 z_p) (assumption: harder prompts are longer and solved less often;
+no paper number; it only makes reward_mean non-trivial). Every value is a pure function of (seed, prompt index,
+sample index), so a run is reproducible and an aborted-then-requeued sample regenerates the same length.
+
+Trace replay (`TraceWorkload`, `--trace FILE.jsonl`): one JSON object per line, one line per prompt,
+`{"prompt_len": int, "response_lens": [int, ...]}` (one entry per group member; extra keys are ignored). The trace
+repeats from its start when a run needs more prompts than it has.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    prompt_len: int
+    difficulty: float
+    p_correct: float
+
+
+class Workload:
+    """Base: a deterministic map (prompt index, sample index) -> lengths. Subclasses provide `name` and `max_len`
+    (the response cap: a response of that length finishes with reason "length")."""
+    name: str
+    max_len: int
+
+    def prompt(self, index: int) -> PromptSpec:
+        raise NotImplementedError
+
+    def response_len(self, prompt_index: int, sample_index: int) -> int:
+        raise NotImplementedError
+
+    def with_seed(self, seed: int) -> "Workload":
+        return self
+
+
+def _uniforms(*key: Any) -> tuple[float, float, float, float]:
+    """Four independent uniforms in (0, 1) from a hash of `key`: stable across processes and platforms, and
+    much cheaper than seeding a generator per sample."""
+    d = hashlib.blake2b(":".join(map(str, key)).encode(), digest_size=32).digest()
+    return tuple((int.from_bytes(d[i:i + 8], "little") + 0.5) / 2.0**64 for i in (0, 8, 16, 24))  # type: ignore
+
+
+def _normal(u1: float, u2: float) -> float:
+    """Box-Muller."""
+    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+
+
+def _phi(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+@dataclass(frozen=True)
+class LengthModel(Workload):
+    name: str
+    median: float
+    sigma_prompt: float
+    sigma_sample: float
+    max_len: int
+    runaway_p: float = 0.0
+    prompt_median: float = 300.0
+    prompt_sigma: float = 0.5
+    prompt_max: int = 2048
+    min_len: int = 1
+    seed: int = 0
+    source: str = ""
+
+    def with_seed(self, seed: int) -> "LengthModel":
+        return replace(self, seed=seed)
+
+    def prompt(self, index: int) -> PromptSpec:
+        return _prompt_spec(self, index)
+
+    def response_len(self, prompt_index: int, sample_index: int) -> int:
+        z = _prompt_spec(self, prompt_index).difficulty
+        u1, u2, u3, _ = _uniforms(self.seed, self.name, prompt_index, sample_index)
+        if u3 < self.runaway_p:
+            return self.max_len
+        x = self.median * math.exp(self.sigma_prompt * z + self.sigma_sample * _normal(u1, u2))
+        return int(min(self.max_len, max(self.min_len, round(x))))
+
+    @property
+    def sigma(self) -> float:
+        return math.hypot(self.sigma_prompt, self.sigma_sample)
+
+    def mean(self) -> float:
+        """Expected response length (closed form for the capped lognormal plus the runaway mass)."""
+        return _capped_mean(self.median, self.sigma, self.max_len, self.runaway_p)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _prompt_spec(m: LengthModel, index: int) -> PromptSpec:
+    u1, u2, u3, u4 = _uniforms(m.seed, m.name, index)
+    z, z_len = _normal(u1, u2), _normal(u3, u4)
+    plen = int(min(m.prompt_max, max(1, round(m.prompt_median * math.exp(m.prompt_sigma * z_len)))))
+    return PromptSpec(plen, z, 1.0 / (1.0 + math.exp(1.5 * z)))
+
+
+def _capped_mean(median: float, sigma: float, cap: float, runaway: float) -> float:
+    mu = math.log(median)
+    body = (math.exp(mu + sigma * sigma / 2) * _phi((math.log(cap) - mu - sigma * sigma) / sigma)
+            + cap * (1 - _phi((math.log(cap) - mu) / sigma)))
+    return (1 - runaway) * body + runaway * cap
+
+
+def median_for_mean(target: float, sigma: float, cap: float, runaway: float) -> float:
+    """The lognormal median whose capped mixture has mean `target` (fits a paper's reported mean length)."""
+    lo, hi = 1.0, cap
+    for _ in range(100):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if _capped_mean(mid, sigma, cap, runaway) < target else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def _split(sigma: float, icc: float = 0.6) -> tuple[float, float]:
+    return sigma * math.sqrt(icc), sigma * math.sqrt(1 - icc)
+
+
+# RollPacker §2.2 (Qwen2.5-14B, 16k cap): "P75 ranging between 755 and 1.1k tokens, the longest responses can extend
+# up to 16k tokens", §1: "the longest response 25×–32× longer than the medi[an]". We take max/median = 28.5 (middle)
+# so median = cap / 28.5 and P75 = 930 (middle of 755–1.1k) so sigma = ln(930 / 575) / 0.674 = 0.713; the cap is
+# reached through runaway_p = 0.003 (about 3 samples per 1024-sample step: the paper's max = cap). The paper gives
+# these statistics only for 14B/16k; for 7B/8k and 32B/32k we assume the same shape (same ratios to the cap).
+RP_RATIO, RP_P75_OVER_MEDIAN, RP_RUNAWAY = 28.5, 930 / (16384 / 28.5), 0.003
+RP_SIGMA = math.log(RP_P75_OVER_MEDIAN) / 0.6745
+
+
+def _rollpacker(cap: int, name: str) -> LengthModel:
+    sp, ss = _split(RP_SIGMA)
+    return LengthModel(name, cap / RP_RATIO, sp, ss, cap, RP_RUNAWAY, prompt_median=300, source=(
+        "RollPacker §1/§2.2: P75 755–1.1k, max = cap, max/median 25–32x (14B/16k); same shape assumed at other caps; "
+        "ICC 0.6 and prompt lengths (median 300) are assumptions"))
+
+
+def _rolloutpipe() -> LengthModel:
+    cap, sp_ss = 16384, _split(RP_SIGMA)
+    med = median_for_mean(3450, RP_SIGMA, cap, RP_RUNAWAY)
+    return LengthModel("rolloutpipe", med, *sp_ss, cap, RP_RUNAWAY, prompt_median=400, source=(
+        "RolloutPipe §5.3: mean response 3.3k–3.6k (median fitted so the mean is 3.45k); tail shape from RollPacker "
+        "(not reported by RolloutPipe); cap 16384 and prompt median 400 are assumptions"))
+
+
+def _p99_over_p50(cap: int, name: str, source: str, prompt_median: float = 300) -> LengthModel:
+    sigma = math.log(10) / 2.326  # p99 / p50 = 10
+    return LengthModel(name, cap / 10, *_split(sigma), cap, 0.0, prompt_median=prompt_median, source=source)
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in [
+    _rollpacker(8192, "rollpacker_7b_8k"), _rollpacker(16384, "rollpacker_14b_16k"),
+    _rollpacker(32768, "rollpacker_32b_32k"), _rolloutpipe(),
+    _p99_over_p50(20480, "streamrl_20k", "StreamRL §7: max 20K, 'very long-tail' (no stats in text); Laminar Fig. 2 "
+                  "p99/p50 ~ 10 assumed; median = cap/10 (p99 ~ cap) is an assumption"),
+    _p99_over_p50(10240, "streamrl_10k", "StreamRL §7: the 20K dataset's lengths halved"),
+    _p99_over_p50(5120, "streamrl_5k", "StreamRL §7: the 20K dataset's lengths quartered"),
+    _p99_over_p50(16384, "laminar_16k", "Laminar §8: max output 16K; §1/Fig. 2: p99 ~ 10x p50; median = cap/10"),
+    _p99_over_p50(20480, "staleflow_20k", "StaleFlow §6.1: response limit 20K, group-correlated (App. C); no "
+                  "numbers: StreamRL-like shape assumed"),
+    LengthModel("cpu_tiny", 10, *_split(0.5), 32, 0.0, prompt_median=4, prompt_sigma=0.2, prompt_max=16,
+                source="our tiny `reverse` run (sim/profiles.py cpu_tiny): max_new_tokens 32, mean response 11.4 "
+                       "tokens (median 10 here), prompts of ~4 tokens"),
+]}
+
+
+def get_workload(name: str | Workload, seed: int = 0) -> Workload:
+    if isinstance(name, Workload):
+        return name.with_seed(seed)
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; workloads: {sorted(WORKLOADS)} (or --trace FILE.jsonl)")
+    return WORKLOADS[name].with_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------------- traces
+class TraceError(ValueError):
+    """A malformed trace row; the message names the file, line and field."""
+
+
+@dataclass(frozen=True)
+class TraceWorkload(Workload):
+    name: str
+    rows: tuple[tuple[int, tuple[int, ...]], ...]
+    path: str = ""
+
+    @property
+    def max_len(self) -> int:  # type: ignore[override]
+        return max(max(lens) for _, lens in self.rows)
+
+    def prompt(self, index: int) -> PromptSpec:
+        return PromptSpec(self.rows[index % len(self.rows)][0], 0.0, 0.5)
+
+    def response_len(self, prompt_index: int, sample_index: int) -> int:
+        i = prompt_index % len(self.rows)
+        lens = self.rows[i][1]
+        if sample_index >= len(lens):
+            raise TraceError(f"{self.path}:{i + 1}: response_lens has {len(lens)} entries but sample {sample_index} "
+                             f"was requested (group size larger than the trace's groups?)")
+        return lens[sample_index]
+
+
+def load_trace(path: str | Path) -> TraceWorkload:
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"{path}: trace file does not exist")
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise TraceError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            for key in ("prompt_len", "response_lens"):
+                if key not in row:
+                    raise TraceError(f"{path}:{n}: field {key!r} is missing")
+            plen, lens = row["prompt_len"], row["response_lens"]
+            if not _pos_int(plen):
+                raise TraceError(f"{path}:{n}: field 'prompt_len' must be a positive integer, got {plen!r}")
+            if not isinstance(lens, list) or not lens:
+                raise TraceError(f"{path}:{n}: field 'response_lens' must be a non-empty list, got {lens!r}")
+            for j, x in enumerate(lens):
+                if not _pos_int(x):
+                    raise TraceError(f"{path}:{n}: field 'response_lens'[{j}] must be a positive integer, got {x!r}")
+            rows.append((plen, tuple(lens)))
+    if not rows:
+        raise TraceError(f"{path}: trace holds no rows")
+    return TraceWorkload(f"trace:{path.name}", tuple(rows), str(path))
+
+
+def _pos_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def save_trace(workload: Workload, path: str | Path, num_prompts: int, group_size: int) -> Path:
+    """Write `num_prompts` prompts of `workload` as a trace (for replay elsewhere, or to edit by hand)."""
+    path = Path(path)
+    with open(path, "w") as f:
+        for i in range(num_prompts):
+            lens = [workload.response_len(i, k) for k in range(group_size)]
+            f.write(json.dumps({"prompt_len": workload.prompt(i).prompt_len, "response_lens": lens}) + "\n")
+    return path

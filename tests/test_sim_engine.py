@@ -1,0 +1,225 @@
+"""The simulator's engine model, cost model and clock (sim/engine.py, sim/cost.py, sim/clock.py)."""
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from sched.base import Abort, Interrupt, LoadWeights, Migrate, Request
+from sched.controller import PromptItem
+from sim.backend import SimBackend, SimStalled
+from sim.clock import EventQueue
+from sim.cost import CostModel, RewardLatency
+from sim.profiles import PROFILES
+from sim.tokens import RunList
+from sim.workload import TraceWorkload
+
+NO_REWARD_DELAY = RewardLatency(((1.0, 1e-9, 0.0, 1e-9, 0.0),))
+
+
+def cost(**kw) -> CostModel:
+    base = dict(name="test", k1=1e-6, k2=1e-3, k3=1e-4, k4=1e-3, prefill_s_per_token=1e-5, kv_capacity_tokens=16 * 1000,
+                train_s_per_token=1e-4, publish_s=0.5, load_s=0.25, reward=NO_REWARD_DELAY, block_size=16,
+                max_num_seqs=64)
+    base.update(kw)
+    return CostModel(**base)
+
+
+def backend(c: CostModel, lens: list[list[int]], prompt_len: int = 16, engines: int = 1) -> SimBackend:
+    w = TraceWorkload("t", tuple((prompt_len, tuple(x)) for x in lens))
+    b = SimBackend(c, w, engines, 1, seed=0)
+    for e in b.engines:
+        e.version = 0
+    return b
+
+
+def submit(b: SimBackend, lens: list[list[int]], prompt_len: int = 16, engine: int = 0, first_req: int = 0) -> None:
+    reqs, prompts, rid = [], {}, first_req
+    for p, group in enumerate(lens):
+        prompts[p] = PromptItem(p, RunList.of(1, prompt_len), None)
+        for k in range(len(group)):
+            reqs.append(Request(rid, p, k, p, 0, prompt_len))
+            rid += 1
+    b.submit(engine, reqs, prompts)
+
+
+def drain(b: SimBackend) -> list:
+    out = []
+    while True:
+        try:
+            out.append(b.next_event())
+        except SimStalled:
+            return out
+
+
+def finished(events) -> list:
+    return [e for e in events if e.kind == "trajectory_finished"]
+
+
+# ----------------------------------------------------------------------------------------------------- cost model
+def test_step_time_grows_with_batch_and_kv():
+    c = PROFILES["h800_7b"]
+    assert c.step_s(256, 0) > c.step_s(64, 0)           # compute-bound past k2 / k3 sequences
+    assert c.step_s(64, 10**6) > c.step_s(64, 10**5)     # KV reads
+    assert c.step_s(1, 0) == pytest.approx(c.k2 + c.k4)  # weight-read floor
+    assert c.decode_tokens_per_s(128, 10**5) > c.decode_tokens_per_s(8, 10**4)  # batching pays
+
+
+@given(n=st.integers(1, 512), kv0=st.integers(0, 10**6), m=st.integers(0, 3000))
+@settings(max_examples=60, deadline=None)
+def test_closed_form_steps_match_a_loop_and_invert(n, kv0, m):
+    c = PROFILES["h800_14b"]
+    loop = sum(c.step_s(n, kv0 + j * n) for j in range(m))
+    assert c.steps_s(n, kv0, m) == pytest.approx(loop, rel=1e-9, abs=1e-12)
+    dt = c.steps_s(n, kv0, m)
+    j = c.steps_reaching(n, kv0, dt)
+    assert c.steps_s(n, kv0, j) >= dt - 1e-9 and (j == 0 or c.steps_s(n, kv0, j - 1) < dt)
+
+
+def test_every_profile_documents_its_constants():
+    for p in PROFILES.values():
+        for k in ("k1", "k2", "k3", "k4", "train_s_per_token", "publish_s", "load_s", "kv_capacity_tokens"):
+            assert k in p.sources, (p.name, k)
+        assert p.kv_capacity_tokens >= 4096 and p.step_s(1, 1000) > 0
+
+
+def test_bad_profile_is_rejected():
+    with pytest.raises(ValueError, match="k1 must be >= 0"):
+        cost(k1=-1.0)
+
+
+def test_event_queue_orders_by_time_then_push_order():
+    q = EventQueue()
+    for t, x in [(2.0, "c"), (1.0, "a"), (1.0, "b")]:
+        q.push(t, x)
+    assert [q.pop()[1] for _ in range(3)] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="past"):
+        q.push(0.5, "late")
+
+
+# ---------------------------------------------------------------------------------------------------- the engine
+def test_kv_capacity_forces_preemption_and_is_never_exceeded():
+    c = cost(kv_capacity_tokens=16 * 64)              # 64 blocks; 8 x (1 prompt + 13 own) blocks at the end
+    lens = [[200], [200], [200], [200], [200], [200], [200], [200]]
+    b = backend(c, lens, prompt_len=16)
+    submit(b, lens)
+    ev = drain(b)
+    e = b.engines[0]
+    assert e.preemptions > 0 and e.peak_blocks <= e.cap
+    fin = finished(ev)
+    assert len(fin) == 8 and all(x.data["tokens"] == 200 for x in fin)
+    trajs = [x.payload for x in ev if x.kind == "reward_scored"]
+    assert all(len(t.response_ids) == 200 and t.versions == [0] * 200 for t in trajs)
+    assert sum(t.meta["preemptions"] for t in trajs) == e.preemptions
+
+
+@given(lens=st.lists(st.lists(st.integers(1, 120), min_size=1, max_size=4), min_size=1, max_size=6),
+       prompt_len=st.integers(1, 40), blocks=st.integers(20, 80), seats=st.integers(1, 8))
+@settings(max_examples=40, deadline=None)
+def test_engine_property_everything_finishes_within_capacity(lens, prompt_len, blocks, seats):
+    c = cost(kv_capacity_tokens=16 * blocks, max_num_seqs=seats)
+    b = backend(c, lens, prompt_len)
+    submit(b, lens, prompt_len)
+    ev = drain(b)
+    fin = finished(ev)
+    want = sorted(x for g in lens for x in g)
+    assert sorted(x.data["tokens"] for x in fin) == want
+    assert b.engines[0].peak_blocks <= b.engines[0].cap
+    assert not b.engines[0].running and not b.engines[0].waiting
+    kinds = [x.kind for x in ev if x.kind in ("engine_busy", "engine_idle")]
+    assert kinds[0] == "engine_busy" and kinds[-1] == "engine_idle"
+
+
+def test_continuous_batching_admits_as_seats_free():
+    c = cost(max_num_seqs=2)
+    lens = [[10], [100], [10], [10]]
+    b = backend(c, lens)
+    submit(b, lens)
+    order = [x.req_id for x in finished(drain(b))]
+    assert order == [0, 2, 3, 1]  # 2 and 3 took the seat 0 freed, long before 1 finished
+
+
+def test_a_bigger_batch_decodes_each_sequence_slower():
+    c = cost(k2=1e-4, k3=1e-4, k4=0.0)  # compute-bound almost at once
+    alone = backend(c, [[100]])
+    submit(alone, [[100]])
+    t_alone = finished(drain(alone))[0].t
+    crowd = backend(c, [[100]] * 16)
+    submit(crowd, [[100]] * 16)
+    t_crowd = max(x.t for x in finished(drain(crowd)))
+    assert t_crowd > 5 * t_alone
+    assert t_alone == pytest.approx(c.prefill_s(16) + c.steps_s(1, 16, 100))
+
+
+def test_group_siblings_share_prompt_blocks():
+    c = cost()
+    b = backend(c, [[50] * 8], prompt_len=160)  # 10 full prompt blocks
+    submit(b, [[50] * 8], prompt_len=160)
+    e = b.engines[0]
+    assert e.shared_blocks == 10 and len(e.running) == 8 and e.need(0) == 10
+    solo = backend(c, [[50]] * 8, prompt_len=160)
+    submit(solo, [[50]] * 8, prompt_len=160)
+    assert solo.engines[0].need(0) == 80
+
+
+def test_abort_reports_tokens_and_requeue():
+    c = cost()
+    b = backend(c, [[1000, 1000]])
+    submit(b, [[1000, 1000]])
+    b.run_until(0.05)  # let it decode a while
+    b.command(Abort(0, [0], requeue=True))
+    b.command(Abort(0, [1, 99], requeue=False))  # 99 is unknown: skipped
+    ab = [x for x in drain(b) if x.kind == "trajectory_aborted"]
+    assert [(x.req_id, x.data["requeue"]) for x in ab] == [(0, True), (1, False)]
+    assert all(0 < x.data["tokens"] < 1000 for x in ab)
+    assert not b.engines[0].running
+
+
+def test_weights_loaded_under_running_requests_record_per_token_versions():
+    c = cost(load_s=0.25)
+    b = backend(c, [[400]])
+    submit(b, [[400]])
+    b.run_until(0.1)
+    b.command(LoadWeights(0, 1))
+    ev = drain(b)
+    loaded = [x for x in ev if x.kind == "weights_loaded"]
+    assert len(loaded) == 1 and loaded[0].t >= 0.1 + 0.25 and loaded[0].version == 1
+    traj = [x.payload for x in ev if x.kind == "reward_scored"][0]
+    runs = traj.versions.runs
+    assert [v for v, _ in runs] == [0, 1] and sum(n for _, n in runs) == 400 and traj.version == 0
+    assert finished(ev)[0].version == 0  # the oldest generating version
+
+
+@pytest.mark.parametrize("cmd", [Interrupt(0, [0]), Migrate(0, 1, [0])])
+def test_interrupt_and_migrate_are_named_as_not_yet_simulated(cmd):
+    b = backend(cost(), [[10]], engines=2)
+    with pytest.raises(NotImplementedError, match=type(cmd).__name__):
+        b.command(cmd)
+
+
+def test_a_request_too_big_for_the_kv_pool_is_a_clear_error():
+    b = backend(cost(kv_capacity_tokens=16 * 4), [[100]])
+    with pytest.raises(ValueError, match="cannot fit in the KV pool"):
+        submit(b, [[100]])
+
+
+def test_runlist_behaves_like_the_list_it_stands_for():
+    r = RunList([(0, 3), (1, 2)])
+    assert r == [0, 0, 0, 1, 1] and len(r) == 5 and r[-1] == 1 and r[1:4] == [0, 0, 1] and min(r) == 0
+    assert RunList.of(7, 0) == [] and math.isclose(sum(RunList.of(-1.0, 4)), -4.0)
+    assert replace(cost(), name="x").name == "x"
+
+
+def test_prefill_is_paid_once_when_a_plan_is_redone_at_the_same_instant():
+    c = cost(prefill_s_per_token=1e-3)
+    lens = [[50], [50]]
+    prompts = {g: PromptItem(g, RunList.of(1, 64), None) for g in (0, 1)}
+    reqs = [Request(g, g, 0, g, 0, 64) for g in (0, 1)]
+    together = backend(c, lens, prompt_len=64)
+    together.submit(0, reqs, prompts)
+    split = backend(c, lens, prompt_len=64)
+    split.submit(0, reqs[:1], prompts)
+    split.submit(0, reqs[1:], prompts)  # same instant: the first plan is redone with both admitted
+    t1 = [x.t for x in finished(drain(together))]
+    t2 = [x.t for x in finished(drain(split))]
+    assert t1 == pytest.approx(t2) and t1[0] == pytest.approx(c.prefill_s(128) + c.steps_s(2, 128, 50))

@@ -1,0 +1,147 @@
+"""Presets through the simulator: invariants from the event log, determinism, scale, and the CLIs."""
+import json
+
+import pytest
+
+import sched
+from sim import simulate
+from sim import compare, repro
+from sim.calibrate import measure
+from sim.check import on_policy_report
+
+
+def run(seed=0, engines=3, steps=3, prompts=6, g=4, **kw):
+    return simulate("sync", "rollpacker_7b_8k", "h800_7b", num_engines=engines, train_gpus=4, steps=steps,
+                    group_size=g, prompts_per_step=prompts, seed=seed, **kw)
+
+
+@pytest.mark.parametrize("seed,engines", [(0, 1), (1, 3), (2, 5)])
+def test_sync_preset_is_on_policy_loses_nothing_and_has_sane_metrics(seed, engines):
+    r = run(seed, engines, counters_every_s=2.0, progress=True)
+    rep = on_policy_report(r.events)
+    assert rep["off_policy"] == [] and rep["trained_twice"] == [] and rep["finished_not_trained"] == []
+    assert rep["trained"] == 3 * 6 * 4
+    m = r.metrics
+    assert 0 < m["trainer_wait_ratio"] < 1 and 0 < m["engine_idle_ratio"] < 1
+    assert m["staleness"] == {0: 3 * 6} and m["dropped"] == 0
+    assert m["samples_per_s"] > 0 and m["rollout_to_train_end_s"] > 0 and m["weight_sync_s"] > 0
+    first = r.events[0]
+    assert first.kind == "version_published" and first.version == 0 and first.t == 0
+    done = [e for e in r.events if e.kind == "train_step_done"]
+    assert [e.version for e in done] == [1, 2, 3]
+    assert all(e.data["stepped"] and 0 <= e.data["reward_mean"] <= 1 and e.data["samples"] == 24 for e in done)
+    assert any(e.kind == "tokens_decoded" and e.data.get("progress") for e in r.events)
+
+
+def test_same_seed_same_event_log_other_seed_differs():
+    a, b, c = run(7), run(7), run(8)
+    assert [e.to_json() for e in a.events] == [e.to_json() for e in b.events]
+    assert [e.to_json() for e in a.events] != [e.to_json() for e in c.events]
+
+
+def test_colocated_engines_never_decode_while_the_trainer_works():
+    from sched.metrics import engine_spans, trainer_spans
+    r = run(0, engines=4, colocated=True)
+    end = max(e.t for e in r.events)
+    train = trainer_spans(r.events)
+    for spans in engine_spans(r.events, end).values():
+        for a, b in spans:
+            assert all(b <= s + 1e-9 or a >= e - 1e-9 for s, e, _ in train)
+    assert r.gpus == 4
+
+
+def test_samples_budget_stops_the_run_and_events_write_like_a_real_run(tmp_path):
+    r = simulate("sync", "cpu_tiny", "cpu_tiny", 1, 3, steps=10**9, group_size=8, prompts_per_step=4, samples=64)
+    assert r.metrics["samples_trained"] == 64
+    out = r.write(tmp_path / "run")
+    assert (out / "events.jsonl").is_file() and (out / "timeline.png").is_file()
+    assert json.loads((out / "summary.json").read_text())["samples_trained"] == 64
+
+
+def test_scale_1024_gpus_a_thousand_prompt_round():
+    # 512 engines (TP 1) + 512 train GPUs; 1000 prompts x G=8 = 8000 samples, RollPacker 7B/8k lengths
+    r = simulate("sync", "rollpacker_7b_8k", "h800_7b", num_engines=512, train_gpus=512, steps=1, group_size=8,
+                 prompts_per_step=1000, seed=0)
+    print(f"\nscale: 1024 GPUs, 8000 samples, {len(r.events)} events simulated in {r.wall_s:.2f} s "
+          f"(virtual makespan {r.metrics['makespan_s']:.0f} s)")
+    assert r.gpus == 1024 and r.metrics["samples_per_s"] > 0
+    assert sum(e.kind == "trajectory_finished" for e in r.events) == 8000
+    assert r.wall_s < 20.0
+
+
+# ------------------------------------------------------------------------------------------------------- CLIs
+def test_compare_json_rows(capsys):
+    assert compare.main(["--json", "--gpus", "16", "--rounds", "1", "--prompts", "16", "--no-plots"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["preset"] for r in rows] == compare.presets() and "sync" in compare.presets()
+    sync = next(r for r in rows if r["preset"] == "sync")
+    assert set(sync) == set(compare.KEYS) and sync["throughput"] > 0 and 0 < sync["trainer_wait_ratio"] < 1
+
+
+def test_compare_shows_a_failing_preset_as_a_row(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(compare, "presets", lambda: ["sync", "no_such_preset"])
+    assert compare.main(["--gpus", "4", "--rounds", "1", "--prompts", "4", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no_such_preset   FAILED: ValueError" in out and (tmp_path / "sync.png").is_file()
+
+
+def test_compare_replays_a_trace(capsys, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"prompt_len": 20, "response_lens": [5, 50]}) for _ in range(4)))
+    assert compare.main(["--json", "--gpus", "4", "--rounds", "1", "--prompts", "4", "--group-size", "2",
+                         "--trace", str(trace), "--no-plots"]) == 0
+    rows = {r["preset"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["sync"]["throughput"] > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_len": 3}\n')
+    assert compare.main(["--trace", str(bad), "--no-plots"]) == 2
+    assert "bad.jsonl:1: field 'response_lens' is missing" in capsys.readouterr().err
+
+
+def test_repro_counts_hits_and_unavailable_policies(capsys, monkeypatch):
+    rows = [repro.Row("a point", (2.0, 2.0), "2x", lambda runs: 2.3, "{:.1f}"),
+            repro.Row("a range", (0.47, 0.52), "47-52%", lambda runs: 0.30),
+            repro.Row("needs a policy", (1.0, 1.0), "1x", lambda runs: None),
+            repro.Row("breaks", (1.0, 1.0), "1x", lambda runs: 1 / 0)]
+    monkeypatch.setitem(repro.PAPERS, "rolloutpipe", rows)
+    assert repro.main(["rolloutpipe"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "figure | ours | paper | within 20%?"
+    assert lines[1] == "a point | 2.3 | 2x | yes" and lines[2].endswith("| no")
+    assert "policy not available yet" in lines[3] and "failed: ZeroDivisionError" in lines[4]
+    assert lines[-1] == "rolloutpipe: 1/4 headline figures within 20%"
+
+
+def test_calibrate_recovers_a_known_step_time(tmp_path):
+    k3, k4, lines, t, total = 5e-5, 2e-3, [], 0.0, 0
+    lines.append({"kind": "engine_busy", "t": 0.0, "engine": 0, "rank": 1})
+    for i, n in enumerate([4, 9, 16, 25, 9, 4] * 3):
+        t += 8 * (k3 * n + k4)
+        total += 8 * n
+        lines.append({"kind": "tokens_decoded", "t": t, "engine": 0, "rank": 1, "data": {"total": total}})
+    lines.append({"kind": "trajectory_finished", "t": t, "engine": 0, "rank": 1, "req_id": 0,
+                  "data": {"tokens": total}})
+    lines.append({"kind": "engine_idle", "t": t, "engine": 0, "rank": 1})
+    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step_time_s": 2.0, "tokens": 1000}) + "\n")
+    m = measure(tmp_path)
+    assert m["k3"] == pytest.approx(k3, rel=1e-6) and m["k4"] == pytest.approx(k4, rel=1e-6)
+    assert m["train_s_per_token_one_rank"] == pytest.approx(2.0 / 1000)  # one train rank (the engine's rank)
+
+
+@pytest.mark.parametrize("name", compare.presets())
+def test_every_preset_runs_in_the_simulator_and_loses_nothing(name):
+    r = simulate(name, "rollpacker_7b_8k", "h800_7b", 4, 4, steps=10**9, group_size=8, prompts_per_step=16, seed=0,
+                 samples=3 * 16 * 8)
+    rep = on_policy_report(r.events)
+    assert rep["trained"] == r.metrics["samples_trained"] >= 3 * 16 * 8
+    assert rep["trained_twice"] == [] and rep["finished_not_trained"] == []
+    if sched.load_preset(name).weight_sync.name == "barrier":  # engines load only when idle: round-level on-policy
+        assert rep["off_policy_round"] == []
+
+
+def test_sim_cli_lists_profiles_and_workloads(capsys):
+    from sim.__main__ import main
+    assert main(["profiles", "h800_7b"]) == 0 and "StreamRL Table 1" in capsys.readouterr().out
+    assert main(["workloads"]) == 0 and "rollpacker_14b_16k" in capsys.readouterr().out
+    assert main([]) == 2
