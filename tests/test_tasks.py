@@ -71,7 +71,7 @@ def test_score(response, answer, reward, correct):
 
 
 def test_registry_returns_task_scorer():
-    assert get_reward_fn("synthetic") is score_positions
+    assert get_reward_fn("synthetic").fn is score_positions
 
 
 @settings(max_examples=200, deadline=None)
