@@ -18,7 +18,8 @@ from rl.types import Group
 from runtime.backend import RuntimeBackend
 from runtime.channel import CONTROLLER, WORKER
 from runtime.rollout_worker import RolloutWorker
-from runtime.train_worker import rollout_stats, _floats
+from runtime.train_worker import _floats
+from sched.metrics import rollout_stats
 from sched.base import TrainCall
 from sched.controller import Controller
 from sched.events import Event

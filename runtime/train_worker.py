@@ -18,29 +18,16 @@ import queue
 import threading
 import time
 import traceback
-from statistics import mean
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-from rl.types import Group
 from runtime.channel import WORKER, Channel
 from runtime.topology import Topology
 from sched.events import Event
+from sched.metrics import rollout_stats
 from trainer.publish import WeightPublisher
 from trainer.trainer import Trainer
-
-
-def rollout_stats(groups: list[Group]) -> dict[str, float]:
-    trajs = [t for g in groups for t in g.trajectories]
-    if not trajs:
-        return {}
-    lens = [len(t.response_ids) for t in trajs]
-    return {"reward_mean": mean(t.reward or 0.0 for t in trajs),
-            "accuracy": mean(1.0 if t.correct else 0.0 for t in trajs),
-            "response_len_mean": mean(lens), "response_len_max": float(max(lens)),
-            "truncated_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in trajs),
-            "samples": float(len(trajs))}
 
 
 def run_item(item: tuple, trainer: Trainer, publisher: WeightPublisher,

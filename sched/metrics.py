@@ -13,7 +13,10 @@ Definitions (names shared by the runtime, the simulator and the papers' reproduc
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from statistics import mean
 from typing import Any, Iterable
+
+from rl.types import Group
 
 from sched.events import Event
 
@@ -110,3 +113,16 @@ def summarize(events: list[Event], num_engines: int | None = None) -> dict[str, 
         out["weight_sync_s"] = sum(sync) / len(sync)
     out["dropped"] = sum(1 for e in events if e.kind == "trajectory_aborted" and not e.data.get("requeue"))
     return out
+
+
+def rollout_stats(groups: list[Group]) -> dict[str, float]:
+    """Per-batch sample statistics the trainer reports with each step (runtime and simulator alike)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {}
+    lens = [len(t.response_ids) for t in trajs]
+    return {"reward_mean": mean(t.reward or 0.0 for t in trajs),
+            "accuracy": mean(1.0 if t.correct else 0.0 for t in trajs),
+            "response_len_mean": mean(lens), "response_len_max": float(max(lens)),
+            "truncated_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in trajs),
+            "samples": float(len(trajs))}

@@ -3,9 +3,12 @@ from events (sched/controller.py). Policies read these; only the controller writ
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl.types import Trajectory
+
+if TYPE_CHECKING:
+    from sched.base import RoundPlan
 
 @dataclass
 class Request:

@@ -22,12 +22,12 @@ our runtime's colocated mode): every engine stops decoding while the trainer wor
 from __future__ import annotations
 
 import random
-from statistics import mean
 
 from rl.types import Group, Trajectory
 from sched.base import Abort, Interrupt, LoadWeights, Migrate, Request, TrainCall
 from sched.controller import PromptItem
 from sched.events import Event
+from sched.metrics import rollout_stats
 from sim.clock import EventQueue
 from sim.cost import CostModel
 from sim.engine import SimEngine, SimRequest
@@ -43,19 +43,6 @@ class SimStalled(RuntimeError):
 
 class StopSimulation(Exception):
     """Raised by next_event once `stop_after_samples` trained samples have been reported done (see simulate)."""
-
-
-def rollout_stats(groups: list[Group]) -> dict[str, float]:
-    """Same keys as runtime.train_worker.rollout_stats (kept here so the simulator does not import torch)."""
-    trajs = [t for g in groups for t in g.trajectories]
-    if not trajs:
-        return {}
-    lens = [len(t.response_ids) for t in trajs]
-    return {"reward_mean": mean(t.reward or 0.0 for t in trajs),
-            "accuracy": mean(1.0 if t.correct else 0.0 for t in trajs),
-            "response_len_mean": mean(lens), "response_len_max": float(max(lens)),
-            "truncated_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in trajs),
-            "samples": float(len(trajs))}
 
 
 class SimBackend:
