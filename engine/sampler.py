@@ -53,9 +53,10 @@ class Sampler:
 
     def _uniforms(self, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
         u = torch.rand(len(generators), generator=self.generator, device=device)
-        for i, g in enumerate(generators):
-            if g is not None:
-                u[i] = torch.rand(1, generator=g, device=device)[0]
+        own = [i for i, g in enumerate(generators) if g is not None]
+        if own:  # one draw from each row's own generator, written in one op
+            u.index_copy_(0, torch.tensor(own, device=device),
+                          torch.cat([torch.rand(1, generator=generators[i], device=device) for i in own]))
         return u
 
 
