@@ -115,6 +115,8 @@ class TrainConfig:
     clip_high: float = F(0.2, ge=0, help="ratio clipped above at 1 + clip_high (clip-higher: DAPO uses 0.28)")
     adv_norm: str = F("std", choices=("std", "none"), help="divide group advantages by their std, or not (Dr.GRPO)")
     kl_coef: float = F(0.0, ge=0, help="weight of the KL penalty to the initial policy; 0 = no reference model")
+    max_nonfinite_steps: int = F(3, ge=1, help="optimizer steps in a row with a non-finite loss/gradient (each "
+                                 "skipped and counted) before the run stops")
     filter_zero_variance: bool = F(False, help="drop groups whose rewards are all equal (DAPO dynamic sampling)")
     ppo_epochs: int = F(1, ge=1, help="passes over each batch")
     minibatches: int = F(1, ge=1, help="optimizer steps per pass, each on 1/minibatches of the batch")

@@ -216,3 +216,20 @@ def test_checkpoints_keep_last_and_latest(tmp_path):
     assert fresh.load_checkpoint(latest(tmp_path)) == {"s": 2} and fresh.step == 3
     for name, p in weights(fresh.model).items():
         assert torch.equal(p, weights(tr.model)[name]), name
+
+
+def test_non_finite_gradients_skip_the_step_and_stop_after_a_streak():
+    from trainer.trainer import NonFiniteError
+    tr = Trainer(tiny_model(), TrainConfig(lr=1e-2, max_nonfinite_steps=2))
+    bad = make_groups(5)
+    bad[0].trajectories[0].logprobs[0] = float("nan")  # a NaN behaviour log-prob poisons the ratio and the loss
+    before = weights(tr.model)
+    m = tr.train_step(bad)
+    assert m["nonfinite_skipped"] == 1.0 and tr.nonfinite_steps == 1
+    assert all(torch.equal(before[n], p) for n, p in weights(tr.model).items())  # weights untouched
+    assert tr.optimizer_steps == 0 and not tr.optimizer.state                       # optimizer state untouched
+    m = tr.train_step(make_groups(6))                                               # a good step resets the streak
+    assert m["nonfinite_skipped"] == 0.0 and tr.optimizer_steps == 1
+    tr.train_step(bad)
+    with pytest.raises(NonFiniteError, match="2 optimizer steps in a row"):
+        tr.train_step(bad)

@@ -22,6 +22,7 @@ process group the trainer runs unsharded in one process (debugging, and the refe
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -49,10 +50,15 @@ except ImportError:  # pragma: no cover - a plain fallback with the same signatu
         return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1).detach()
 
 
+class NonFiniteError(FloatingPointError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
 @dataclass
 class TrainConfig:
     """The trainer's knobs; config.py's `train` section has the same names and can be passed instead."""
     lr: float = 1e-6
+    max_nonfinite_steps: int = 3        # optimizer steps in a row with a non-finite gradient before the run stops
     min_lr_ratio: float = 0.1
     warmup_steps: int = 0
     lr_schedule: str = "constant"       # "cosine" | "constant"
@@ -107,6 +113,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.step = 0              # stepping train_step calls done (= the weight version the runtime publishes)
         self.optimizer_steps = 0
+        self.nonfinite_steps = self.nonfinite_streak = 0  # skipped steps (total, in a row)
         self.accumulated = 0.0     # normaliser (tokens or sequences) of the gradients held since the last step
 
     # ---- one batch ---------------------------------------------------------------------------------------------
@@ -190,15 +197,28 @@ class Trainer:
         return dict(stats, loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]))
 
     def _apply(self) -> dict[str, float]:
-        """Clip, step, zero: one optimizer step over the accumulated (normalised) gradients."""
+        """Clip, step, zero: one optimizer step over the accumulated (normalised) gradients. A non-finite global
+        gradient norm (a NaN/inf loss or gradient on any rank; every rank sees the same norm) skips the step —
+        weights, optimizer state and LR schedule untouched — and is counted; `max_nonfinite_steps` in a row stop
+        the run with NonFiniteError, so the last checkpoint written stays the last good one."""
         lr = self.optimizer.param_groups[0]["lr"]
         grad_norm = clip_grad_norm([p for p in self.model.parameters()], self.cfg.grad_clip)
+        self.accumulated = 0.0
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_steps += 1
+            self.nonfinite_streak += 1
+            limit = getattr(self.cfg, "max_nonfinite_steps", 3)
+            if self.nonfinite_streak >= limit:
+                raise NonFiniteError(f"{self.nonfinite_streak} optimizer steps in a row had a non-finite gradient "
+                                     f"norm ({grad_norm}); stopping (train.max_nonfinite_steps = {limit})")
+            return dict(grad_norm=grad_norm, lr=float(lr), nonfinite_skipped=1.0)
+        self.nonfinite_streak = 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.optimizer_steps += 1
-        self.accumulated = 0.0
-        return dict(grad_norm=grad_norm, lr=float(lr))
+        return dict(grad_norm=grad_norm, lr=float(lr), nonfinite_skipped=0.0)
 
     def logprobs(self, model: nn.Module, batch: MicroBatch, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies [N] of batch.targets at batch.loss_index under `model`."""
