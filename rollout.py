@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from engine import EngineConfig, LLMEngine, Request, SamplingParams
+from rl.jsonl import iter_jsonl
 
 
 class UsageError(Exception):
@@ -75,18 +76,7 @@ def load_prompts(path: str | Path, field: str) -> list[str | list[int]]:
     if not path.is_file():
         raise UsageError(f"prompts file {path} " + ("is a directory" if path.is_dir() else "does not exist"))
     prompts = []
-    for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at position {e.start + 1} "
-                             "of the line)") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    for lineno, row in iter_jsonl(path, UsageError):
         if not isinstance(row, dict):
             raise UsageError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
         if field not in row:

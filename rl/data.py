@@ -8,7 +8,6 @@ skipped and counted, never fatal; a malformed row raises `DataError` naming the 
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerFast
 
 from model.tokenizer import encode_prompt
+from rl.jsonl import iter_jsonl
 
 PromptContent = str | list[dict[str, str]]
 
@@ -51,19 +51,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
             raise DataError(f"{path}: not a readable Parquet file ({e})") from e
         yield from enumerate(rows, start=1)
         return
-    with p.open("rb") as f:  # bytes, decoded per line, so that bad UTF-8 is reported with its line number
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at position "
-                                f"{e.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: invalid JSON ({e.msg} at column {e.colno})") from None
+    yield from iter_jsonl(p, DataError)
 
 
 def _get(row: dict[str, Any], dotted: str) -> Any:

@@ -28,6 +28,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from rl.jsonl import iter_jsonl
+
 
 @dataclass(frozen=True)
 class PromptSpec:
@@ -219,28 +221,21 @@ def load_trace(path: str | Path) -> TraceWorkload:
     if not path.is_file():
         raise TraceError(f"{path}: trace file does not exist")
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise TraceError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            for key in ("prompt_len", "response_lens"):
-                if key not in row:
-                    raise TraceError(f"{path}:{n}: field {key!r} is missing")
-            plen, lens = row["prompt_len"], row["response_lens"]
-            if not _pos_int(plen):
-                raise TraceError(f"{path}:{n}: field 'prompt_len' must be a positive integer, got {plen!r}")
-            if not isinstance(lens, list) or not lens:
-                raise TraceError(f"{path}:{n}: field 'response_lens' must be a non-empty list, got {lens!r}")
-            for j, x in enumerate(lens):
-                if not _pos_int(x):
-                    raise TraceError(f"{path}:{n}: field 'response_lens'[{j}] must be a positive integer, got {x!r}")
-            rows.append((plen, tuple(lens)))
+    for n, row in iter_jsonl(path, TraceError):
+        if not isinstance(row, dict):
+            raise TraceError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+        for key in ("prompt_len", "response_lens"):
+            if key not in row:
+                raise TraceError(f"{path}:{n}: field {key!r} is missing")
+        plen, lens = row["prompt_len"], row["response_lens"]
+        if not _pos_int(plen):
+            raise TraceError(f"{path}:{n}: field 'prompt_len' must be a positive integer, got {plen!r}")
+        if not isinstance(lens, list) or not lens:
+            raise TraceError(f"{path}:{n}: field 'response_lens' must be a non-empty list, got {lens!r}")
+        for j, x in enumerate(lens):
+            if not _pos_int(x):
+                raise TraceError(f"{path}:{n}: field 'response_lens'[{j}] must be a positive integer, got {x!r}")
+        rows.append((plen, tuple(lens)))
     if not rows:
         raise TraceError(f"{path}: trace holds no rows")
     return TraceWorkload(f"trace:{path.name}", tuple(rows), str(path))

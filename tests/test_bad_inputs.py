@@ -316,7 +316,7 @@ def tok():
     (b'{"prompt": "ab", "answer": "1"}\n{"prompt": "cd"}\n', ":2: missing field 'answer'"),
     (b'{"prompt": "ab", "answer": "1"}\n{"prompt": "cd", "answer": null}\n', ":2: field 'answer': answer must be"),
     (b'{"prompt": "ab", "answer": "1"}\n{"prompt": "c\xff", "answer": "1"}\n', ":2: not UTF-8 text (byte 0xff"),
-    (b'{"prompt": "ab", "answer": "1"}\n{"prompt": "cd", "answer": "1"\n', ":2: invalid JSON"),
+    (b'{"prompt": "ab", "answer": "1"}\n{"prompt": "cd", "answer": "1"\n', ":2: not valid JSON"),
 ])
 def test_bad_prompt_files_name_the_file_and_line(tmp_path, tok, content, needle):
     path = tmp_path / "p.jsonl"

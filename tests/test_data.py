@@ -42,7 +42,7 @@ def test_overlong_prompts_skipped_and_counted(tmp_path, tok):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ('{"prompt": "ab", "answer": ', r"d\.jsonl:3: invalid JSON"),
+    ('{"prompt": "ab", "answer": ', r"d\.jsonl:3: not valid JSON"),
     ('["ab", "c"]', r"d\.jsonl:3: row must be a JSON object"),
     ('{"answer": "c"}', r"d\.jsonl:3: missing field 'prompt'"),
     ('{"prompt": "ab"}', r"d\.jsonl:3: missing field 'answer'"),

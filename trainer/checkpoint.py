@@ -70,11 +70,7 @@ def save(ckpt_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opt
         shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of an earlier crash
         tmp.mkdir(parents=True)
     _barrier(group)
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_model_state_dict(model)}
+    state = _state(model, optimizer)
     dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not on)
     torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra},
                tmp / f"extra_rank{rank}.pt")
@@ -91,6 +87,14 @@ def save(ckpt_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opt
     return final
 
 
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What DCP saves and loads: the model's (sharded) state dict, and the optimizer's when there is one."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
          group: dist.ProcessGroup | None = None) -> dict[str, Any] | None:
     """Restore model (+ optimizer, scheduler) in place from a checkpoint directory; returns this rank's `extra`."""
@@ -98,11 +102,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_model_state_dict(model)}
+    state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not on)
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
