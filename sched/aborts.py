@@ -10,6 +10,9 @@
                 dropping one of a group already handed to the trainer is an InvariantError.
 - requeue=True sends a running request back to pending ("requeueing" until the engine confirms); one that
   finishes first simply stays finished. Requeueing a pending or finished request does nothing.
+- An "interrupting" request (Interrupt sent, not yet handed back) dropped with requeue=False becomes "aborting"
+  and its `trajectory_interrupted` (or `trajectory_finished`) closes it as discarded; requeue=True on it does
+  nothing (it comes back pending anyway).
 - Aborting an aborting/aborted request again does nothing, so a policy may repeat itself.
 Every dropped request gets exactly one `trajectory_aborted` event in the log: the engine's, or the controller's
 own (data `local`: never sent; `discarded`: it had finished). Backends report `trajectory_aborted` only for
@@ -50,8 +53,9 @@ class AbortRules:
                 r.state = "aborted"
                 self.emit(Event("trajectory_aborted", v.now, engine=r.engine, req_id=rid, group_id=r.group_id,
                                 data={"requeue": False, how: True}))
-            elif r.state == "interrupted":
-                raise InvariantError(f"request {rid} aborted while interrupted")
+            elif r.state == "interrupting" and not cmd.requeue:
+                r.state = "aborting"   # its trajectory_interrupted will close it (the engine no longer holds it)
+                self._drop(r)
         for engine, ids in sorted(send.items()):
             backend.command(Abort(engine, ids, cmd.requeue))
 

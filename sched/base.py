@@ -102,6 +102,11 @@ class Policy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def staleness_bound(self) -> int | None:
+        """The largest staleness (trainer version minus a trajectory's oldest token version, at hand-off) this
+        mechanism guarantees, or None. The controller enforces the smallest bound of a preset's mechanisms."""
+        return None
+
 
 class Dispatch(Policy):
     kind = "dispatch"
@@ -138,7 +143,9 @@ class Update(Policy):
 class WeightSync(Policy):
     kind = "weight_sync"
 
-    def engines_to_load(self, v: Views) -> list[LoadWeights]:
+    def engines_to_load(self, v: Views) -> list[LoadWeights | Interrupt]:
+        """LoadWeights for engines that adopt a published version now (an engine may be busy: its running
+        sequences keep their tokens and continue under the new weights), optionally preceded by Interrupts."""
         raise NotImplementedError
 
 

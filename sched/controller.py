@@ -3,8 +3,16 @@
 
 Loop: take the next event, fold it into the views, log it, then ask each mechanism for decisions and hand them to
 the backend. The controller also checks the invariants every preset must keep (a group is trained whole, once,
-only after it is materialised; nothing finished is lost), so a buggy policy fails loudly in tests. Abort decisions
-and the events that settle them follow the rules of sched/aborts.py (mixed in here).
+only after it is materialised; nothing finished is lost; no trajectory staler than the preset's bound; a resumed
+trajectory never goes back in version), so a buggy policy fails loudly in tests. Abort decisions and the events
+that settle them follow the rules of sched/aborts.py (mixed in here).
+
+Partial trajectories (off-policy presets): `Interrupt` marks running requests "interrupting" and asks their engine
+to hand them back; its `trajectory_interrupted` event carries every token so far (ids, behaviour log-probs,
+per-token versions), which the request keeps as `partial` while it waits "pending" again, and the next `submit`
+sends it along so the engine re-prefills and carries on. `Migrate(src, dst)` is an Interrupt whose request is
+resubmitted to `dst` the moment it lands (before any other admission). Stale tokens are therefore always visible
+to the trainer, whose loss corrects for them (rl/loss.py, train.off_policy).
 """
 from __future__ import annotations
 
@@ -51,6 +59,10 @@ class Controller(AbortRules):
         self.next_group = 0
         self.trained: set[tuple[int, int]] = set()  # (group_id, sample_index) handed to the trainer
         self.dropped = 0
+        self.interrupted = 0                         # interrupts that landed (a request may be interrupted often)
+        self.migrations: list[tuple[int, int, int]] = []  # (req_id, src, dst) interrupted, awaiting resubmission
+        bounds = [b for p in preset.policies().values() if (b := p.staleness_bound()) is not None]
+        self.max_staleness: int | None = min(bounds) if bounds else None
 
     # ---------------------------------------------------------------------------------------------- main loop
     @property
@@ -127,6 +139,9 @@ class Controller(AbortRules):
                 g.trajectories.append(traj)
                 g.scored += 1
                 self._materialize(g)
+        elif k == "trajectory_interrupted":
+            if ev.req_id in v.requests:
+                self.on_interrupted(v.requests[ev.req_id], ev)
         elif k == "trajectory_aborted":
             if ev.req_id in v.requests:  # else its round was already consumed and forgotten
                 self.on_aborted(v.requests[ev.req_id], bool(ev.data.get("requeue")))
@@ -149,22 +164,85 @@ class Controller(AbortRules):
         plan = 0 if self.v.trainer.steps_done >= self.total_steps else p.dispatch.intake(v)
         if isinstance(plan, RoundPlan) or plan > 0:
             self.start_round(plan)
+        self.resubmit_migrated(backend)
         for sub in p.dispatch.admit(v):
             self.submit(backend, sub)
         for cmd in p.rebalance.plan(v):
-            if isinstance(cmd, Abort):
-                self.abort(backend, cmd)
-            else:
-                backend.command(cmd)
+            self.command(backend, cmd)
         if not v.trainer.busy and v.trainer.steps_done < self.total_steps:
             gids = p.handoff.ready(v)
             if gids:
                 self.train(backend, p.update.decide(gids, v), gids)
         for cmd in p.weight_sync.engines_to_load(v):
+            self.command(backend, cmd)
+
+    def command(self, backend: Backend, cmd: Abort | Interrupt | Migrate | LoadWeights) -> None:
+        v = self.v
+        if isinstance(cmd, Abort):
+            self.abort(backend, cmd)
+        elif isinstance(cmd, Interrupt):
+            self.interrupt(backend, cmd.req_ids)
+        elif isinstance(cmd, Migrate):
+            self.migrate(backend, cmd)
+        elif isinstance(cmd, LoadWeights):
             if cmd.version > v.trainer.published:
                 raise InvariantError(f"engine {cmd.engine} told to load unpublished version {cmd.version}")
             v.engines[cmd.engine].loading = True
             backend.command(cmd)
+        else:
+            raise TypeError(f"unknown decision {cmd!r}")
+
+    # ------------------------------------------------------------------------------------ partial trajectories
+    def interrupt(self, backend: Backend, req_ids: list[int], migrate_to: int = -1) -> None:
+        """Ask engines to hand back running requests (others are skipped: a finished one simply finished)."""
+        v = self.v
+        send: dict[int, list[int]] = {}
+        for rid in req_ids:
+            r = v.requests.get(rid)
+            if r is None or r.state != "running" or r.engine == migrate_to:
+                continue
+            r.state, r.migrate_to = "interrupting", migrate_to
+            send.setdefault(r.engine, []).append(rid)
+        for engine, ids in sorted(send.items()):
+            backend.command(Interrupt(engine, ids))
+
+    def migrate(self, backend: Backend, cmd: Migrate) -> None:
+        if not 0 <= cmd.dst < len(self.v.engines):
+            raise InvariantError(f"migration to unknown engine {cmd.dst}")
+        self.interrupt(backend, cmd.req_ids, migrate_to=cmd.dst)
+
+    def on_interrupted(self, r: Request, ev: Event) -> None:
+        v = self.v
+        part = ev.payload
+        if r.state not in ("interrupting", "aborting", "requeueing"):
+            raise InvariantError(f"trajectory_interrupted for request {r.req_id} in state {r.state}")
+        if part is None or len(part.response_ids) < r.resumed_tokens or \
+                len(part.logprobs) != len(part.response_ids) or len(part.versions) != len(part.response_ids):
+            raise InvariantError(f"trajectory_interrupted for request {r.req_id} without a consistent partial "
+                                 f"trajectory (it had {r.resumed_tokens} tokens before)")
+        v.engines[r.engine].assigned -= 1
+        self.interrupted += 1
+        src = r.engine
+        r.partial, r.tokens = part, len(part.response_ids)
+        if r.state == "aborting":      # dropped while its interrupt was in flight: discarded
+            r.state = "aborted"
+            self.emit(Event("trajectory_aborted", v.now, engine=src, req_id=r.req_id, group_id=r.group_id,
+                            data={"requeue": False, "interrupted": True}))
+            return
+        r.state, r.engine = "pending", -1
+        if r.migrate_to >= 0:
+            self.migrations.append((r.req_id, src, r.migrate_to))
+        r.migrate_to = -1
+
+    def resubmit_migrated(self, backend: Backend) -> None:
+        todo, self.migrations = self.migrations, []
+        for rid, src, dst in todo:
+            r = self.v.requests.get(rid)
+            if r is None or r.state != "pending":
+                continue
+            self.submit(backend, Submit(dst, [rid]))
+            self.emit(Event("trajectory_migrated", self.v.now, engine=dst, req_id=rid, group_id=r.group_id,
+                            version=self.v.engines[dst].version, data={"src": src, "dst": dst, "tokens": r.tokens}))
 
     def start_round(self, plan: int | RoundPlan) -> None:
         v = self.v
@@ -198,6 +276,11 @@ class Controller(AbortRules):
         for r in reqs:
             if r.state != "pending":
                 raise InvariantError(f"request {r.req_id} submitted twice (state {r.state})")
+            if r.partial is not None and r.partial.versions and e.version < max(r.partial.versions):
+                raise InvariantError(f"request {r.req_id} resumed on engine {sub.engine} at version {e.version}, "
+                                     f"older than its tokens so far (version {max(r.partial.versions)})")
+            if r.v_traj < 0:
+                r.v_traj = e.version
             r.state, r.engine, r.version = "running", sub.engine, e.version
             self.emit(Event("request_admitted", v.now, engine=sub.engine, req_id=r.req_id, group_id=r.group_id,
                             version=e.version))
@@ -213,6 +296,10 @@ class Controller(AbortRules):
                 raise InvariantError(f"group {gid} handed to the trainer "
                                      f"{'twice' if g.consumed else 'before it was materialised'}")
             for t in g.trajectories:
+                if self.max_staleness is not None and v.trainer.version - t.version > self.max_staleness:
+                    raise InvariantError(f"group {gid} sample {t.sample_index} (version {t.version}) handed to the "
+                                         f"trainer at version {v.trainer.version}: staleness above the bound "
+                                         f"{self.max_staleness}")
                 key = (gid, t.sample_index)
                 if key in self.trained:
                     raise InvariantError(f"trajectory {key} trained twice")

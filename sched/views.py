@@ -10,6 +10,9 @@ from rl.types import Trajectory
 if TYPE_CHECKING:
     from sched.base import RoundPlan
 
+IN_FLIGHT = ("pending", "running", "aborting", "requeueing", "interrupting")
+
+
 @dataclass
 class Request:
     """One sample to generate: G of these make a group."""
@@ -19,12 +22,74 @@ class Request:
     prompt_index: int
     round: int
     prompt_len: int
-    state: str = "pending"       # pending | running | finished | aborting | requeueing | aborted | interrupted
+    state: str = "pending"       # pending | running | finished | aborting | requeueing | aborted | interrupting
     engine: int = -1
     tokens: int = 0              # response tokens so far (as last reported)
     version: int = -1            # weight version it was admitted under
     t_created: float = 0.0
     finished_seq: int = -1       # Views.seq when its trajectory_finished arrived (finish order; -1: not finished)
+    partial: Trajectory | None = None  # tokens of earlier parts (all of them so far) when interrupted; resumed on submit
+    v_traj: int = -1             # version of the engine it was FIRST admitted to (StaleFlow's V_traj; never changes)
+    migrate_to: int = -1         # engine a pending Migrate will resubmit it to once the interrupt lands
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Keep the owning table's pending index in step with every state change, whoever makes it.
+        if name == "state":
+            table = self.__dict__.get("_table")
+            if table is not None:
+                table._track(self, value)
+        object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled or deep-copied without its table
+        return {k: v for k, v in self.__dict__.items() if k != "_table"}
+
+    @property
+    def resumed_tokens(self) -> int:
+        """Response tokens carried over from interrupted parts (0 for a fresh request)."""
+        return len(self.partial.response_ids) if self.partial is not None else 0
+
+
+class RequestTable(dict):
+    """`Views.requests`: a dict req_id -> Request that also indexes the pending ones, so dispatch policies read
+    the pending queue in O(pending) instead of scanning every request of every live round."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__()
+        self._pending: dict[int, Request] = {}
+        self._sorted = True
+        for k, r in dict(*args, **kw).items():
+            self[k] = r
+
+    def __setitem__(self, key: int, r: Request) -> None:
+        old = self.get(key)
+        if old is not None and old is not r:
+            self._pending.pop(key, None)
+        object.__setattr__(r, "_table", self)
+        super().__setitem__(key, r)
+        self._track(r, r.state)
+
+    def __delitem__(self, key: int) -> None:
+        self._pending.pop(key, None)
+        super().__delitem__(key)
+
+    def pop(self, key: int, *default: Any) -> Any:
+        self._pending.pop(key, None)
+        return super().pop(key, *default)
+
+    def _track(self, r: Request, state: str) -> None:
+        if state == "pending":
+            if r.req_id not in self._pending:
+                if self._pending and r.req_id < next(reversed(self._pending)):
+                    self._sorted = False
+                self._pending[r.req_id] = r
+        else:
+            self._pending.pop(r.req_id, None)
+
+    def pending(self) -> list[Request]:
+        if not self._sorted:
+            self._pending = dict(sorted(self._pending.items()))
+            self._sorted = True
+        return list(self._pending.values())
 
 
 @dataclass
@@ -87,7 +152,7 @@ class TrainerView:
 
 @dataclass
 class Views:
-    requests: dict[int, Request] = field(default_factory=dict)
+    requests: RequestTable = field(default_factory=RequestTable)
     groups: dict[int, GroupState] = field(default_factory=dict)
     engines: list[EngineView] = field(default_factory=list)
     trainer: TrainerView = field(default_factory=TrainerView)
@@ -97,10 +162,16 @@ class Views:
     now: float = 0.0
     seq: int = 0                          # events applied so far (orders finishes and materialisations)
     params: dict[str, Any] = field(default_factory=dict)  # run-level knobs: group_size, prompts_per_step, ...
+    shared: dict[str, Any] = field(default_factory=dict)  # state several mechanisms of one paper share (e.g.
+    #                                                     StaleFlow's staleness buffers); checkpointed by its owner
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.requests, RequestTable):
+            self.requests = RequestTable(self.requests)
 
     def pending(self) -> list[Request]:
-        """Requests not yet sent to an engine, oldest first."""
-        return [r for r in self.requests.values() if r.state == "pending"]
+        """Requests not yet sent to an engine (fresh, requeued or interrupted), oldest (lowest id) first."""
+        return self.requests.pending()
 
     def open_groups(self) -> list[GroupState]:
         return [g for g in self.groups.values() if not g.closed]
@@ -124,6 +195,6 @@ class Views:
         return all(e.version == version and not e.loading for e in self.engines)
 
     def in_flight(self) -> int:
-        return sum(1 for r in self.requests.values() if r.state in ("pending", "running", "aborting", "requeueing"))
+        return sum(1 for r in self.requests.values() if r.state in IN_FLIGHT)
 
 

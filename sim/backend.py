@@ -10,6 +10,8 @@ fields, so sched.metrics and sched.timeline read a simulated log exactly as a re
     reward_scored                      data: reward, correct, failed; payload: an rl.types.Trajectory whose token
                                        ids / logprobs / versions have the simulated length (versions per token)
     trajectory_aborted                 data: requeue, tokens (for Abort commands)
+    trajectory_interrupted             data: tokens; payload: the partial Trajectory (all tokens so far, per-token
+                                       versions); a resubmitted request re-prefills them (sim/engine.py `add`)
     weights_loaded                     after LoadWeights (relay -> engine, cost.load_s)
     train_step_done                    data: stepped, reward_mean, accuracy, response_len_mean/max, truncated_frac,
                                        samples, tokens, step_time_s
@@ -35,6 +37,17 @@ from sim.tokens import RunList
 from sim.workload import Workload
 
 FAKE_TOKEN, FAKE_LOGPROB = 7, -1.0
+
+
+def _runs_of(values) -> list[tuple[int, int]]:
+    """Run-length encoding of a plain list of per-token versions."""
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return [(v, c) for v, c in out]
 
 
 class SimStalled(RuntimeError):
@@ -80,14 +93,17 @@ class SimBackend:
     def wake(self, engine: int, t: float, gen: int) -> None:
         self.q.push(t, (engine, gen))
 
+    @staticmethod
+    def trajectory(engine: int, r: SimRequest, reason: str, **kw) -> Trajectory:
+        return Trajectory(r.group_id, r.sample_index, r.prompt_ids, RunList.of(FAKE_TOKEN, r.done),
+                          RunList.of(FAKE_LOGPROB, r.done), RunList(r.runs), reason, prompt_index=r.prompt_index,
+                          meta={"engine": engine, "preemptions": r.preemptions}, **kw)
+
     def finished(self, engine: int, r: SimRequest, t: float) -> None:
         spec = self.workload.prompt(r.prompt_index)
         correct = self.rng.random() < spec.p_correct
         reason = "length" if r.done >= self.workload.max_len else "stop"
-        traj = Trajectory(r.group_id, r.sample_index, r.prompt_ids, RunList.of(FAKE_TOKEN, r.done),
-                          RunList.of(FAKE_LOGPROB, r.done), RunList(r.runs), reason, reward=float(correct),
-                          correct=correct, prompt_index=r.prompt_index,
-                          meta={"engine": engine, "preemptions": r.preemptions})
+        traj = self.trajectory(engine, r, reason, reward=float(correct), correct=correct)
         version = min(v for v, _ in r.runs)
         rank = self.engines[engine].rank
         self.emit(Event("trajectory_finished", t, rank=rank, engine=engine, req_id=r.req_id, group_id=r.group_id,
@@ -102,9 +118,16 @@ class SimBackend:
 
     def submit(self, engine: int, reqs: list[Request], prompts: dict[int, PromptItem]) -> None:
         w = self.workload
-        sims = [SimRequest(r.req_id, r.group_id, r.sample_index, r.prompt_index, r.prompt_len,
+        sims = []
+        for r in reqs:
+            s = SimRequest(r.req_id, r.group_id, r.sample_index, r.prompt_index, r.prompt_len,
                            w.response_len(r.prompt_index, r.sample_index), w.max_len, prompts[r.group_id].prompt_ids)
-                for r in reqs]
+            if r.partial is not None:  # resume: its tokens so far are re-prefilled on admission
+                s.done = len(r.partial.response_ids)
+                vs = r.partial.versions
+                s.runs = [[v, c] for v, c in (vs.runs if isinstance(vs, RunList) else _runs_of(vs))]
+                s.preemptions = int(r.partial.meta.get("preemptions", 0))
+            sims.append(s)
         self.engines[engine].add(sims, self.now())
 
     def command(self, cmd: Abort | Interrupt | Migrate | LoadWeights) -> None:
@@ -117,10 +140,16 @@ class SimBackend:
                                 group_id=r.group_id, version=min((v for v, _ in r.runs), default=e.version),
                                 data={"requeue": bool(cmd.requeue), "tokens": r.done}))
             e.plan()
-        else:
-            raise NotImplementedError(
-                f"{type(cmd).__name__} is not simulated yet (Interrupt and Migrate come with the off-policy work: "
-                "SimEngine.remove keeps a request's tokens and per-token versions, SimEngine.add re-prefills them)")
+        elif isinstance(cmd, Interrupt):
+            e = self.engines[cmd.engine]
+            for r in e.remove(cmd.req_ids, self.now()):
+                self.emit(Event("trajectory_interrupted", e.t, rank=e.rank, engine=e.index, req_id=r.req_id,
+                                group_id=r.group_id, version=e.version, data={"tokens": r.done},
+                                payload=self.trajectory(e.index, r, "interrupted")))
+            e.plan()
+        else:  # Migrate is the controller's (an Interrupt, then a submit to the destination)
+            raise TypeError(f"{type(cmd).__name__} never reaches a backend: the controller turns a Migrate into "
+                            "an Interrupt and a resubmission")
 
     def train(self, call: TrainCall, groups: list[Group]) -> None:
         now = self.now()

@@ -17,7 +17,8 @@ the engine re-plans. 1024 engines x thousands of requests cost O(events x runnin
 
 Extension points for the off-policy work: `remove` takes requests out with their state (tokens so far, per-token
 version runs) and `add` accepts partially generated requests (their tokens are re-prefilled), so interrupt = remove +
-park, and migrate = remove here + add there; `hold` pauses decoding (weight loads, colocated training).
+park, and migrate = remove here + add there; `hold` pauses decoding (weight loads, colocated training). A weight load
+on a busy engine sends its running sequences back to the queue to re-prefill under the new version.
 """
 from __future__ import annotations
 
@@ -192,6 +193,11 @@ class SimEngine:
         self.t = max(self.t, t)
         if self.t >= self.hold_until and self.pending_version is not None:
             self.version, self.pending_version = self.pending_version, None
+            # As engine/engine.py load_weights: no KV computed by the old weights is read again; running sequences
+            # go back to the front of the queue and re-prefill prompt + tokens so far under the new version.
+            for r in reversed(list(self.running)):
+                self._detach(r)
+                self.waiting.appendleft(r)
             self.host.emit(Event("weights_loaded", self.t, rank=self.rank, engine=self.index, version=self.version))
         self.plan()
 

@@ -190,11 +190,48 @@ def test_weights_loaded_under_running_requests_record_per_token_versions():
     assert finished(ev)[0].version == 0  # the oldest generating version
 
 
-@pytest.mark.parametrize("cmd", [Interrupt(0, [0]), Migrate(0, 1, [0])])
-def test_interrupt_and_migrate_are_named_as_not_yet_simulated(cmd):
+def test_interrupt_hands_back_the_partial_and_a_resume_elsewhere_finishes_it_with_every_token():
+    c = cost()
+    b = backend(c, [[1000, 300]], engines=2)
+    submit(b, [[1000, 300]])
+    b.run_until(0.05)
+    b.command(Interrupt(0, [0, 99]))             # 99 is unknown: skipped, no event
+    ev = drain(b)
+    part = [x for x in ev if x.kind == "trajectory_interrupted"]
+    assert [x.req_id for x in part] == [0] and 0 < part[0].data["tokens"] < 1000
+    partial = part[0].payload
+    assert partial.finish_reason == "interrupted" and len(partial.response_ids) == part[0].data["tokens"]
+    assert [x.req_id for x in finished(ev)] == [1]  # its sibling carried on
+    b.engines[1].version = 3                        # resumed on a newer engine: the tail carries version 3
+    b.submit(1, [Request(0, 0, 0, 0, 0, 16, partial=partial)], {0: PromptItem(0, RunList.of(1, 16), None)})
+    done = [x.payload for x in drain(b) if x.kind == "reward_scored"]
+    assert len(done) == 1 and len(done[0].response_ids) == 1000
+    assert done[0].versions.runs == ((0, len(partial.response_ids)), (3, 1000 - len(partial.response_ids)))
+
+
+def test_a_resumed_request_pays_the_re_prefill_of_its_tokens():
+    c = cost(prefill_s_per_token=1e-3)
+    times = {}
+    for k in (0, 500):
+        b = backend(c, [[600]])
+        req = Request(0, 0, 0, 0, 0, 16)
+        if k:
+            req.partial = SimBackend.trajectory(0, replace(_sim_req(k), runs=[[0, k]]), "interrupted")
+        b.submit(0, [req], {0: PromptItem(0, RunList.of(1, 16), None)})
+        times[k] = finished(drain(b))[0].t
+    # 500 tokens fewer to decode, but 500 more to prefill at 1 ms each: the resume is no free lunch
+    assert times[500] > 0.5
+
+
+def _sim_req(done: int):
+    from sim.engine import SimRequest
+    return SimRequest(0, 0, 0, 0, 16, 600, 600, RunList.of(1, 16), done=done)
+
+
+def test_migrate_never_reaches_a_backend():
     b = backend(cost(), [[10]], engines=2)
-    with pytest.raises(NotImplementedError, match=type(cmd).__name__):
-        b.command(cmd)
+    with pytest.raises(TypeError, match="controller"):
+        b.command(Migrate(0, 1, [0]))
 
 
 def test_a_request_too_big_for_the_kv_pool_is_a_clear_error():
