@@ -63,7 +63,13 @@ class DataConfig:
     source: str = F("synthetic", help="'synthetic' or a path to a .jsonl / .parquet file of prompts")
     prompt_field: str = F("prompt", help="record field holding the prompt text")
     answer_field: str = F("answer", help="record field holding the reference answer the reward checks")
-    task: str = F("reverse", help="synthetic task name (when source = 'synthetic')")
+    task: str = F("reverse", help="synthetic task name (when source = 'synthetic'; rl/tasks.py lists them)")
+    len_body_max: int = F(4, ge=1, help="repeat task: answer lengths of most prompts are 1..len_body_max")
+    len_tail_min: int = F(24, ge=1, help="repeat task: the long tail's shortest answer")
+    len_tail_max: int = F(32, ge=1, help="repeat task: the long tail's longest answer")
+    len_tail_frac: float = F(0.125, ge=0, le=1, help="repeat task: share of prompts whose answer is in the tail")
+    cap_at_answer: bool = F(False, help="stop each synthetic response at its answer's length + 1 (EOS): response "
+                            "lengths follow the task's answer lengths by construction (the long-tail workload)")
     num_prompts: int = F(1024, ge=1, help="number of synthetic prompts")
     max_prompt_tokens: int = F(256, ge=1, help="prompt length cap in tokens")
     chat_template: bool = F(False, help="wrap prompts in the tokenizer's chat template")
@@ -120,6 +126,10 @@ class TrainConfig:
     filter_zero_variance: bool = F(False, help="drop groups whose rewards are all equal (DAPO dynamic sampling)")
     ppo_epochs: int = F(1, ge=1, help="passes over each batch")
     minibatches: int = F(1, ge=1, help="optimizer steps per pass, each on 1/minibatches of the batch")
+    off_policy: str = F("behaviour", choices=("behaviour", "decoupled"),
+                        help="ratio vs the behaviour logprobs (PPO), or decoupled PPO (AReaL): clip vs the weights "
+                             "at the call's start, times a truncated importance weight exp(prox - behaviour)")
+    is_cap: float = F(2.0, ge=0, help="decoupled: importance weight truncated at this value; 0 = no truncation")
 
 
 @dataclass
@@ -190,6 +200,9 @@ class Config:
         if d.source != "synthetic" and not (self.model.path or self.model.tokenizer):
             yield "data.source", ("is a prompt file, so the run needs a tokenizer: set model.path (a model directory "
                                   "with its tokenizer) or model.tokenizer")
+        if not d.len_body_max <= d.len_tail_min <= d.len_tail_max:
+            yield "data.len_tail_min", (f"must lie in [data.len_body_max, data.len_tail_max] = [{d.len_body_max}, "
+                                        f"{d.len_tail_max}], got {d.len_tail_min}")
         if r.top_k == 0:
             yield "rollout.top_k", "must be -1 (off) or >= 1"
         if r.kv_cache_tokens < r.kv_block_size:

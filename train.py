@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -68,6 +67,11 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from runtime.launch import prepare_run_dir, restart_count
+    if restart_count() > 0 and not (cfg.log.dir or cfg.checkpoint.dir) and rank == 0:
+        print("warning: restarted by torchrun without log.dir: a new run directory, starting afresh",
+              file=sys.stderr, flush=True)
+
     # 3. ranks and process groups; one run directory, named on rank 0
     topo = init_distributed(c.rollout_ranks, c.rollout_fraction, c.colocate, c.backend, c.timeout_s)
     if topo.device.type == "cpu":
@@ -76,7 +80,8 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    holder = [(make_run_dir(cfg), time.time()) if topo.is_leader else None]
+    # a job torchrun restarted (--max-restarts) resumes from its run directory's newest complete checkpoint
+    holder = [prepare_run_dir(cfg, make_run_dir) if topo.is_leader else None]
     dist.broadcast_object_list(holder, src=0, group=topo.control_group)
     run_dir, t0 = holder[0]
     watchdog.install(run_dir, topo.rank)

@@ -18,7 +18,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
-from engine.sampler import Sampler
+from engine.sampler import ERROR_TOKEN, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import AdmitFn, EngineSnapshot, Scheduler, fifo
 from engine.sequence import Request, RequestOutput, Sequence, UnfinishedRequest
@@ -102,8 +102,11 @@ class LLMEngine:
         self.scheduler.postprocess(batch)
         now, finished = self.clock(), []
         for seq, tok, lp, slp in zip(batch.sample_seqs, tokens, logprobs, sampling_logprobs):
-            seq.append(tok, lp, slp, self.version, now)
-            reason = self._stop_reason(seq, tok)
+            if tok == ERROR_TOKEN:  # non-finite logits (engine/sampler.py): ends the request, no token appended
+                reason = "error"
+            else:
+                seq.append(tok, lp, slp, self.version, now)
+                reason = self._stop_reason(seq, tok)
             if reason is not None:
                 seq.finish_reason, seq.finish_time = reason, now
                 self.scheduler.finish(seq)

@@ -10,10 +10,18 @@ Two logprobs come back for the sampled token:
 Sampling is by inverse CDF: one uniform u per row, token = the first index whose cumulative probability exceeds
 u * total. One random number per row keeps per-request generators cheap (a row with its own generator draws its u
 from it; the others share one draw from the engine's generator), and nothing syncs with the host.
+
+A row whose logits are not finite (NaN or +inf anywhere, or every entry -inf: its log-softmax is NaN) samples no
+token: it gets `ERROR_TOKEN` (and NaN logprobs), and the engine finishes that request with finish_reason "error"
+instead of appending the token. The check reads the sampled logprobs, which come to the host anyway.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+
+ERROR_TOKEN = -1  # sampled for a row with non-finite logits: no token, the request ends with an error
 
 from engine.sampling import SamplingParams
 
@@ -49,6 +57,7 @@ class Sampler:
         lp = logprobs[rows, tokens]
         slp = sampling_logprobs[rows, tokens]
         tokens_l, lp_l, slp_l = tokens.tolist(), lp.tolist(), slp.tolist()
+        tokens_l = [ERROR_TOKEN if math.isnan(x) else t for t, x in zip(tokens_l, lp_l)]
         return tokens_l, lp_l, [0.0 if g else x for g, x in zip(greedy, slp_l)]
 
     def _uniforms(self, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:

@@ -48,7 +48,7 @@ class RequestOutput:
     logprobs: list[float]
     sampling_logprobs: list[float]
     versions: list[int]
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error" (non-finite logits)
     group_id: int = -1
     sample_index: int = 0
     prompt_index: int = -1

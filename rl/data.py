@@ -32,6 +32,7 @@ class Prompt:
     prompt: PromptContent  # the text, or the chat messages
     answer: str | None
     prompt_ids: list[int]
+    max_new_tokens: int | None = None  # this prompt's own response cap (None: the run's rollout.max_new_tokens)
 
 
 def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
@@ -86,10 +87,12 @@ def _check_answer(value: Any, where: str) -> str:
 
 @dataclass
 class PromptDataset:
-    """Tokenized prompts in source order, with the indices of those skipped for being too long."""
+    """Tokenized prompts in source order, with the indices of those skipped for being too long, and of those the
+    tokenizer rejected (it raised on the prompt or its chat template, or the prompt encodes to no tokens)."""
     prompts: list[Prompt]
     skipped_too_long: list[int] = field(default_factory=list)
     source: str = "<memory>"
+    skipped_rejected: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -108,6 +111,8 @@ class PromptDataset:
         if max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
         prompts, skipped, n_rows = [], [], 0
+        rejected: list[int] = []
+        reason = ""
         for index, (line_no, row) in enumerate(records):
             n_rows += 1
             where = f"{source}:{line_no}"
@@ -119,16 +124,28 @@ class PromptDataset:
                     _get(row, answer_field), f"{where}: field {answer_field!r}")
             except KeyError as e:
                 raise DataError(f"{where}: missing field {e.args[0]!r} (row has {sorted(row)})") from None
-            ids = encode_prompt(tokenizer, text, chat_template)
+            try:
+                ids = encode_prompt(tokenizer, text, chat_template)
+            except Exception as e:  # this prompt is the tokenizer's problem, not the run's: skipped and counted
+                rejected.append(index)
+                reason = reason or f"{where}: {type(e).__name__}: {e}"
+                continue
+            if not ids:
+                rejected.append(index)
+                reason = reason or f"{where}: encodes to no tokens"
+                continue
             if len(ids) > max_prompt_tokens:
                 skipped.append(index)
                 continue
             prompts.append(Prompt(index, text, answer, ids))
         if n_rows == 0:
             raise DataError(f"{source}: no rows (empty file?)")
+        if not prompts and rejected:
+            raise DataError(f"{source}: all {n_rows} prompts skipped: {len(rejected)} rejected by the tokenizer "
+                            f"(first: {reason}), {len(skipped)} longer than max_prompt_tokens={max_prompt_tokens}")
         if not prompts:
             raise DataError(f"{source}: all {n_rows} prompts are longer than max_prompt_tokens={max_prompt_tokens}")
-        return cls(prompts, skipped, source)
+        return cls(prompts, skipped, source, rejected)
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer: PreTrainedTokenizerFast, max_prompt_tokens: int,
@@ -139,12 +156,19 @@ class PromptDataset:
 
     @classmethod
     def from_synthetic(cls, task: Any, tokenizer: PreTrainedTokenizerFast | None = None,
-                       max_prompt_tokens: int = 64, chat_template: bool = False) -> "PromptDataset":
-        """Prompts of an `rl.tasks.SyntheticTask` (tokenized with its own character tokenizer by default)."""
+                       max_prompt_tokens: int = 64, chat_template: bool = False,
+                       cap_at_answer: bool = False) -> "PromptDataset":
+        """Prompts of an `rl.tasks.SyntheticTask` (tokenized with its own character tokenizer by default). With
+        `cap_at_answer` each prompt's responses stop at its answer's length + 1 token (room for EOS): the response
+        lengths then follow the task's answer-length distribution by construction (the long-tail workload)."""
         tok = tokenizer if tokenizer is not None else task.tokenizer()
         records = ((i + 1, {"prompt": p, "answer": a}) for i, (p, a) in enumerate(task.prompts()))
-        return cls.from_records(records, tok, max_prompt_tokens, chat_template=chat_template,
-                                source=f"synthetic:{task.name}")
+        ds = cls.from_records(records, tok, max_prompt_tokens, chat_template=chat_template,
+                              source=f"synthetic:{task.name}")
+        if cap_at_answer:
+            for p in ds.prompts:
+                p.max_new_tokens = len(p.answer or "") + 1
+        return ds
 
 
 def load_prompt_dataset(source: str | Path, tokenizer: PreTrainedTokenizerFast | None, max_prompt_tokens: int,

@@ -12,6 +12,15 @@ Per token t of sequence i (only tokens with mask = 1 count):
     kl_t           = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                 (k3 estimator of KL(pi || ref),
                      as in GRPO; weighted by kl_coef)
     l_t            = pg_t + kl_coef * kl_t
+Decoupled PPO (AReaL, Fu et al. 2025), when `prox_logp` is given (train.off_policy = "decoupled"): the behaviour
+policy (old_logp: whatever engine versions produced each token) and the proximal policy (prox_logp: the trainer's
+weights at the start of the train call) are separate. Clipping is against the proximal policy and the off-policy
+gap is corrected by a per-token truncated importance weight:
+    r_t            = exp(logp_t - prox_t)            (in place of old_logp_t above, at either ratio level)
+    w_t            = sg[min(exp(prox_t - old_logp_t), is_cap)]      (is_cap = 0: no truncation)
+    pg_t           = w_t * max(-A_i r_t, -A_i clip(r_t, 1 - clip_low, 1 + clip_high))
+The KL penalty is not weighted. AReaL drops tokens whose weight exceeds the cap; here the weight is clamped to the
+cap instead (truncated IS, as in TIS and verl's rollout correction), so no token is silently removed.
 Aggregation (`normaliser` is for the whole optimizer step, so micro-batching never changes loss or gradients):
     token_mean     sum_t l_t / N_tokens                         DAPO token-level loss (section 3.3)
     seq_mean       sum_i (sum_{t in i} l_t / |i|) / N_seqs       GRPO's original sample-level mean
@@ -50,6 +59,16 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def importance_weight(prox_logp: torch.Tensor, old_logp: torch.Tensor, is_cap: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO's per-token weight pi_prox / pi_behaviour, detached and clamped at is_cap (0: no cap).
+    Returns (weight, truncated) where truncated marks the tokens whose raw weight exceeded the cap."""
+    raw = torch.exp(prox_logp.detach() - old_logp.detach())
+    if not is_cap:
+        return raw, torch.zeros_like(raw, dtype=torch.bool)
+    return raw.clamp(max=is_cap), raw > is_cap
+
+
 def default_normaliser(loss_agg: str, mask: torch.Tensor, seq_idx: torch.Tensor, num_seqs: int) -> float:
     """The normaliser of this batch alone: masked tokens (token_mean) or sequences with any masked token."""
     if loss_agg == "token_mean":
@@ -61,13 +80,15 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 mask: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None, *,
                 clip_low: float = 0.2, clip_high: float = 0.2, loss_agg: str = "token_mean",
                 ratio_level: str = "token", kl_coef: float = 0.0, max_len: int | None = None,
-                normaliser: float | None = None, num_seqs: int | None = None) -> LossOutput:
+                normaliser: float | None = None, num_seqs: int | None = None,
+                prox_logp: torch.Tensor | None = None, is_cap: float = 0.0) -> LossOutput:
     """The GRPO loss of one (micro-)batch of packed tokens; see the module docstring for the formulas.
 
     logp: [N] current policy log-probs (with grad); old_logp: [N] behaviour log-probs; advantages: [N] (the
     sequence's advantage on each of its tokens); seq_idx: [N] int64 in [0, num_seqs); mask: [N] 1 where the token
     is trained on; ref_logp: [N] or None. normaliser: tokens (token_mean) or sequences (seq_*) of the whole step;
-    None means this batch alone.
+    None means this batch alone. prox_logp: [N] proximal log-probs (no grad) for decoupled PPO, None for plain PPO
+    against the behaviour policy; is_cap: truncation of the decoupled importance weight (0: none).
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg {loss_agg!r} is not one of {LOSS_AGGS}")
@@ -77,6 +98,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         raise ValueError("loss_agg='seq_sum_norm' (Dr.GRPO) needs max_len, the constant per-sequence divisor")
     if kl_coef and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
+    if is_cap < 0:
+        raise ValueError(f"is_cap must be >= 0 (0: no truncation), got {is_cap}")
     seq_idx = seq_idx.long()
     num_seqs = int(seq_idx.max()) + 1 if num_seqs is None and seq_idx.numel() else int(num_seqs or 0)
     mask = (torch.ones_like(logp) if mask is None else mask).to(logp.dtype)
@@ -85,7 +108,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         normaliser = default_normaliser(loss_agg, mask, seq_idx, num_seqs)
     normaliser = float(normaliser) if float(normaliser) > 0 else 1.0  # an empty batch has a zero numerator
 
-    log_ratio = logp - old_logp
+    anchor = old_logp if prox_logp is None else prox_logp.detach().to(logp.dtype)  # the ratio's denominator
+    log_ratio = logp - anchor
     if ratio_level == "token":
         ratio = torch.exp(log_ratio)
     else:
@@ -94,6 +118,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         ratio = torch.exp(logp - logp.detach() + seq_log_ratio[seq_idx])
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     pg = torch.maximum(-advantages * ratio, -advantages * clipped)
+    is_weight = truncated = None
+    if prox_logp is not None:
+        is_weight, truncated = importance_weight(anchor, old_logp, is_cap)
+        pg = pg * is_weight
     per_token = pg
     kl_ref = None
     if ref_logp is not None:
@@ -117,10 +145,13 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         sums = {
             "clip_frac_low": ((advantages < 0) & (r < 1 - clip_low)).to(mask.dtype).mul(mask).sum(),
             "clip_frac_high": ((advantages > 0) & (r > 1 + clip_high)).to(mask.dtype).mul(mask).sum(),
-            "approx_kl": (k3(logp.detach() - old_logp) * mask).sum(),  # KL(old || new), x ~ old
+            "approx_kl": (k3(logp.detach() - anchor) * mask).sum(),  # KL(anchor || new), x ~ anchor
             "ratio_mean": (r * mask).sum(),
             "pg_loss": (pg.detach() * mask).sum(),
         }
         if kl_ref is not None:
             sums["kl_ref"] = (kl_ref.detach() * mask).sum()
+        if is_weight is not None and truncated is not None:
+            sums["is_weight_mean"] = (is_weight * mask).sum()
+            sums["is_truncated_frac"] = (truncated.to(mask.dtype) * mask).sum()
     return LossOutput(loss, sums, int(mask.sum().item()))

@@ -13,7 +13,11 @@ and the caller, in whatever thread it runs, carries on. The pipe round trip to a
 typical scoring call 0.2-1 ms (sympy), measured on an idle core.
 
 `get_reward_fn` wraps every kind in `CheckedReward`: a result that is not a `RewardResult` with a finite real
-`reward` raises `RewardError` naming the kind, rather than reaching the advantages as a string, None or NaN.
+`reward` raises `RewardError` naming the kind, rather than reaching the advantages as a string, None or NaN (a
+reward function that returns the wrong type is a bug to fix, so the run stops). A reward function that *raises*
+while scoring one response is that response's fault or a passing one: it scores 0 with `failed=True` and the
+exception as its reason, and the run goes on (the runtime counts failed scores: `reward_failed` per step in
+metrics.jsonl and in summary.json).
 
 Model output is never evaluated as code: extraction is regular expressions, and math_verify parses LaTeX with its
 ANTLR grammar into sympy objects; its plain-expression fallback hands sympy's `parse_expr` (which does `eval`) only
@@ -296,7 +300,11 @@ class CheckedReward:
         self.kind, self.fn = kind, fn
 
     def __call__(self, response_text: str, answer: str) -> RewardResult:
-        return check_result(self.kind, self.fn(response_text, answer), response_text)
+        try:
+            result = self.fn(response_text, answer)
+        except Exception as e:  # isolated: this response scores 0 and is marked failed; the run goes on
+            return RewardResult(0.0, False, True, f"reward kind {self.kind!r} raised {type(e).__name__}: {e}"[:500])
+        return check_result(self.kind, result, response_text)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("kind", "fn") or name.startswith("__"):  # not set yet (copy, unpickling): no recursion

@@ -8,6 +8,16 @@ the transformed string followed by `<eos>` (the tokenizer is character level, se
     last     the last symbol                 "cafd=" -> "d"
     copy     the string itself               "cafd=" -> "cafd"
     reverse  the string reversed             "cafd=" -> "dfac"
+    repeat   a symbol n times                "c7="   -> "ccccccc"
+
+`repeat` is the long-tail length workload (issue 6: the scheduling presets need rounds whose groups finish at very
+different times, as in the papers' reasoning traces). The prompt states how long the answer is, and n is drawn per
+prompt from a heavy-tailed `LengthDist` (by default 7 prompts in 8 answer in 1-4 tokens, 1 in 8 in 24-32), so the
+length is a property of the prompt, shared by the whole GRPO group (within-group correlation, RollPacker §2.2,
+StreamRL §5.1 "difficulty is a property inherent to the prompts themselves"). A random-init model samples EOS
+early or never; with `data.cap_at_answer` each response is also stopped at its answer's length + 1 (EOS), so the
+response lengths are long-tailed by construction from the first step, and the reward (positions right) still
+measures whether the model repeats the right symbol and stops.
 
 The score gives partial credit, the fraction of answer positions the response gets right, divided by the longer
 of the two lengths so that rambling past the answer costs as much as stopping short. Dense rewards are what makes
@@ -17,7 +27,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
@@ -31,7 +41,35 @@ RULES: dict[str, Callable[[str], str]] = {
     "copy": lambda s: s,
     "reverse": lambda s: s[::-1],
 }
-TASK_NAMES = tuple(RULES)
+TASK_NAMES = tuple(RULES) + ("repeat",)
+DIGITS = "0123456789"
+
+
+@dataclass
+class LengthDist:
+    """Answer lengths of the `repeat` task: a two-part mixture, the body uniform in 1..body_max and, with
+    probability tail_frac, the tail uniform in tail_min..tail_max. Heavy-tailed by construction: a few prompts
+    carry most of the tokens (with the defaults 12.5% of the prompts carry ~60% of the answer tokens)."""
+    body_max: int = 4
+    tail_min: int = 24
+    tail_max: int = 32
+    tail_frac: float = 0.125
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.body_max <= self.tail_min <= self.tail_max:
+            raise ValueError(f"need 1 <= body_max <= tail_min <= tail_max, got body_max={self.body_max}, "
+                             f"tail_min={self.tail_min}, tail_max={self.tail_max}")
+        if not 0.0 <= self.tail_frac <= 1.0:
+            raise ValueError(f"tail_frac must be in [0, 1], got {self.tail_frac}")
+
+    def draw(self, rng: random.Random) -> int:
+        if rng.random() < self.tail_frac:
+            return rng.randint(self.tail_min, self.tail_max)
+        return rng.randint(1, self.body_max)
+
+    @property
+    def longest(self) -> int:
+        return self.tail_max if self.tail_frac > 0 else self.body_max
 
 
 def score_positions(response: str, answer: str) -> RewardResult:
@@ -58,9 +96,10 @@ class SyntheticTask:
     min_len: int = 1
     max_len: int = 3
     sep: str = "="
+    lengths: LengthDist = field(default_factory=LengthDist)   # answer lengths of `repeat` (min_len/max_len: others)
 
     def __post_init__(self) -> None:
-        if self.name not in RULES:
+        if self.name not in TASK_NAMES:
             raise ValueError(f"unknown synthetic task {self.name!r}; valid tasks: {', '.join(TASK_NAMES)}")
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}")
@@ -70,10 +109,19 @@ class SyntheticTask:
             raise ValueError(f"alphabet must be non-empty with distinct symbols, got {self.alphabet!r}")
         if len(self.sep) != 1 or self.sep in self.alphabet:
             raise ValueError(f"sep must be one character outside the alphabet, got {self.sep!r}")
+        if self.name == "repeat" and set(self.alphabet + self.sep) & set(DIGITS):
+            raise ValueError(f"repeat writes lengths in digits: alphabet and sep must not contain any, "
+                             f"got {self.alphabet!r} and {self.sep!r}")
 
     def prompts(self) -> list[tuple[str, str]]:
         """(prompt_text, answer) pairs; the same list for the same (name, num_prompts, seed, alphabet, lengths)."""
         rng = random.Random(f"{self.name}:{self.seed}")
+        if self.name == "repeat":
+            out = []
+            for _ in range(self.num_prompts):
+                sym, n = rng.choice(self.alphabet), self.lengths.draw(rng)
+                out.append((f"{sym}{n}{self.sep}", sym * n))
+            return out
         rule = RULES[self.name]
         out = []
         for _ in range(self.num_prompts):
@@ -83,11 +131,13 @@ class SyntheticTask:
 
     def tokenizer(self, path: str | Path | None = None) -> PreTrainedTokenizerFast:
         """The character tokenizer over the alphabet and the separator (saved to `path` when given)."""
-        return build_char_tokenizer(self.alphabet + self.sep, path)
+        return build_char_tokenizer(self.alphabet + (DIGITS if self.name == "repeat" else "") + self.sep, path)
 
     @property
     def max_response_tokens(self) -> int:
         """The longest answer plus one token for <eos>: a good `max_new_tokens` for this task."""
+        if self.name == "repeat":
+            return self.lengths.longest + 1
         return (1 if self.name in ("first", "last") else self.max_len) + 1
 
     def score(self, response_text: str, answer: str) -> RewardResult:

@@ -28,6 +28,9 @@ class Trajectory:
     @property
     def version(self) -> int:
         """The (oldest) weight version this trajectory was generated under."""
+        runs = getattr(self.versions, "runs", None)  # run-length encoded (the simulator's sim.tokens.RunList)
+        if runs is not None:
+            return min((v for v, _ in runs), default=-1)
         return min(self.versions) if self.versions else -1
 
     @property

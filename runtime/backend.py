@@ -1,6 +1,8 @@
 """RuntimeBackend: the controller's Backend over real ranks (sched/controller.py drives it).
 
-    submit / command    -> messages on the control channel to the engine's rollout rank
+    submit / command    -> messages on the control channel to the engine's rollout rank (a request with a
+                           `partial` is resumed there; Interrupt -> ("interrupt", req_ids); Migrate is the
+                           controller's: it arrives here as Interrupt + a later submit)
     train               -> a work item for the trainer thread (runtime/train_worker.py) on this rank
     next_event          <- events from rollout ranks (lists, one message per engine step) and from the trainer
                            thread, in arrival order, with a deadline that names who was being waited for
@@ -20,6 +22,9 @@ from sched.controller import PromptItem
 from sched.events import Event
 
 
+LEFT_ENGINE = ("trajectory_finished", "trajectory_aborted", "trajectory_interrupted")  # a request left its engine
+
+
 class RuntimeBackend:
     def __init__(self, topo: Topology, channel: Channel, train_queue: "queue.Queue[Any]", t0: float,
                  timeout_s: float):
@@ -35,19 +40,34 @@ class RuntimeBackend:
         return time.time() - self.t0
 
     def submit(self, engine: int, reqs: list[Request], prompts: dict[int, PromptItem]) -> None:
-        specs = [dict(req_id=r.req_id, group_id=r.group_id, sample_index=r.sample_index,
-                      prompt_index=r.prompt_index, prompt_ids=prompts[r.group_id].prompt_ids,
-                      answer=prompts[r.group_id].answer) for r in reqs]
+        specs = [self._spec(r, prompts[r.group_id]) for r in reqs]
         self.assigned[engine] += len(reqs)
         self.channel.send(("submit", specs), self.topo.engine_rank(engine), WORKER)
+
+    @staticmethod
+    def _spec(r: Request, prompt: PromptItem) -> dict[str, Any]:
+        """What the rollout worker needs to start (or, with r.partial, resume) one request."""
+        spec: dict[str, Any] = dict(req_id=r.req_id, group_id=r.group_id, sample_index=r.sample_index,
+                                    prompt_index=r.prompt_index, prompt_ids=prompt.prompt_ids, answer=prompt.answer,
+                                    max_new_tokens=getattr(prompt, "max_new_tokens", None))
+        part = r.partial
+        if part is not None:
+            spec["partial"] = dict(response_ids=list(part.response_ids), logprobs=list(part.logprobs),
+                                   versions=list(part.versions), rng_state=part.meta.get("rng_state"))
+        return spec
 
     def command(self, cmd: Abort | Interrupt | Migrate | LoadWeights) -> None:
         if isinstance(cmd, LoadWeights):
             self.channel.send(("load", cmd.version), self.topo.engine_rank(cmd.engine), WORKER)
         elif isinstance(cmd, Abort):
             self.channel.send(("abort", cmd.req_ids, cmd.requeue), self.topo.engine_rank(cmd.engine), WORKER)
+        elif isinstance(cmd, Interrupt):
+            self.channel.send(("interrupt", list(cmd.req_ids)), self.topo.engine_rank(cmd.engine), WORKER)
+        elif isinstance(cmd, Migrate):
+            raise TypeError(f"Migrate({cmd.src} -> {cmd.dst}, {cmd.req_ids}) reached the runtime backend: the "
+                            "controller turns a Migrate into Interrupt + resubmit, backends never see one")
         else:
-            raise NotImplementedError(f"{type(cmd).__name__} is not supported by the runtime yet")
+            raise TypeError(f"unknown backend command {type(cmd).__name__}")
 
     def train(self, call: TrainCall, groups: list[Group]) -> None:
         self.training = True
@@ -59,8 +79,8 @@ class RuntimeBackend:
             for ev in (msg if isinstance(msg, list) else [msg]):
                 if not isinstance(ev, Event):
                     raise RuntimeError(f"rank {src} sent {type(ev).__name__} where an event was expected")
-                if ev.kind == "trajectory_finished" and 0 <= ev.engine < self.num_engines:
-                    self.assigned[ev.engine] -= 1
+                if ev.kind in LEFT_ENGINE and 0 <= ev.engine < self.num_engines:
+                    self.assigned[ev.engine] = max(self.assigned[ev.engine] - 1, 0)
                 elif ev.kind == "train_step_done":
                     self.training = False
                 self.pending.append(ev)

@@ -14,7 +14,7 @@ from model.presets import preset_config
 from model.tokenizer import load_tokenizer
 from rl.data import PromptDataset, PromptSampler
 from rl.rewards import RewardResult, get_reward_fn
-from rl.tasks import SyntheticTask
+from rl.tasks import LengthDist, SyntheticTask
 from sched.controller import PromptItem
 
 
@@ -26,7 +26,7 @@ class PromptSource:
         self.sampler = sampler
 
     def __call__(self, n: int) -> list[PromptItem]:
-        return [PromptItem(p.index, p.prompt_ids, p.answer) for p in self.sampler.next_batch(n)]
+        return [PromptItem(p.index, p.prompt_ids, p.answer, p.max_new_tokens) for p in self.sampler.next_batch(n)]
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()
@@ -54,7 +54,8 @@ def build_run(cfg: Any, with_data: bool) -> RunParts:
     d = cfg.data
     task = None
     if d.source == "synthetic":
-        task = SyntheticTask(d.task, d.num_prompts, d.seed)
+        task = SyntheticTask(d.task, d.num_prompts, d.seed, lengths=LengthDist(
+            d.len_body_max, d.len_tail_min, d.len_tail_max, d.len_tail_frac))
         tok = task.tokenizer()
         reward = reward_fn(cfg)
     else:
@@ -73,11 +74,11 @@ def build_run(cfg: Any, with_data: bool) -> RunParts:
     source, skipped = None, 0
     if with_data:
         if task is not None:
-            ds = PromptDataset.from_synthetic(task, tok, d.max_prompt_tokens, d.chat_template)
+            ds = PromptDataset.from_synthetic(task, tok, d.max_prompt_tokens, d.chat_template, d.cap_at_answer)
         else:
             ds = PromptDataset.from_file(d.source, tok, d.max_prompt_tokens, d.prompt_field, d.answer_field,
                                          d.chat_template)
-        skipped = len(ds.skipped_too_long)
+        skipped = len(ds.skipped_too_long) + len(ds.skipped_rejected)
         source = PromptSource(PromptSampler(ds, d.seed, d.shuffle))
     return RunParts(mcfg, tok, reward, source, skipped, cfg.rollout.max_new_tokens)
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +89,7 @@ def run_colocated(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topol
         backend = ColocatedBackend(topo, channel, None, t0, cfg.cluster.timeout_s)
 
         def finish(b: ColocatedBackend) -> None:
-            b.call(("checkpoint", str(Path(run_dir) / "checkpoints"), leader_state(controller, parts),
+            b.call(("checkpoint", str(checkpoint_dir(cfg, run_dir)), leader_state(controller, parts),
                     cfg.checkpoint.keep))
             if cfg.checkpoint.export_hf:
                 b.call(("export", str(Path(run_dir) / "hf")))
@@ -107,15 +110,32 @@ def response_decoder(tok: Any, eos_ids: frozenset[int]):
     return decode
 
 
+def restart_count() -> int:
+    """How many times torchrun has restarted this job (0: the first attempt; `--max-restarts` allows more)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def checkpoint_dir(cfg: Any, run_dir: str | Path | None = None) -> Path:
+    """`checkpoint.dir`, or RUN_DIR/checkpoints."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir or cfg.log.dir) / "checkpoints"
+
+
 def resume_path(cfg: Any) -> Path | None:
+    """The checkpoint this attempt starts from, or None for a fresh start. Every rank calls it and gets the same
+    answer. A job that torchrun restarted (`--max-restarts`) resumes from the newest complete checkpoint of its run
+    directory on its own, when it has one (the run directory must be stable: set log.dir or checkpoint.dir)."""
     if not cfg.checkpoint.resume:
+        if restart_count() > 0 and (cfg.log.dir or cfg.checkpoint.dir):
+            return checkpoint.latest(checkpoint_dir(cfg))
         return None
     if cfg.checkpoint.resume == "latest":
-        if not cfg.log.dir:
+        if not cfg.log.dir and not cfg.checkpoint.dir:
             raise ValueError("checkpoint.resume = 'latest' needs log.dir (the run directory to resume)")
-        path = checkpoint.latest(Path(cfg.log.dir) / "checkpoints")
+        path = checkpoint.latest(checkpoint_dir(cfg))
         if path is None:
-            raise FileNotFoundError(f"checkpoint.resume = 'latest': no complete checkpoint in {cfg.log.dir}/checkpoints")
+            if restart_count() > 0:  # restarted before this attempt's first checkpoint: start afresh
+                return None
+            raise FileNotFoundError(f"checkpoint.resume = 'latest': no complete checkpoint in {checkpoint_dir(cfg)}")
         return path
     path = Path(cfg.checkpoint.resume)
     if not path.is_dir():
@@ -131,17 +151,23 @@ def run_leader(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology
         restore(controller, parts, trainer.load_checkpoint(resume) or {})
     tt = TrainerThread(trainer, publisher, topo, channel, t0)
     backend = RuntimeBackend(topo, channel, tt.queue, t0, cfg.cluster.timeout_s)
-    ckpt_dir = Path(run_dir) / "checkpoints"
+    ckpt_dir = checkpoint_dir(cfg, run_dir)
     timeout = cfg.cluster.timeout_s
+    due = [False]
 
     def save() -> None:
         tt.call(("checkpoint", str(ckpt_dir), leader_state(controller, parts), cfg.checkpoint.keep), timeout)
 
     def after_event(ev: Event) -> None:
+        """Every `checkpoint.every` published versions, checkpoint at the first moment the trainer holds no work
+        (nothing training, no gradients accumulated); trajectories in flight go into the controller's state."""
         every = cfg.checkpoint.every
         if ev.kind == "version_published" and every and ev.version % every == 0 and 0 < ev.version < cfg.train.steps:
-            if controller.quiescent():
-                save()
+            due[0] = True
+        t = controller.v.trainer
+        if due[0] and not t.busy and t.groups_since_step == 0 and not controller.done:
+            due[0] = False
+            save()
 
     tt.queue.put(("publish", trainer.step))  # the engines start from the trainer's weights
     try:
@@ -158,14 +184,68 @@ def run_leader(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology
 
 
 def leader_state(controller: Controller, parts: RunParts) -> dict[str, Any]:
-    """What a checkpoint holds beyond the trainer's state: controller counters and policy state, data position, RNG."""
-    return {"controller": controller.state_dict(), "data": parts.source.state_dict(), "rng": torch.get_rng_state()}
+    """What a checkpoint holds beyond the trainer's state: the controller's counters, views (trajectories finished
+    and in flight, sched/snapshot.py) and policy state, the data position, the RNG, and how far the run's logs
+    reached (a resumed run cuts them back there, so they read as one run)."""
+    return {"controller": controller.state_dict(), "data": parts.source.state_dict(), "rng": torch.get_rng_state(),
+            "log": log_marks(controller)}
+
+
+LOGS = ("events.jsonl", "metrics.jsonl")
+
+
+def log_marks(controller: Controller) -> dict[str, Any]:
+    """Byte lengths of the run's logs and the controller's clock, as of now (the logs are flushed first)."""
+    log = controller.log
+    marks: dict[str, Any] = {"t": controller.v.now}
+    for name, f in zip(LOGS, (getattr(log, "_f", None), getattr(log, "metrics_f", None))):
+        if f is not None and not f.closed:
+            f.flush()
+            marks[name] = f.tell()
+    return marks
+
+
+def prepare_run_dir(cfg: Any, make_run_dir: Any) -> tuple[str, float]:
+    """Leader only, before any log is opened: the run directory and the run's clock origin t0. A resumed run
+    (or a restarted one) cuts its logs back to where its checkpoint left them — what came after is moved to
+    events.discarded.jsonl / metrics.discarded.jsonl — and continues the checkpoint's clock."""
+    run_dir = make_run_dir(cfg)
+    now = time.time()
+    path = resume_path(cfg)
+    if path is None and restart_count() == 0:
+        return run_dir, now
+    marks = checkpoint.read_extra(path).get("extra", {}).get("log", {}) if path is not None else {"t": 0.0}
+    for name in LOGS:
+        rewind_log(Path(run_dir) / name, int(marks.get(name, 0)))
+    print(f"restart {restart_count()}: " + (f"resuming from {path}" if path is not None else
+          "no complete checkpoint yet, starting afresh"), file=sys.stderr, flush=True)
+    return run_dir, now - float(marks.get("t", 0.0))
+
+
+def rewind_log(path: Path, size: int) -> None:
+    """Truncate `path` to `size` bytes, appending the cut tail to NAME.discarded.jsonl."""
+    if not path.is_file() or path.stat().st_size <= size:
+        return
+    with open(path, "rb") as f:
+        f.seek(size)
+        tail = f.read()
+    with open(path.with_suffix(".discarded.jsonl"), "ab") as out:
+        out.write(tail)
+    with open(path, "r+b") as f:
+        f.truncate(size)
 
 
 def restore(controller: Controller, parts: RunParts, extra: dict[str, Any]) -> None:
     controller.load_state_dict(extra["controller"])
     parts.source.load_state_dict(extra["data"])
     torch.set_rng_state(extra["rng"])
+
+
+def fault_counts(events: list[Event]) -> dict[str, int]:
+    """Isolated faults the run went on through, from its event log: scores whose reward function failed (raised
+    or timed out; they scored 0) and samples dropped because their logits went non-finite."""
+    return {"reward_failed": sum(1 for e in events if e.kind == "reward_scored" and e.data.get("failed")),
+            "sample_errors": sum(1 for e in events if e.kind == "trajectory_aborted" and e.data.get("error"))}
 
 
 def finish_run(run_dir: str, log: MetricsLogger, parts: RunParts) -> None:
@@ -180,6 +260,7 @@ def finish_run(run_dir: str, log: MetricsLogger, parts: RunParts) -> None:
         k = max(1, len(hist) // 4)
         summary["reward_first"] = sum(h.get("reward_mean", 0) for h in hist[:k]) / k
         summary["reward_last"] = sum(h.get("reward_mean", 0) for h in hist[-k:]) / k
+    summary.update(fault_counts(events))
     summary["skipped_prompts"] = parts.skipped_prompts
     (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     draw(events, Path(run_dir) / "timeline.png", Path(run_dir).name)

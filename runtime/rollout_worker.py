@@ -1,6 +1,10 @@
 """The rollout partition's worker loop: one decode engine per rollout rank, driven by control-channel messages.
 
-    ("submit", [spec, ...])      add requests (prompt ids, group id, sample index, answer) to the engine
+    ("submit", [spec, ...])      add requests (prompt ids, group id, sample index, answer) to the engine; a spec
+                                 with "partial" (response_ids, logprobs, versions, rng_state of an interrupted
+                                 request) resumes it: prompt + tokens so far are re-prefilled and generation goes on
+    ("interrupt", req_ids)       take running requests out of the engine and hand back their tokens so far
+                                 (trajectory_interrupted, payload = the partial Trajectory); ids not held: ignored
     ("recv_weights", version)    join the publication broadcast; keep the weights in this rank's relay (CPU copy)
     ("load", version)            adopt the relay's weights in the engine (the weight-sync policy says when)
     ("abort", req_ids, requeue)  stop requests; report them aborted (requeued or dropped)
@@ -20,9 +24,11 @@ import torch
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import Request as EngineRequest
+from engine.sequence import UnfinishedRequest
 from rl.rewards import RewardResult
+from rl.types import Trajectory
 from runtime.channel import WORKER, Channel
-from runtime.watchdog import maybe_stall
+from runtime.watchdog import maybe_kill, maybe_stall
 from sched.events import Event
 from trainer.publish import WeightReceiver, checksum
 
@@ -80,14 +86,8 @@ class RolloutWorker:
         kind = msg[0]
         if kind == "submit":
             maybe_stall(self.rank)
-            s = self.sampling
             for spec in msg[1]:
-                params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
-                                        max_new_tokens=s.max_new_tokens,
-                                        seed=request_seed(s.seed, spec["group_id"], spec["sample_index"]))
-                rid = self.engine.add_request(EngineRequest(
-                    spec["prompt_ids"], params, request_id=str(spec["req_id"]), group_id=spec["group_id"],
-                    sample_index=spec["sample_index"], prompt_index=spec["prompt_index"]))
+                rid = self._add(spec)
                 self.answers[rid] = (spec["req_id"], spec["answer"])
         elif kind == "recv_weights":
             if self.receiver is None:
@@ -95,9 +95,10 @@ class RolloutWorker:
             self.relay_version = self.receiver.receive(self._into_relay)
         elif kind == "load":
             version = msg[1]
-            if version != self.relay_version:
+            if version > self.relay_version:
                 raise RuntimeError(f"rank {self.rank}: told to load version {version} but the relay holds "
                                    f"{self.relay_version}")
+            version = self.relay_version  # a newer publication reached the relay first: adopt it (pull latest)
             self.engine.load_weights(self.relay.items(), version)
             if self.verify_weights:
                 self.check_engine_weights()
@@ -110,11 +111,66 @@ class RolloutWorker:
                     self.answers.pop(out.request_id, None)
                     self.event("trajectory_aborted", req_id=req_id, group_id=out.group_id,
                                data={"requeue": bool(requeue), "tokens": len(out.token_ids)})
+            self._maybe_idle()
+        elif kind == "interrupt":
+            for req_id in msg[1]:
+                self._interrupt(req_id)
+            self._maybe_idle()
         elif kind == "stop":
             return False
         else:
             raise ValueError(f"rank {self.rank}: unknown control message {kind!r}")
         return True
+
+    def _params(self, spec: dict[str, Any]) -> SamplingParams:
+        """The request's sampling parameters, seeded per sample (the same on every engine and every resume)."""
+        s = self.sampling
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
+                              max_new_tokens=min(s.max_new_tokens, spec.get("max_new_tokens") or s.max_new_tokens),
+                              seed=request_seed(s.seed, spec["group_id"], spec["sample_index"]))
+
+    def _add(self, spec: dict[str, Any]) -> str:
+        """Queue one submitted request: fresh, or resumed from spec["partial"] (its tokens so far re-prefilled,
+        its generator restored from rng_state, so a seeded continuation is the one the first engine would have
+        produced under the same weights; max_new_tokens counts the carried tokens too)."""
+        request = EngineRequest(spec["prompt_ids"], self._params(spec), request_id=str(spec["req_id"]),
+                                group_id=spec["group_id"], sample_index=spec["sample_index"],
+                                prompt_index=spec["prompt_index"])
+        part = spec.get("partial")
+        if part is None:
+            return self.engine.add_request(request)
+        ids, lps, versions = list(part["response_ids"]), list(part["logprobs"]), list(part["versions"])
+        if not len(ids) == len(lps) == len(versions):
+            raise ValueError(f"rank {self.rank}: request {spec['req_id']} resumed with {len(ids)} tokens, "
+                             f"{len(lps)} logprobs and {len(versions)} versions")
+        if versions and max(versions) > self.engine.version:
+            raise ValueError(f"rank {self.rank}: request {spec['req_id']} has tokens of version {max(versions)} "
+                             f"but this engine holds version {self.engine.version} (tokens never go back)")
+        # The sampled-distribution logprobs of earlier parts are not carried (nothing downstream reads them).
+        return self.engine.import_request(UnfinishedRequest(
+            request, token_ids=ids, logprobs=lps, sampling_logprobs=[float("nan")] * len(ids), versions=versions,
+            arrival_time=self.engine.clock(), rng_state=part.get("rng_state")))
+
+    def _interrupt(self, req_id: int) -> None:
+        """Export one request the engine still holds and report its tokens so far (no event if not held)."""
+        rid = str(req_id)
+        if rid not in self.engine.seqs:
+            return
+        u = self.engine.export(rid)
+        self.answers.pop(rid, None)
+        r = u.request
+        traj = Trajectory(group_id=r.group_id, sample_index=r.sample_index, prompt_ids=list(r.prompt_ids),
+                          response_ids=list(u.token_ids), logprobs=list(u.logprobs), versions=list(u.versions),
+                          finish_reason="interrupted", prompt_index=r.prompt_index,
+                          meta={"rng_state": u.rng_state, "request_id": rid})
+        self.event("trajectory_interrupted", req_id=req_id, group_id=r.group_id, version=self.engine.version,
+                   data={"tokens": len(u.token_ids)}, payload=traj)
+
+    def _maybe_idle(self) -> None:
+        """An engine emptied by aborts or interrupts is idle now, not at its next step (which may never come)."""
+        if self.busy and not self.engine.has_unfinished():
+            self.busy = False
+            self.event("engine_idle", version=self.engine.version)
 
     def _into_relay(self, tensors, version: int) -> None:
         self.relay = {name: t.detach().to("cpu", copy=True) for name, t in tensors}
@@ -137,9 +193,15 @@ class RolloutWorker:
             self.busy = True
             self.event("engine_busy", version=self.engine.version)
         finished = self.engine.step()
+        if finished:
+            maybe_kill(self.engine.version)  # fault injection (runtime/watchdog.py)
         self.steps += 1
         for out in finished:
             req_id, answer = self.answers.pop(out.request_id)
+            if out.finish_reason == "error":  # non-finite logits: dropped (never trained, never rescored), counted
+                self.event("trajectory_aborted", req_id=req_id, group_id=out.group_id, version=out.version,
+                           data={"requeue": False, "error": "non-finite logits", "tokens": len(out.token_ids)})
+                continue
             traj = out.to_trajectory()
             result = self.reward_fn(self.decode(out.token_ids), answer or "")
             traj.reward, traj.correct = result.reward, result.correct
@@ -155,9 +217,7 @@ class RolloutWorker:
                        data={"total": snap.num_tokens_decoded, "running": len(snap.running),
                              "waiting": len(snap.waiting), "kv_used": snap.kv_blocks_used,
                              "kv_free": snap.kv_blocks_free})
-        if not self.engine.has_unfinished():
-            self.busy = False
-            self.event("engine_idle", version=self.engine.version)
+        self._maybe_idle()
         if finished or not self.busy:
             self.flush()
 

@@ -79,7 +79,13 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
         torch.cuda.set_device(device)
     pg_backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if not dist.is_initialized() and attempt > 0:
+        # restarted by torchrun (--max-restarts): its store still holds the dead attempt's gloo addresses
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        dist.init_process_group(pg_backend, store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank,
+                                world_size=world, timeout=timeout)
+    elif not dist.is_initialized():
         dist.init_process_group(pg_backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     train, rollout = split_ranks(world, rollout_ranks, rollout_fraction, colocate)

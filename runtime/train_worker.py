@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from runtime.channel import WORKER, Channel
 from runtime.topology import Topology
+from runtime.watchdog import maybe_kill
 from sched.events import Event
 from sched.metrics import rollout_stats
 from trainer.publish import WeightPublisher
@@ -38,6 +39,7 @@ def run_item(item: tuple, trainer: Trainer, publisher: WeightPublisher,
     if kind == "train":
         _, call, groups = item
         metrics = trainer.train_step(groups, step=call.step)
+        maybe_kill(trainer.step)  # fault injection (runtime/watchdog.py); a no-op otherwise
         if report:
             report(Event("train_step_done", clock(), rank=0, version=trainer.step,
                          data={"stepped": call.step, **rollout_stats(groups), **_floats(metrics)}))

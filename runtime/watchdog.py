@@ -7,12 +7,17 @@ the process with a non-zero status, so torchrun stops the other ranks. A fatal s
 every thread's stack there, through faulthandler.
 
 Fault injection for tests: TIDAL_FAULT_STALL_RANK=R makes global rank R stop responding (its rollout worker
-sleeps) once it has received work, as a hung engine would.
+sleeps) once it has received work, as a hung engine would. TIDAL_FAULT_KILL_RANK=R with TIDAL_FAULT_KILL_STEP=S
+makes global rank R SIGKILL itself at step S, in the job's first attempt only (torchrun's
+TORCHELASTIC_RESTART_COUNT is 0), so a `--max-restarts` job comes back and resumes: a train rank right after its
+S-th optimizer step (before that step is published or checkpointed), a rollout rank at the first engine step
+under weights of version >= S that finishes a sample (mid-round, before reporting it).
 """
 from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -64,3 +69,14 @@ def maybe_stall(rank: int) -> None:
     if os.environ.get("TIDAL_FAULT_STALL_RANK") == str(rank):
         while True:
             time.sleep(3600)
+
+
+def maybe_kill(step: int) -> None:
+    """Fault injection (TIDAL_FAULT_KILL_RANK, TIDAL_FAULT_KILL_STEP): this rank dies hard, as on a machine fault
+    (no cleanup, no report), at `step` >= S in the first attempt."""
+    rank, at = os.environ.get("TIDAL_FAULT_KILL_RANK"), os.environ.get("TIDAL_FAULT_KILL_STEP")
+    if rank is None or at is None or rank != os.environ.get("RANK", "0"):
+        return
+    if step >= int(at) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        print(f"fault injection: rank {rank} kills itself at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 from sched import barrier, fifo, step_publish, whole_round  # noqa: F401  (registration)
 from sched import cgp, every_u, frontier, skewness, stream_handoff, stream_update, tail_abort, tail_batching  # noqa: F401
+from sched import experience_buffer, laminar_dispatch, one_step, one_step_handoff, partial_rollout, pull_latest, repack  # noqa: F401,E501
+from sched import areal_dispatch, areal_handoff, areal_sync, staleflow_handoff, staleflow_migrate, staleflow_route, staleflow_route_vanilla, staleflow_sync, staleflow_sync_vanilla  # noqa: F401,E501
 from sched.base import KIND_BASES, REGISTRY, Preset, build_policy
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "sched"

@@ -88,6 +88,7 @@ class AbortRules:
         g.trajectories = kept
         g.dropped += 1
         self.dropped += 1
+        self.v.dropped += 1
         if r.state == "running":
             r.state = "aborted"
         self._materialize(g)
@@ -95,5 +96,6 @@ class AbortRules:
     def _materialize(self, g: GroupState) -> None:
         if g.materialized and g.materialized_seq < 0:
             g.materialized_seq = self.v.seq
+            self.v.materialized += 1
             self.emit(Event("group_materialized", self.v.now, group_id=g.group_id, version=g.version,
                             data={"round": g.round}))

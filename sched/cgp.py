@@ -27,7 +27,7 @@ def fifo(v: Views) -> tuple[list[GroupState], bool]:
         return [], False
     r = min(g.round for g in ready)
     mine = sorted((g for g in ready if g.round == r), key=lambda g: (g.materialized_seq, g.group_id))
-    rest = [g for g in v.open_groups() if g.round == r and not g.materialized]
+    rest = any(not (g := v.groups[gid]).closed and not g.materialized for gid in v.round_groups.get(r, []))
     return mine, not rest
 
 

@@ -24,6 +24,7 @@ from sched.aborts import AbortRules, InvariantError
 from sched.base import (Abort, GroupState, Interrupt, LoadWeights, Migrate, Preset, Request, RoundPlan, Submit,
                         TrainCall, Views, EngineView)
 from sched.events import Event, EventLog
+from sched.snapshot import load_views, release_held, save_views
 
 
 @dataclass
@@ -31,6 +32,7 @@ class PromptItem:
     prompt_index: int
     prompt_ids: list[int]
     answer: str | None
+    max_new_tokens: int | None = None  # the prompt's own response cap (e.g. the long-tail task's answer length)
 
 
 class Backend(Protocol):
@@ -92,7 +94,8 @@ class Controller(AbortRules):
         t = self.v.trainer
         return {"next_req": self.next_req, "next_group": self.next_group, "round": self.v.round,
                 "trainer": {"version": t.version, "steps_done": t.steps_done, "groups_consumed": t.groups_consumed},
-                "dropped": self.dropped, "policies": {k: p.state_dict() for k, p in self.preset.policies().items()}}
+                "dropped": self.dropped, "views": save_views(self),
+                "policies": {k: p.state_dict() for k, p in self.preset.policies().items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_req, self.next_group, self.v.round = state["next_req"], state["next_group"], state["round"]
@@ -100,6 +103,8 @@ class Controller(AbortRules):
         t.version, t.steps_done = state["trainer"]["version"], state["trainer"]["steps_done"]
         t.groups_consumed = state["trainer"]["groups_consumed"]
         self.dropped = state["dropped"]
+        if "views" in state:  # mid-round trajectories and requests (sched/snapshot.py)
+            load_views(self, state["views"])
         for k, p in self.preset.policies().items():
             p.load_state_dict(state["policies"].get(k, {}))
 
@@ -155,6 +160,7 @@ class Controller(AbortRules):
         elif k == "weights_loaded":
             e = v.engines[ev.engine]
             e.version, e.loading = ev.version, False
+            release_held(self)  # requests restored from a checkpoint wait for weights
         elif k == "rank_failed":
             raise RuntimeError(f"rank {ev.rank} failed: {ev.data.get('error', 'unknown error')}")
 

@@ -15,6 +15,8 @@ class FifoDispatch(Dispatch):
     name = "fifo"
 
     def admit(self, v: Views) -> list[Submit]:
+        if not v.requests.count("pending"):
+            return []
         by_group: dict[int, list[int]] = {}
         for r in v.pending():
             by_group.setdefault(r.group_id, []).append(r.req_id)

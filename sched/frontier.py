@@ -24,13 +24,21 @@ from dataclasses import dataclass
 from config import F
 from sched.base import Dispatch, Submit, Views, register
 
-LIVE = ("pending", "running", "requeueing")   # a group with a request in one of these is not serving-complete
+SERVING = ("running", "requeueing", "interrupting")  # with "pending": a group with such a request is not
+#                                                     serving-complete
 
 
 def frontier(v: Views, width: int) -> list[int]:
-    """The F_w earliest groups that are not serving-complete (Eq. 5)."""
-    live = [g.group_id for g in v.open_groups() if any(v.requests[i].state in LIVE for i in g.req_ids)]
-    return sorted(live)[:width]
+    """The F_w earliest groups that are not serving-complete (Eq. 5). Pending requests come in id order, which is
+    group order, so the first `width` distinct groups among them are all that can make the cut."""
+    live = {r.group_id for r in v.requests.in_state(*SERVING)}
+    extra: set[int] = set()
+    for r in v.requests.iter_pending():
+        if r.group_id not in live:
+            extra.add(r.group_id)
+            if len(extra) >= width:
+                break
+    return sorted(live | extra)[:width]
 
 
 @register

@@ -115,6 +115,38 @@ def summarize(events: list[Event], num_engines: int | None = None) -> dict[str, 
     return out
 
 
+def kv_utilisation(events: Iterable[Event], num_engines: int) -> float:
+    """Average KV-cache utilisation (Laminar Table 1): per engine, kv_used / (kv_used + kv_free) from its
+    tokens_decoded counters, held until the next counter (an idle engine reports 0), time-weighted from its first
+    counter to the log's end, then averaged over engines. NaN without counters."""
+    evs = list(events)
+    if not evs:
+        return float("nan")
+    end = max(e.t for e in evs)
+    last: dict[int, tuple[float, float]] = {}
+    area: dict[int, float] = defaultdict(float)
+    span: dict[int, float] = defaultdict(float)
+    for e in evs:
+        if e.kind == "engine_idle" and e.engine in last:
+            t, u = last[e.engine]
+            area[e.engine] += u * (e.t - t)
+            span[e.engine] += e.t - t
+            last[e.engine] = (e.t, 0.0)
+        if e.kind != "tokens_decoded":
+            continue
+        used, free = e.data.get("kv_used", 0), e.data.get("kv_free", 0)
+        if e.engine in last:
+            t, u = last[e.engine]
+            area[e.engine] += u * (e.t - t)
+            span[e.engine] += e.t - t
+        last[e.engine] = (e.t, used / (used + free) if used + free else 0.0)
+    for eng, (t, u) in last.items():
+        area[eng] += u * (end - t)
+        span[eng] += end - t
+    per = [area[i] / span[i] for i in range(num_engines) if span.get(i, 0) > 0]
+    return sum(per) / len(per) if per else float("nan")
+
+
 def rollout_stats(groups: list[Group]) -> dict[str, float]:
     """Per-batch sample statistics the trainer reports with each step (runtime and simulator alike)."""
     trajs = [t for g in groups for t in g.trajectories]
@@ -125,4 +157,5 @@ def rollout_stats(groups: list[Group]) -> dict[str, float]:
             "accuracy": mean(1.0 if t.correct else 0.0 for t in trajs),
             "response_len_mean": mean(lens), "response_len_max": float(max(lens)),
             "truncated_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in trajs),
+            "reward_failed": float(sum(1 for t in trajs if t.meta.get("reward_failed"))),
             "samples": float(len(trajs))}

@@ -38,7 +38,9 @@ class SkewnessDispatch(Dispatch):
         long_engines: int = F(1, ge=0, help="engines reserved for them (at most all but one)")
         long_batch: int = F(0, ge=0, help="requests in flight per long-tail engine (0: no cap; a group always "
                                           "fits on an idle engine)")
-        predictor: str = F("history", help="output-length predictor (sched.length_rank.PREDICTORS)")
+        predictor: str = F("history",
+                           help="output-length ranker (sched.length_rank.PREDICTORS): history (past lengths of "
+                                "the prompt) | prompt_length | learned (online regression on its tokens, §5.2)")
 
     def __init__(self, params: "SkewnessDispatch.Params | None" = None):
         super().__init__(params)
@@ -80,7 +82,9 @@ class SkewnessDispatch(Dispatch):
 
     def rank(self, v: Views, gids: list[int]) -> None:
         for g in gids:
-            self.pred[g] = self.ranker.predict(v.groups[g].prompt_index, v.requests[v.groups[g].req_ids[0]].prompt_len)
+            grp = v.groups[g]
+            self.pred[g] = self.ranker.predict(grp.prompt_index, v.requests[grp.req_ids[0]].prompt_len,
+                                               _prompt_ids(grp))
         k = math.ceil(self.p.long_fraction * len(gids) - 1e-9)
         self.long |= set(sorted(gids, key=lambda g: (-self.pred[g], g))[:k])
 
@@ -89,7 +93,8 @@ class SkewnessDispatch(Dispatch):
         for i in [i for i in self.work if i not in v.requests or v.requests[i].state not in HELD]:
             q = v.requests.get(i)
             if q is not None and q.state == "finished":
-                self.ranker.observe(q.prompt_index, q.prompt_len, q.tokens)
+                grp = v.groups.get(q.group_id)
+                self.ranker.observe(q.prompt_index, q.prompt_len, q.tokens, _prompt_ids(grp) if grp else None)
             del self.work[i]
         self.pred = {g: p for g, p in self.pred.items() if g in v.groups}
         self.long &= set(self.pred)
@@ -99,3 +104,8 @@ class SkewnessDispatch(Dispatch):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ranker.load_state_dict(state.get("ranker", {}))
+
+
+def _prompt_ids(g: Any) -> Any:
+    """The group's prompt token ids, when its PromptItem is known (the learned ranker reads them)."""
+    return getattr(g.prompt, "prompt_ids", None)

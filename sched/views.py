@@ -3,7 +3,7 @@ from events (sched/controller.py). Policies read these; only the controller writ
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from rl.types import Trajectory
 
@@ -50,46 +50,111 @@ class Request:
 
 
 class RequestTable(dict):
-    """`Views.requests`: a dict req_id -> Request that also indexes the pending ones, so dispatch policies read
-    the pending queue in O(pending) instead of scanning every request of every live round."""
+    """`Views.requests`: a dict req_id -> Request that also indexes the requests of every non-final state, so
+    policies read the pending queue (or the running set) in time proportional to it, not to every request of every
+    live round. The index follows each `state` assignment, whoever makes it (Request.__setattr__)."""
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__()
-        self._pending: dict[int, Request] = {}
-        self._sorted = True
+        self._by_state: dict[str, dict[int, Request]] = {s: {} for s in IN_FLIGHT}
+        self._sorted = True       # the pending index is in id order
         for k, r in dict(*args, **kw).items():
             self[k] = r
 
     def __setitem__(self, key: int, r: Request) -> None:
         old = self.get(key)
         if old is not None and old is not r:
-            self._pending.pop(key, None)
+            self._untrack(old)
         object.__setattr__(r, "_table", self)
         super().__setitem__(key, r)
         self._track(r, r.state)
 
     def __delitem__(self, key: int) -> None:
-        self._pending.pop(key, None)
+        self._untrack(self[key])
         super().__delitem__(key)
 
     def pop(self, key: int, *default: Any) -> Any:
-        self._pending.pop(key, None)
+        if key in self:
+            self._untrack(self[key])
         return super().pop(key, *default)
 
+    def _untrack(self, r: Request) -> None:
+        idx = self._by_state.get(r.state)
+        if idx is not None:
+            idx.pop(r.req_id, None)
+
     def _track(self, r: Request, state: str) -> None:
-        if state == "pending":
-            if r.req_id not in self._pending:
-                if self._pending and r.req_id < next(reversed(self._pending)):
-                    self._sorted = False
-                self._pending[r.req_id] = r
-        else:
-            self._pending.pop(r.req_id, None)
+        old = self._by_state.get(r.__dict__.get("state", ""))
+        if old is not None:
+            old.pop(r.req_id, None)
+        idx = self._by_state.get(state)
+        if idx is None:
+            return
+        if state == "pending" and idx and r.req_id < next(reversed(idx)):
+            self._sorted = False
+        idx[r.req_id] = r
+
+    def iter_pending(self) -> Iterator[Request]:
+        """Pending requests in id order (the order they were created: group by group), without a copy: change no
+        request's state while iterating (use `pending()` for a list)."""
+        if not self._sorted:
+            self._by_state["pending"] = dict(sorted(self._by_state["pending"].items()))
+            self._sorted = True
+        return iter(self._by_state["pending"].values())
 
     def pending(self) -> list[Request]:
-        if not self._sorted:
-            self._pending = dict(sorted(self._pending.items()))
-            self._sorted = True
-        return list(self._pending.values())
+        return list(self.iter_pending())
+
+    def in_state(self, *states: str) -> list[Request]:
+        """Requests in any of these non-final states (a state outside IN_FLIGHT is not indexed: an error)."""
+        return [r for s in states for r in self._by_state[s].values()]
+
+    def count(self, *states: str) -> int:
+        return sum(len(self._by_state[s]) for s in states)
+
+
+class GroupTable(dict):
+    """`Views.groups`: a dict group_id -> GroupState that also indexes the open (not closed) and the ready
+    (materialised, not consumed) groups, following every change of the fields they depend on."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__()
+        self._open: dict[int, GroupState] = {}
+        self._ready: dict[int, GroupState] = {}
+        for k, g in dict(*args, **kw).items():
+            self[k] = g
+
+    def __setitem__(self, key: int, g: GroupState) -> None:
+        old = self.get(key)
+        if old is not None and old is not g:
+            self._open.pop(key, None)
+            self._ready.pop(key, None)
+        object.__setattr__(g, "_table", self)
+        super().__setitem__(key, g)
+        self._track(g)
+
+    def __delitem__(self, key: int) -> None:
+        self._open.pop(key, None)
+        self._ready.pop(key, None)
+        super().__delitem__(key)
+
+    def pop(self, key: int, *default: Any) -> Any:
+        self._open.pop(key, None)
+        self._ready.pop(key, None)
+        return super().pop(key, *default)
+
+    def _track(self, g: GroupState) -> None:
+        for idx, member in ((self._open, not g.closed), (self._ready, g.materialized and not g.consumed)):
+            if member:
+                idx[g.group_id] = g
+            else:
+                idx.pop(g.group_id, None)
+
+    def open(self) -> list[GroupState]:
+        return [self._open[k] for k in sorted(self._open)]
+
+    def ready(self) -> list[GroupState]:
+        return [self._ready[k] for k in sorted(self._ready)]
 
 
 @dataclass
@@ -107,6 +172,16 @@ class GroupState:
     req_ids: list[int] = field(default_factory=list)  # its requests, by sample index
     prompt: Any = None           # its PromptItem (a policy that re-runs a prompt hands it back in a RoundPlan)
     materialized_seq: int = -1   # Views.seq when it materialised (materialisation order; -1: not yet)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in ("scored", "dropped", "consumed", "size"):
+            table = self.__dict__.get("_table")
+            if table is not None:   # keep the owning table's open/ready indexes in step
+                table._track(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_table"}
 
     @property
     def materialized(self) -> bool:
@@ -153,7 +228,7 @@ class TrainerView:
 @dataclass
 class Views:
     requests: RequestTable = field(default_factory=RequestTable)
-    groups: dict[int, GroupState] = field(default_factory=dict)
+    groups: GroupTable = field(default_factory=GroupTable)
     engines: list[EngineView] = field(default_factory=list)
     trainer: TrainerView = field(default_factory=TrainerView)
     round: int = -1                       # id of the latest round started
@@ -161,6 +236,8 @@ class Views:
     plans: dict[int, "RoundPlan"] = field(default_factory=dict)        # round -> how it was composed
     now: float = 0.0
     seq: int = 0                          # events applied so far (orders finishes and materialisations)
+    materialized: int = 0                 # groups materialised so far (a cheap "anything new?" for handoffs)
+    dropped: int = 0                      # samples dropped so far (likewise: a group may have become void)
     params: dict[str, Any] = field(default_factory=dict)  # run-level knobs: group_size, prompts_per_step, ...
     shared: dict[str, Any] = field(default_factory=dict)  # state several mechanisms of one paper share (e.g.
     #                                                     StaleFlow's staleness buffers); checkpointed by its owner
@@ -168,17 +245,20 @@ class Views:
     def __post_init__(self) -> None:
         if not isinstance(self.requests, RequestTable):
             self.requests = RequestTable(self.requests)
+        if not isinstance(self.groups, GroupTable):
+            self.groups = GroupTable(self.groups)
 
     def pending(self) -> list[Request]:
         """Requests not yet sent to an engine (fresh, requeued or interrupted), oldest (lowest id) first."""
         return self.requests.pending()
 
     def open_groups(self) -> list[GroupState]:
-        return [g for g in self.groups.values() if not g.closed]
+        """Groups not yet closed (neither trained nor void), in group-id (submission) order."""
+        return self.groups.open()
 
     def ready_groups(self) -> list[GroupState]:
         """Materialised groups not yet handed to the trainer, in group-id (submission) order."""
-        return [g for g in self.groups.values() if g.materialized and not g.consumed]
+        return self.groups.ready()
 
     def round_done(self, r: int) -> bool:
         """Every group of round r is materialised or void (False for a round this controller has no groups of)."""
@@ -195,6 +275,6 @@ class Views:
         return all(e.version == version and not e.loading for e in self.engines)
 
     def in_flight(self) -> int:
-        return sum(1 for r in self.requests.values() if r.state in IN_FLIGHT)
+        return self.requests.count(*IN_FLIGHT)
 
 

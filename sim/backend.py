@@ -24,6 +24,7 @@ our runtime's colocated mode): every engine stops decoding while the trainer wor
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from rl.types import Group, Trajectory
 from sched.base import Abort, Interrupt, LoadWeights, Migrate, Request, TrainCall
@@ -61,7 +62,8 @@ class StopSimulation(Exception):
 class SimBackend:
     def __init__(self, cost: CostModel, workload: Workload, num_engines: int, train_gpus: int, seed: int = 0, *,
                  colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
-                 max_events: int | None = None, stop_after_samples: int | None = None):
+                 max_events: int | None = None, stop_after_samples: int | None = None,
+                 reward_timeout: Any = None):
         if num_engines < 1 or train_gpus < 1:
             raise ValueError(f"need at least one engine and one train GPU, got {num_engines} and {train_gpus}")
         self.cost, self.workload, self.train_gpus, self.colocated = cost, workload, train_gpus, colocated
@@ -75,6 +77,8 @@ class SimBackend:
         self.max_events = max_events
         self.events_out = 0
         self.stop_after_samples = stop_after_samples
+        self.reward_timeout = reward_timeout   # a sched.reward_timeout.AdaptiveTimeout (RollPacker §4.3), or None
+        self.reward_killed = 0
         self.samples_trained = 0   # samples of train calls whose train_step_done has been delivered
         self.emit(Event("version_published", 0.0, rank=0, version=0))  # engines start from the trainer's weights
 
@@ -102,13 +106,21 @@ class SimBackend:
     def finished(self, engine: int, r: SimRequest, t: float) -> None:
         spec = self.workload.prompt(r.prompt_index)
         correct = self.rng.random() < spec.p_correct
+        latency = self.cost.reward.sample(self.rng)
+        if self.reward_timeout is not None:   # keyed by prompt: a run past its adaptive timeout is killed, scores 0
+            limit = self.reward_timeout.timeout_s(r.prompt_index)
+            if latency > limit:
+                latency, correct = limit, False
+                self.reward_killed += 1
+            else:
+                self.reward_timeout.observe(r.prompt_index, latency, correct)
         reason = "length" if r.done >= self.workload.max_len else "stop"
         traj = self.trajectory(engine, r, reason, reward=float(correct), correct=correct)
         version = min(v for v, _ in r.runs)
         rank = self.engines[engine].rank
         self.emit(Event("trajectory_finished", t, rank=rank, engine=engine, req_id=r.req_id, group_id=r.group_id,
                         version=version, data={"tokens": r.done, "finish_reason": reason}))
-        self.emit(Event("reward_scored", t + self.cost.reward.sample(self.rng), rank=rank, engine=engine,
+        self.emit(Event("reward_scored", t + latency, rank=rank, engine=engine,
                         req_id=r.req_id, group_id=r.group_id, version=version,
                         data={"reward": float(correct), "correct": correct, "failed": False}, payload=traj))
 

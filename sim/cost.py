@@ -123,3 +123,19 @@ class CostModel:
 
     def decode_tokens_per_s(self, n: int, kv: float) -> float:
         return n / self.step_s(n, kv)
+
+
+def relay_broadcast_s(nbytes: float, relays: int, bw: float, chunk_bytes: float = 32 * 2**20,
+                      t_start: float = 5e-6) -> float:
+    """Laminar App. C: the master relay sends `nbytes` down a chain of `relays` other relays, pipelined in chunks of
+    `chunk_bytes` (32 MB in the paper, §7) over links of `bw` bytes/s with a per-message start-up `t_start`.
+    With p = relays + 1 nodes and k chunks, each chunk hop takes t = chunk / bw + t_start and
+
+        T(p, k) = (p - 1 + k - 1) * t  ~  nbytes / bw + (hops - 1) * chunk / bw      (+ (p + k - 2) * t_start)
+
+    i.e. the bandwidth term of one copy plus one chunk per extra hop: nearly constant in the chain length."""
+    if relays <= 0:
+        return 0.0
+    k = max(1, math.ceil(nbytes / chunk_bytes))
+    t = (nbytes / k) / bw + t_start
+    return (relays + k - 1) * t

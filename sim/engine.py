@@ -13,7 +13,11 @@ Model, per engine step (every running sequence gets one token; step time from si
 Efficiency: between two events the running set is fixed, so the engine plans a *segment* of m steps at once, up to
 the next finish or the step at which KV would overflow, and sums their time in closed form (kv grows by n per step).
 Anything arriving mid-segment (a submit, a command) first brings the engine to the next step boundary (`sync`), then
-the engine re-plans. 1024 engines x thousands of requests cost O(events x running), not O(tokens).
+the engine re-plans. A running request's progress is lazy: it holds the engine step count `mark` at which its `done`
+was last written, and every running request gains one token per engine step, so advancing a segment touches no
+request; aggregates (context tokens, private KV blocks per residue of the block size, the remaining-length heap)
+answer the planner in O(block_size) or O(log n). A request is brought up to date (`_settle`) when it leaves the
+running set. 1024 engines x thousands of requests cost O(events x log running), not O(tokens).
 
 Extension points for the off-policy work: `remove` takes requests out with their state (tokens so far, per-token
 version runs) and `add` accepts partially generated requests (their tokens are re-prefilled), so interrupt = remove +
@@ -22,6 +26,7 @@ on a busy engine sends its running sequences back to the queue to re-prefill und
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,6 +50,8 @@ class SimRequest:
     runs: list[list[int]] = field(default_factory=list)  # [[version, tokens], ...] in generation order
     preemptions: int = 0
     prefill: int = 0                # tokens its next step must prefill (set on admission, 0 once computed)
+    mark: int = 0                   # engine step count when `done` was last written (while running)
+    slot: int = -1                  # admission number on its engine (running order; -1: not running)
 
     def add_tokens(self, version: int, k: int) -> None:
         if self.runs and self.runs[-1][0] == version:
@@ -80,7 +87,13 @@ class SimEngine:
         self.index, self.rank, self.cost, self.host = index, rank, cost, host
         self.counters_every_s, self.progress = counters_every_s, progress
         self.bs, self.cap = cost.block_size, cost.kv_capacity_blocks
-        self.running: list[SimRequest] = []
+        self._running: dict[int, SimRequest] = {}  # slot -> request, in admission order
+        self._slots = 0
+        self._heap: list[tuple[int, int, SimRequest]] = []  # (finish step, slot, request); stale entries skipped
+        self._q_sum = 0               # private blocks: sum of Q_r, plus per residue M_r the count of requests
+        self._m_count = [0] * cost.block_size  # (b_r = prompt_len % bs + done - mark = Q_r * bs + M_r)
+        self._kv_base = 0             # kv_tokens = _kv_base + len(running) * steps
+        self._prefill = 0             # prefill tokens of the requests admitted since the last step
         self.waiting: deque[SimRequest] = deque()
         self.version = -1
         self.t = 0.0                  # the state is exact at this instant
@@ -91,8 +104,6 @@ class SimEngine:
         self.busy = False
         self.group_ref: dict[int, int] = {}  # group id -> running members sharing its prompt blocks
         self.shared_blocks = 0
-        self.private_blocks = 0       # sum of _private(r, 0) over the running set
-        self.kv_tokens = 0            # context tokens of the running set (what attention reads)
         self.tokens_total = 0
         self._tokens_reported = 0
         self._t_counter = -math.inf
@@ -100,44 +111,83 @@ class SimEngine:
         self.peak_blocks = 0
         self.steps = 0
 
+    # ------------------------------------------------------------------------------------------- running set
+    @property
+    def running(self) -> list[SimRequest]:
+        """The running requests in admission order (progress up to date only after `_settle`)."""
+        return list(self._running.values())
+
+    @property
+    def kv_tokens(self) -> int:
+        """Context tokens of the running set (what attention reads)."""
+        return self._kv_base + len(self._running) * self.steps
+
+    def done_of(self, r: SimRequest) -> int:
+        """Response tokens r has now (running or not)."""
+        return r.done + (self.steps - r.mark if r.slot >= 0 else 0)
+
+    def _settle(self, r: SimRequest) -> None:
+        """Write a running request's lazy progress into `done` and its version runs."""
+        k = self.steps - r.mark
+        if k > 0:
+            r.done += k
+            r.add_tokens(self.version, k)
+            r.prefill = 0
+        r.mark = self.steps
+
     # ------------------------------------------------------------------------------------------------ KV blocks
     def _private(self, r: SimRequest, j: int) -> int:
-        return -(-(r.prompt_len % self.bs + r.done + j) // self.bs)
+        return -(-(r.prompt_len % self.bs + self.done_of(r) + j) // self.bs)
 
     def need(self, j: int = 0) -> int:
-        """Blocks the running set needs to run its (j+1)-th step from now."""
-        if j == 0:
-            return self.shared_blocks + self.private_blocks
-        return self.shared_blocks + sum(self._private(r, j) for r in self.running)
+        """Blocks the running set needs to run its (j+1)-th step from now: shared prompt blocks plus, per request,
+        ceil((b_r + steps + j) / bs) = Q_r + ceil((M_r + steps + j) / bs)."""
+        bs, x = self.bs, self.steps + j
+        return self.shared_blocks + self._q_sum + sum(c * -(-(m + x) // bs) for m, c in enumerate(self._m_count) if c)
 
     def overflows_within(self, m: int) -> bool:
-        """Whether the running set outgrows the pool within its next m steps (a cheap bound first)."""
-        n_blocks = -(-(m - 1) // self.bs)  # each sequence gains at most this many blocks in m - 1 steps
-        if self.need(0) + len(self.running) * n_blocks <= self.cap:
-            return False
+        """Whether the running set outgrows the pool within its next m steps."""
         return self.need(m - 1) > self.cap
 
     def fits_alone(self, r: SimRequest) -> bool:
         return r.prompt_len // self.bs + -(-(r.prompt_len % self.bs + r.max_len) // self.bs) <= self.cap
 
     def _attach(self, r: SimRequest) -> None:
-        self.running.append(r)
+        r.slot, r.mark = self._slots, self.steps
+        self._slots += 1
+        self._running[r.slot] = r
         if self.group_ref.get(r.group_id, 0) == 0:
             self.shared_blocks += r.prompt_len // self.bs
         self.group_ref[r.group_id] = self.group_ref.get(r.group_id, 0) + 1
-        self.kv_tokens += r.prompt_len + r.done
-        self.private_blocks += self._private(r, 0)
+        b = r.prompt_len % self.bs + r.done - r.mark
+        self._q_sum += b // self.bs
+        self._m_count[b % self.bs] += 1
+        self._kv_base += r.prompt_len + r.done - r.mark
+        heapq.heappush(self._heap, (r.mark + r.target - r.done, r.slot, r))
 
     def _detach(self, r: SimRequest) -> None:
-        self.running.remove(r)
+        """Take r out of the running set, its progress settled (its heap entry goes stale: slot -1)."""
+        self._settle(r)
+        del self._running[r.slot]
+        if r.prefill and self._prefill:
+            self._prefill -= r.prefill
+        r.slot = -1
         left = self.group_ref[r.group_id] - 1
         if left == 0:
             del self.group_ref[r.group_id]
             self.shared_blocks -= r.prompt_len // self.bs
         else:
             self.group_ref[r.group_id] = left
-        self.kv_tokens -= r.prompt_len + r.done
-        self.private_blocks -= self._private(r, 0)
+        b = r.prompt_len % self.bs + r.done - r.mark
+        self._q_sum -= b // self.bs
+        self._m_count[b % self.bs] -= 1
+        self._kv_base -= r.prompt_len + r.done - r.mark
+
+    def _min_remaining(self) -> int:
+        heap = self._heap
+        while heap and heap[0][2].slot != heap[0][1]:
+            heapq.heappop(heap)
+        return heap[0][0] - self.steps
 
     # --------------------------------------------------------------------------------------------- the clock
     def sync(self, now: float) -> None:
@@ -159,24 +209,17 @@ class SimEngine:
     def _advance(self, j: int) -> None:
         if j <= 0:
             return
-        bs, v, private = self.bs, self.version, 0
-        for r in self.running:
-            r.done += j
-            r.prefill = 0
-            runs = r.runs
-            if runs and runs[-1][0] == v:
-                runs[-1][1] += j
-            else:
-                runs.append([v, j])
-            private += -(-(r.prompt_len % bs + r.done) // bs)
-        self.private_blocks = private
-        n = len(self.running)
-        self.kv_tokens += n * j
-        self.tokens_total += n * j
+        self.tokens_total += len(self._running) * j
         self.steps += j
+        self._prefill = 0
 
     def _finish_done(self) -> None:
-        for r in [r for r in self.running if r.done >= r.target]:
+        heap, done = self._heap, []
+        while heap and heap[0][0] <= self.steps:
+            _, slot, r = heapq.heappop(heap)
+            if r.slot == slot:
+                done.append(r)
+        for r in sorted(done, key=lambda r: r.slot):  # in running (admission) order
             self._detach(r)
             self.host.finished(self.index, r, self.t)
 
@@ -192,12 +235,13 @@ class SimEngine:
                 self.counters()
         self.t = max(self.t, t)
         if self.t >= self.hold_until and self.pending_version is not None:
-            self.version, self.pending_version = self.pending_version, None
             # As engine/engine.py load_weights: no KV computed by the old weights is read again; running sequences
-            # go back to the front of the queue and re-prefill prompt + tokens so far under the new version.
-            for r in reversed(list(self.running)):
+            # go back to the front of the queue (progress settled under the old version) and re-prefill prompt +
+            # tokens so far under the new one.
+            for r in reversed(self.running):
                 self._detach(r)
                 self.waiting.appendleft(r)
+            self.version, self.pending_version = self.pending_version, None
             self.host.emit(Event("weights_loaded", self.t, rank=self.rank, engine=self.index, version=self.version))
         self.plan()
 
@@ -212,19 +256,19 @@ class SimEngine:
             return
         if not self._preempt_to_fit():
             self._admit()
-        if not self.running:
+        if not self._running:
             self._set_busy(False)
             return
         self._set_busy(True)
-        n = len(self.running)
-        m = min(r.target - r.done for r in self.running)
+        n = len(self._running)
+        m = self._min_remaining()
         if self.overflows_within(m):  # KV overflows inside the segment: stop at the last step that fits
             lo, hi = 0, m - 1            # need(lo) <= cap < need(hi)
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if self.need(mid) <= self.cap else (lo, mid)
             m = lo + 1
-        prefill_s = self.cost.prefill_s(sum(r.prefill for r in self.running))  # admitted since the last step
+        prefill_s = self.cost.prefill_s(self._prefill)  # admitted since the last step
         if self.counters_every_s is not None:
             m = min(m, max(1, self.cost.steps_reaching(n, self.kv_tokens, self.counters_every_s - prefill_s)))
         self.peak_blocks = max(self.peak_blocks, self.need(m - 1))
@@ -233,8 +277,8 @@ class SimEngine:
 
     def _preempt_to_fit(self) -> bool:
         preempted = False
-        while self.running and self.need(0) > self.cap:
-            victim = self.running[-1]
+        while self._running and self.need(0) > self.cap:
+            victim = self._running[next(reversed(self._running))]
             self._detach(victim)
             victim.preemptions += 1
             self.preemptions += 1
@@ -246,16 +290,17 @@ class SimEngine:
         """FIFO admission; each admitted request's first step prefills its prompt (unless a resident sibling
         holds it) and the tokens it already had (recompute after a preemption)."""
         need0, watermark = self.need(0), self.cap // 100
-        while self.waiting and len(self.running) < self.cost.max_num_seqs:
+        while self.waiting and len(self._running) < self.cost.max_num_seqs:
             r = self.waiting[0]
             resident = self.group_ref.get(r.group_id, 0) > 0
             extra = (0 if resident else r.prompt_len // self.bs) + self._private(r, 0)
-            if need0 + extra + (watermark if self.running else 0) > self.cap:
+            if need0 + extra + (watermark if self._running else 0) > self.cap:
                 break
             self.waiting.popleft()
             self._attach(r)
             need0 += extra
             r.prefill = (r.prompt_len % self.bs if resident else r.prompt_len) + r.done
+            self._prefill += r.prefill
 
     def _set_busy(self, busy: bool) -> None:
         if busy != self.busy:
@@ -269,10 +314,10 @@ class SimEngine:
         """A tokens_decoded event with the engine's counters (as the runtime's rollout worker sends)."""
         data: dict[str, Any] = {
             "tokens": self.tokens_total - self._tokens_reported, "total": self.tokens_total,
-            "running": len(self.running), "waiting": len(self.waiting), "kv_used": self.need(0),
+            "running": len(self._running), "waiting": len(self.waiting), "kv_used": self.need(0),
             "kv_free": self.cap - self.need(0), "preemptions": self.preemptions}
         if self.progress:
-            data["progress"] = {r.req_id: r.done for r in list(self.running) + list(self.waiting)}
+            data["progress"] = {r.req_id: self.done_of(r) for r in self.running + list(self.waiting)}
         self._tokens_reported, self._t_counter = self.tokens_total, self.t
         self.host.emit(Event("tokens_decoded", self.t, rank=self.rank, engine=self.index, version=self.version,
                              data=data))

@@ -163,6 +163,49 @@ def _streamrl(model: Model, tp: int, name: str) -> CostModel:
                  "publish_s": "8 x 200 Gb/s RDMA per node (StreamRL §7) shared by 8 GPUs = 25 GB/s, at 50% + 1 s"})
 
 
+# ------------------------------------------------------------------------------------ Laminar (relays, H800 cluster)
+LAMINAR_NIC_BW = 0.5 * 8 * 400e9 / 8   # Laminar §8: "inter-machine bandwidth is 8x400 Gbps"; 50% RDMA efficiency
+#                                      (the same assumption as the StreamRL profile)
+LAMINAR_CHUNK = 32 * 2**20             # Laminar §7: "32MB chunk size"
+LAMINAR_T_START = 5e-6                 # Laminar App. C: "2000 x 5us = 10ms" latency-term example
+
+
+def laminar_publish_s(model: Model, rollout_machines: int) -> float:
+    """Trainer -> master relay (one copy at NIC speed), then the master's chained broadcast to the other relays
+    (sim.cost.relay_broadcast_s); a rollout then loads from its own machine's relay (load_s)."""
+    from sim.cost import relay_broadcast_s
+    nbytes = model.params * BYTES_PER_PARAM
+    return nbytes / LAMINAR_NIC_BW + relay_broadcast_s(nbytes, rollout_machines - 1, LAMINAR_NIC_BW, LAMINAR_CHUNK,
+                                                       LAMINAR_T_START)
+
+
+def _laminar(model: Model, tp: int, name: str, rollout_machines: int, colocated: bool = False) -> CostModel:
+    """Laminar §8 testbed: H800-80GB machines of 8 GPUs, 8 x 400 Gb/s between machines, vLLM rollouts (TP 4 for
+    32B, 8 for 72B), FSDP trainer, GRPO, rule-based math reward. Disaggregated presets publish through the relays;
+    the colocated verl baseline reshards in place over NVLink (as the RollPacker profile)."""
+    src = {"engine": f"Laminar §8/App. A.3: H800, rollout TP {tp}, vLLM 0.9.0",
+           "max_num_seqs": "Laminar App. A.3: per-rollout max concurrency 1024 (verl's rollout default is also 1024)",
+           "reward": "MATH_REWARD: rule-based math reward on DAPO-Math-17k (Laminar §8)",
+           "train_s_per_token": "GRPO without critic or reference (DAPO-style clip-higher): actor fwd+bwd (6) + "
+                                "old-logprob fwd (2); MFU 0.25: assumption (as the other H800 profiles)",
+           "load_s": "relay (pinned host memory) -> GPU over PCIe, 25 GB/s per GPU: assumption (Laminar §4.2)"}
+    if colocated:
+        src.update({"kv_capacity_tokens": "mem_fraction 0.6: assumption (colocated verl keeps training state)",
+                    "load_s": "colocated: the resharded weights are copied within HBM at 50% bandwidth",
+                    "publish_s": "colocated: in-place reshard over NVLink (400 GB/s) at 50% + 1 s (assumption, as "
+                                 "the RollPacker profile)"})
+        return roofline(name, model, H800, tp, train_gpu=H800, train_mfu=0.25, flops_factor=8.0, publish_bw=200e9,
+                        publish_fixed_s=1.0, load_bw=0.5 * H800.hbm_bw, reward=MATH_REWARD, mem_fraction=0.6,
+                        max_num_seqs=1024, sources=src)
+    src["publish_s"] = (f"relay model: weight bytes / NIC bw (trainer -> master) + chained broadcast over "
+                        f"{rollout_machines - 1} relays (sim.cost.relay_broadcast_s, Laminar App. C; 32 MB chunks, "
+                        "5 us start-up); NIC bw = 8 x 400 Gb/s (Laminar §8) at 50% (assumption)")
+    base = roofline(name, model, H800, tp, train_gpu=H800, train_mfu=0.25, flops_factor=8.0, publish_bw=1.0,
+                    publish_fixed_s=0.0, load_bw=25e9, reward=MATH_REWARD, mem_fraction=0.9, max_num_seqs=1024,
+                    sources=src)
+    return replace(base, publish_s=laminar_publish_s(model, rollout_machines))
+
+
 def _staleflow() -> CostModel:
     """StaleFlow's own regression (Table 4, Qwen3-30B-A3B on H20) used verbatim, kv counted in tokens."""
     base = roofline("h20_qwen3_30b_a3b", QWEN3_30B_A3B, H20, 1, train_gpu=H20, train_mfu=0.25, flops_factor=6.0,
@@ -207,7 +250,9 @@ PROFILES: dict[str, CostModel] = {p.name: p for p in [
     _rollpacker(QWEN25_72B, 8, "h800_72b"),
     _streamrl(QWEN25_7B, 1, "h800_streamrl_7b"), _streamrl(QWEN25_32B, 4, "h800_streamrl_32b"),
     _streamrl(QWEN25_72B, 8, "h800_streamrl_72b"),
-    _staleflow(), _cpu_tiny()]}
+    _staleflow(), _cpu_tiny(),
+    _laminar(QWEN25_32B, 4, "h800_laminar_32b", rollout_machines=8),
+    _laminar(QWEN25_32B, 4, "h800_laminar_32b_colocated", rollout_machines=16, colocated=True)]}
 PROFILES["h800_streamrl"] = PROFILES["h800_streamrl_7b"]  # StreamRL's 7B (its dynamic-adjustment and cross-DC runs)
 
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import sched
-from sched.metrics import trainer_spans
-from sim.profiles import BYTES_PER_PARAM, QWEN25_72B
+from sched.metrics import kv_utilisation, trainer_spans
+from sim.cost import relay_broadcast_s
+from sim.profiles import BYTES_PER_PARAM, LAMINAR_CHUNK, LAMINAR_NIC_BW, LAMINAR_T_START, QWEN25_72B
 from sim.run import SimResult, simulate
 
 NA = "policy not available yet"
@@ -210,28 +211,173 @@ STREAMRL = [
         speedup(("streamrl_async", SR_DIS), ("sync", SR_VERL)), "{:.2f}x"),
 ]
 
-# StaleFlow §6.1: Qwen3-30B-A3B on 128 H20, DAPO, batch 128 x 16, 20K responses; the GPU split is not reported.
-SF = Setting("staleflow_20k", "h20_qwen3_30b_a3b", 64, 64, 128, 16, 3)
-SF_VERL = Setting("staleflow_20k", "h20_qwen3_30b_a3b", 128, 128, 128, 16, 3, colocated=True)
+# StaleFlow §6.1: Qwen3-30B-A3B on 128 H20, DAPO, batch 128 x 16, 20K responses; the GPU split is not reported
+# (assumed even: 64 rollout instances of TP 1, as Table 4's k2 implies, + 64 train GPUs); VeRL is colocated on all
+# 128. Paper averages/maxima are over 4 models x several eta (Fig. 13); ours over eta = 1, 2, 3 on this one model.
+# StaleFlow presets read engine counters (their snapshots), so their runs report them every SF_COUNTERS_S
+# simulated seconds; the other presets ignore counters. Four steps per run (one pipeline fill at eta = 3).
+SF = Setting("staleflow_20k", "h20_qwen3_30b_a3b", 64, 64, 128, 16, 4)
+SF_VERL = Setting("staleflow_20k", "h20_qwen3_30b_a3b", 128, 128, 128, 16, 4, colocated=True)
+SF_ETAS = (1, 2, 3)
+SF_COUNTERS_S = 5.0
+
+
+def sf_run(runs: Runs, preset: str, s: Setting, eta: int | None = None) -> SimResult | None:
+    """A run of `preset` with every table that has an `eta` set to eta (memoised in `runs`)."""
+    if not (sched.PRESET_DIR / f"{preset}.toml").is_file():
+        return None
+    key = ("staleflow-row", preset, eta, s)
+    if key not in runs.cache:
+        tables = sched.preset_tables(preset)
+        over = {k: {"eta": eta} for k, t in tables.items() if "eta" in t and eta is not None}
+        counters = SF_COUNTERS_S if preset.startswith("staleflow") else None
+        runs.cache[key] = simulate(sched.load_preset(preset, over), s.workload, s.cost, s.num_engines, s.train_gpus,
+                                   steps=10**9, group_size=s.group_size, prompts_per_step=s.prompts, seed=runs.seed,
+                                   colocated=s.colocated, samples=s.rounds * s.prompts * s.group_size,
+                                   counters_every_s=counters)
+        runs.cache[key].preset = preset
+    return runs.cache[key]
+
+
+def sf_gains(base: str, s: Setting, per_eta: bool) -> Callable[[Runs], list[float] | None]:
+    def f(runs: Runs) -> list[float] | None:
+        out = []
+        for eta in SF_ETAS:
+            a, b = sf_run(runs, "staleflow", SF, eta), sf_run(runs, base, s, eta if per_eta else None)
+            if a is None or b is None:
+                return None
+            out.append(throughput(a) / throughput(b))
+        return out
+    return f
+
+
+def sf_stat(gains: Callable[[Runs], list[float] | None], how: str) -> Callable[[Runs], float | None]:
+    def f(runs: Runs) -> float | None:
+        g = gains(runs)
+        return None if g is None else {"avg": sum(g) / len(g), "max": max(g),
+                                       "grows": float(all(x < y for x, y in zip(g, g[1:])))}[how]
+    return f
+
+
+def sf_staleness(fn: Callable[[dict[int, int]], float]) -> Callable[[Runs], float | None]:
+    def f(runs: Runs) -> float | None:
+        r = sf_run(runs, "staleflow", SF, 3)
+        return None if r is None else fn({int(k): n for k, n in r.metrics["staleness"].items()})
+    return f
+
+
+SF_VS_VERL = sf_gains("sync", SF_VERL, per_eta=False)
+SF_VS_ONESTEP = sf_gains("one_step", SF, per_eta=False)
+SF_VS_ASYNC = sf_gains("areal", SF, per_eta=True)
 STALEFLOW = [
-    Row("StaleFlow vs VeRL throughput, average (§6.2)", (2.01, 2.01), "2.01x",
-        speedup(("staleflow", SF), ("sync", SF_VERL)), "{:.2f}x"),
+    Row("StaleFlow vs VeRL throughput, average over eta=1..3 (§6.2)", (2.01, 2.01), "2.01x",
+        sf_stat(SF_VS_VERL, "avg"), "{:.2f}x"),
+    Row("StaleFlow vs VeRL throughput, up to (§6.2)", (2.68, 2.68), "2.68x", sf_stat(SF_VS_VERL, "max"), "{:.2f}x"),
     Row("StaleFlow vs VeRL-Pipeline (one-step), average (§6.2)", (1.52, 1.52), "1.52x",
-        speedup(("staleflow", SF), ("one_step", SF)), "{:.2f}x"),
+        sf_stat(SF_VS_ONESTEP, "avg"), "{:.2f}x"),
+    Row("StaleFlow vs VeRL-Pipeline (one-step), up to (§6.2)", (1.95, 1.95), "1.95x",
+        sf_stat(SF_VS_ONESTEP, "max"), "{:.2f}x"),
+    Row("StaleFlow vs VeRL-Async (areal, same eta), average (§6.2)", (1.17, 1.17), "1.17x",
+        sf_stat(SF_VS_ASYNC, "avg"), "{:.2f}x"),
+    Row("StaleFlow vs VeRL-Async (areal, same eta), up to (§6.2)", (1.42, 1.42), "1.42x",
+        sf_stat(SF_VS_ASYNC, "max"), "{:.2f}x"),
+    Row("gain vs VeRL-Async grows with eta = 1 -> 3 (§6.2; 1 = yes)", (1, 1), "yes",
+        sf_stat(SF_VS_ASYNC, "grows"), "{:.0f}"),
     Row("max staleness at eta=3 (§6.5, Fig. 18)", (3, 3), "3",
-        metric(("staleflow", SF), lambda r: float(r.metrics["staleness_max"])), "{:.0f}"),
+        sf_staleness(lambda h: float(max(h))), "{:.0f}"),
+    Row("share of trained groups at staleness 3, eta=3 (Fig. 18: 'most')", (0.5, 0.83), "> 50%",
+        sf_staleness(lambda h: h.get(3, 0) / sum(h.values()))),
 ]
 
 # Laminar §2.3/§8: verl colocated at the largest scale, Qwen2.5-72B on 1024 H800 (rollout TP 8), 512 prompts x 16,
 # max output 16K; two rounds.
 LM_VERL = Setting("laminar_16k", "h800_72b", 128, 1024, 512, 16, 2, colocated=True)
+
+# Laminar §8.1 / Fig. 11 (math): Qwen2.5-32B at the 128-GPU scale of Table 2 (row 3) stands for the paper's averages
+# over 3 models x 5 scales (the per-setting points are only plotted): verl colocated on all 128 GPUs (rollout TP 4,
+# 32 engines); one-step and stream generation 48 train + 80 rollout GPUs (20 engines); AReaL and Laminar 64 + 64
+# (16 engines: also the repack ablation's setting, §8.4). 512 prompts x 16, max output 16K (laminar_16k). Throughput
+# is samples trained per second over the iterations after the first (the paper averages 5 after a 10-iteration
+# warm-up); 4 iterations here, with engine counters every simulated second (the repack monitor's input).
+LM_ROUNDS, LM_WARMUP = 4, 1
+LM_VERL_32B = Setting("laminar_16k", "h800_laminar_32b_colocated", 32, 128, 512, 16, LM_ROUNDS, colocated=True)
+LM_PIPE = Setting("laminar_16k", "h800_laminar_32b", 20, 48, 512, 16, LM_ROUNDS)
+LM_EVEN = Setting("laminar_16k", "h800_laminar_32b", 16, 64, 512, 16, LM_ROUNDS)
+NO_REPACK = (("rebalance", (("name", "none"),)),)
+
+
+def lm_get(runs: Runs, preset: str, s: Setting, overrides: tuple = ()) -> SimResult | None:
+    """Runs.get with engine counters every simulated second (repack's KV monitor, the KV-utilisation metric)."""
+    if not (sched.PRESET_DIR / f"{preset}.toml").is_file():
+        return None
+    key = ("counters", preset, overrides, s)
+    if key not in runs.cache:
+        policy = sched.load_preset(preset, {k: dict(v) for k, v in overrides})
+        runs.cache[key] = simulate(policy, s.workload, s.cost, s.num_engines, s.train_gpus, steps=10**9,
+                                   group_size=s.group_size, prompts_per_step=s.prompts, seed=runs.seed,
+                                   colocated=s.colocated, samples=s.rounds * s.prompts * s.group_size,
+                                   counters_every_s=1.0)
+        runs.cache[key].preset = preset
+    return runs.cache[key]
+
+
+def steady_throughput(r: SimResult, warmup: int = LM_WARMUP) -> float:
+    """Samples trained per second between the end of optimizer step `warmup` and the end of the last one."""
+    cum, pts = 0.0, []
+    for e in r.events:
+        if e.kind == "train_step_done":
+            cum += e.data.get("samples", 0)
+            if e.data.get("stepped", True):
+                pts.append((e.t, cum))
+    if len(pts) <= warmup:
+        raise RuntimeError(f"{r.preset}: only {len(pts)} optimizer steps")
+    (t0, c0), (t1, c1) = pts[warmup - 1] if warmup else (0.0, 0.0), pts[-1]
+    return (c1 - c0) / (t1 - t0)
+
+
+def generation_tps(r: SimResult) -> float:
+    """Rollout-side decode tokens per second over the run (every engine's last counter total / the makespan)."""
+    total: dict[int, float] = {}
+    for e in r.events:
+        if e.kind == "tokens_decoded":
+            total[e.engine] = e.data.get("total", 0)
+    t0 = min(e.t for e in r.events if e.kind == "round_started")
+    return sum(total.values()) / (max(e.t for e in r.events) - t0)
+
+
+def lm_ratio(runs: Runs, a: tuple, b: tuple, fn: Callable[[SimResult], float]) -> float | None:
+    ra, rb = lm_get(runs, *a), lm_get(runs, *b)
+    return None if ra is None or rb is None else fn(ra) / fn(rb)
+
+
+def lm_speedup(base: tuple) -> Callable[[Runs], float | None]:
+    return lambda runs: lm_ratio(runs, ("laminar", LM_EVEN), base, steady_throughput)
+
+
+def lm_metric(runs: Runs, preset: tuple, fn: Callable[[SimResult], float]) -> float | None:
+    r = lm_get(runs, *preset)
+    return None if r is None else fn(r)
+
 LAMINAR = [
     Row("verl: GPU completely idle, largest scale (§2.3)", (0.492, 0.492), "49.2%",
         metric(("sync", LM_VERL), rollout_idle_ratio)),
     Row("verl: generation share of iteration, up to (Fig. 1b)", (0.831, 0.831), "83.1%",
         metric(("sync", LM_VERL), lambda r: round_figures(r)["pre_train_share"])),
-    Row("Laminar vs verl, math, average (§8.1)", (2.56, 2.56), "2.56x",
-        speedup(("laminar", LM_VERL), ("sync", LM_VERL)), "{:.2f}x"),
+    *[Row(f"Laminar vs {name}, math, average (§8.1)", (x, x), f"{x:.2f}x", lm_speedup(base), "{:.2f}x")
+      for name, x, base in (("verl", 2.56, ("sync", LM_VERL_32B)), ("one-step", 1.98, ("one_step", LM_PIPE)),
+                            ("stream generation", 1.93, ("streamrl_async", LM_PIPE)), ("AReaL", 1.39, ("areal", LM_EVEN)))],
+    Row("repack: generation throughput gain, 32B/128 GPUs (§8.4)", (0.26, 0.26), "+26%",
+        lambda runs: lm_ratio(runs, ("laminar", LM_EVEN), ("laminar", LM_EVEN, NO_REPACK), generation_tps) - 1),
+    Row("repack: average KV utilisation with repack (Table 1)", (0.822, 0.822), "82.2%",
+        lambda runs: lm_metric(runs, ("laminar", LM_EVEN), lambda r: kv_utilisation(r.events, r.num_engines))),
+    Row("repack: average KV utilisation without repack (Table 1)", (0.716, 0.716), "71.6%",
+        lambda runs: lm_metric(runs, ("laminar", LM_EVEN, NO_REPACK),
+                               lambda r: kv_utilisation(r.events, r.num_engines))),
+    Row("relay broadcast, 72B, master -> 127 relays (§4.2, Fig. 19)", (0.0, 1.6), "< 1.6 s",
+        lambda runs: relay_broadcast_s(QWEN25_72B.params * BYTES_PER_PARAM, 127, LAMINAR_NIC_BW, LAMINAR_CHUNK,
+                                       LAMINAR_T_START), "{:.2f} s"),
+    Row("max staleness, Laminar (§8.1: max 4 observed; typically < 3)", (0, 4), "<= 4",
+        lambda runs: lm_metric(runs, ("laminar", LM_EVEN), lambda r: float(r.metrics["staleness_max"])), "{:.0f}"),
 ]
 
 PAPERS: dict[str, list[Row]] = {"rolloutpipe": ROLLOUTPIPE, "rollpacker": ROLLPACKER, "streamrl": STREAMRL,

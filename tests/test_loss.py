@@ -133,6 +133,113 @@ def test_argument_errors():
         policy_loss(new, old, adv, seq_idx, mask, kl_coef=0.1)
 
 
+# ---- decoupled PPO (train.off_policy = "decoupled") -------------------------------------------------------------
+def direct_decoupled(new, old, prox, cap, agg, ratio_level, clip_low, clip_high):
+    """Decoupled PPO written out per token: ratio against prox, times min(exp(prox - old), cap) (no KL). With
+    per-token weights the sequence level is GSPO-token's (value s_i, gradient s_i * grad logp_t on token t): the
+    fully differentiable s_i would spread each token's weight over its whole sequence."""
+    per_seq, n_tokens, start = [], 0, 0
+    for i, (length, m) in enumerate(zip(LENS, MASKS)):
+        toks = [start + t for t in range(length) if m[t]]
+        s = torch.exp(sum(new[t].detach() - prox[t] for t in toks) / len(toks))
+        terms = []
+        for t in toks:
+            r = torch.exp(new[t] - prox[t]) if ratio_level == "token" else s * torch.exp(new[t] - new[t].detach())
+            w = math.exp(float(prox[t] - old[t]))
+            w = min(w, cap) if cap else w
+            a = ADVS[i]
+            terms.append(w * torch.max(-a * r, -a * torch.clamp(r, 1 - clip_low, 1 + clip_high)))
+        per_seq.append(terms)
+        n_tokens += len(toks)
+        start += length
+    if agg == "token_mean":
+        return sum(sum(ts) for ts in per_seq) / n_tokens
+    if agg == "seq_mean":
+        return sum(sum(ts) / len(ts) for ts in per_seq) / len(per_seq)
+    return sum(sum(ts) / MAX_LEN for ts in per_seq) / len(per_seq)
+
+
+def proximal(old, seed=7, spread=0.6):
+    g = torch.Generator().manual_seed(seed)
+    return old + spread * torch.randn(old.shape, generator=g, dtype=old.dtype)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "seq_sum_norm"])
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("cap", [0.0, 1.5])
+def test_decoupled_loss_and_grads_match_direct_formula(agg, ratio_level, cap):
+    new, old, _, adv, seq_idx, mask = batch()
+    prox = proximal(old)
+    out = policy_loss(new, old, adv, seq_idx, mask, clip_low=0.2, clip_high=0.28, loss_agg=agg,
+                      ratio_level=ratio_level, max_len=MAX_LEN, prox_logp=prox, is_cap=cap)
+    (g_ours,) = torch.autograd.grad(out.loss, new)
+    want = direct_decoupled(new, old, prox, cap, agg, ratio_level, 0.2, 0.28)
+    (g_want,) = torch.autograd.grad(want, new)
+    assert torch.allclose(out.loss, want, atol=1e-12, rtol=1e-10)
+    assert torch.allclose(g_ours, g_want, atol=1e-12, rtol=1e-10)
+    assert (g_ours[mask == 0] == 0).all()
+    plain = policy_loss(new, old, adv, seq_idx, mask, clip_low=0.2, clip_high=0.28, loss_agg=agg,
+                        ratio_level=ratio_level, max_len=MAX_LEN)
+    assert not torch.allclose(out.loss, plain.loss)  # the batch is off-policy enough for the correction to matter
+
+
+def test_decoupled_gradient_is_the_hand_computed_one():
+    """token_mean, token ratio: d loss / d logp_t = -A_t w_t r_t / N on tokens whose ratio is not clipped on the
+    advantage's side, else 0, with r_t = exp(logp_t - prox_t) and w_t = min(exp(prox_t - old_t), cap)."""
+    new, old, _, adv, seq_idx, mask = batch()
+    prox, cap, lo, hi = proximal(old), 1.5, 0.2, 0.28
+    out = policy_loss(new, old, adv, seq_idx, mask, clip_low=lo, clip_high=hi, prox_logp=prox, is_cap=cap)
+    (g,) = torch.autograd.grad(out.loss, new)
+    r = torch.exp(new.detach() - prox)
+    w = torch.exp(prox - old).clamp(max=cap)
+    clipped = ((adv > 0) & (r > 1 + hi)) | ((adv < 0) & (r < 1 - lo))
+    hand = torch.where(clipped, torch.zeros_like(r), -adv * w * r) * mask / mask.sum()
+    assert clipped[mask > 0].any() and (~clipped[mask > 0]).any()  # both branches exercised
+    assert torch.allclose(g, hand, atol=1e-12)
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_decoupled_equals_plain_loss_when_behaviour_is_proximal(ratio_level):
+    """behaviour == proximal: w = 1 and the ratio's anchor is the same, so the objective is plain PPO. And with
+    behaviour == current (one optimizer step per call, prox = detached current), the two agree as well."""
+    new, old, ref, adv, seq_idx, mask = batch()
+    kw = dict(clip_low=0.2, clip_high=0.28, ratio_level=ratio_level, kl_coef=0.1, loss_agg="seq_mean")
+    for behaviour, logp in ((old, new), (new.detach().clone(), new)):
+        plain = policy_loss(logp, behaviour, adv, seq_idx, mask, ref, **kw)
+        dec = policy_loss(logp, behaviour, adv, seq_idx, mask, ref, prox_logp=behaviour.clone(), is_cap=2.0, **kw)
+        (g_p,) = torch.autograd.grad(plain.loss, new)
+        (g_d,) = torch.autograd.grad(dec.loss, new)
+        assert torch.allclose(plain.loss, dec.loss, atol=1e-12) and torch.allclose(g_p, g_d, atol=1e-12)
+        m = dec.metrics()
+        assert m["is_weight_mean"] == pytest.approx(1.0) and m["is_truncated_frac"] == 0.0
+        assert "is_weight_mean" not in plain.metrics()
+
+
+def test_importance_weight_is_truncated_at_the_cap():
+    old = torch.zeros(4, dtype=torch.float64)
+    w_raw = torch.tensor([0.5, 1.5, 3.0, 10.0], dtype=torch.float64)
+    prox = old + w_raw.log()
+    new = prox.clone().requires_grad_()  # r = 1: unclipped, the gradient is -A * w / N per token
+    adv, seq_idx = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
+    for cap, w in ((2.0, [0.5, 1.5, 2.0, 2.0]), (0.0, w_raw.tolist())):
+        out = policy_loss(new, old, adv, seq_idx, prox_logp=prox, is_cap=cap)
+        (g,) = torch.autograd.grad(out.loss, new)
+        assert torch.allclose(g, -torch.tensor(w, dtype=torch.float64) / 4, atol=1e-12)
+        m = out.metrics()
+        assert m["is_weight_mean"] == pytest.approx(sum(w) / 4)
+        assert m["is_truncated_frac"] == (0.5 if cap else 0.0)
+    with pytest.raises(ValueError, match="is_cap"):
+        policy_loss(new, old, adv, seq_idx, prox_logp=prox, is_cap=-1.0)
+
+
+def test_decoupled_weight_carries_no_gradient_to_the_proximal_logprobs():
+    new, old, _, adv, seq_idx, mask = batch()
+    prox = proximal(old).requires_grad_()
+    out = policy_loss(new, old, adv, seq_idx, mask, prox_logp=prox, is_cap=2.0)
+    g_new, g_prox = torch.autograd.grad(out.loss, [new, prox], allow_unused=True)
+    assert g_prox is None and g_new.abs().sum() > 0
+
+
 # ---- advantages ----------------------------------------------------------------------------------------------
 def _group(gid, rewards):
     trajs = [Trajectory(gid, j, [1], [2], [0.0], [0], reward=r) for j, r in enumerate(rewards)]

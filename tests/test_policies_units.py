@@ -174,7 +174,8 @@ def test_tail_batching_queue_survives_a_checkpoint():
     fresh.load_state_dict(tb.state_dict())
     v = Views(params=dict(group_size=2, prompts_per_step=1), engines=[EngineView(0, version=0)])
     plan = fresh.intake(v)
-    assert plan.kind == "long" and plan.prompts == [{"prompt_index": 4, "prompt_ids": [1, 2], "answer": "a"}]
+    assert plan.kind == "long" and plan.prompts == [{"prompt_index": 4, "prompt_ids": [1, 2], "answer": "a",
+                                                         "max_new_tokens": None}]
 
 
 def test_tail_abort_keeps_the_first_finishers_and_defers_the_rest():

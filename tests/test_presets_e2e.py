@@ -1,5 +1,6 @@
-"""Every scheduling preset, for real: torchrun with 2 rollout + 2 train ranks on the tiny task; the invariants of
-DESIGN.md are checked on the run's own event log."""
+"""Every scheduling preset, for real: torchrun with 2 rollout + 2 train ranks on the long-tail length workload
+(bench/policies.py WORKLOAD: the `repeat` task with per-prompt caps); the invariants of DESIGN.md are checked on the
+run's own event log, and the response lengths on it are long-tailed and group-correlated."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.policies import WORKLOAD
 from tests.test_train_e2e import metrics, torchrun
 
 pytestmark = pytest.mark.dist
@@ -46,13 +48,69 @@ def check_log(run: Path) -> dict:
 def test_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, tmp_path):
     run = tmp_path / preset
     torchrun(4, f"--log.dir={run}", f"--sched.preset={preset}", "--cluster.rollout_ranks=2", "--train.steps=6",
-             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false")
+             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", *WORKLOAD, "--data.len_tail_frac=0.25")
     assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+    lengths = long_tail(run)
+    assert lengths["max"] >= 20 and lengths["median"] <= 5, lengths
     report = check_log(run)
     assert report["off_policy"] == [] and report["twice"] == [] and report["lost"] == [], report
     assert report["trained_groups"] > 0
     if "tail" in preset or preset == "rollpacker":
         assert report["dropped"] > 0  # over-provisioned rounds abort their stragglers
+
+
+def long_tail(run: Path) -> dict:
+    """Response lengths on the event log: every sample within its prompt's cap (answer + EOS), a heavy tail."""
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    lengths = sorted(e["data"]["tokens"] for e in events if e["kind"] == "trajectory_finished")
+    assert lengths and lengths[-1] <= 33
+    return {"max": lengths[-1], "median": lengths[len(lengths) // 2], "n": len(lengths)}
+
+
+def check_log_bounded(run: Path, eta: int) -> dict:
+    """The off-policy variant of `check_log`: every trained sample's staleness (trainer version at train_started
+    minus the version of the engine it was FIRST admitted to, StaleFlow's V_traj: an upper bound of the per-token
+    staleness) is at most eta; no group trained twice; nothing finished lost."""
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    first: dict[int, tuple[int, int]] = {}
+    for e in events:
+        if e["kind"] == "request_admitted" and e["req_id"] not in first:
+            first[e["req_id"]] = (e["group_id"], e.get("version", -1))
+    dropped = {e["req_id"] for e in events if e["kind"] == "trajectory_aborted" and not e["data"].get("requeue")}
+    reqs_of: dict[int, list[int]] = {}
+    for rid, (g, _) in first.items():
+        reqs_of.setdefault(g, []).append(rid)
+    trained: Counter[int] = Counter()
+    too_stale, staleness = [], Counter()
+    for e in events:
+        if e["kind"] == "train_started":
+            for g in e["data"]["groups"]:
+                trained[g] += 1
+                for rid in reqs_of.get(g, []):
+                    if rid not in dropped:
+                        s = e.get("version", 0) - first[rid][1]
+                        staleness[s] += 1
+                        if s > eta:
+                            too_stale.append((g, rid, s))
+    return {"too_stale": too_stale, "twice": [g for g, n in trained.items() if n > 1],
+            "staleness": dict(staleness), "trained_groups": len(trained),
+            "interrupted": sum(1 for e in events if e["kind"] == "trajectory_interrupted")}
+
+
+@pytest.mark.parametrize("preset,eta", [("staleflow", 3), ("areal", 3)])
+def test_bounded_staleness_preset_runs_on_real_ranks_within_its_bound(preset, eta, tmp_path):
+    run = tmp_path / preset
+    torchrun(4, f"--log.dir={run}", f"--sched.preset={preset}", "--cluster.rollout_ranks=2", "--train.steps=6",
+             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false")
+    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+    report = check_log_bounded(run, eta)
+    assert report["too_stale"] == [] and report["twice"] == [] and report["trained_groups"] == 6 * 8, report
+    assert max(report["staleness"]) > 0            # it did run off-policy
+    rows = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    j = next(j for j, e in enumerate(rows) if e["kind"] == "train_started" and e.get("version", 0) >= 1)
+    rows[j]["version"] = rows[j].get("version", 0) + eta + 1   # the checker catches a sample past the bound
+    (run / "events.jsonl").write_text("\n".join(json.dumps(e) for e in rows) + "\n")
+    assert check_log_bounded(run, eta)["too_stale"]
 
 
 def test_the_log_checker_catches_an_off_policy_sample_and_a_double_handoff(tmp_path):
@@ -68,3 +126,20 @@ def test_the_log_checker_catches_an_off_policy_sample_and_a_double_handoff(tmp_p
     (run / "events.jsonl").write_text("\n".join(json.dumps(e) for e in rows) + "\n")
     report = check_log(run)
     assert len(report["off_policy"]) == 1 and report["twice"]
+
+
+@pytest.mark.parametrize("preset,bound", [("laminar", None), ("one_step", 1), ("streamrl_async", 1),
+                                          ("partial_rollout", None)])
+def test_offpolicy_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, bound, tmp_path):
+    """Off-policy presets: samples may be older than the step (bounded where the preset says so), but no group is
+    trained twice or before it materialised, no finished sample of a trained group is missing, and every
+    interrupted request comes back (tests/test_offpolicy_presets.py `check_offpolicy_log`)."""
+    from tests.test_offpolicy_presets import check_offpolicy_log
+    run = tmp_path / preset
+    torchrun(4, f"--log.dir={run}", f"--sched.preset={preset}", "--cluster.rollout_ranks=2", "--train.steps=6",
+             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false")
+    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    report = check_offpolicy_log(events, bound)
+    assert report["twice"] == report["lost"] == report["unreturned"] == report["stale"] == [], report
+    assert report["unmaterialised_trained"] == [] and report["trained_groups"] > 0, report

@@ -1,13 +1,32 @@
-"""The rollout worker without a cluster: messages in, events out, and weight verification after a load."""
+"""The rollout worker without a cluster: messages in, events out, weight verification after a load, interrupt and
+resume of partial trajectories (and the backend's side of both)."""
+import queue
+
 import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from model import Transformer
+from model import Transformer, cu_seqlens_from_lengths
 from model.presets import preset_config
 from rl.tasks import SyntheticTask
+from rl.types import Trajectory
+from runtime.backend import RuntimeBackend
 from runtime.rollout_worker import RolloutWorker, SamplingConfig, WeightMismatchError
+from runtime.topology import Topology
+from sched.base import Interrupt, LoadWeights, Migrate
+from sched.controller import PromptItem
+from sched.events import Event
+from sched.views import Request as SchedRequest
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: intra-op threads only fight."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 class FakeChannel:
@@ -18,7 +37,7 @@ class FakeChannel:
         self.sent.append((dst, obj))
 
 
-def make_worker(verify=True):
+def make_worker(verify=True, max_new_tokens=4, temperature=1.0):
     task = SyntheticTask("reverse", 16, 0)
     tok = task.tokenizer()
     cfg = preset_config("tiny", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
@@ -28,7 +47,8 @@ def make_worker(verify=True):
     ch = FakeChannel()
     from runtime.launch import response_decoder
     w = RolloutWorker(engine, ch, 0, 1, task.score, response_decoder(tok, engine.eos_ids), None,
-                      SamplingConfig(1.0, 1.0, -1, 4, seed=0), t0=0.0, timeout_s=5, verify_weights=verify)
+                      SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0, timeout_s=5,
+                      verify_weights=verify)
     return w, ch, task, tok
 
 
@@ -85,3 +105,168 @@ def test_loading_a_version_the_relay_does_not_hold_fails():
     w, _, _, _ = make_worker()
     with pytest.raises(RuntimeError, match="relay holds"):
         w.handle(("load", 5))
+
+
+# ---- partial trajectories: interrupt, resume, load on a busy engine ------------------------------------------------
+def loaded_worker(version=0, scale=1.5, **kw):
+    w, ch, task, tok = make_worker(**kw)
+    w._into_relay(published(w.engine, scale), version)
+    w.relay_version = version
+    w.handle(("load", version))
+    return w, ch, task, tok
+
+
+def group_specs(task, tok, n_groups=2, group_size=3):
+    return [dict(req_id=10 * g + s, group_id=g, sample_index=s, prompt_index=g,
+                 prompt_ids=tok.encode(p, add_special_tokens=False), answer=a)
+            for g, (p, a) in enumerate(task.prompts()[:n_groups]) for s in range(group_size)]
+
+
+def events_of(ch, kind):
+    return [e for _, batch in ch.sent for e in batch if e.kind == kind]
+
+
+def run_to_end(w):
+    while w.engine.has_unfinished():
+        w.step()
+    w.flush()
+
+
+def training_logprobs(model, prompt, response, temperature=1.0):
+    seq = prompt + response
+    with torch.no_grad():
+        logits = model.forward_packed(torch.tensor(seq), cu_seqlens_from_lengths([len(seq)]))
+    rows = torch.arange(len(prompt) - 1, len(seq) - 1)
+    return torch.log_softmax(logits.float() / temperature, -1)[rows, torch.tensor(response)]
+
+
+def test_interrupt_hands_back_partials_and_another_worker_finishes_them_as_if_uninterrupted():
+    ref, ref_ch, task, tok = loaded_worker(max_new_tokens=12)
+    specs = group_specs(task, tok)
+    ref.handle(("submit", specs))
+    run_to_end(ref)
+    want = {e.req_id: e.payload for e in events_of(ref_ch, "reward_scored")}
+
+    a, a_ch, _, _ = loaded_worker(max_new_tokens=12)
+    a.handle(("submit", specs))
+    for _ in range(4):
+        a.step()
+    running = {int(r) for r in a.engine.seqs}
+    assert len(running) >= 4  # most are mid-generation (a seeded run: fixed)
+    a.handle(("interrupt", sorted(running) + [999]))   # 999: never held, ignored
+    a.flush()
+    interrupted = events_of(a_ch, "trajectory_interrupted")
+    assert sorted(e.req_id for e in interrupted) == sorted(running)
+    assert not a.answers and not a.engine.has_unfinished()
+    assert a.engine.block_manager.num_free == a.engine.block_manager.num_blocks
+    assert events_of(a_ch, "engine_idle")  # emptied by the interrupt: idle now, not at a next step
+    spec_of = {s["req_id"]: s for s in specs}
+    for e in interrupted:
+        t = e.payload
+        n = len(t.response_ids)
+        assert e.version == 0 and e.data == {"tokens": n} and e.group_id == spec_of[e.req_id]["group_id"]
+        assert 0 < n < 12 and t.finish_reason == "interrupted" and t.reward is None
+        assert len(t.logprobs) == n and t.versions == [0] * n and t.prompt_ids == spec_of[e.req_id]["prompt_ids"]
+        assert isinstance(t.meta["rng_state"], bytes)
+        assert t.response_ids == want[e.req_id].response_ids[:n]
+
+    # resume on a second worker: specs as the backend builds them from the controller's Request.partial
+    b, b_ch, _, _ = loaded_worker(max_new_tokens=12)
+    prompt_items = {s["group_id"]: PromptItem(s["prompt_index"], s["prompt_ids"], s["answer"]) for s in specs}
+    reqs = []
+    for e in interrupted:
+        s = spec_of[e.req_id]
+        reqs.append(SchedRequest(req_id=e.req_id, group_id=s["group_id"], sample_index=s["sample_index"],
+                                 prompt_index=s["prompt_index"], round=0, prompt_len=len(s["prompt_ids"]),
+                                 partial=e.payload))
+    resume = [RuntimeBackend._spec(r, prompt_items[r.group_id]) for r in reqs]
+    assert all(sp["partial"]["rng_state"] == e.payload.meta["rng_state"] for sp, e in zip(resume, interrupted))
+    b.handle(("submit", resume))
+    assert set(b.answers) == {str(r.req_id) for r in reqs}
+    run_to_end(b)
+    got = {e.req_id: e for e in events_of(b_ch, "reward_scored")}
+    assert sorted(got) == sorted(running) and not b.answers
+    parts = {e.req_id: e.payload for e in interrupted}
+    for rid, e in got.items():
+        t, w0 = e.payload, want[rid]
+        n = len(parts[rid].response_ids)
+        assert t.response_ids[:n] == parts[rid].response_ids and t.logprobs[:n] == parts[rid].logprobs
+        assert t.response_ids == w0.response_ids and t.versions == w0.versions
+        assert torch.allclose(torch.tensor(t.logprobs), torch.tensor(w0.logprobs), atol=1e-5)
+        assert (t.reward, t.correct) == (w0.reward, w0.correct)
+
+
+def test_a_partial_from_a_newer_version_than_the_engine_is_refused():
+    w, _, task, tok = loaded_worker()
+    spec = dict(group_specs(task, tok, 1, 1)[0], partial=dict(response_ids=[5], logprobs=[-1.0], versions=[3],
+                                                              rng_state=None))
+    with pytest.raises(ValueError, match="version 3"):
+        w.handle(("submit", [spec]))
+    spec["partial"]["versions"] = [0, 0]
+    with pytest.raises(ValueError, match="1 tokens, 1 logprobs and 2 versions"):
+        w.handle(("submit", [spec]))
+
+
+def test_load_on_a_busy_worker_keeps_running_sequences_under_the_new_version():
+    w, ch, task, tok = loaded_worker(max_new_tokens=10)
+    specs = group_specs(task, tok)
+    w.handle(("submit", specs))
+    for _ in range(3):
+        w.step()
+    running = {int(r) for r in w.engine.seqs}
+    assert running
+    w._into_relay(published(w.engine, 1.3), 1)  # version 1: the engine's weights scaled
+    w.relay_version = 1
+    w.handle(("load", 1))
+    assert w.engine.version == 1 and {int(r) for r in w.engine.seqs} == running  # nothing dropped
+    run_to_end(w)
+    scored = {e.req_id: e for e in events_of(ch, "reward_scored")}
+    assert sorted(scored) == sorted(s["req_id"] for s in specs)
+    model = w.engine.runner.model
+    prompt_of = {s["req_id"]: s["prompt_ids"] for s in specs}
+    for rid in running:
+        t = scored[rid].payload
+        k = t.versions.count(0)
+        assert 0 < k < len(t.versions) and t.versions == [0] * k + [1] * (len(t.versions) - k)
+        assert scored[rid].version == 0  # a trajectory's version is its oldest token's
+        ref = training_logprobs(model, prompt_of[rid], t.response_ids)
+        assert (torch.tensor(t.logprobs[k:]) - ref[k:]).abs().max() < 1e-4  # new tokens: the new weights
+        assert (torch.tensor(t.logprobs[:k]) - ref[:k]).abs().max() > 1e-3  # old ones kept the old weights'
+
+
+class LoopbackChannel(FakeChannel):
+    """Records what the backend sends; hands it the events queued in `inbox`."""
+    def __init__(self):
+        super().__init__()
+        self.inbox = []
+
+    def get(self, timeout, waiting_for="", port=0):
+        return self.inbox.pop(0)
+
+
+def test_backend_sends_interrupts_and_partial_specs_and_refuses_migrate():
+    topo = Topology(rank=0, world=3, train_ranks=[0], rollout_ranks=[1, 2], colocate=False,
+                    device=torch.device("cpu"))
+    ch = LoopbackChannel()
+    be = RuntimeBackend(topo, ch, queue.Queue(), t0=0.0, timeout_s=5)
+    be.command(Interrupt(1, [4, 7]))
+    be.command(LoadWeights(0, 3))
+    assert ch.sent == [(2, ("interrupt", [4, 7])), (1, ("load", 3))]
+    with pytest.raises(TypeError, match="Migrate"):
+        be.command(Migrate(0, 1, [4]))
+    part = Trajectory(5, 1, [3, 4], [7, 8, 9], [-0.1, -0.2, -0.3], [0, 0, 1], finish_reason="interrupted",
+                      meta={"rng_state": b"\x01\x02"})
+    fresh = SchedRequest(req_id=50, group_id=5, sample_index=0, prompt_index=9, round=0, prompt_len=2)
+    resumed = SchedRequest(req_id=51, group_id=5, sample_index=1, prompt_index=9, round=0, prompt_len=2,
+                           partial=part)
+    be.submit(0, [fresh, resumed], {5: PromptItem(9, [3, 4], "x")})
+    dst, (kind, specs) = ch.sent[-1]
+    assert dst == 1 and kind == "submit" and "partial" not in specs[0]
+    assert specs[1]["partial"] == dict(response_ids=[7, 8, 9], logprobs=[-0.1, -0.2, -0.3], versions=[0, 0, 1],
+                                       rng_state=b"\x01\x02")
+    assert be.assigned == [2, 0]
+    ch.inbox.append((1, [Event("trajectory_interrupted", 1.0, rank=1, engine=0, req_id=51, group_id=5,
+                                version=1, data={"tokens": 3}, payload=part)]))
+    ev = be.next_event()
+    assert ev.kind == "trajectory_interrupted" and ev.payload is part
+    assert be.assigned == [1, 0]  # the request left its engine: the deadline message no longer waits on it

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl.rewards import get_reward_fn
-from rl.tasks import TASK_NAMES, SyntheticTask, score_positions
+from rl.data import PromptDataset
+from rl.tasks import TASK_NAMES, LengthDist, SyntheticTask, score_positions
 
 
 @pytest.mark.parametrize("name", TASK_NAMES)
@@ -36,7 +37,7 @@ def test_lengths_and_alphabet_respected():
 
 
 def test_unknown_task_and_bad_options():
-    with pytest.raises(ValueError, match="valid tasks: first, last, copy, reverse"):
+    with pytest.raises(ValueError, match="valid tasks: first, last, copy, reverse, repeat"):
         SyntheticTask("sort")
     for kwargs in [dict(min_len=0), dict(min_len=3, max_len=2), dict(num_prompts=0), dict(alphabet="aab"),
                    dict(sep="a"), dict(sep="==")]:
@@ -80,3 +81,60 @@ def test_score_bounds(response, answer):
     r = score_positions(response, answer)
     assert 0.0 <= r.reward <= 1.0
     assert (r.reward == 1.0) == r.correct == (response.strip() == answer)
+
+
+# ---- the long-tail length workload ---------------------------------------------------------------------------
+def test_repeat_prompts_state_the_length_and_the_tail_is_heavy():
+    task = SyntheticTask("repeat", num_prompts=4000, seed=0)
+    pairs = task.prompts()
+    for prompt, answer in pairs[:200]:
+        sym, n = prompt[0], int(prompt[1:-1])
+        assert prompt.endswith("=") and answer == sym * n and sym in task.alphabet
+    lengths = [len(a) for _, a in pairs]
+    assert set(lengths) <= set(range(1, 5)) | set(range(24, 33)) and max(lengths) == 32
+    tail = [n for n in lengths if n >= 24]
+    assert 0.10 < len(tail) / len(lengths) < 0.15                 # 1 prompt in 8 ...
+    assert sum(tail) / sum(lengths) > 0.5                          # ... carries most of the tokens
+    assert task.max_response_tokens == 33
+    assert SyntheticTask("repeat", lengths=LengthDist(tail_frac=0.0)).max_response_tokens == 5
+
+
+def test_length_dist_bounds_and_errors():
+    import random
+    d = LengthDist(body_max=2, tail_min=10, tail_max=12, tail_frac=0.5)
+    draws = [d.draw(random.Random(i)) for i in range(500)]
+    assert set(draws) == {1, 2, 10, 11, 12}
+    for bad in [dict(body_max=0), dict(body_max=30), dict(tail_min=40), dict(tail_frac=1.5)]:
+        with pytest.raises(ValueError):
+            LengthDist(**bad)
+    with pytest.raises(ValueError, match="digits"):
+        SyntheticTask("repeat", alphabet="ab1")
+
+
+def test_capped_dataset_stops_each_response_at_its_answer(tmp_path):
+    task = SyntheticTask("repeat", num_prompts=64, seed=2)
+    tok = task.tokenizer(tmp_path / "tok")
+    ds = PromptDataset.from_synthetic(task, tok, 16, cap_at_answer=True)
+    for p in ds:
+        assert p.max_new_tokens == len(p.answer) + 1                 # the answer and its EOS
+        assert tok.unk_token_id not in p.prompt_ids and tok.decode(p.prompt_ids, skip_special_tokens=True) == p.prompt
+    assert all(p.max_new_tokens is None for p in PromptDataset.from_synthetic(task, tok, 16))
+
+
+def test_repeat_reward_measures_the_symbol_and_the_stop():
+    task = SyntheticTask("repeat")
+    assert task.score("cccc", "cccc").correct
+    assert task.score("cccd", "cccc").reward == pytest.approx(0.75)
+    assert task.score("ccccc", "cccc").reward == pytest.approx(0.8)  # ran to the cap without stopping
+    assert task.score("c", "cccc").reward == pytest.approx(0.25)     # stopped early
+
+
+def test_build_run_wires_the_workload_keys():
+    from config import load_config
+    from runtime.build import build_run
+    cfg = load_config("configs/tiny.toml", ["--data.task=repeat", "--data.cap_at_answer=true",
+                                            "--data.len_tail_frac=1.0", "--data.len_tail_min=6",
+                                            "--data.len_tail_max=7", "--rollout.max_new_tokens=8"])
+    items = build_run(cfg, with_data=True).source(40)
+    assert {len(i.answer) for i in items} == {6, 7}
+    assert all(i.max_new_tokens == len(i.answer) + 1 for i in items)

@@ -117,6 +117,16 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     return side["extra"]
 
 
+def read_extra(path: str | Path, rank: int = 0) -> dict[str, Any]:
+    """One rank's side file of a complete checkpoint ({"scheduler": ..., "extra": ...}) without loading any
+    weights: what a restarting leader reads before it opens its logs."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
+    side = torch.load(path / f"extra_rank{rank}.pt", weights_only=True)
+    return side["extra"] or {}
+
+
 def export_hf(model: nn.Module, cfg: ModelConfig, path: str | Path, group: dist.ProcessGroup | None = None,
               dtype: torch.dtype | None = None) -> None:
     """Write the HF layout (config.json + safetensors) of the current weights. All train ranks call it."""

@@ -17,6 +17,13 @@ old log-probs are always the generating version's (`Trajectory.logprobs`), so in
 every-U update (RolloutPipe) never move a later batch's behaviour policy. Accumulating needs minibatches = 1 and
 ppo_epochs = 1 (each of those is its own optimizer step).
 
+Off-policy correction (`off_policy`, rl/loss.py): "behaviour" clips the ratio against the behaviour log-probs
+(plain PPO/GRPO); "decoupled" (AReaL's decoupled PPO) clips against the proximal policy, the weights at the start
+of the call, and weights each token by exp(prox - behaviour) truncated at `is_cap`. With one optimizer step per
+call the proximal log-probs are the detached current ones; with several (minibatches or ppo_epochs > 1) a no-grad
+pass computes them for the whole batch before the first step. Staleness per step: the trainer's version minus
+each trained token's version (`Trajectory.versions`), mean and max.
+
 Every train rank calls `train_step` with the same groups (the runtime broadcasts them). Without an initialised
 process group the trainer runs unsharded in one process (debugging, and the reference of the equivalence tests).
 """
@@ -26,7 +33,7 @@ import math
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -77,10 +84,14 @@ class TrainConfig:
     filter_zero_variance: bool = False
     ppo_epochs: int = 1
     minibatches: int = 1
+    off_policy: str = "behaviour"       # "behaviour" (PPO vs behaviour logprobs) | "decoupled" (AReaL)
+    is_cap: float = 2.0                 # decoupled: truncation of the importance weight (0 = none)
     steps: int = 100                    # stepping train_step calls in the run (cosine spans steps*epochs*minibatches)
 
 
-STAT_KEYS = ("pg_loss", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "kl_ref", "entropy")
+STAT_KEYS = ("pg_loss", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "kl_ref", "entropy",
+             "is_weight_mean", "is_truncated_frac")
+OFF_POLICY = ("behaviour", "decoupled")
 
 
 class Trainer:
@@ -96,6 +107,12 @@ class Trainer:
             raise ValueError("loss_agg='seq_sum_norm' (Dr.GRPO) needs max_response_len (rollout.max_new_tokens)")
         if cfg.kl_coef and ref_model is None:
             raise ValueError(f"kl_coef={cfg.kl_coef} needs a reference model")
+        self.off_policy = getattr(cfg, "off_policy", "behaviour")
+        self.is_cap = float(getattr(cfg, "is_cap", 2.0))
+        if self.off_policy not in OFF_POLICY:
+            raise ValueError(f"off_policy {self.off_policy!r} is not one of {OFF_POLICY}")
+        if self.is_cap < 0:
+            raise ValueError(f"is_cap must be >= 0 (0: no truncation), got {self.is_cap}")
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = (group or dist.group.WORLD) if self.distributed else None
         self.world = dist.get_world_size(self.group) if self.distributed else 1
@@ -132,6 +149,7 @@ class Trainer:
             "groups": float(len(groups)), "filtered_groups": float(adv.num_filtered),
             "reward_mean": sum(rewards) / max(len(rewards), 1), "sequences": float(len(samples)),
             "tokens": float(sum(len(s.targets) for s in samples)),
+            **self.staleness(adv.groups),
         }
         self.model.train()
         passes: list[dict[str, float]] = []
@@ -139,9 +157,12 @@ class Trainer:
         if samples:
             chunks = [samples[r.start:r.stop] for r in split_even(len(samples), min(cfg.minibatches, len(samples)))]
             ref_cache: dict[tuple[int, int], torch.Tensor] = {}
+            prox_cache = None  # decoupled: None = the detached current log-probs (the weights have not moved yet)
+            if self.off_policy == "decoupled" and step and len(chunks) * cfg.ppo_epochs > 1:
+                prox_cache = self._proximal(chunks)
             for _ in range(cfg.ppo_epochs):
                 for i, chunk in enumerate(chunks):
-                    passes.append(self._backward(chunk, i, ref_cache))
+                    passes.append(self._backward(chunk, i, ref_cache, prox_cache))
                     if step:
                         passes[-1].update(self._apply())
                         n_steps += 1
@@ -156,30 +177,51 @@ class Trainer:
         self.step += int(step)
         return metrics
 
-    def _backward(self, chunk: list[Sample], chunk_id: int,
-                  ref_cache: dict[tuple[int, int], torch.Tensor]) -> dict[str, float]:
+    def _micro_batches(self, chunk: list[Sample]) -> Iterator[MicroBatch]:
+        """This rank's micro-batches of a chunk, padded with dummy ones to the busiest rank's count (FSDP)."""
+        costs = [s.num_tokens for s in chunk]
+        plans = [pack_micro_batches(idx, costs, self.cfg.micro_batch_tokens)
+                 for idx in assign_to_ranks(costs, self.world)]
+        mine, n_micro = plans[self.rank], max(len(p) for p in plans)
+        for k in range(n_micro):
+            yield collate([chunk[i] for i in mine[k]], self.device) if k < len(mine) else dummy_batch(self.device)
+
+    def _proximal(self, chunks: list[list[Sample]]) -> dict[tuple[int, int], torch.Tensor]:
+        """Decoupled PPO's proximal log-probs of every micro-batch, under the weights at the start of the call
+        (one no-grad pass, before any optimizer step of the call), keyed like the ref cache."""
+        return {(i, k): self.logprobs(self.model, batch, grad=False)[0].detach()
+                for i, chunk in enumerate(chunks) for k, batch in enumerate(self._micro_batches(chunk))}
+
+    def staleness(self, groups: list[Group]) -> dict[str, float]:
+        """Trainer version minus each trained response token's version (Trajectory.versions): mean and max."""
+        lags = [self.step - v for g in groups for t in g.trajectories for v in t.versions[:len(t.response_ids)]]
+        if not lags:
+            return {}
+        return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
+
+    def _backward(self, chunk: list[Sample], chunk_id: int, ref_cache: dict[tuple[int, int], torch.Tensor],
+                  prox_cache: dict[tuple[int, int], torch.Tensor] | None = None) -> dict[str, float]:
         """Forward/backward of one chunk into the gradients, keeping them normalised by the accumulated count."""
         cfg = self.cfg
-        costs = [s.num_tokens for s in chunk]
         own = float(sum(len(s.targets) for s in chunk) if cfg.loss_agg == "token_mean" else len(chunk))
         normaliser = self.accumulated + own
         if self.accumulated:  # the gradients so far were divided by the old count: bring them onto the new one
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(self.accumulated / normaliser)
-        plans = [pack_micro_batches(idx, costs, cfg.micro_batch_tokens) for idx in assign_to_ranks(costs, self.world)]
-        mine, n_micro = plans[self.rank], max(len(p) for p in plans)
         acc = torch.zeros(len(STAT_KEYS) + 2, dtype=torch.float64)  # stat sums, loss, tokens
-        for k in range(n_micro):
-            batch = collate([chunk[i] for i in mine[k]], self.device) if k < len(mine) else dummy_batch(self.device)
+        for k, batch in enumerate(self._micro_batches(chunk)):
             ref = ref_cache.get((chunk_id, k))
             if ref is None and self.ref_model is not None:
                 ref = ref_cache[(chunk_id, k)] = self.logprobs(self.ref_model, batch, grad=False)[0]
             logp, entropy = self.logprobs(self.model, batch, grad=True)
+            prox = None
+            if self.off_policy == "decoupled":
+                prox = prox_cache[(chunk_id, k)] if prox_cache is not None else logp.detach()
             out = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.seq_idx, batch.mask, ref,
                               clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
                               ratio_level=cfg.ratio_level, kl_coef=cfg.kl_coef, max_len=self.max_len,
-                              normaliser=normaliser, num_seqs=batch.num_seqs)
+                              normaliser=normaliser, num_seqs=batch.num_seqs, prox_logp=prox, is_cap=self.is_cap)
             # FSDP averages gradients over the ranks; every rank's loss is already a share of the global sum.
             (out.loss * self.world).backward()
             sums = dict(out.sums, entropy=(entropy.detach().float() * batch.mask).sum())
@@ -193,8 +235,16 @@ class Trainer:
         self.accumulated = normaliser
         loss = float(acc[-2]) if normaliser == own else float(acc[-2]) * normaliser / own  # this chunk's own mean
         n = max(float(acc[-1]), 1.0)
-        stats = {key: float(acc[i]) / n for i, key in enumerate(STAT_KEYS) if key != "kl_ref" or self.ref_model}
+        stats = {key: float(acc[i]) / n for i, key in enumerate(STAT_KEYS) if self._reports(key)}
         return dict(stats, loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]))
+
+    def _reports(self, key: str) -> bool:
+        """Whether a loss statistic exists in this configuration (KL to a reference, decoupled IS weights)."""
+        if key == "kl_ref":
+            return self.ref_model is not None
+        if key.startswith("is_"):
+            return self.off_policy == "decoupled"
+        return True
 
     def _apply(self) -> dict[str, float]:
         """Clip, step, zero: one optimizer step over the accumulated (normalised) gradients. A non-finite global

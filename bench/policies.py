@@ -1,0 +1,164 @@
+"""Scheduling presets for real, side by side: torchrun with 2 rollout + 2 train ranks on the long-tail workload.
+
+    python bench/policies.py                       # sync and every preset (PRESETS), 12 rounds each
+    python bench/policies.py --presets sync,rolloutpipe --widths 2,8,16 --repeats 2
+
+Each preset trains on the same number of samples (`--rounds` rounds of P prompts x G samples) of the
+`repeat` task with capped answers (rl/tasks.py: most answers 1-4 tokens, one prompt in eight 24-32, the same
+length for a whole group), from the same random init and seed, with the same optimizer batch where the preset
+has one: `--batch-groups U` groups (U x G samples) per optimizer step, so sync takes P/U minibatch steps per
+round (Slime's logical updates, the RolloutPipe paper's baseline) and the every-U presets (rolloutpipe,
+fgd_tailbatch) step every U complete groups; the stream-trainer presets (rollpacker, streamrl) take their one
+accumulated step per round by design (RollPacker §4.4, StreamRL §4). Runs alternate between presets (`--repeats`
+rounds of the whole list) so that machine load hits them alike. Per preset: the training loop's wall time (first
+round start to last event, from the run's event log; process start-up excluded and printed apart), trained
+samples per second, and the trainer waiting ratio (RolloutPipe §5.1, `sched.metrics.summarize`). The last line is
+the wall-clock ratio of each preset against sync (median over repeats): `speedup vs sync: rolloutpipe 1.31x, ...`.
+The machine's load average is printed beside every run: on shared cores, read the ratios with it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sched import load_preset  # noqa: E402
+from sched.events import read_events  # noqa: E402
+from sched.metrics import summarize  # noqa: E402
+
+# Every preset of configs/sched/: on-policy first, then the off-policy ones (one optimizer step per batch of
+# prompts_per_step groups, each at its preset's default staleness bound).
+PRESETS: list[str] = ["sync", "rolloutpipe", "rollpacker", "streamrl", "fgd_tailbatch",
+                      "one_step", "streamrl_async", "partial_rollout", "areal", "staleflow", "laminar"]
+
+# The long-tail length workload (rl/tasks.py `repeat` + per-prompt caps): identical for every preset.
+WORKLOAD: tuple[str, ...] = (
+    "--data.task=repeat", "--data.cap_at_answer=true", "--rollout.max_new_tokens=33",
+    "--data.len_body_max=4", "--data.len_tail_min=24", "--data.len_tail_max=32", "--data.len_tail_frac=0.125",
+)
+
+
+@dataclass
+class Run:
+    """One preset variant: a name for the table, the preset, and its extra overrides."""
+    name: str
+    preset: str
+    overrides: tuple[str, ...] = ()
+    makespans: list[float] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    loads: list[tuple[float, float]] = field(default_factory=list)   # 1-minute load average before, after
+
+    def median(self, xs: list[float]) -> float:
+        return statistics.median(xs) if xs else math.nan
+
+
+def batch_overrides(preset: str, prompts: int, u: int) -> tuple[list[str], int]:
+    """The overrides that give `preset` U groups per optimizer step where it has that knob, and the number of
+    `train.steps` per round that follows: sync -> P/U minibatches in one call (one `train.steps` per round);
+    every-U update -> U groups per handoff and per step (P/U `train.steps` per round); stream update -> one."""
+    p = load_preset(preset)
+    if p.update.name == "every_u":
+        handoff = [f"--sched.handoff.groups={u}"] if p.handoff.name == "cgp" else []
+        return [f"--sched.update.groups={u}", *handoff], math.ceil(prompts / u)
+    if p.update.name == "step_publish":
+        return [f"--train.minibatches={math.ceil(prompts / u)}"], 1
+    return [], 1
+
+
+def torchrun_cmd(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -> list[str]:
+    batch, per_round = batch_overrides(run.preset, args.prompts, args.batch_groups)
+    steps = args.rounds * per_round
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_port", str(port),
+            "train.py", "--config", "configs/tiny.toml", "--log.progress=false", f"--log.dir={run_dir}",
+            f"--sched.preset={run.preset}", "--cluster.rollout_ranks=2", f"--train.steps={steps}",
+            f"--rollout.prompts_per_step={args.prompts}", f"--rollout.group_size={args.group_size}",
+            "--checkpoint.export_hf=false", *WORKLOAD, *batch, *args.extra, *run.overrides]
+
+
+def measure(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -> None:
+    cmd = torchrun_cmd(run, run_dir, args, port)
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{run.name}: run failed (exit {proc.returncode})\n{' '.join(cmd)}\n"
+                         f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    events = list(read_events(run_dir / "events.jsonl"))
+    s = summarize(events, num_engines=2)
+    trained = sum(len(e.data["groups"]) for e in events if e.kind == "train_started") * args.group_size
+    run.makespans.append(s["makespan_s"])
+    run.walls.append(wall)
+    run.samples.append(trained)
+    run.waits.append(s["trainer_wait_ratio"])
+    run.loads.append((load0, os.getloadavg()[0]))
+    print(f"  {run.name:<24} loop {s['makespan_s']:6.2f} s  (process {wall:5.1f} s)  {trained} samples  "
+          f"trainer wait {s['trainer_wait_ratio']:.2f}  load {load0:.2f} -> {run.loads[-1][1]:.2f}", flush=True)
+
+
+def variants(args: argparse.Namespace) -> list[Run]:
+    runs = []
+    for preset in args.presets:
+        if preset == "rolloutpipe" and args.widths:
+            runs += [Run(f"rolloutpipe[F_w={w}]", preset, (f"--sched.dispatch.width={w}",)) for w in args.widths]
+        else:
+            runs.append(Run(preset, preset))
+    if runs[0].preset != "sync":
+        raise SystemExit("--presets must start with sync (the baseline every ratio is against)")
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", type=lambda s: s.split(","), default=PRESETS,
+                    help=f"comma-separated, sync first (default: {','.join(PRESETS)})")
+    ap.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[],
+                    help="FGD frontier widths F_w to sweep for rolloutpipe (default: the preset's own)")
+    ap.add_argument("--rounds", type=int, default=12, help="rounds of P prompts each preset trains on")
+    ap.add_argument("--prompts", type=int, default=16, help="P: prompts (groups) per round")
+    ap.add_argument("--group-size", type=int, default=8, help="G: samples per prompt")
+    ap.add_argument("--batch-groups", type=int, default=2,
+                    help="U: groups per optimizer step for the presets that have the knob (RolloutPipe: K=8, B=16)")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the preset list (alternating)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    ap.add_argument("--port", type=int, default=29700)
+    ap.add_argument("--out", default="", help="keep the run directories here (default: a temporary directory)")
+    ap.add_argument("extra", nargs="*", help="more overrides for every run, after --, e.g. -- --train.ppo_epochs=2")
+    args = ap.parse_args(argv)
+    runs = variants(args)
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_policies_"))
+    print(f"{len(runs)} variants x {args.repeats} repeats, {args.rounds} rounds of {args.prompts} prompts x "
+          f"{args.group_size} samples, 2 rollout + 2 train ranks; runs in {out}", flush=True)
+    for rep in range(args.repeats):
+        order = runs if rep % 2 == 0 else runs[::-1]
+        for i, run in enumerate(order):
+            measure(run, out / f"{run.name}-{rep}", args, args.port + 10 * (rep * len(runs) + i) % 2000)
+    base = runs[0].median(runs[0].makespans)
+    print(f"\n{'preset':<24} {'loop s':>8} {'process s':>10} {'samples/s':>10} {'trainer wait':>13} {'load':>6}"
+          f" {'vs sync':>8}")
+    for r in runs:
+        ms = r.median(r.makespans)
+        load = statistics.mean(a for pair in r.loads for a in pair)
+        print(f"{r.name:<24} {ms:8.2f} {r.median(r.walls):10.1f} {r.median(r.samples) / ms:10.1f} "
+              f"{r.median(r.waits):13.2f} {load:6.2f} {base / ms:7.2f}x")
+    print(json.dumps({r.name: {"loop_s": r.makespans, "samples": r.samples, "trainer_wait": r.waits,
+                               "load": r.loads} for r in runs}))
+    print("speedup vs sync: " + ", ".join(f"{r.name} {base / r.median(r.makespans):.2f}x" for r in runs[1:]))
+
+
+if __name__ == "__main__":
+    main()

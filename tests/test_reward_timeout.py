@@ -1,0 +1,98 @@
+"""RollPacker §4.3: the adaptive reward timeout (sched/reward_timeout.py), the asynchronous scorer that applies it
+at runtime (runtime/reward_scorer.py) and the simulator's reward path that applies it on the virtual clock."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rl.rewards import RewardResult
+from runtime.reward_scorer import AsyncRewardScorer
+from sched.reward_timeout import AdaptiveTimeout
+
+
+def test_unseen_cases_fall_back_to_a_running_quantile_of_all_cases():
+    t = AdaptiveTimeout(AdaptiveTimeout.Params(scale=1.5, min_s=0.1, max_s=30.0, fallback_quantile=0.5, min_obs=4,
+                                               window=4))
+    for i, x in enumerate([1.0, 2.0, 3.0]):
+        t.observe(i, x, correct=True)
+    assert t.timeout_s("new") == 30.0                 # too few observations: the paper's cap
+    t.observe(3, 4.0, correct=True)
+    t.observe(4, 99.0, correct=False)                 # wrong answers never count
+    assert t.timeout_s("new") == pytest.approx(1.5 * 2.0)   # median of 1..4 (nearest rank) x scale
+    assert t.timeout_s(0) == pytest.approx(1.5)       # a solved case keeps its own anchor
+    for i in range(4):
+        t.observe(10 + i, 8.0, correct=True)          # the window slides: the old fast runs leave it
+    assert t.timeout_s("new") == pytest.approx(12.0)
+    u = AdaptiveTimeout(t.p)
+    u.load_state_dict(t.state_dict())
+    assert u.timeout_s("new") == t.timeout_s("new") and u.timeout_s(0) == t.timeout_s(0)
+    assert AdaptiveTimeout().timeout_s("new") == 30.0  # fallback off by default (the paper's rule)
+    for bad in [dict(fallback_quantile=0.0), dict(fallback_quantile=1.5), dict(min_obs=0),
+                dict(min_obs=10, window=5)]:
+        with pytest.raises(ValueError):
+            AdaptiveTimeout.Params(**bad)
+
+
+def slow_reward(delays: dict[str, float], release: threading.Event | None = None):
+    def fn(text: str, answer: str) -> RewardResult:
+        if release is not None and text == "hang":
+            release.wait(5)
+        time.sleep(delays.get(text, 0.0))
+        return RewardResult(float(text == answer), text == answer)
+    return fn
+
+
+def test_scorer_runs_beside_the_caller_and_returns_each_sample_once():
+    scorer = AsyncRewardScorer(slow_reward({"a": 0.05, "b": 0.05}), workers=2)
+    t0 = time.monotonic()
+    scorer.submit(0, "tc0", "a", "a")
+    scorer.submit(1, "tc1", "b", "a")
+    assert time.monotonic() - t0 < 0.04               # submit never waits for the verifier
+    out = scorer.drain()
+    assert sorted(k for k, _, _ in out) == [0, 1] and len(scorer) == 0 and scorer.poll() == []
+    got = {k: r for k, r, _ in out}
+    assert got[0].correct and got[0].reward == 1.0 and not got[1].correct
+    assert scorer.timeout.anchor == {"tc0": pytest.approx(0.05, abs=0.04)}   # only the correct run anchors
+    scorer.close()
+
+
+def test_scorer_kills_a_call_past_its_case_timeout_with_a_zero_reward():
+    release = threading.Event()
+    timeout = AdaptiveTimeout(AdaptiveTimeout.Params(scale=2.0, min_s=0.05, max_s=5.0))
+    scorer = AsyncRewardScorer(slow_reward({"ok": 0.01}, release), workers=2, timeout=timeout)
+    scorer.submit("warm", "tc", "ok", "ok")
+    scorer.drain()
+    assert timeout.timeout_s("tc") == pytest.approx(0.05, abs=0.04)   # learned: ~2 x 10 ms, floored at 50 ms
+    scorer.submit("slow", "tc", "hang", "hang")       # would be correct, but far slower than the case allows
+    t0 = time.monotonic()
+    (key, result, took), = scorer.drain()
+    release.set()
+    assert key == "slow" and result.reward == 0.0 and not result.correct and not result.failed
+    assert "adaptive timeout" in result.reason and scorer.timed_out == 1
+    assert time.monotonic() - t0 < 1.0                # not the 5 s the verifier would have taken
+    assert timeout.timeout_s("tc") < 0.2              # a killed run never raises the anchor
+    scorer.close()
+
+
+def test_scorer_turns_a_crashing_verifier_into_a_failed_score():
+    def boom(text, answer):
+        raise ZeroDivisionError("bad verifier")
+    scorer = AsyncRewardScorer(boom, workers=1)
+    scorer.submit(7, "tc", "x", "y")
+    (key, result, _), = scorer.drain()
+    assert key == 7 and result.failed and "ZeroDivisionError" in result.reason
+    scorer.close()
+
+
+def test_simulated_reward_path_applies_the_adaptive_timeout():
+    """RollPacker's multi-task reward latency (5% of code runs hit the fixed 30 s sandbox limit): with the adaptive
+    timeout, those runs are cut at 1.5 x their case's slowest correct run, scored 0, and the steps get shorter."""
+    from sim.run import simulate
+    kw = dict(preset="rollpacker", workload="rollpacker_7b_8k", cost="h800_7b", num_engines=4, train_gpus=4,
+              steps=6, group_size=8, prompts_per_step=16, seed=0)
+    fixed = simulate(**kw)
+    adaptive = simulate(**kw, reward_timeout=AdaptiveTimeout())
+    assert fixed.metrics["reward_killed"] == 0 and adaptive.metrics["reward_killed"] > 0
+    assert adaptive.metrics["makespan_s"] < fixed.metrics["makespan_s"]

@@ -1,0 +1,213 @@
+"""StaleFlow's mechanisms (routing Alg. 2-3 with the Eq. 2-4 cost model, sync Alg. 4, migration Alg. 5, Consume)
+and the strict-staleness (AReaL-style) baseline: decisions on hand-built snapshots, then whole runs on the
+simulator under random response lengths with the staleness bound checked on what the trainer received."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sched
+from rl.types import Trajectory
+from sched.controller import Controller, PromptItem
+from sched.events import EventLog
+from sched.staleflow_cost import CostModel, InstanceSnap
+from sched.staleflow_migrate import StaleFlowMigration
+from sched.staleflow_route import marginal_plan
+from sched.staleflow_route_vanilla import fewest_plan
+from sched.staleflow_state import Item, Shared, snapshots
+from sched.staleness import StalenessBuffers
+from sched.views import EngineView, GroupState, Request, Views
+from sim.backend import SimBackend
+from sim.cost import CostModel as SimCost
+from sim.cost import RewardLatency
+from sim.tokens import RunList
+from sim.workload import TraceWorkload
+
+
+def item(rid: int, gid: int, prompt_len: int = 100, v_traj: int = -1, versions: list[int] | None = None,
+         prio: float | None = None) -> Item:
+    r = Request(rid, gid, 0, gid, 0, prompt_len, v_traj=v_traj)
+    if versions:
+        r.partial = Trajectory(gid, 0, [1] * prompt_len, [5] * len(versions), [-1.0] * len(versions), versions,
+                               "interrupted")
+    need = max(versions) if versions else max(v_traj, 0)
+    return Item(r, prio if prio is not None else (v_traj if v_traj >= 0 else float("inf")),
+                prompt_len + len(versions or []), need)
+
+
+# ---- cost model (Eq. 2-4) --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("length,expected", [(100, 78), (200, 74), (500, 64), (1000, 53), (2000, 39)])
+def test_mu_threshold_admits_the_extractions_count_on_an_empty_instance(length, expected):
+    """seeds_staleflow.md §1.8 sanity check: Table 4, mu = 0.3, one empty instance."""
+    sb = StalenessBuffers(eta=0, batch=1000)
+    snaps = {0: InstanceSnap(0, 0, 0)}
+    routes = marginal_plan(snaps, [item(i, i, length) for i in range(500)], sb, CostModel(), 0.3)
+    assert len(routes) == expected
+    assert sb.live() == expected                        # each routed group reserved
+
+
+def test_marginal_gain_is_zero_when_the_trajectory_would_queue():
+    cm = CostModel()
+    s = InstanceSnap(0, 0, running=10, kv=900.0, budget=1000.0)
+    assert cm.marginal_gain(s, 50) > 0 and cm.marginal_gain(s, 200) == 0.0
+    assert cm.marginal_gain(InstanceSnap(0, 0, 10, waiting=1), 1) == 0.0
+    assert cm.ideal_gain(100) == pytest.approx(1 / (7.28e-8 * 100 + 1.72e-3 + 1.07e-2))
+
+
+# ---- routing (Alg. 2-3) ----------------------------------------------------------------------------------------
+def test_routing_serves_the_stalest_first_on_the_oldest_instance_that_gains_enough():
+    sb = StalenessBuffers(eta=1, batch=8, v_next=1)
+    sb.reserve(50, 0)                                   # group 50: reserved at version 0 (buffer 1)
+    snaps = {0: InstanceSnap(0, 1, 0), 1: InstanceSnap(1, 0, 0), 2: InstanceSnap(2, 1, 0, loading=True)}
+    items = [item(3, 60), item(1, 51, v_traj=0, versions=[0, 1]), item(0, 52, v_traj=0, versions=[0]),
+             item(2, 50, prio=0)]
+    items.sort(key=lambda it: (it.prio, it.req.req_id))
+    routes = marginal_plan(snaps, items, sb, CostModel(), 0.3)
+    got = {it.req.req_id: eng for eng, it in routes}
+    assert [it.req.req_id for _, it in routes] == [0, 1, 2, 3]   # MLQ: V_traj 0 queue, then new groups
+    assert got[0] == 1            # waterfall: the version-0 instance first
+    assert got[1] == 0            # its newest token is version 1: only the version-1 instance
+    assert got[2] == 1            # a member of reserved group 50 at version 0 (0 + 1 >= its buffer 1)
+    assert got[3] in (0, 1) and 2 not in got.values()   # never to an instance mid-Pull
+    assert sb.entry(60) is not None and sb.entry(50).v == 0
+
+
+def test_routing_withholds_when_no_instance_gains_enough_and_blocks_what_follows():
+    sb = StalenessBuffers(eta=2, batch=64)
+    busy = {0: InstanceSnap(0, 0, running=200, kv=2e6)}
+    assert marginal_plan(busy, [item(i, i) for i in range(3)], sb, CostModel(), 0.3) == []
+    assert sb.live() == 0
+    # vanilla routing ignores gains: fewest trajectories, until the staleness manager says no
+    snaps = {0: InstanceSnap(0, 0, running=5), 1: InstanceSnap(1, 0, running=1)}
+    sb = StalenessBuffers(eta=0, batch=3)
+    routes = fewest_plan(snaps, [item(i, i) for i in range(5)], sb)
+    assert [e for e, _ in routes] == [1, 1, 1] and sb.live() == 3     # 3 slots for version 0 with eta 0
+
+
+# ---- snapshots (Eq. 1) -----------------------------------------------------------------------------------------
+def test_an_engine_report_is_used_only_when_it_agrees_with_the_issued_commands():
+    v = Views(params=dict(group_size=1, prompts_per_step=2))
+    v.engines = [EngineView(0, version=0, running=2, kv_used=100, kv_free=900, assigned=2),
+                 EngineView(1, version=0, running=1, kv_used=50, kv_free=950, assigned=2)]
+    for rid, eng in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        v.requests[rid] = Request(rid, rid, 0, rid, 0, 10, state="running", engine=eng, tokens=5)
+    st_ = Shared(StalenessBuffers(1, 2), held={0, 1, 2, 3})
+    snaps = snapshots(v, st_, block_size=16, budget=float("inf"))
+    assert snaps[0].kv == 1600.0 and snaps[0].budget == 16000.0          # valid: the engine's own numbers
+    assert snaps[1].running == 2 and snaps[1].kv == 30.0                 # stale report: P's estimate
+    v.requests[3].state = "finished"
+    assert snapshots(v, st_, 16, float("inf"))[1].held == (2,) and 3 not in st_.held
+
+
+# ---- migration (Alg. 5) ----------------------------------------------------------------------------------------
+def test_migration_trims_long_wait_queues_and_drains_the_fastest_instance_on_imbalance():
+    v = Views(params=dict(group_size=1, prompts_per_step=4))
+    v.engines = [EngineView(0, version=0, running=6, waiting=0, kv_used=10, kv_free=10**6, assigned=6),
+                 EngineView(1, version=0, running=1, waiting=0, kv_used=10, kv_free=10**6, assigned=1),
+                 EngineView(2, version=0, running=1, waiting=5, kv_used=10, kv_free=10**6, assigned=6),
+                 EngineView(3, version=0)]                               # idle: left out of the ratio
+    rid = 0
+    for eng, n in ((0, 6), (1, 1), (2, 6)):
+        for _ in range(n):
+            v.requests[rid] = Request(rid, rid, 0, rid, 0, 10, state="running", engine=eng)
+            rid += 1
+    m = StaleFlowMigration(StaleFlowMigration.Params(eta=1, period_s=0))
+    v.shared["staleflow"] = Shared(StalenessBuffers(1, 4), held=set(range(rid)))
+    out = {c.engine: c.req_ids for c in m.plan(v)}
+    assert out[2] == [11, 12]                         # 5 waiting > phi_wait 3: the 2 latest
+    assert out[0] == [0, 1, 2, 3, 4, 5]               # T(6) / T(1) > 5: everything on the fastest
+    assert 1 not in out and 3 not in out
+
+
+# ---- whole runs on the simulator --------------------------------------------------------------------------------
+def sim_cost() -> SimCost:
+    return SimCost(name="test", k1=1e-6, k2=1e-3, k3=1e-4, k4=1e-3, prefill_s_per_token=1e-5,
+                   kv_capacity_tokens=16 * 200, train_s_per_token=1e-5, publish_s=0.05, load_s=0.01,
+                   reward=RewardLatency(((1.0, 1e-3, 0.5, 1.0, 0.0),)), block_size=16, max_num_seqs=64)
+
+
+def run(preset: str, eta: int, engines: int, seed: int, steps: int = 6, G: int = 4, B: int = 3):
+    rng = random.Random(seed)
+    rows = tuple((16, tuple(rng.choice([3, 8, 20, 60, 250]) for _ in range(G))) for _ in range(16))
+    backend = SimBackend(sim_cost(), TraceWorkload("t", rows), engines, 1, seed=seed, counters_every_s=0.02)
+    counter = iter(range(10**6))
+    source = lambda n: [PromptItem(i % 16, RunList.of(1, 16), None) for i in (next(counter) for _ in range(n))]
+    tables = sched.preset_tables(preset)
+    over = {k: {"eta": eta, **({"period_s": 0.0} if "period_s" in t else {})} for k, t in tables.items() if "eta" in t}
+    p = sched.load_preset(preset, over)
+    trained: list = []
+    train = backend.train
+
+    def record(call, groups):
+        trained.append((ctl.v.trainer.version, groups, {r.group_id * 100 + r.sample_index: r.v_traj
+                                                        for r in ctl.v.requests.values()}))
+        train(call, groups)
+    backend.train = record
+    log = EventLog()
+    ctl = Controller(p, source, group_size=G, prompts_per_step=B, total_steps=steps, log=log)
+    ctl.run(backend)
+    return ctl, log.events, trained
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(preset=st.sampled_from(["staleflow", "staleflow_vanilla", "areal"]), eta=st.integers(0, 3),
+       engines=st.integers(1, 3), seed=st.integers(0, 10**6))
+def test_random_schedules_never_train_a_trajectory_staler_than_eta(preset, eta, engines, seed):
+    ctl, events, trained = run(preset, eta, engines, seed)
+    assert ctl.v.trainer.steps_done == 6
+    seen = set()
+    for version, groups, v_traj in trained:
+        assert len(groups) == 3
+        for g in groups:
+            assert sorted(t.sample_index for t in g.trajectories) == [0, 1, 2, 3]
+            for t in g.trajectories:
+                assert (g.group_id, t.sample_index) not in seen
+                seen.add((g.group_id, t.sample_index))
+                assert 0 <= version - min(t.versions) <= eta                 # the controller's bound
+                assert list(t.versions) == sorted(t.versions)                # tokens never go back in version
+                vt = v_traj[g.group_id * 100 + t.sample_index]
+                assert vt <= min(t.versions) and version - vt <= eta          # V_buf - V_traj <= eta (§4.2)
+    # a resumed trajectory carries every token of its parts
+    for e in events:
+        if e.kind == "trajectory_interrupted":
+            assert len(e.payload.response_ids) == len(e.payload.versions) == e.data["tokens"]
+
+
+def test_staleflow_interrupts_and_resumes_and_reaches_the_bound():
+    ctl, events, trained = run("staleflow", 2, 3, seed=1, steps=8)
+    assert any(e.kind == "trajectory_interrupted" for e in events)
+    stale = [version - min(t.versions) for version, groups, _ in trained for g in groups for t in g.trajectories]
+    assert max(stale) == 2
+    full = {(g.group_id, t.sample_index): len(t.response_ids) for _, groups, _ in trained for g in groups
+            for t in g.trajectories}
+    for e in events:   # every interrupted-then-trained trajectory finished with its full workload length
+        if e.kind == "trajectory_interrupted" and (e.group_id, e.payload.sample_index) in full:
+            assert full[(e.group_id, e.payload.sample_index)] >= e.data["tokens"]
+
+
+def test_mismatched_eta_between_staleflow_tables_is_rejected():
+    p = sched.load_preset("staleflow", {"handoff": {"eta": 1}})
+    ctl = Controller(p, lambda n: [PromptItem(i, [1, 2], None) for i in range(n)], 2, 2, 1)
+    ctl.v.engines = [EngineView(0)]
+    with pytest.raises(ValueError, match="disagree on eta"):
+        ctl.decide(SimBackend(sim_cost(), TraceWorkload("t", ((2, (3, 3)),)), 1, 1))
+    assert min(b for q in p.policies().values() if (b := q.staleness_bound()) is not None) == 1
+
+
+def test_areal_hand_off_waits_rather_than_strand_an_old_group():
+    v = Views(params=dict(group_size=1, prompts_per_step=2))
+    v.trainer.version = 2
+    for gid, (ver, done) in enumerate([(0, False), (1, True), (1, True), (2, True)]):
+        g = v.groups[gid] = GroupState(gid, gid, 0, 1, req_ids=[gid])
+        v.requests[gid] = Request(gid, gid, 0, gid, 0, 4, state="finished" if done else "running", v_traj=ver)
+        if done:
+            g.scored, g.materialized_seq = 1, gid
+            g.trajectories = [Trajectory(gid, 0, [1], [2], [-1.0], [ver], "stop")]
+    h = sched.REGISTRY["handoff"]["areal"](sched.REGISTRY["handoff"]["areal"].Params(eta=2))
+    assert h.ready(v) is None                     # group 0 (version 0) is due now and not finished
+    v.groups[0].scored, v.groups[0].materialized_seq = 1, 9
+    v.groups[0].trajectories = [Trajectory(0, 0, [1], [2], [-1.0], [0], "stop")]
+    assert h.ready(v) == [0, 1]                   # oldest first
