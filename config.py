@@ -83,6 +83,14 @@ class RewardConfig:
     kind: str = F("synthetic", choices=("synthetic", "math", "exact"), help="task checker | math-verify | exact")
     timeout_s: float = F(5.0, gt=0, help="verifier time limit per response; a timeout scores 0")
     format_weight: float = F(0.0, ge=0, help="partial credit for a well-formed but wrong answer")
+    async_workers: int = F(0, ge=0, help="threads scoring finished samples while the engine decodes (RollPacker "
+                           "§4.3), each call under an adaptive per-prompt timeout capped at timeout_s; 0 = inline")
+    timeout_scale: float = F(1.5, ge=1, help="async scoring: a prompt's timeout = scale x its slowest correct run")
+    timeout_min_s: float = F(2.0, gt=0, help="async scoring: floor of the adaptive timeout (<= timeout_s)")
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        if self.async_workers and self.timeout_min_s > self.timeout_s:
+            yield "timeout_min_s", f"must be <= reward.timeout_s = {self.timeout_s:g} (the adaptive timeout's cap)"
 
 
 @dataclass

@@ -4,10 +4,16 @@
 worker hands each finished response to `submit` and goes back to decoding; `poll` returns the scores that are in,
 without blocking. Each call runs in a small thread pool under the timeout its test case has earned so far
 (`sched.reward_timeout.AdaptiveTimeout`: scale x the slowest correct run of that case, between min_s and max_s);
-a call still running at its deadline is scored 0 and not correct ("terminated early and a zero reward is
-assigned"), and its run time feeds the anchor only when it finished correct. A verifier that blocks in a thread
-cannot be killed from Python, so the reward function's own hard limit (e.g. the math verifier pool's
-`reward.timeout_s`, = max_s) bounds the abandoned call; the scorer just stops waiting for it.
+a call still running at its deadline is scored 0, not correct and `failed` ("terminated early and a zero reward
+is assigned"; counted like every other verifier failure), and its run time feeds the anchor only when it finished
+correct. A verifier that raises scores 0 with `failed` set; one that returns a malformed result
+(`rl.rewards.RewardError`) is a bug and is re-raised from `poll`, stopping the run as the inline path does.
+A verifier that blocks in a thread cannot be killed from Python, so the reward function's own hard limit (e.g.
+the math verifier pool's `reward.timeout_s`, = max_s) bounds the abandoned call; the scorer just stops waiting
+for it (`close` cancels the calls not started yet and never waits for running ones).
+
+The runtime uses it in `runtime.rollout_worker.RolloutWorker` when `reward.async_workers > 0` (max_s =
+`reward.timeout_s`, scale and min_s from `reward.timeout_scale` / `reward.timeout_min_s`, keyed by prompt).
 
 Invariant kept: every submitted sample comes back from `poll` exactly once (scored, timed out, or failed).
 """
@@ -18,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from rl.rewards import RewardResult
+from rl.rewards import RewardError, RewardResult
 from sched.reward_timeout import AdaptiveTimeout
 
 
@@ -63,6 +69,8 @@ class AsyncRewardScorer:
             if job.future.done():
                 try:
                     result, took = job.future.result()
+                except RewardError:  # a malformed result is a bug to fix: stop, as the inline path does
+                    raise
                 except Exception as e:  # the reward function's own bug: counted as a failed score, never fatal
                     out.append((job.key, RewardResult(0.0, False, True, f"scorer raised {type(e).__name__}: {e}"),
                                 0.0))
@@ -82,7 +90,7 @@ class AsyncRewardScorer:
 
     def _killed(self, job: _Job) -> RewardResult:
         self.timed_out += 1
-        return RewardResult(0.0, False, False, f"terminated at the adaptive timeout {job.timeout_s:.3g}s")
+        return RewardResult(0.0, False, True, f"terminated at the adaptive timeout {job.timeout_s:.3g}s")
 
     def drain(self, poll_s: float = 0.005) -> list[tuple[Any, RewardResult, float]]:
         """Wait for every submitted sample (each bounded by its timeout) and return them all."""
