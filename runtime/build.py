@@ -15,7 +15,9 @@ from model.tokenizer import load_tokenizer
 from rl.data import PromptDataset, PromptSampler
 from rl.rewards import RewardResult, get_reward_fn
 from rl.tasks import LengthDist, SyntheticTask
+from runtime.reward_scorer import AsyncRewardScorer
 from sched.controller import PromptItem
+from sched.reward_timeout import AdaptiveTimeout
 
 
 class PromptSource:
@@ -48,6 +50,16 @@ class RunParts:
 def reward_fn(cfg: Any) -> Callable[[str, str], RewardResult]:
     kind = cfg.reward.kind
     return get_reward_fn(kind, timeout_s=cfg.reward.timeout_s) if kind == "math" else get_reward_fn(kind)
+
+
+def reward_scorer(cfg: Any, fn: Callable[[str, str], RewardResult]) -> AsyncRewardScorer | None:
+    """RollPacker §4.3's asynchronous scorer for a rollout rank (`reward.async_workers` threads, per-prompt adaptive
+    timeout between `reward.timeout_min_s` and `reward.timeout_s`), or None: score inline (async_workers = 0)."""
+    r = cfg.reward
+    if not r.async_workers:
+        return None
+    params = AdaptiveTimeout.Params(scale=r.timeout_scale, min_s=r.timeout_min_s, max_s=r.timeout_s)
+    return AsyncRewardScorer(fn, workers=r.async_workers, timeout=AdaptiveTimeout(params))
 
 
 def build_run(cfg: Any, with_data: bool) -> RunParts:

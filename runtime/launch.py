@@ -15,7 +15,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from runtime.backend import RuntimeBackend
-from runtime.build import RunParts, model_dtype
+from runtime.build import RunParts, model_dtype, reward_scorer
 from runtime.channel import WORKER, Channel
 from runtime.logger import MetricsLogger
 from runtime.rollout_worker import RolloutWorker, SamplingConfig
@@ -54,7 +54,7 @@ def worker_args(cfg: Any, parts: RunParts, engine: LLMEngine, topo: Topology, ch
     return (engine, channel, topo.engine_of(topo.rank), topo.rank, parts.reward_fn,
             response_decoder(parts.tokenizer, engine.eos_ids), receiver,
             SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed), t0, cfg.cluster.timeout_s,
-            cfg.cluster.verify_weights)
+            cfg.cluster.verify_weights, reward_scorer(cfg, parts.reward_fn))
 
 
 def run_follower(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology) -> None:

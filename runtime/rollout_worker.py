@@ -10,8 +10,20 @@
     ("abort", req_ids, requeue)  stop requests; report them aborted (requeued or dropped)
     ("stop",)                    leave the loop
 
-Between messages the engine steps. Finished samples are scored right here (the reward function runs beside the
-engine, as in the papers' disaggregated setups) and sent back as events, batched one message per engine step.
+Between messages the engine steps. Finished samples are scored beside the engine (as in the papers' disaggregated
+setups) and sent back as events, batched one message per engine step:
+
+- inline (`reward.async_workers = 0`, the default): each finished sample is scored in `step` before the next
+  engine step; its `trajectory_finished` and `reward_scored` go out together.
+- asynchronous (RollPacker §4.3, `reward.async_workers > 0`): `trajectory_finished` goes out at once, the sample
+  goes to a `runtime.reward_scorer.AsyncRewardScorer` (a thread pool under an adaptive per-prompt timeout capped at
+  `reward.timeout_s`) and decoding goes on; each score becomes a `reward_scored` event (same data and payload as
+  inline) at the first engine step, or the first poll of an idle loop, after it is in. While scores are pending
+  the loop polls the control channel instead of blocking on it. A verifier that raises, or runs past its timeout,
+  scores 0 with `failed` set. `engine_idle` still means "nothing decoding": pending scores keep no engine busy.
+  A request already finished is no longer in the engine, so an abort or interrupt of it does nothing here (no
+  event): its one `reward_scored` still comes, and the controller discards it if it dropped the request
+  (sched/aborts.py). At "stop" the scores already in are sent and the rest are cancelled (the controller is done).
 """
 from __future__ import annotations
 
@@ -27,7 +39,8 @@ from engine.sequence import Request as EngineRequest
 from engine.sequence import UnfinishedRequest
 from rl.rewards import RewardResult
 from rl.types import Trajectory
-from runtime.channel import WORKER, Channel
+from runtime.channel import WORKER, Channel, ChannelTimeout
+from runtime.reward_scorer import AsyncRewardScorer
 from runtime.watchdog import maybe_kill, maybe_stall
 from sched.events import Event
 from trainer.publish import WeightReceiver, checksum
@@ -56,7 +69,7 @@ class RolloutWorker:
     def __init__(self, engine: LLMEngine, channel: Channel, engine_index: int, rank: int,
                  reward_fn: Callable[[str, str], RewardResult], decode: Callable[[list[int]], str],
                  receiver: WeightReceiver | None, sampling: SamplingConfig, t0: float, timeout_s: float,
-                 verify_weights: bool = False):
+                 verify_weights: bool = False, scorer: AsyncRewardScorer | None = None):
         self.engine, self.channel, self.engine_index, self.rank = engine, channel, engine_index, rank
         self.reward_fn, self.decode, self.receiver, self.sampling = reward_fn, decode, receiver, sampling
         self.t0, self.timeout_s = t0, timeout_s
@@ -65,6 +78,9 @@ class RolloutWorker:
         self.relay_version = -1
         self.relay_sums: dict[str, tuple[float, int]] = {}
         self.verify_weights = verify_weights
+        self.scorer = scorer                                   # None: score inline in `step`
+        self.scoring: dict[int, tuple[int, int, Trajectory]] = {}   # scorer key -> (req_id, version, trajectory)
+        self.next_key = 0
         self.outbox: list[Event] = []
         self.busy = False
         self.steps = 0
@@ -203,14 +219,16 @@ class RolloutWorker:
                            data={"requeue": False, "error": "non-finite logits", "tokens": len(out.token_ids)})
                 continue
             traj = out.to_trajectory()
-            result = self.reward_fn(self.decode(out.token_ids), answer or "")
-            traj.reward, traj.correct = result.reward, result.correct
-            traj.meta["reward_failed"] = result.failed
+            text = self.decode(out.token_ids)
             self.event("trajectory_finished", req_id=req_id, group_id=out.group_id, version=out.version,
                        data={"tokens": len(out.token_ids), "finish_reason": out.finish_reason})
-            self.event("reward_scored", req_id=req_id, group_id=out.group_id, version=out.version,
-                       data={"reward": result.reward, "correct": result.correct, "failed": result.failed},
-                       payload=traj)
+            if self.scorer is None:
+                self._scored(req_id, out.version, traj, self.reward_fn(text, answer or ""))
+            else:   # RollPacker §4.3: scored beside decoding, keyed by prompt (one test case per prompt)
+                self.scoring[self.next_key] = (req_id, out.version, traj)
+                self.scorer.submit(self.next_key, traj.prompt_index, text, answer or "")
+                self.next_key += 1
+        scored = self.collect_scores()
         if self.steps % self.sampling.counters_every == 0:
             snap = self.engine.snapshot()
             self.event("tokens_decoded", version=snap.version,
@@ -218,20 +236,59 @@ class RolloutWorker:
                              "waiting": len(snap.waiting), "kv_used": snap.kv_blocks_used,
                              "kv_free": snap.kv_blocks_free})
         self._maybe_idle()
-        if finished or not self.busy:
+        if finished or scored or not self.busy:
             self.flush()
 
+    def _scored(self, req_id: int, version: int, traj: Trajectory, result: RewardResult) -> None:
+        traj.reward, traj.correct = result.reward, result.correct
+        traj.meta["reward_failed"] = result.failed
+        self.event("reward_scored", req_id=req_id, group_id=traj.group_id, version=version,
+                   data={"reward": result.reward, "correct": result.correct, "failed": result.failed},
+                   payload=traj)
+
+    def collect_scores(self) -> int:
+        """reward_scored events for the asynchronous scores that are in (never blocks); how many."""
+        if self.scorer is None or not self.scoring:
+            return 0
+        done = self.scorer.poll()
+        for key, result, _ in done:
+            req_id, version, traj = self.scoring.pop(key)
+            self._scored(req_id, version, traj, result)
+        return len(done)
+
+    def close(self) -> None:
+        """Send the scores already in; cancel the rest (never waits for a running verifier call)."""
+        if self.scorer is not None:
+            self.collect_scores()
+            self.scorer.close()
+            self.scoring.clear()
+        self.flush()
+
+    SCORE_POLL_S = 0.005  # how long an idle loop waits for a message between looks at pending scores
+
     def run(self) -> None:
-        while True:
-            msgs = self.channel.poll(WORKER)
-            if not msgs and not self.engine.has_unfinished():
-                self.flush()
-                msgs = [self.channel.get(timeout=self.timeout_s, waiting_for="work from the controller (rank 0)",
-                                         port=WORKER)]
-            for _, msg in msgs:
-                if not self.handle(msg):
+        try:
+            while True:
+                msgs = self.channel.poll(WORKER)
+                if not msgs and not self.engine.has_unfinished():
+                    if self.scoring:  # scores pending: send those in, then wait briefly (never block on the channel)
+                        self.collect_scores()
+                        self.flush()
+                        try:
+                            msgs = [self.channel.get(timeout=self.SCORE_POLL_S, port=WORKER)]
+                        except ChannelTimeout:
+                            continue
+                    else:
+                        self.flush()
+                        msgs = [self.channel.get(timeout=self.timeout_s, port=WORKER,
+                                                 waiting_for="work from the controller (rank 0)")]
+                for _, msg in msgs:
+                    if not self.handle(msg):
+                        self.close()
+                        return
                     self.flush()
-                    return
-                self.flush()
-            if self.engine.has_unfinished():
-                self.step()
+                if self.engine.has_unfinished():
+                    self.step()
+        finally:
+            if self.scorer is not None:
+                self.scorer.close()

@@ -67,9 +67,14 @@ class CostModel:
         return replace(s, waiting=s.waiting + 1)
 
     def marginal_gain(self, s: InstanceSnap, length: int) -> float:
-        if not self.fits(s, length):
+        """throughput(after_route(s, length)) - throughput(s), the same arithmetic without building S'."""
+        p = self.p
+        kv = s.kv + p.k5 * length
+        if s.waiting != 0 or kv > s.budget:
             return 0.0
-        return self.throughput(self.after_route(s, length)) - self.throughput(s)
+        n = s.running
+        after = (n + 1) / (p.k1 * kv + max(p.k2, p.k3 * (n + 1)) + p.k4)
+        return after - (n / (p.k1 * s.kv + max(p.k2, p.k3 * n) + p.k4) if n > 0 else 0.0)
 
     def ideal_gain(self, length: int) -> float:
         p = self.p

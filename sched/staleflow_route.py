@@ -34,21 +34,33 @@ def marginal_plan(snaps: dict[int, InstanceSnap], items: list[Item], buffers: St
     snaps = dict(snaps)
     out: list[tuple[int, Item]] = []
     for it in items:
-        cands = [s for s in snaps.values() if routable(buffers, it, s)]
-        if not cands:
+        # Alg. 2 per instance; its answer depends only on the instance's version (and loading), so ask the
+        # staleness manager once per distinct version: candidates grouped by version.
+        by_ver: dict[int, list[InstanceSnap]] = {}
+        ok: dict[int, bool] = {}
+        for s in snaps.values():
+            if s.version < 0 or s.loading:
+                continue
+            a = ok.get(s.version)
+            if a is None:
+                a = ok[s.version] = buffers.admits(it.req.group_id, s.version) if it.initial \
+                    else s.version >= it.need
+            if a:
+                by_ver.setdefault(s.version, []).append(s)
+        if not by_ver:
             break                                   # head-of-line: lower queues wait for this one
-        floor = mu * cost.ideal_gain(it.length)
+        L = it.length
+        floor = mu * cost.ideal_gain(L)
         chosen = None
-        for ver in sorted({s.version for s in cands}):
-            best = max((s for s in cands if s.version == ver),
-                       key=lambda s: (cost.marginal_gain(s, it.length), -s.engine))
-            if cost.marginal_gain(best, it.length) >= floor and cost.fits(best, it.length):
+        for ver in sorted(by_ver):
+            gain, _, best = max((cost.marginal_gain(s, L), -s.engine, s) for s in by_ver[ver])
+            if gain >= floor and cost.fits(best, L):
                 chosen = best
                 break
         if chosen is None:
             break                                   # withheld: no instance gains enough now
         commit(buffers, it, chosen.version)
-        snaps[chosen.engine] = cost.after_route(chosen, it.length)
+        snaps[chosen.engine] = cost.after_route(chosen, L)
         out.append((chosen.engine, it))
         if until is not None and chosen.engine == until:
             break

@@ -37,7 +37,7 @@ KEY = "staleflow"
 HELD = ("running", "interrupting")
 
 
-@dataclass
+@dataclass(slots=True)
 class Item:
     """A TS trajectory as routing sees it."""
     req: Request
@@ -106,52 +106,81 @@ def fold(v: Views, st: Shared) -> None:
             sb.complete(key)
 
 
-def held_by_engine(v: Views, st: Shared) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {e.engine: [] for e in v.engines}
-    for rid in sorted(st.held):
-        r = v.requests.get(rid)
-        if r is None or r.state not in HELD or r.engine < 0:
-            st.held.discard(rid)
-            continue
-        out[r.engine].append(rid)
+def held_requests(v: Views, st: Shared) -> dict[int, list[Request]]:
+    """Per engine, the requests StaleFlow routed there that are still on it (running or interrupting), in id
+    order; `st.held` is pruned to them. Reads the controller's running/interrupting index: O(requests held), not
+    O(every request ever routed)."""
+    out: dict[int, list[Request]] = {e.engine: [] for e in v.engines}
+    held = st.held
+    keep = []
+    for r in v.requests.in_state(*HELD):
+        if r.engine >= 0 and r.req_id in held:
+            keep.append(r)
+    if len(keep) != len(held):
+        held.intersection_update(r.req_id for r in keep)
+    keep.sort(key=lambda r: r.req_id)
+    for r in keep:
+        out[r.engine].append(r)
     return out
+
+
+def held_by_engine(v: Views, st: Shared) -> dict[int, list[int]]:
+    return {e: [r.req_id for r in rs] for e, rs in held_requests(v, st).items()}
 
 
 def snapshots(v: Views, st: Shared, block_size: int, budget: float) -> dict[int, InstanceSnap]:
     """The coordinator's snapshot of every instance, each engine's reported counters validated by Eq. 1."""
-    held = held_by_engine(v, st)
+    held = held_requests(v, st)
     out = {}
     for e in v.engines:
-        ids = held[e.engine]
-        running = [i for i in ids if v.requests[i].state == "running"]
+        reqs = held[e.engine]
+        running = [r for r in reqs if r.state == "running"]
+        ids = tuple(r.req_id for r in running)
         reported = e.running + e.waiting
         M = (e.kv_used + e.kv_free) * block_size if e.kv_used + e.kv_free > 0 else budget
-        if reported == len(running) and reported == e.assigned and not e.loading and (e.kv_used or not ids):
+        if reported == len(running) and reported == e.assigned and not e.loading and (e.kv_used or not reqs):
             snap = InstanceSnap(e.engine, e.version, e.running, e.waiting, float(e.kv_used * block_size), M,
-                                e.loading, tuple(running))
+                                e.loading, ids)
         else:
-            kv = sum(v.requests[i].prompt_len + v.requests[i].tokens for i in running)
-            snap = InstanceSnap(e.engine, e.version, len(running), 0, float(kv), M, e.loading, tuple(running))
+            kv = sum(r.prompt_len + r.tokens for r in running)
+            snap = InstanceSnap(e.engine, e.version, len(running), 0, float(kv), M, e.loading, ids)
         out[e.engine] = snap
     return out
 
 
 def ts_items(v: Views, st: Shared) -> list[Item]:
     """The TS in MLQ order: by V_traj (partial) or group version (unrouted members of reserved groups), initial
-    trajectories of new groups last; FIFO (request id) within a queue."""
-    sb = st.buffers
-    items = []
-    for r in v.pending():
-        if r.v_traj >= 0:
-            prio: float = r.v_traj
+    trajectories of new groups last; FIFO (request id) within a queue. One pass over the pending index (already in
+    id order), bucketed by priority (a handful of distinct values), the group's entry looked up once per group."""
+    loc, buf = st.buffers.loc, st.buffers.buf
+    gprio: dict[int, float] = {}
+    buckets: dict[float, list[Item]] = {}
+    inf = float("inf")
+    for r in v.requests.iter_pending():
+        vt = r.v_traj
+        if vt >= 0:
+            prio: float = vt
         else:
-            e = sb.entry(r.group_id)
-            prio = e.v if e is not None else float("inf")
+            gid = r.group_id
+            prio = gprio.get(gid)  # type: ignore[assignment]
+            if prio is None:
+                at = loc.get(gid)
+                prio = gprio[gid] = buf[at[0]][at[1]].v if at is not None else inf  # type: ignore[union-attr]
         part = r.partial
-        need = max(part.versions) if part is not None and part.versions else max(r.v_traj, 0)
-        items.append(Item(r, prio, r.prompt_len + r.resumed_tokens, need))
-    items.sort(key=lambda it: (it.prio, it.req.req_id))
-    return items
+        if part is not None:
+            need = max(part.versions) if part.versions else max(vt, 0)
+            length = r.prompt_len + len(part.response_ids)
+        else:
+            need, length = max(vt, 0), r.prompt_len
+        it = Item(r, prio, length, need)
+        b = buckets.get(prio)
+        if b is None:
+            buckets[prio] = [it]
+        else:
+            b.append(it)
+    if len(buckets) == 1:
+        return next(iter(buckets.values()))
+    return [it for p in sorted(buckets) for it in buckets[p]]
 
 
 def routable(buffers: StalenessBuffers, it: Item, s: InstanceSnap) -> bool:
@@ -195,7 +224,9 @@ def ts_intake(v: Views, st: Shared, ts_groups: int) -> int:
     """Prompts to pull: a round of `prompts_per_step` whenever fewer than `ts_groups` groups wait unreserved."""
     B = int(v.params["prompts_per_step"])
     cap = ts_groups or (st.eta + 1) * B
-    waiting = {r.group_id for r in v.pending() if r.v_traj < 0 and st.buffers.entry(r.group_id) is None}
+    loc = st.buffers.loc
+    waiting = {r.group_id for r in v.requests.iter_pending() if r.v_traj < 0}
+    waiting = {g for g in waiting if g not in loc}
     return B if len(waiting) + B <= cap else 0
 
 

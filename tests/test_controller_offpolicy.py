@@ -46,7 +46,8 @@ def started(v) -> bool:
 
 
 class Once(Rebalance):
-    """Issues `make(v, r)` once, for the first long request that is running and has started decoding."""
+    """Issues `make(v, r)` (a decision or a list of them) once, for the first long request that is running once
+    the short ones have finished."""
     name = "once-test"
 
     def __init__(self, make):
@@ -59,7 +60,8 @@ class Once(Rebalance):
         for r in v.requests.values():
             if r.state == "running" and r.sample_index == 0 and started(v):
                 self.fired = True
-                return [self.make(v, r)]
+                cmds = self.make(v, r)
+                return cmds if isinstance(cmds, list) else [cmds]
         return []
 
 
@@ -86,20 +88,7 @@ def test_an_interrupted_request_waits_pending_with_its_partial_and_is_admitted_a
 
 
 def test_dropping_a_request_whose_interrupt_is_in_flight_discards_it_once():
-    class InterruptThenAbort(Rebalance):
-        name = "interrupt-abort-test"
-        fired = False
-
-        def plan(self, v):
-            if self.fired:
-                return []
-            for r in v.requests.values():
-                if r.state == "running" and r.sample_index == 0 and started(v):
-                    self.fired = True
-                    return [Interrupt(r.engine, [r.req_id]), Abort(r.engine, [r.req_id])]
-            return []
-
-    ctl, events, trained = run(InterruptThenAbort())
+    ctl, events, trained = run(Once(lambda v, r: [Interrupt(r.engine, [r.req_id]), Abort(r.engine, [r.req_id])]))
     rid = next(e.req_id for e in events if e.kind == "trajectory_interrupted")
     assert [e.data for e in events if e.kind == "trajectory_aborted" and e.req_id == rid] == \
         [{"requeue": False, "interrupted": True}]

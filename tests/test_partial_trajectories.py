@@ -15,12 +15,7 @@ from trainer import TrainConfig, Trainer
 VOCAB = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(seed: int = 0, std: float = 0.3) -> Transformer:

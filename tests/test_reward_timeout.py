@@ -69,7 +69,7 @@ def test_scorer_kills_a_call_past_its_case_timeout_with_a_zero_reward():
     t0 = time.monotonic()
     (key, result, took), = scorer.drain()
     release.set()
-    assert key == "slow" and result.reward == 0.0 and not result.correct and not result.failed
+    assert key == "slow" and result.reward == 0.0 and not result.correct and result.failed   # counted failed
     assert "adaptive timeout" in result.reason and scorer.timed_out == 1
     assert time.monotonic() - t0 < 1.0                # not the 5 s the verifier would have taken
     assert timeout.timeout_s("tc") < 0.2              # a killed run never raises the anchor
@@ -84,6 +84,45 @@ def test_scorer_turns_a_crashing_verifier_into_a_failed_score():
     (key, result, _), = scorer.drain()
     assert key == 7 and result.failed and "ZeroDivisionError" in result.reason
     scorer.close()
+
+
+def test_scorer_reraises_a_malformed_result_and_close_never_waits_for_a_running_call():
+    from rl.rewards import RewardError, get_reward_fn
+    bad = get_reward_fn("exact")
+    bad.fn = lambda text, answer: "1.0"               # a reward function that returns a string: a bug, not a fault
+    scorer = AsyncRewardScorer(bad, workers=1)
+    scorer.submit(0, "tc", "x", "x")
+    with pytest.raises(RewardError, match="not a RewardResult"):
+        scorer.drain()
+    scorer.close()
+    release = threading.Event()
+    scorer = AsyncRewardScorer(slow_reward({}, release), workers=1)
+    scorer.submit(1, "tc", "hang", "x")
+    scorer.submit(2, "tc", "queued", "x")             # not started yet: cancelled by close
+    t0 = time.monotonic()
+    scorer.close()
+    assert time.monotonic() - t0 < 0.5 and scorer.jobs[1].future.cancelled()
+    release.set()
+
+
+def test_reward_config_async_keys_and_the_rollout_ranks_scorer():
+    from config import ConfigError, load_config
+    from runtime.build import reward_scorer
+    cfg = load_config("configs/tiny.toml", [])
+    assert cfg.reward.async_workers == 0 and reward_scorer(cfg, None) is None    # default: inline, as before
+    cfg = load_config("configs/tiny.toml", ["--reward.async_workers=3", "--reward.timeout_s=4",
+                                            "--reward.timeout_scale=2", "--reward.timeout_min_s=0.5"])
+    scorer = reward_scorer(cfg, slow_reward({}))
+    p = scorer.timeout.p
+    assert scorer.pool._max_workers == 3 and (p.scale, p.min_s, p.max_s) == (2.0, 0.5, 4.0)
+    scorer.close()
+    with pytest.raises(ConfigError, match="reward.timeout_min_s = 2.0 .*<= reward.timeout_s = 1"):
+        load_config("configs/tiny.toml", ["--reward.async_workers=1", "--reward.timeout_s=1"])
+    with pytest.raises(ConfigError, match="reward.async_workers = -1"):
+        load_config("configs/tiny.toml", ["--reward.async_workers=-1"])
+    with pytest.raises(ConfigError, match="reward.timeout_scale = 0.5"):
+        load_config("configs/tiny.toml", ["--reward.timeout_scale=0.5"])
+    assert load_config("configs/tiny.toml", ["--reward.timeout_s=1"]).reward.timeout_s == 1  # inline: no floor
 
 
 def test_simulated_reward_path_applies_the_adaptive_timeout():

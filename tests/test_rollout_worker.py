@@ -1,6 +1,8 @@
 """The rollout worker without a cluster: messages in, events out, weight verification after a load, interrupt and
 resume of partial trajectories (and the backend's side of both)."""
 import queue
+import threading
+import time
 
 import pytest
 import torch
@@ -10,8 +12,10 @@ from engine.engine import LLMEngine
 from model import Transformer, cu_seqlens_from_lengths
 from model.presets import preset_config
 from rl.tasks import SyntheticTask
+from rl.rewards import RewardResult
 from rl.types import Trajectory
 from runtime.backend import RuntimeBackend
+from runtime.channel import ChannelTimeout
 from runtime.rollout_worker import RolloutWorker, SamplingConfig, WeightMismatchError
 from runtime.topology import Topology
 from sched.base import Interrupt, LoadWeights, Migrate
@@ -20,13 +24,7 @@ from sched.events import Event
 from sched.views import Request as SchedRequest
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: intra-op threads only fight."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class FakeChannel:
@@ -37,7 +35,7 @@ class FakeChannel:
         self.sent.append((dst, obj))
 
 
-def make_worker(verify=True, max_new_tokens=4, temperature=1.0):
+def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None):
     task = SyntheticTask("reverse", 16, 0)
     tok = task.tokenizer()
     cfg = preset_config("tiny", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
@@ -48,7 +46,7 @@ def make_worker(verify=True, max_new_tokens=4, temperature=1.0):
     from runtime.launch import response_decoder
     w = RolloutWorker(engine, ch, 0, 1, task.score, response_decoder(tok, engine.eos_ids), None,
                       SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0, timeout_s=5,
-                      verify_weights=verify)
+                      verify_weights=verify, scorer=scorer)
     return w, ch, task, tok
 
 
@@ -83,6 +81,12 @@ def test_submit_steps_and_reports_scored_trajectories():
     kinds = [e.kind for e in events]
     assert kinds[0] == "weights_loaded" and "engine_busy" in kinds and kinds[-1] == "engine_idle"
     assert w.engine.block_manager.num_free == w.engine.block_manager.num_blocks
+    # inline scoring (reward.async_workers = 0): each score right behind its trajectory_finished, in one message
+    for batch in (b for _, b in ch.sent):
+        for i, e in enumerate(batch):
+            if e.kind == "trajectory_finished":
+                assert batch[i + 1].kind == "reward_scored" and batch[i + 1].req_id == e.req_id
+    assert w.scorer is None and not w.scoring
 
 
 def test_a_load_that_corrupts_a_tensor_is_named():
@@ -270,3 +274,161 @@ def test_backend_sends_interrupts_and_partial_specs_and_refuses_migrate():
     ev = be.next_event()
     assert ev.kind == "trajectory_interrupted" and ev.payload is part
     assert be.assigned == [1, 0]  # the request left its engine: the deadline message no longer waits on it
+
+
+# ---- asynchronous reward scoring (RollPacker §4.3, reward.async_workers > 0) ---------------------------------------
+class QueueChannel(FakeChannel):
+    """What RolloutWorker.run needs of a Channel: poll / get on the worker's port, fed from `inbox`."""
+    def __init__(self):
+        super().__init__()
+        self.inbox = queue.Queue()
+
+    def poll(self, port=0):
+        out = []
+        while not self.inbox.empty():
+            out.append((0, self.inbox.get_nowait()))
+        return out
+
+    def get(self, timeout, waiting_for="", port=0):
+        try:
+            return 0, self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise ChannelTimeout(f"waited {timeout}s for {waiting_for}") from None
+
+
+def gated_reward(task, gate, hold=lambda text, answer: True, calls=None):
+    """task.score, but a call `hold` picks waits for `gate` (at most 10 s) first."""
+    def fn(text, answer):
+        if calls is not None:
+            calls.append(text)
+        if hold(text, answer):
+            gate.wait(10)
+        return task.score(text, answer)
+    return fn
+
+
+def async_worker(fn, workers=2, timeout=None, **kw):
+    from runtime.reward_scorer import AsyncRewardScorer
+    w, ch, task, tok = loaded_worker(**kw)
+    w.scorer = AsyncRewardScorer(fn, workers=workers, timeout=timeout)
+    return w, ch, task, tok
+
+
+def wait_for(pred, what, limit_s=10.0):
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < limit_s, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def all_events(ch):
+    return [e for _, batch in list(ch.sent) for e in batch]
+
+
+def test_async_scoring_decodes_on_while_a_score_is_pending_and_reports_each_sample_once():
+    gate = threading.Event()
+    try:
+        w, ch, task, tok = async_worker(None, workers=4, max_new_tokens=6)
+        slow_answer = task.prompts()[0][1]
+        w.scorer.fn = gated_reward(task, gate, hold=lambda text, answer: answer == slow_answer)
+        specs = group_specs(task, tok, n_groups=2, group_size=2)
+        first = [dict(sp, max_new_tokens=1) for sp in specs if sp["group_id"] == 0]
+        w.handle(("submit", first))
+        run_to_end(w)                                  # group 0 finished; its scores wait on the gate
+        assert len(events_of(ch, "trajectory_finished")) == 2 and not events_of(ch, "reward_scored")
+        assert len(w.scoring) == 2 and events_of(ch, "engine_idle")   # nothing decoding: idle, scores pending
+        # an abort or interrupt of a finished request being scored: nothing to stop here, nothing reported
+        w.handle(("abort", [sp["req_id"] for sp in first], False))
+        w.handle(("interrupt", [sp["req_id"] for sp in first]))
+        w.flush()
+        assert not events_of(ch, "trajectory_aborted") and not events_of(ch, "trajectory_interrupted")
+        steps = w.steps
+        w.handle(("submit", [sp for sp in specs if sp["group_id"] == 1]))
+        run_to_end(w)                                  # decoding went on while group 0's scores were pending
+        assert len(events_of(ch, "trajectory_finished")) == 4 and w.steps > steps
+        wait_for(lambda: (w.collect_scores(), w.flush(), len(w.scoring) == 2)[-1], "group 1's scores")
+        assert {e.group_id for e in events_of(ch, "reward_scored")} == {1}    # group 0's still pending
+        gate.set()
+        wait_for(lambda: (w.collect_scores(), w.flush(), not w.scoring)[-1], "the gated scores")
+        events = all_events(ch)
+        kinds = [(e.kind, e.group_id) for e in events]
+        assert kinds.index(("trajectory_finished", 1)) < kinds.index(("reward_scored", 0))
+        scored = [e for e in events if e.kind == "reward_scored"]
+        assert sorted(e.req_id for e in scored) == sorted(sp["req_id"] for sp in specs)   # each exactly once
+        answer = {sp["req_id"]: sp["answer"] for sp in specs}
+        eos = tok.eos_token_id
+        for e in scored:
+            t = e.payload
+            assert (t.group_id, t.sample_index) == (e.group_id, e.req_id % 10) and e.version == 0
+            assert t.versions == [0] * len(t.response_ids) and len(t.logprobs) == len(t.response_ids)
+            ids = t.response_ids[:-1] if t.response_ids and t.response_ids[-1] == eos else t.response_ids
+            want = task.score(tok.decode(ids, skip_special_tokens=False), answer[e.req_id])
+            assert (t.reward, t.correct, t.meta["reward_failed"]) == (want.reward, want.correct, False)
+            assert e.data == {"reward": want.reward, "correct": want.correct, "failed": False}
+        assert w.engine.block_manager.num_free == w.engine.block_manager.num_blocks
+    finally:
+        gate.set()
+        w.scorer.close()
+
+
+def test_async_scoring_a_raising_verifier_fails_one_score_and_the_run_goes_on():
+    calls = []
+
+    def flaky(text, answer):
+        calls.append(text)
+        if len(calls) == 2:
+            raise ZeroDivisionError("verifier bug")
+        return RewardResult(1.0, True)
+    w, ch, task, tok = async_worker(flaky, workers=1)
+    specs = group_specs(task, tok)
+    w.handle(("submit", specs))
+    run_to_end(w)
+    wait_for(lambda: (w.collect_scores(), w.flush(), not w.scoring)[-1], "the scores")
+    scored = events_of(ch, "reward_scored")
+    assert sorted(e.req_id for e in scored) == sorted(sp["req_id"] for sp in specs)
+    failed = [e for e in scored if e.data["failed"]]
+    assert len(failed) == 1 and failed[0].data == {"reward": 0.0, "correct": False, "failed": True}
+    assert failed[0].payload.reward == 0.0 and failed[0].payload.meta["reward_failed"]
+    assert all(e.data == {"reward": 1.0, "correct": True, "failed": False} for e in scored if e not in failed)
+    w.scorer.close()
+
+
+def test_async_scoring_a_call_past_its_timeout_scores_zero_failed_and_stop_cancels_the_rest():
+    """Through RolloutWorker.run: the loop polls (never blocks on the channel) while scores are pending, a call
+    past its adaptive timeout scores 0 and failed, and "stop" returns at once with a verifier still hung."""
+    from runtime.build import reward_scorer
+    from config import load_config
+    gate = threading.Event()
+    calls = []
+    w, ch, task, tok = loaded_worker()
+    w.channel = ch = QueueChannel()
+    w.timeout_s = 30.0   # a loop blocked on the channel would wait this long: the test would time out first
+    cfg = load_config("configs/tiny.toml", ["--reward.async_workers=2", "--reward.timeout_s=0.2",
+                                            "--reward.timeout_min_s=0.1"])
+    w.scorer = reward_scorer(cfg, gated_reward(task, gate, hold=lambda text, answer: len(calls) == 1,
+                                               calls=calls))
+    specs = group_specs(task, tok)
+    th = threading.Thread(target=w.run, daemon=True)
+    try:
+        ch.inbox.put(("submit", specs))
+        th.start()
+        wait_for(lambda: len(events_of(ch, "reward_scored")) == len(specs), "every score (one timed out)", 5.0)
+        scored = events_of(ch, "reward_scored")
+        killed = [e for e in scored if e.data["failed"]]
+        assert len(killed) == 1 and killed[0].data == {"reward": 0.0, "correct": False, "failed": True}
+        assert killed[0].payload.reward == 0.0 and w.scorer.timed_out == 1
+        kinds = [e.kind for e in all_events(ch)]
+        assert kinds.index("engine_idle") < max(i for i, k in enumerate(kinds) if k == "reward_scored")
+        assert kinds.count("engine_busy") == kinds.count("engine_idle") == 1   # one busy span: the decoding
+        # a new sample whose verifier hangs, then "stop": no waiting for it, nothing reported for it
+        gate.clear()
+        calls.clear()
+        ch.inbox.put(("submit", [dict(specs[0], req_id=99, group_id=9)]))
+        wait_for(lambda: len(calls) == 1, "the hung call")
+        ch.inbox.put(("stop",))
+        th.join(2.0)
+        assert not th.is_alive() and not w.scoring and w.scorer.pool._shutdown
+        assert [e.req_id for e in events_of(ch, "reward_scored")].count(99) == 0
+    finally:
+        gate.set()
+        w.scorer.close()

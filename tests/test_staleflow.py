@@ -211,3 +211,26 @@ def test_areal_hand_off_waits_rather_than_strand_an_old_group():
     v.groups[0].scored, v.groups[0].materialized_seq = 1, 9
     v.groups[0].trajectories = [Trajectory(0, 0, [1], [2], [-1.0], [0], "stop")]
     assert h.ready(v) == [0, 1]                   # oldest first
+
+
+def test_areal_dispatch_caps_groups_per_engine_at_areals_max_concurrent_rollouts():
+    # 2 engines, batch of 4 groups of 2: AReaL's default cap is one batch (4 groups) over all engines, 2 per engine
+    def views(running_on_0: int) -> Views:
+        v = Views(params=dict(group_size=2, prompts_per_step=4))
+        v.engines = [EngineView(0, version=0), EngineView(1, version=0)]
+        rid = 0
+        for gid in range(8):
+            for k in range(2):
+                state, eng = ("running", 0) if gid < running_on_0 else ("pending", -1)
+                v.requests[rid] = Request(rid, gid, k, gid, 0, 4, state=state, engine=eng)
+                rid += 1
+        v.engines[0].assigned = 2 * running_on_0
+        return v
+
+    D = sched.REGISTRY["dispatch"]["areal"]
+    subs = D(D.Params(eta=3)).admit(views(0))
+    assert [(s.engine, len(s.req_ids)) for s in subs] == [(0, 4), (1, 4)]     # 2 groups each, then the cap
+    subs = D(D.Params(eta=3)).admit(views(2))                                   # engine 0 already holds 2 groups
+    assert [(s.engine, len(s.req_ids)) for s in subs] == [(1, 4)]
+    subs = D(D.Params(eta=3, max_concurrent_rollouts=16)).admit(views(0))      # explicit cap: 8 per engine
+    assert sum(len(s.req_ids) for s in subs) == 16                              # every pending group admitted

@@ -15,13 +15,7 @@ from trainer.optim import lr_factor
 VOCAB = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: intra-op threads only fight (30x slower measured)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_cfg(tied: bool = True) -> ModelConfig:
