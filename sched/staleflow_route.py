@@ -17,6 +17,7 @@ group holds an entry with V + eta >= V_buf.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from config import F
@@ -27,7 +28,7 @@ from sched.staleflow_state import (Item, Member, commit, coordinating, cost_mode
 from sched.staleness import StalenessBuffers
 
 
-def marginal_plan(snaps: dict[int, InstanceSnap], items: list[Item], buffers: StalenessBuffers, cost: CostModel,
+def marginal_plan(snaps: dict[int, InstanceSnap], items: Iterable[Item], buffers: StalenessBuffers, cost: CostModel,
                   mu: float, until: int | None = None) -> list[tuple[int, Item]]:
     """Alg. 3 on a snapshot (mutated copy) and buffers (mutated: pass a copy for a tentative plan). `until`: stop
     at the first trajectory routed to that instance (Alg. 4 only asks whether there is one)."""
@@ -92,7 +93,7 @@ class StaleFlowRouting(Member, Dispatch):
         super().__init__(params)
         self.cost = cost_model(self.p.cost)
 
-    def plan(self, snaps: dict[int, InstanceSnap], items: list[Item], buffers: StalenessBuffers,
+    def plan(self, snaps: dict[int, InstanceSnap], items: Iterable[Item], buffers: StalenessBuffers,
              until: int | None = None) -> list[tuple[int, Item]]:
         return marginal_plan(snaps, items, buffers, self.cost, self.p.mu, until)
 

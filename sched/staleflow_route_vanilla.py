@@ -9,6 +9,7 @@ Invariant kept: as `staleflow` routing, every routed trajectory's group holds an
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from config import F
@@ -19,7 +20,7 @@ from sched.staleflow_state import Item, Member, coordinating, commit, fold, rout
 from sched.staleness import StalenessBuffers
 
 
-def fewest_plan(snaps: dict[int, InstanceSnap], items: list[Item], buffers: StalenessBuffers,
+def fewest_plan(snaps: dict[int, InstanceSnap], items: Iterable[Item], buffers: StalenessBuffers,
                 until: int | None = None) -> list[tuple[int, Item]]:
     load = {e: s.running + s.waiting for e, s in snaps.items()}
     out: list[tuple[int, Item]] = []
@@ -47,7 +48,7 @@ class VanillaRouting(Member, Dispatch):
         ts_groups: int = F(0, ge=0, help="trajectory-store capacity in unreserved groups (0: (eta + 1) x batch)")
         block_size: int = F(16, ge=1, help="tokens per KV block in the engines' reports")
 
-    def plan(self, snaps: dict[int, InstanceSnap], items: list[Item], buffers: StalenessBuffers,
+    def plan(self, snaps: dict[int, InstanceSnap], items: Iterable[Item], buffers: StalenessBuffers,
              until: int | None = None) -> list[tuple[int, Item]]:
         return fewest_plan(snaps, items, buffers, until)
 

@@ -118,10 +118,15 @@ def held_requests(v: Views, st: Shared) -> dict[int, list[Request]]:
             keep.append(r)
     if len(keep) != len(held):
         held.intersection_update(r.req_id for r in keep)
-    keep.sort(key=lambda r: r.req_id)
     for r in keep:
         out[r.engine].append(r)
+    for rs in out.values():
+        rs.sort(key=_req_id)
     return out
+
+
+def _req_id(r: Request) -> int:
+    return r.req_id
 
 
 def held_by_engine(v: Views, st: Shared) -> dict[int, list[int]]:
@@ -148,39 +153,92 @@ def snapshots(v: Views, st: Shared, block_size: int, budget: float) -> dict[int,
     return out
 
 
-def ts_items(v: Views, st: Shared) -> list[Item]:
+class TSQueue:
+    """The TS in MLQ order, read lazily: the head (every trajectory with a finite priority: partial ones and
+    unrouted members of reserved groups, a few hundred at most) is built at once; the tail (initial trajectories of
+    groups not reserved when the queue was taken, usually thousands, in request-id order) is built only as far as a
+    reader iterates, and remembered, so routing that withholds after a few dozen never touches the rest.
+
+    Iterate it within the decision call that took it (the tail reads the controller's pending index live; nothing
+    changes request states while a policy decides). Reading it yields exactly the list the eager sort would."""
+
+    def __init__(self, v: Views, st: Shared):
+        loc, buf = st.buffers.loc, st.buffers.buf
+        self._reserved = set(loc)           # groups reserved when the queue was taken (routing adds to loc)
+        gprio: dict[int, float] = {}
+        buckets: dict[float, list[Item]] = {}
+        for r in v.requests.iter_pending():
+            vt = r.v_traj
+            if vt >= 0:
+                prio: float = vt
+            else:
+                gid = r.group_id
+                if gid not in loc:
+                    continue                # tail
+                prio = gprio.get(gid)  # type: ignore[assignment]
+                if prio is None:
+                    at = loc[gid]
+                    prio = gprio[gid] = buf[at[0]][at[1]].v  # type: ignore[union-attr]
+            b = buckets.get(prio)
+            if b is None:
+                buckets[prio] = [_item(r, prio)]
+            else:
+                b.append(_item(r, prio))
+        self.head: list[Item] = [it for p in sorted(buckets) for it in buckets[p]]
+        self._tail: list[Item] = []
+        self._src = v.requests.iter_pending()
+        self._done = False
+
+    def _more(self) -> Item | None:
+        if self._done:
+            return None
+        inf, reserved = float("inf"), self._reserved
+        for r in self._src:
+            if r.v_traj < 0 and r.group_id not in reserved:
+                it = _item(r, inf)
+                self._tail.append(it)
+                return it
+        self._done = True
+        return None
+
+    def fresh(self) -> bool:
+        """Is there any initial trajectory of an unreserved group?"""
+        return bool(self._tail) or self._more() is not None
+
+    def __iter__(self):
+        yield from self.head
+        i = 0
+        while True:
+            if i < len(self._tail):
+                yield self._tail[i]
+            elif self._more() is None:
+                return
+            else:
+                continue
+            i += 1
+
+    def materialize(self) -> list[Item]:
+        return list(self)
+
+
+def _item(r: Request, prio: float) -> Item:
+    part = r.partial
+    vt = r.v_traj
+    if part is not None:
+        vs = part.versions
+        if not vs:
+            need = max(vt, 0)
+        else:
+            runs = getattr(vs, "runs", None)        # run-length encoded (sim.tokens.RunList): max over its runs
+            need = max(v for v, _ in runs) if runs is not None else max(vs)
+        return Item(r, prio, r.prompt_len + len(part.response_ids), need)
+    return Item(r, prio, r.prompt_len, max(vt, 0))
+
+
+def ts_items(v: Views, st: Shared) -> TSQueue:
     """The TS in MLQ order: by V_traj (partial) or group version (unrouted members of reserved groups), initial
-    trajectories of new groups last; FIFO (request id) within a queue. One pass over the pending index (already in
-    id order), bucketed by priority (a handful of distinct values), the group's entry looked up once per group."""
-    loc, buf = st.buffers.loc, st.buffers.buf
-    gprio: dict[int, float] = {}
-    buckets: dict[float, list[Item]] = {}
-    inf = float("inf")
-    for r in v.requests.iter_pending():
-        vt = r.v_traj
-        if vt >= 0:
-            prio: float = vt
-        else:
-            gid = r.group_id
-            prio = gprio.get(gid)  # type: ignore[assignment]
-            if prio is None:
-                at = loc.get(gid)
-                prio = gprio[gid] = buf[at[0]][at[1]].v if at is not None else inf  # type: ignore[union-attr]
-        part = r.partial
-        if part is not None:
-            need = max(part.versions) if part.versions else max(vt, 0)
-            length = r.prompt_len + len(part.response_ids)
-        else:
-            need, length = max(vt, 0), r.prompt_len
-        it = Item(r, prio, length, need)
-        b = buckets.get(prio)
-        if b is None:
-            buckets[prio] = [it]
-        else:
-            b.append(it)
-    if len(buckets) == 1:
-        return next(iter(buckets.values()))
-    return [it for p in sorted(buckets) for it in buckets[p]]
+    trajectories of new groups last; FIFO (request id) within a queue. An iterable (TSQueue), built lazily."""
+    return TSQueue(v, st)
 
 
 def routable(buffers: StalenessBuffers, it: Item, s: InstanceSnap) -> bool:
@@ -199,12 +257,16 @@ class TSSummary:
     """What Alg. 4's eligibility test needs of the whole TS, computed once per pass: is ANY TS trajectory
     routable to an instance of version u? (O(1) per instance instead of O(TS).)"""
 
-    def __init__(self, buffers: StalenessBuffers, items: list[Item]):
+    def __init__(self, buffers: StalenessBuffers, items: "list[Item] | TSQueue"):
         self.buffers = buffers
-        self.need = min((it.need for it in items if not it.initial), default=None)
-        wheres = [buffers.where(it.req.group_id) for it in items if it.initial]
-        self.fresh = any(w is None for w in wheres)
-        self.oldest = min((w for w in wheres if w is not None), default=None)
+        if isinstance(items, TSQueue):      # the tail is initial trajectories of unreserved groups: only ask if any
+            head, self.fresh = items.head, items.fresh()
+        else:
+            head = items
+            self.fresh = any(it.initial and buffers.where(it.req.group_id) is None for it in items)
+        self.need = min((it.need for it in head if not it.initial), default=None)
+        wheres = [w for it in head if it.initial and (w := buffers.where(it.req.group_id)) is not None]
+        self.oldest = min(wheres, default=None)
 
     def any_routable(self, s: InstanceSnap) -> bool:
         if s.version < 0 or s.loading:
