@@ -108,6 +108,7 @@ class SimEngine:
         self._tokens_reported = 0
         self._t_counter = -math.inf
         self.preemptions = 0
+        self.prefill_s_total = 0.0    # seconds of prefill planned (recompute after preemption, load or resume included)
         self.peak_blocks = 0
         self.steps = 0
 
@@ -269,6 +270,7 @@ class SimEngine:
                 lo, hi = (mid, hi) if self.need(mid) <= self.cap else (lo, mid)
             m = lo + 1
         prefill_s = self.cost.prefill_s(self._prefill)  # admitted since the last step
+        self.prefill_s_total += prefill_s
         if self.counters_every_s is not None:
             m = min(m, max(1, self.cost.steps_reaching(n, self.kv_tokens, self.counters_every_s - prefill_s)))
         self.peak_blocks = max(self.peak_blocks, self.need(m - 1))
