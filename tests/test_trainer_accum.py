@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from tests.dist_utils import run_world
-from tests.test_trainer import (SMOOTH_ADAM, make_groups, on_policy_groups, one_thread,  # noqa: F401 (fixture)
-                                tiny_model, weights)
+from tests.test_trainer import SMOOTH_ADAM, make_groups, on_policy_groups, tiny_model, weights
 from trainer import TrainConfig, Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 AGGS = [("token_mean", "token"), ("seq_mean", "token"), ("seq_sum_norm", "token"), ("token_mean", "sequence")]
 

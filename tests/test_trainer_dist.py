@@ -9,12 +9,12 @@ import torch
 
 from model import Transformer, cu_seqlens_from_lengths
 from tests.dist_utils import new_group, run_world
-from tests.test_trainer import SMOOTH_ADAM, make_groups, one_thread, tiny_cfg, tiny_model  # noqa: F401 (fixture)
+from tests.test_trainer import SMOOTH_ADAM, make_groups, tiny_cfg, tiny_model
 from trainer import TrainConfig, Trainer
 from trainer.checkpoint import latest
 from trainer.fsdp import full_state_dict
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("one_thread")]
 
 CFG = dict(lr=1e-2, grad_clip=0.5, micro_batch_tokens=24, minibatches=2, kl_coef=0.05, loss_agg="seq_mean",
            clip_high=0.28, warmup_steps=1, lr_schedule="cosine", steps=4, weight_decay=0.01, **SMOOTH_ADAM)
