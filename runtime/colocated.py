@@ -105,15 +105,15 @@ class ColocatedBackend(RuntimeBackend):
 class ControllerThread:
     """Rank 0's controller beside its worker. Errors are kept and re-raised in the main thread."""
 
-    def __init__(self, controller: Controller, backend: ColocatedBackend, finish: Any):
-        self.controller, self.backend, self.finish = controller, backend, finish
+    def __init__(self, controller: Controller, backend: ColocatedBackend, finish: Any, after_event: Any = None):
+        self.controller, self.backend, self.finish, self.after_event = controller, backend, finish, after_event
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="controller", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         try:
-            self.controller.run(self.backend)
+            self.controller.run(self.backend, self.after_event)
             self.finish(self.backend)
         except BaseException:
             self.error = traceback.format_exc()

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -88,12 +88,15 @@ def run_colocated(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topol
             restore(controller, parts, extra)
         backend = ColocatedBackend(topo, channel, None, t0, cfg.cluster.timeout_s)
 
+        def save() -> None:
+            backend.call(("checkpoint", str(checkpoint_dir(cfg, run_dir)), leader_state(controller, parts),
+                          cfg.checkpoint.keep))
+
         def finish(b: ColocatedBackend) -> None:
-            b.call(("checkpoint", str(checkpoint_dir(cfg, run_dir)), leader_state(controller, parts),
-                    cfg.checkpoint.keep))
+            save()
             if cfg.checkpoint.export_hf:
                 b.call(("export", str(Path(run_dir) / "hf")))
-        ctl = ControllerThread(controller, backend, finish)
+        ctl = ControllerThread(controller, backend, finish, periodic_checkpoints(cfg, controller, save))
     worker.start()
     worker.run()
     if ctl is not None:
@@ -153,25 +156,13 @@ def run_leader(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology
     backend = RuntimeBackend(topo, channel, tt.queue, t0, cfg.cluster.timeout_s)
     ckpt_dir = checkpoint_dir(cfg, run_dir)
     timeout = cfg.cluster.timeout_s
-    due = [False]
 
     def save() -> None:
         tt.call(("checkpoint", str(ckpt_dir), leader_state(controller, parts), cfg.checkpoint.keep), timeout)
 
-    def after_event(ev: Event) -> None:
-        """Every `checkpoint.every` published versions, checkpoint at the first moment the trainer holds no work
-        (nothing training, no gradients accumulated); trajectories in flight go into the controller's state."""
-        every = cfg.checkpoint.every
-        if ev.kind == "version_published" and every and ev.version % every == 0 and 0 < ev.version < cfg.train.steps:
-            due[0] = True
-        t = controller.v.trainer
-        if due[0] and not t.busy and t.groups_since_step == 0 and not controller.done:
-            due[0] = False
-            save()
-
     tt.queue.put(("publish", trainer.step))  # the engines start from the trainer's weights
     try:
-        controller.run(backend, after_event)
+        controller.run(backend, periodic_checkpoints(cfg, controller, save))
         save()
         if cfg.checkpoint.export_hf:
             tt.call(("export", str(Path(run_dir) / "hf")), timeout)
@@ -181,6 +172,23 @@ def run_leader(cfg: Any, parts: RunParts, model: torch.nn.Module, topo: Topology
         tt.stop(timeout)
         log.close()
     finish_run(run_dir, log, parts)
+
+
+def periodic_checkpoints(cfg: Any, controller: Controller, save: Callable[[], None]) -> Callable[[Event], None]:
+    """The controller's after-event hook: every `checkpoint.every` published versions, `save()` at the first moment
+    the trainer holds no work (nothing training, no gradients accumulated); trajectories in flight go into the
+    controller's state (sched/snapshot.py). The final checkpoint is the caller's."""
+    due = [False]
+
+    def after_event(ev: Event) -> None:
+        every = cfg.checkpoint.every
+        if ev.kind == "version_published" and every and ev.version % every == 0 and 0 < ev.version < cfg.train.steps:
+            due[0] = True
+        t = controller.v.trainer
+        if due[0] and not t.busy and t.groups_since_step == 0 and not controller.done:
+            due[0] = False
+            save()
+    return after_event
 
 
 def leader_state(controller: Controller, parts: RunParts) -> dict[str, Any]:

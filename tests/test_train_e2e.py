@@ -78,14 +78,16 @@ def test_exported_model_loads_in_transformers(tiny_run):
     assert (tiny_run / "checkpoints" / "step_70").is_dir()
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("nproc,mode", [(3, []), (2, ["--cluster.colocate=true"])], ids=["split", "colocated"])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, nproc, mode):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=3", "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false"]
-    torchrun(3, f"--log.dir={full}", *common)
+    common = ["--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=3", "--rollout.prompts_per_step=8",
+              "--checkpoint.export_hf=false", *mode]
+    torchrun(nproc, f"--log.dir={full}", *common)
     # a run that stopped after step 2: its directory holds what the full run had then
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
-    torchrun(3, f"--log.dir={resumed}", "--checkpoint.resume=latest", *common)
+    torchrun(nproc, f"--log.dir={resumed}", "--checkpoint.resume=latest", *common)
     a, b = metrics(full), metrics(resumed)
     assert [r["step"] for r in b] == [3, 4]
     for ra, rb in zip(a[2:], b):
