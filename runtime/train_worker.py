@@ -31,10 +31,39 @@ from trainer.publish import WeightPublisher
 from trainer.trainer import Trainer
 
 
+class AsyncSender:
+    """Runs the sending half of an overlapped publication in the background, one at a time (StreamRL §4.1: the
+    weight transfer of step n overlaps the training of step n + 1). A failure is raised at the next `wait`."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.error: str | None = None
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self.wait()  # publications go out in version order: the rollout ranks receive them in that order
+        self.thread = threading.Thread(target=self._run, args=(fn,), name="publisher", daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException:
+            self.error = traceback.format_exc()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"overlapped weight publication failed:\n{err}")
+
+
 def run_item(item: tuple, trainer: Trainer, publisher: WeightPublisher,
              report: Callable[[Event], None] | None = None, notify_engines: Callable[[int], None] | None = None,
-             clock: Callable[[], float] = time.time) -> None:
-    """Run one work item on this train rank (collectively with the other train ranks)."""
+             clock: Callable[[], float] = time.time, sender: AsyncSender | None = None) -> None:
+    """Run one work item on this train rank (collectively with the other train ranks). With `sender` (the leader)
+    a call that asks for `overlap_publish` gathers the weights now and sends them in the background."""
     kind = item[0]
     if kind == "train":
         _, call, groups = item
@@ -43,7 +72,9 @@ def run_item(item: tuple, trainer: Trainer, publisher: WeightPublisher,
         if report:
             report(Event("train_step_done", clock(), rank=0, version=trainer.step,
                          data={"stepped": call.step, **rollout_stats(groups), **_floats(metrics)}))
-        if call.publish:
+        if call.publish and call.overlap_publish and sender is not None:
+            _publish_overlapped(trainer.step, publisher, report, notify_engines, clock, sender)
+        elif call.publish:  # (a follower gathers the same buckets in either case)
             _publish(trainer.step, publisher, report, notify_engines, clock)
     elif kind == "publish":
         _publish(item[1], publisher, report, notify_engines, clock)
@@ -64,6 +95,19 @@ def _publish(version: int, publisher: WeightPublisher, report, notify_engines, c
         report(Event("version_published", clock(), rank=0, version=version, data=_floats(stats)))
 
 
+def _publish_overlapped(version: int, publisher: WeightPublisher, report, notify_engines, clock,
+                        sender: AsyncSender) -> None:
+    snap = publisher.snapshot(version)  # collective with the followers; a packed copy of the weights
+
+    def send() -> None:
+        if notify_engines:
+            notify_engines(version)
+        stats = publisher.send(snap)
+        if report:
+            report(Event("version_published", clock(), rank=0, version=version, data=_floats(stats)))
+    sender.submit(send)
+
+
 def _floats(d: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in d.items() if isinstance(v, (int, float))}
 
@@ -82,6 +126,7 @@ class TrainerThread:
         self.queue: "queue.Queue[Any]" = queue.Queue()
         self.replies: "queue.Queue[str | None]" = queue.Queue()  # for call(): None = done, str = a traceback
         self.done = threading.Event()
+        self.sender = AsyncSender()
         self.thread = threading.Thread(target=self._loop, name="trainer", daemon=True)
         self.thread.start()
 
@@ -99,8 +144,10 @@ class TrainerThread:
                 if len(self.topo.train_ranks) > 1:
                     broadcast_item(item, self.topo)
                 if item is None:
+                    self.sender.wait()
                     return
-                run_item(item, self.trainer, self.publisher, self.channel.post, self._notify, self._clock)
+                run_item(item, self.trainer, self.publisher, self.channel.post, self._notify, self._clock,
+                         self.sender)
                 if item[0] in ("checkpoint", "export"):
                     self.replies.put(None)
         except BaseException:

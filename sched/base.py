@@ -78,6 +78,7 @@ class TrainCall:
     group_ids: list[int]
     step: bool                   # apply the optimizer step after accumulating these groups' gradients
     publish: bool                # broadcast the new weights to the rollout ranks afterwards
+    overlap_publish: bool = False  # send them while the next call trains (the trainer waits only for the gather)
 
 
 # ----------------------------------------------------------------------------------------------- mechanisms

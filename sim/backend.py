@@ -74,6 +74,7 @@ class SimBackend:
         self.rng = random.Random(f"sim-backend:{seed}")
         self.trainer_version = 0
         self.trainer_free = 0.0
+        self.publish_free = 0.0       # when the last publication's transfer ends
         self.max_events = max_events
         self.events_out = 0
         self.stop_after_samples = stop_after_samples
@@ -176,8 +177,13 @@ class SimBackend:
                               "step_time_s": dur}))
         self.trainer_free = done
         if call.publish:
-            self.trainer_free = done + self.cost.publish_s
-            self.emit(Event("version_published", self.trainer_free, rank=0, version=self.trainer_version,
+            # An overlapped publication (call.overlap_publish) is sent while the next call trains: the trainer is
+            # free at `done`, the transfers still go out one at a time (runtime/train_worker.py AsyncSender).
+            start = max(done, self.publish_free)
+            self.publish_free = start + self.cost.publish_s
+            if not call.overlap_publish:
+                self.trainer_free = self.publish_free
+            self.emit(Event("version_published", self.publish_free, rank=0, version=self.trainer_version,
                             data={"seconds": self.cost.publish_s}))
         if self.colocated:
             for e in self.engines:

@@ -260,3 +260,22 @@ def test_prefill_is_paid_once_when_a_plan_is_redone_at_the_same_instant():
     t1 = [x.t for x in finished(drain(together))]
     t2 = [x.t for x in finished(drain(split))]
     assert t1 == pytest.approx(t2) and t1[0] == pytest.approx(c.prefill_s(128) + c.steps_s(2, 128, 50))
+
+
+def test_an_overlapped_publication_frees_the_trainer_and_transfers_go_out_one_at_a_time():
+    from rl.types import Group, Trajectory
+    from sched.base import TrainCall
+    c = cost(publish_s=5.0, train_s_per_token=1e-3)
+    groups = [Group(0, 0, None, [Trajectory(0, 0, [1] * 10, [2] * 990, [-1.0] * 990, [0] * 990)])]
+    for overlap in (False, True):
+        b = backend(c, [[10]])
+        b.train(TrainCall([0], step=True, publish=True, overlap_publish=overlap), groups)
+        b.train(TrainCall([0], step=True, publish=True, overlap_publish=overlap), groups)
+        ev = drain(b)
+        done = [e.t for e in ev if e.kind == "train_step_done"]
+        pub = [e.t for e in ev if e.kind == "version_published" and e.version > 0]
+        step = done[0]                                         # one call's train time (1000 tokens)
+        if overlap:   # the second call trains during the first transfer; its own waits for the first to end
+            assert done[1] == pytest.approx(2 * step) and pub == pytest.approx([step + 5.0, step + 10.0])
+        else:         # the trainer waits for each transfer
+            assert done[1] == pytest.approx(2 * step + 5.0) and pub == pytest.approx([step + 5.0, 2 * step + 10.0])

@@ -150,3 +150,34 @@ def test_hf_export_loads_in_transformers_and_matches_logits(world):
         want = ours.forward_packed(ids, cu_seqlens_from_lengths([19]))
         got = hf(ids[None]).logits[0]
     assert (got - want).abs().max().item() < 1e-4
+
+
+def _overlapped(rank: int, world: int, tmp: str):
+    """Rank 0 receives; ranks 1-2 train. Version 1 is gathered, then sent in the background while the next step's
+    FSDP collectives run: the receiver must get version 1's weights, not the ones training moved on to."""
+    train, pub = new_group([1, 2]), new_group([0, 1])
+    from trainer.publish import WeightPublisher, WeightReceiver
+    if rank == 0:
+        got: dict = {}
+        version = WeightReceiver(pub, src=1).receive(lambda it, v: got.update({n: t.clone() for n, t in it}))
+        return dict(got=got, version=version)
+    from runtime.train_worker import AsyncSender
+    b = batches()
+    tr = Trainer(tiny_model(), TrainConfig(**{**CFG, "kl_coef": 0.0}), group=train)
+    tr.train_step(b[0])
+    w1 = full_state_dict(tr.model)
+    publisher = WeightPublisher(tr.model, pub if rank == 1 else None, train, bucket_bytes=2048, verify=True)
+    snap = publisher.snapshot(1)
+    sender = AsyncSender()
+    if rank == 1:
+        sender.submit(lambda: publisher.send(snap))
+    tr.train_step(b[1])                     # collectives on the train group while the broadcast goes out
+    sender.wait()
+    return dict(w1=w1, w2=full_state_dict(tr.model))
+
+
+def test_an_overlapped_publication_sends_the_gathered_version_while_training_goes_on():
+    rx, t1, _ = run_world(_overlapped, 3, "")
+    assert rx["version"] == 1 and set(rx["got"]) >= set(t1["w1"])
+    assert all(torch.equal(rx["got"][n], t1["w1"][n]) for n in t1["w1"])
+    assert any(not torch.equal(t1["w2"][n], t1["w1"][n]) for n in t1["w1"])  # training did move on

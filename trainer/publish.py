@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -114,31 +115,71 @@ class WeightPublisher:
         nbytes = [p.numel() * d.itemsize for (_, p), d in zip(self.params, self.dtypes)]
         self.buckets, self.offsets, self.sizes = plan_buckets(nbytes, bucket_bytes)
 
+    def _header(self, version: int) -> dict[str, Any]:
+        return {"version": int(version), "names": [n for n, _ in self.params],
+                "shapes": [tuple(p.shape) for _, p in self.params], "dtypes": [str(d) for d in self.dtypes],
+                "buckets": self.buckets, "offsets": self.offsets, "sizes": self.sizes,
+                "tied": tied_names(self.model), "verify": self.verify}
+
+    def _send_bucket(self, buf: torch.Tensor, check: torch.Tensor | None) -> None:
+        dist.broadcast(buf, src=self.src, group=self.pub_group)
+        if check is not None:
+            dist.broadcast(check, src=self.src, group=self.pub_group)
+
+    def _gather_bucket(self, bucket: list[int], size: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Full tensors of one bucket (a collective on the train group); on the leader, packed into one new byte
+        buffer plus its checksums: a copy, so training may go on while it is sent."""
+        tensors = [full_tensor(self.params[i][1].detach()).to(self.dtypes[i]) for i in bucket]
+        if not self.leader:
+            return None
+        buf = pack_bucket(tensors, [self.offsets[i] for i in bucket], size, tensors[0].device)
+        check = None
+        if self.verify:
+            sums = [checksum(t) for t in tensors]
+            check = torch.stack([torch.tensor([s for s, _ in sums], dtype=torch.float64).view(torch.int64),
+                                 torch.tensor([h for _, h in sums], dtype=torch.int64)]).to(buf.device)
+        return buf, check
+
     @torch.no_grad()
     def publish(self, version: int) -> dict[str, float]:
+        """Gather and broadcast bucket by bucket (peak memory: one bucket)."""
         t0 = time.perf_counter()
         if self.leader:
-            header = {"version": int(version), "names": [n for n, _ in self.params],
-                      "shapes": [tuple(p.shape) for _, p in self.params], "dtypes": [str(d) for d in self.dtypes],
-                      "buckets": self.buckets, "offsets": self.offsets, "sizes": self.sizes,
-                      "tied": tied_names(self.model), "verify": self.verify}
-            dist.broadcast_object_list([header], src=self.src, group=self.pub_group,
+            dist.broadcast_object_list([self._header(version)], src=self.src, group=self.pub_group,
                                        device=_object_device(self.pub_group))
-        sent = 0
         for bucket, size in zip(self.buckets, self.sizes):
-            tensors = [full_tensor(self.params[i][1].detach()).to(self.dtypes[i]) for i in bucket]
-            if not self.leader:
-                continue
-            sums = [checksum(t) for t in tensors] if self.verify else []
-            buf = pack_bucket(tensors, [self.offsets[i] for i in bucket], size, tensors[0].device)
-            dist.broadcast(buf, src=self.src, group=self.pub_group)
-            if self.verify:
-                check = torch.stack([torch.tensor([s for s, _ in sums], dtype=torch.float64).view(torch.int64),
-                                     torch.tensor([h for _, h in sums], dtype=torch.int64)]).to(buf.device)
-                dist.broadcast(check, src=self.src, group=self.pub_group)
-            sent += size
-        return {"version": float(version), "bytes": float(sent), "buckets": float(len(self.buckets)),
-                "seconds": time.perf_counter() - t0}
+            packed = self._gather_bucket(bucket, size)
+            if packed is not None:
+                self._send_bucket(*packed)
+        return {"version": float(version), "bytes": float(sum(self.sizes)) if self.leader else 0.0,
+                "buckets": float(len(self.buckets)), "seconds": time.perf_counter() - t0}
+
+    @torch.no_grad()
+    def snapshot(self, version: int) -> "Snapshot | None":
+        """The gathering half of an overlapped publication (every train rank; collective on the train group): the
+        leader keeps every bucket packed (a full copy of the weights), to `send` while the next step trains."""
+        t0 = time.perf_counter()
+        packed = [self._gather_bucket(b, s) for b, s in zip(self.buckets, self.sizes)]
+        return Snapshot(int(version), packed, time.perf_counter() - t0) if self.leader else None  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def send(self, snap: "Snapshot") -> dict[str, float]:
+        """The sending half (leader + rollout ranks, on the publication group only): safe beside a train step."""
+        t0 = time.perf_counter()
+        dist.broadcast_object_list([self._header(snap.version)], src=self.src, group=self.pub_group,
+                                   device=_object_device(self.pub_group))
+        for buf, check in snap.buckets:
+            self._send_bucket(buf, check)
+        return {"version": float(snap.version), "bytes": float(sum(self.sizes)), "buckets": float(len(self.buckets)),
+                "seconds": time.perf_counter() - t0, "gather_s": snap.gather_s}
+
+
+@dataclass
+class Snapshot:
+    """Packed buckets of one version's weights, held by the leader until they are sent."""
+    version: int
+    buckets: list[tuple[torch.Tensor, torch.Tensor | None]]
+    gather_s: float
 
 
 class WeightReceiver:
