@@ -5,14 +5,8 @@ Loop: take the next event, fold it into the views, log it, then ask each mechani
 the backend. The controller also checks the invariants every preset must keep (a group is trained whole, once,
 only after it is materialised; nothing finished is lost; no trajectory staler than the preset's bound; a resumed
 trajectory never goes back in version), so a buggy policy fails loudly in tests. Abort decisions and the events
-that settle them follow the rules of sched/aborts.py (mixed in here).
-
-Partial trajectories (off-policy presets): `Interrupt` marks running requests "interrupting" and asks their engine
-to hand them back; its `trajectory_interrupted` event carries every token so far (ids, behaviour log-probs,
-per-token versions), which the request keeps as `partial` while it waits "pending" again, and the next `submit`
-sends it along so the engine re-prefills and carries on. `Migrate(src, dst)` is an Interrupt whose request is
-resubmitted to `dst` the moment it lands (before any other admission). Stale tokens are therefore always visible
-to the trainer, whose loss corrects for them (rl/loss.py, train.off_policy).
+that settle them follow the rules of sched/aborts.py, Interrupt / Migrate of partial trajectories those of
+sched/partials.py (both mixed in here).
 """
 from __future__ import annotations
 
@@ -21,6 +15,7 @@ from typing import Any, Callable, Protocol
 
 from rl.types import Group, Trajectory
 from sched.aborts import AbortRules, InvariantError
+from sched.partials import PartialRules
 from sched.base import (Abort, GroupState, Interrupt, LoadWeights, Migrate, Preset, Request, RoundPlan, Submit,
                         TrainCall, Views, EngineView)
 from sched.events import Event, EventLog
@@ -48,7 +43,7 @@ class Backend(Protocol):
 __all__ = ["Backend", "Controller", "InvariantError", "PromptItem"]
 
 
-class Controller(AbortRules):
+class Controller(AbortRules, PartialRules):
     def __init__(self, preset: Preset, source: Callable[[int], list[PromptItem]], group_size: int,
                  prompts_per_step: int, total_steps: int, log: EventLog | None = None, **params: Any):
         self.preset = preset
@@ -197,58 +192,6 @@ class Controller(AbortRules):
             backend.command(cmd)
         else:
             raise TypeError(f"unknown decision {cmd!r}")
-
-    # ------------------------------------------------------------------------------------ partial trajectories
-    def interrupt(self, backend: Backend, req_ids: list[int], migrate_to: int = -1) -> None:
-        """Ask engines to hand back running requests (others are skipped: a finished one simply finished)."""
-        v = self.v
-        send: dict[int, list[int]] = {}
-        for rid in req_ids:
-            r = v.requests.get(rid)
-            if r is None or r.state != "running" or r.engine == migrate_to:
-                continue
-            r.state, r.migrate_to = "interrupting", migrate_to
-            send.setdefault(r.engine, []).append(rid)
-        for engine, ids in sorted(send.items()):
-            backend.command(Interrupt(engine, ids))
-
-    def migrate(self, backend: Backend, cmd: Migrate) -> None:
-        if not 0 <= cmd.dst < len(self.v.engines):
-            raise InvariantError(f"migration to unknown engine {cmd.dst}")
-        self.interrupt(backend, cmd.req_ids, migrate_to=cmd.dst)
-
-    def on_interrupted(self, r: Request, ev: Event) -> None:
-        v = self.v
-        part = ev.payload
-        if r.state not in ("interrupting", "aborting", "requeueing"):
-            raise InvariantError(f"trajectory_interrupted for request {r.req_id} in state {r.state}")
-        if part is None or len(part.response_ids) < r.resumed_tokens or \
-                len(part.logprobs) != len(part.response_ids) or len(part.versions) != len(part.response_ids):
-            raise InvariantError(f"trajectory_interrupted for request {r.req_id} without a consistent partial "
-                                 f"trajectory (it had {r.resumed_tokens} tokens before)")
-        v.engines[r.engine].assigned -= 1
-        self.interrupted += 1
-        src = r.engine
-        r.partial, r.tokens = part, len(part.response_ids)
-        if r.state == "aborting":      # dropped while its interrupt was in flight: discarded
-            r.state = "aborted"
-            self.emit(Event("trajectory_aborted", v.now, engine=src, req_id=r.req_id, group_id=r.group_id,
-                            data={"requeue": False, "interrupted": True}))
-            return
-        r.state, r.engine = "pending", -1
-        if r.migrate_to >= 0:
-            self.migrations.append((r.req_id, src, r.migrate_to))
-        r.migrate_to = -1
-
-    def resubmit_migrated(self, backend: Backend) -> None:
-        todo, self.migrations = self.migrations, []
-        for rid, src, dst in todo:
-            r = self.v.requests.get(rid)
-            if r is None or r.state != "pending":
-                continue
-            self.submit(backend, Submit(dst, [rid]))
-            self.emit(Event("trajectory_migrated", self.v.now, engine=dst, req_id=rid, group_id=r.group_id,
-                            version=self.v.engines[dst].version, data={"src": src, "dst": dst, "tokens": r.tokens}))
 
     def start_round(self, plan: int | RoundPlan) -> None:
         v = self.v

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from config import F
 from sched.base import Dispatch, Submit, Views, register
 from sched.staleflow_cost import CostModel, InstanceSnap
-from sched.staleflow_state import (Item, Member, commit, coordinating, cost_model, fold, routable, snapshots,
-                                   ts_intake, ts_items)
+from sched.staleflow_state import Item, Member, coordinating, cost_model, fold, snapshots
+from sched.staleflow_store import commit, ts_intake, ts_items
 from sched.staleness import StalenessBuffers
 
 

@@ -16,7 +16,8 @@ from config import F
 from sched.base import Dispatch, Submit, Views, register
 from sched.staleflow_cost import InstanceSnap
 from sched.staleflow_route import submits
-from sched.staleflow_state import Item, Member, coordinating, commit, fold, routable, snapshots, ts_intake, ts_items
+from sched.staleflow_state import Item, Member, coordinating, fold, snapshots
+from sched.staleflow_store import commit, routable, ts_intake, ts_items
 from sched.staleness import StalenessBuffers
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 
 from config import F
 from sched.base import Interrupt, LoadWeights, Views, WeightSync, register
-from sched.staleflow_state import Member, TSSummary, coordinating, fold, snapshots, ts_items
+from sched.staleflow_state import Member, coordinating, fold, snapshots
+from sched.staleflow_store import TSSummary, ts_items
 
 
 @register
