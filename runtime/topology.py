@@ -30,6 +30,10 @@ class Topology:
     train_group: dist.ProcessGroup | None = None
     publish_group: dist.ProcessGroup | None = None
     control_group: dist.ProcessGroup | None = None
+    # train ranks, gloo, no deadline: the leader hands each work item to the followers through it. A follower waits
+    # there for as long as a rollout lasts (minutes at scale), which is not a stall; the leader's own waits have
+    # deadlines and its exit ends the job, so the followers never wait on a dead leader for long.
+    work_group: dist.ProcessGroup | None = None
     mesh: object | None = field(default=None, repr=False)  # DeviceMesh over train_group (train ranks only)
 
     @property
@@ -95,9 +99,10 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
     # deadlines that matter are enforced by Channel.get, which names who was being waited for.
     topo.control_group = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(days=30))
     train_group = dist.new_group(train, backend=pg_backend, timeout=timeout)
+    work_group = dist.new_group(train, backend="gloo", timeout=timedelta(days=30))
     publish_group = None if colocate else dist.new_group([0] + rollout, backend=pg_backend, timeout=timeout)
     if topo.is_train:
-        topo.train_group = train_group
+        topo.train_group, topo.work_group = train_group, work_group
         from torch.distributed.device_mesh import DeviceMesh
         topo.mesh = DeviceMesh.from_group(train_group, device.type)
     if rank == 0 or topo.is_rollout:

@@ -114,7 +114,7 @@ def _floats(d: dict[str, Any]) -> dict[str, float]:
 
 def broadcast_item(item: Any, topo: Topology) -> Any:
     holder = [item]
-    dist.broadcast_object_list(holder, src=topo.train_ranks[0], group=topo.train_group)
+    dist.broadcast_object_list(holder, src=topo.train_ranks[0], group=topo.work_group or topo.train_group)
     return holder[0]
 
 
