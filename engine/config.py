@@ -23,7 +23,10 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None  # weights and KV; default: the model's parameter dtype
     device: str | torch.device | None = None  # default: where the model's parameters are
     cuda_graphs: bool = True  # capture decode steps per batch-size bucket (CUDA only)
-    attention: str = "auto"  # "auto" | "kernels" (the kernels/ dispatchers) | "batched" (the CPU batched path)
+    # "auto" | "kernels" (the kernels/ dispatchers) | "batched" (the CPU batched path) | "native" (batched, decode
+    # rows through the C kernel of kernels/cpu_native.py; "auto" picks it on CPU for fp32 when it builds)
+    attention: str = "auto"
+    cpu_packed_linear: bool = True  # CPU fp32: Linear layers through oneDNN on pre-packed weights (engine/cpu_linear.py)
     seed: int = 0  # the engine's generator, used by requests without their own seed
 
     def __post_init__(self) -> None:

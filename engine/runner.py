@@ -4,16 +4,20 @@ Owns the KV pool (one [num_blocks, block_size, Hkv, D] K and V tensor per layer)
 GPU memory, and a block-table tensor with one row per running seat, kept in sync incrementally (a sequence's row is
 only rewritten from the first entry that changed). All batch tensors are built with a handful of vectorised ops on
 the host and moved to the device once. Logits are computed only for the last token of sequences that sample. On
-CUDA, pure-decode steps replay CUDA graphs captured per batch-size bucket (engine/cuda_graphs.py).
+CUDA, pure-decode steps replay CUDA graphs captured per batch-size bucket (engine/cuda_graphs.py). On CPU in fp32, the
+Linear layers run through oneDNN on pre-packed weights (engine/cpu_linear.py) and attention through the C kernel
+of kernels/cpu_native.py.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_linear
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.block_manager import cdiv
 from engine.config import EngineConfig
@@ -42,6 +46,10 @@ class ModelRunner:
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.attn = PagedAttention(self.k_caches, self.v_caches, cfg.head_dim ** -0.5, config.attention)
         self.block_tables = torch.zeros(config.max_num_seqs, self.max_blocks_per_seq, dtype=torch.int32)
+        self.packed = None  # CPU fp32: Linear layers through oneDNN with pre-packed weights (engine/cpu_linear.py)
+        if (config.cpu_packed_linear and self.device.type == "cpu" and self.dtype == torch.float32
+                and cpu_linear.available()):
+            self.packed = cpu_linear.PackedLinears(self.model, batch_hint=config.max_num_seqs)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             from engine.cuda_graphs import DecodeGraphs
@@ -120,7 +128,9 @@ class ModelRunner:
             slot_mapping=slots.to(dev, non_blocking=True), block_tables=bt.to(dev, non_blocking=True),
             context_lens=ctx.to(dev, torch.int32, non_blocking=True),
             cu_seqlens_q=(cu[nd:] - nd).to(dev, torch.int32, non_blocking=True), num_decode=nd,
-            max_context_len=max_ctx, max_query_len=max(ns))
+            max_context_len=max_ctx, max_query_len=max(ns), slots_valid=True,
+            query_seq=owner.to(dev, torch.int32, non_blocking=True),
+            query_len=(pos + 1).to(dev, torch.int32, non_blocking=True))
         return (torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), pos.to(dev, non_blocking=True),
                 meta, logit_idx.to(dev, non_blocking=True))
 
@@ -139,8 +149,9 @@ class ModelRunner:
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                 logit_idx: torch.Tensor | None = None) -> torch.Tensor:
         self.attn.meta = meta
-        hidden = self.model(ids, pos, self.attn)
-        return self.model.logits(hidden if logit_idx is None else hidden[logit_idx])
+        with self.packed.active() if self.packed is not None else contextlib.nullcontext():
+            hidden = self.model(ids, pos, self.attn)
+            return self.model.logits(hidden if logit_idx is None else hidden[logit_idx])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([c[0] for c in copies], device=self.device)
@@ -165,4 +176,6 @@ class ModelRunner:
                 raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the model's is {tuple(p.shape)}")
             p.data.copy_(t)
             n += 1
+        if self.packed is not None:
+            self.packed.repack()
         return n

@@ -74,8 +74,13 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     probs_i / sum(probs). Never an index of zero probability (cdf ties are skipped, rounding is clamped)."""
     cdf = probs.cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    last_nonzero = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
-    return torch.minimum(idx, last_nonzero)
+    # idx lands on a token of positive probability (a zero-probability token repeats the cdf value before it, and
+    # right=True skips ties), except past the end when rounding makes u * total reach the total: those rows take
+    # their last token of positive probability instead
+    V = probs.shape[-1]
+    over = idx >= V
+    last_nonzero = V - 1 - (probs.flip(-1) > 0).int().argmax(-1) if probs.is_cuda or bool(over.any()) else idx
+    return torch.where(over, last_nonzero, idx)
 
 
 def truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -87,17 +87,22 @@ def packed_logprobs(model, outs, temperature=1.0):
 LENGTHS = (1, 5, 16, 17, 40, 9)
 
 
-def test_greedy_matches_transformers_generate(models):
+# the CPU paths: the default (C paged attention + oneDNN packed Linear layers) and plain PyTorch (batched SDPA, F.linear)
+CPU_PATHS = {"native": {}, "torch": dict(attention="batched", cpu_packed_linear=False)}
+
+
+@pytest.mark.parametrize("path", sorted(CPU_PATHS))
+def test_greedy_matches_transformers_generate(models, path):
     hf, ours = models
     ps = prompts(LENGTHS)
     want = [hf_greedy(hf, p, GREEDY.max_new_tokens) for p in ps]
-    eng = engine(ours)
+    eng = engine(ours, **CPU_PATHS[path])
     outs = eng.generate([Request(p, GREEDY) for p in ps])
     assert [o.token_ids for o in outs] == want
     assert all(o.finish_reason == ("stop" if o.token_ids[-1] == 2 else "length") for o in outs)
     assert_pool_whole(eng)
     # scarce blocks: 12 blocks of 4 tokens for six sequences of up to 64 tokens -> preemption by recompute
-    eng = engine(ours, num_kv_tokens=64, max_batch_tokens=16)
+    eng = engine(ours, num_kv_tokens=64, max_batch_tokens=16, **CPU_PATHS[path])
     outs = eng.generate([Request(p, GREEDY) for p in ps])
     assert [o.token_ids for o in outs] == want
     assert eng.scheduler.num_preemptions > 0 and sum(o.num_preemptions for o in outs) > 0
@@ -109,16 +114,19 @@ def test_kernels_reference_attention_gives_the_same_tokens(qwen3):
     ps = prompts((3, 11, 6))
     a = engine(ours, attention="kernels", max_batch_tokens=8).generate([Request(p, GREEDY) for p in ps])
     b = engine(ours, attention="batched").generate([Request(p, GREEDY) for p in ps])
-    assert [o.token_ids for o in a] == [o.token_ids for o in b] == [hf_greedy(hf, p, 24) for p in ps]
+    c = engine(ours, attention="native", max_batch_tokens=8).generate([Request(p, GREEDY) for p in ps])
+    assert ([o.token_ids for o in a] == [o.token_ids for o in b] == [o.token_ids for o in c]
+            == [hf_greedy(hf, p, 24) for p in ps])
 
 
 # ---- logprobs --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
-def test_logprobs_match_training_forward(models, temperature, top_k):
+@pytest.mark.parametrize("path", sorted(CPU_PATHS))
+def test_logprobs_match_training_forward(models, temperature, top_k, path):
     _, ours = models
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=20, seed=i) for i in range(6)]
     # chunked prefill and preemption included: the KV the logprobs come from must be right whichever way it was built
-    eng = engine(ours, num_kv_tokens=96, max_batch_tokens=12)
+    eng = engine(ours, num_kv_tokens=96, max_batch_tokens=12, **CPU_PATHS[path])
     outs = eng.generate([Request(p, sp) for p, sp in zip(prompts(LENGTHS, seed=1), params)])
     assert eng.scheduler.num_preemptions > 0
     for o, ref in zip(outs, packed_logprobs(ours, outs, temperature)):

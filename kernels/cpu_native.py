@@ -1,0 +1,185 @@
+"""CPU kernels in C, for the engine's CPU path: built on first use with the system C compiler, called through ctypes.
+
+On CPU, PyTorch has no paged attention: the batched path (engine/attention.py) gathers every sequence's KV blocks
+into a padded copy and masks the padding, so each decode step writes and re-reads the whole KV context. The C
+kernel in `kernels/csrc/paged_attention.c` reads K/V in place through the block table instead (the same walk the
+Triton kernels do on GPU), one query row at a time: decode rows, prefill chunks and mixed batches in one call. No torch headers are involved, so the build is one `cc` call of well under a second;
+the shared object is cached under `TIDAL_CACHE_DIR` (default `~/.cache/tidal`), keyed by the source, the flags,
+the compiler and the CPU's feature flags (the build uses `-march=native`), and written by atomic rename so ranks
+building at once do not trip over each other.
+
+Nothing here is required: without a C compiler (or with `TIDAL_CPU_NATIVE=0`) `native_available()` is
+False and the engine keeps the batched PyTorch path, after one warning that says why.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+# Reassociation lets the compiler vectorise the dot products; no -ffinite-math-only, so the NaN checks stay.
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+          "-fopenmp", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None  # why the library is unavailable, once a build was tried
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tidal")
+    return Path(root)
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native depends on: the CPU's feature flags (a cache shared by different machines must not hand
+    one an object built for instructions it lacks)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() + platform.machine()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return cc
+    return next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernels (unless a cached build exists) and return the shared object's path. Raises
+    RuntimeError naming the compiler command and its output on failure."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), cc.encode(), _cpu_fingerprint().encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    out = cache_dir() / f"paged_attention-{key}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".paged_attention-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *CFLAGS, str(SOURCE), "-o", tmp]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _error
+    if _lib is not None or _error is not None:
+        return _lib
+    with _lock:
+        if _lib is not None or _error is not None:
+            return _lib
+        if os.environ.get("TIDAL_CPU_NATIVE", "1").lower() in ("0", "false", "off", "no"):
+            _error = "disabled by TIDAL_CPU_NATIVE=0"
+            return None
+        try:
+            lib = ctypes.CDLL(str(build()))
+            fn = lib.paged_attention_f32
+            fn.restype = ctypes.c_int
+            fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
+                           + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int])
+            _lib = lib
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            _error = str(e)
+            warnings.warn(f"CPU native kernels unavailable, using the batched PyTorch path: {e}")
+    return _lib
+
+
+def native_available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _error
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the native kernel takes these tensors (fp32 on CPU, GQA group a whole number)."""
+    return (q.device.type == "cpu" and k_cache.device.type == "cpu" and q.dtype == torch.float32
+            and k_cache.dtype == torch.float32 and q.shape[1] % k_cache.shape[2] == 0)
+
+
+def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           row_seq: torch.Tensor, row_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [R, Hq, D] -> out [R, Hq, D]: row r attends over the first row_len[r] pool tokens of sequence row_seq[r]
+    (a row of block_tables [S, W]). Raises on tensors it does not take and on sequence or block ids out of range."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU native kernels unavailable: {_error}")
+    if not supports(q, k_cache):
+        raise ValueError(f"native paged attention needs fp32 CPU tensors and Hq % Hkv == 0, got q {q.dtype} "
+                         f"{tuple(q.shape)} on {q.device}, cache {k_cache.dtype} {tuple(k_cache.shape)}")
+    R, Hq, D = q.shape
+    num_blocks, bs, Hkv, Dk = k_cache.shape
+    if Dk != D or v_cache.shape != k_cache.shape:
+        raise ValueError(f"head_dim mismatch: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    if row_seq.shape != (R,) or row_len.shape != (R,):
+        raise ValueError(f"row_seq {tuple(row_seq.shape)} / row_len {tuple(row_len.shape)} must both be [{R}]")
+    q = q.contiguous()
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    bt = block_tables.to(torch.int32).contiguous()
+    seq = row_seq.to(torch.int32).contiguous()
+    lens = row_len.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    rc = lib.paged_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.shape[1],
+                                 seq.data_ptr(), lens.data_ptr(), out.data_ptr(), R, Hq, Hkv, D, bs, num_blocks,
+                                 bt.shape[0], scale, torch.get_num_threads())
+    if rc == -2:
+        raise IndexError(f"native paged attention: a row names a sequence outside the {bt.shape[0]} rows of the "
+                         f"block table, attends past its {bt.shape[1]} blocks, or reads a block outside the pool's "
+                         f"{num_blocks}")
+    if rc != 0:
+        raise MemoryError("native paged attention: could not allocate its scratch memory")
+    return out
+
+
+def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The contract of kernels.paged_attention.paged_decode_ref (no sliding window): q [B, Hq, D], one query row
+    per sequence attending over its context_lens[b] tokens."""
+    return paged_attention_native(q, k_cache, v_cache, block_tables, torch.arange(q.shape[0]), context_lens, scale)
+
+
+def paged_prefill_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """The contract of kernels.paged_attention.paged_prefill_ref (no sliding window): new token i of sequence b
+    sits at position context_lens[b] - q_len_b + i and attends to the positions up to its own."""
+    rows_seq, rows_len = prefill_rows(cu_seqlens_q, context_lens)
+    return paged_attention_native(q, k_cache, v_cache, block_tables, rows_seq, rows_len, scale)
+
+
+def prefill_rows(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, tokens attended) of every new token of a prefill batch, causal within each sequence."""
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    T = int(cu_seqlens_q[-1])
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens, output_size=T)
+    local = torch.arange(T) - cu_seqlens_q[:-1].long()[seq]
+    return seq, context_lens.long()[seq] - q_lens[seq] + local + 1
