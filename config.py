@@ -160,6 +160,10 @@ class ClusterConfig:
     cpu_threads: int = F(1, ge=0, help="torch threads per CPU rank; 0 = cores / ranks on the node (more threads "
                          "than free cores make small ops many times slower)")
     verify_weights: bool = F(True, help="checksum every published tensor on the engines; a mismatch stops the run")
+    cpu_affinity: str = F("none", choices=("none", "partition"),
+                          help="partition = pin each partition's ranks to its own share of this node's cores (rollout "
+                          "ranks on the last ones, in proportion to rank counts, at least one each): disaggregated "
+                          "pools on one CPU box, so one partition's idle time is not the other's")
 
 
 @dataclass
@@ -223,6 +227,8 @@ class Config:
             yield "train.filter_zero_variance", "would drop every group: rollout.group_size is 1"
         if t.minibatches > r.prompts_per_step * r.group_size:
             yield "train.minibatches", f"must be <= samples per step = {r.prompts_per_step * r.group_size}"
+        if self.cluster.cpu_affinity == "partition" and self.cluster.colocate:
+            yield "cluster.cpu_affinity", "'partition' needs separate partitions; colocated ranks run both roles"
 
 
 # -------------------------------------------------------------------------------------------- the validator

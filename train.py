@@ -29,7 +29,7 @@ from runtime.build import build_run, device_for_rank, make_run_dir, model_for_ra
 from runtime import watchdog
 from runtime.channel import Channel
 from runtime.logger import MetricsLogger
-from runtime.topology import init_distributed, split_ranks
+from runtime.topology import init_distributed, partition_cores, pin_to_cores, split_ranks
 from sched.controller import Controller
 
 
@@ -74,6 +74,11 @@ def main(argv: list[str]) -> int:
 
     # 3. ranks and process groups; one run directory, named on rank 0
     topo = init_distributed(c.rollout_ranks, c.rollout_fraction, c.colocate, c.backend, c.timeout_s)
+    if c.cpu_affinity == "partition":
+        local, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        node_ranks = list(range(topo.rank - local, topo.rank - local + local_world))
+        train_cores, rollout_cores = partition_cores(sorted(os.sched_getaffinity(0)), node_ranks, topo)
+        pin_to_cores(rollout_cores if topo.is_rollout else train_cores)
     if topo.device.type == "cpu":
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(c.cpu_threads or max(1, (os.cpu_count() or 1) // local_ranks))

@@ -1,11 +1,15 @@
 """Scheduling presets for real, side by side: torchrun with 2 rollout + 2 train ranks on the long-tail workload.
 
     python bench/policies.py                       # sync and every preset (PRESETS), 12 rounds each
-    python bench/policies.py --presets sync,rolloutpipe --widths 2,8,16 --repeats 2
+    python bench/policies.py --presets sync,rolloutpipe --widths 1,2,4 --repeats 3
 
+Disaggregated pools on one CPU box (`--affinity partition`, cluster.cpu_affinity): the two rollout ranks share one
+core and the two train ranks the other, as the papers' rollout and train GPUs are separate; without it, four ranks
+time-share two cores and overlapping training with rollout has no idle hardware to reclaim.
 Each preset trains on the same number of samples (`--rounds` rounds of P prompts x G samples) of the
-`repeat` task with capped answers (rl/tasks.py: most answers 1-4 tokens, one prompt in eight 24-32, the same
-length for a whole group), from the same random init and seed, with the same optimizer batch where the preset
+`repeat` task with capped answers (rl/tasks.py: most answers 1-4 tokens, one prompt in eight `--tail` 64-96 tokens,
+the same length for a whole group: the synchronous baseline's trainer then waits ~45% of the time, the regime the
+RolloutPipe paper measures, 47-52% for Slime), from the same random init and seed, with the same optimizer batch where the preset
 has one: `--batch-groups U` groups (U x G samples) per optimizer step, so sync takes P/U minibatch steps per
 round (Slime's logical updates, the RolloutPipe paper's baseline) and the every-U presets (rolloutpipe,
 fgd_tailbatch) step every U complete groups; the stream-trainer presets (rollpacker, streamrl) take their one
@@ -81,11 +85,14 @@ def batch_overrides(preset: str, prompts: int, u: int) -> tuple[list[str], int]:
 def torchrun_cmd(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -> list[str]:
     batch, per_round = batch_overrides(run.preset, args.prompts, args.batch_groups)
     steps = args.rounds * per_round
+    lo, hi = args.tail
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_port", str(port),
             "train.py", "--config", "configs/tiny.toml", "--log.progress=false", f"--log.dir={run_dir}",
             f"--sched.preset={run.preset}", "--cluster.rollout_ranks=2", f"--train.steps={steps}",
             f"--rollout.prompts_per_step={args.prompts}", f"--rollout.group_size={args.group_size}",
-            "--checkpoint.export_hf=false", *WORKLOAD, *batch, *args.extra, *run.overrides]
+            "--checkpoint.export_hf=false", f"--cluster.cpu_affinity={args.affinity}", *WORKLOAD,
+            f"--data.len_tail_min={lo}", f"--data.len_tail_max={hi}", f"--rollout.max_new_tokens={hi + 1}", *batch,
+            *args.extra, *run.overrides]
 
 
 def measure(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -> None:
@@ -113,7 +120,7 @@ def measure(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -> Non
 def variants(args: argparse.Namespace) -> list[Run]:
     runs = []
     for preset in args.presets:
-        if preset == "rolloutpipe" and args.widths:
+        if preset == "rolloutpipe" and args.widths:  # F_w: groups in service per engine
             runs += [Run(f"rolloutpipe[F_w={w}]", preset, (f"--sched.dispatch.width={w}",)) for w in args.widths]
         else:
             runs.append(Run(preset, preset))
@@ -127,13 +134,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--presets", type=lambda s: s.split(","), default=PRESETS,
                     help=f"comma-separated, sync first (default: {','.join(PRESETS)})")
     ap.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[],
-                    help="FGD frontier widths F_w to sweep for rolloutpipe (default: the preset's own)")
+                    help="FGD frontier widths F_w (groups per engine) to sweep for rolloutpipe (default: the preset's)")
     ap.add_argument("--rounds", type=int, default=12, help="rounds of P prompts each preset trains on")
     ap.add_argument("--prompts", type=int, default=16, help="P: prompts (groups) per round")
     ap.add_argument("--group-size", type=int, default=8, help="G: samples per prompt")
     ap.add_argument("--batch-groups", type=int, default=2,
                     help="U: groups per optimizer step for the presets that have the knob (RolloutPipe: K=8, B=16)")
     ap.add_argument("--repeats", type=int, default=1, help="passes over the preset list (alternating)")
+    ap.add_argument("--tail", type=lambda s: tuple(int(x) for x in s.split(",")), default=(64, 96),
+                    help="MIN,MAX answer lengths of the long tail (1 prompt in 8; the others 1-4 tokens). 64,96 puts "
+                         "the synchronous baseline's trainer wait at ~45%%, the RolloutPipe paper's regime (Slime: "
+                         "47-52%%); the tests' WORKLOAD has 24,32")
+    ap.add_argument("--affinity", default="partition", choices=("partition", "none"),
+                    help="cluster.cpu_affinity: partition (default) = rollout ranks on one core, train ranks on the "
+                         "other, the papers' disaggregated pools; none = all four ranks share both cores")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--port", type=int, default=29700)
     ap.add_argument("--out", default="", help="keep the run directories here (default: a temporary directory)")

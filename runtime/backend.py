@@ -76,15 +76,26 @@ class RuntimeBackend:
     def next_event(self) -> Event:
         while not self.pending:
             src, msg = self.channel.get(timeout=self.timeout_s, waiting_for=self._waiting_for())
-            for ev in (msg if isinstance(msg, list) else [msg]):
-                if not isinstance(ev, Event):
-                    raise RuntimeError(f"rank {src} sent {type(ev).__name__} where an event was expected")
-                if ev.kind in LEFT_ENGINE and 0 <= ev.engine < self.num_engines:
-                    self.assigned[ev.engine] = max(self.assigned[ev.engine] - 1, 0)
-                elif ev.kind == "train_step_done":
-                    self.training = False
-                self.pending.append(ev)
+            self._receive(src, msg)
         return self.pending.popleft()
+
+    def _receive(self, src: int, msg: Any) -> None:
+        for ev in (msg if isinstance(msg, list) else [msg]):
+            if not isinstance(ev, Event):
+                raise RuntimeError(f"rank {src} sent {type(ev).__name__} where an event was expected")
+            if ev.kind in LEFT_ENGINE and 0 <= ev.engine < self.num_engines:
+                self.assigned[ev.engine] = max(self.assigned[ev.engine] - 1, 0)
+            elif ev.kind == "train_step_done":
+                self.training = False
+            self.pending.append(ev)
+
+    def has_pending(self) -> bool:
+        """Events already received (the rest of an engine step's message, or whole messages that are waiting in
+        the inbox): the controller applies them all before deciding once."""
+        if not self.pending:
+            for src, msg in self.channel.poll():
+                self._receive(src, msg)
+        return bool(self.pending)
 
     def _waiting_for(self) -> str:
         busy = [f"engine {i} (rank {self.topo.engine_rank(i)}, {n} requests)" for i, n in enumerate(self.assigned)

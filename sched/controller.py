@@ -38,6 +38,9 @@ class Backend(Protocol):
     def command(self, cmd: Abort | Interrupt | Migrate | LoadWeights) -> None: ...
     def train(self, call: TrainCall, groups: list[Group]) -> None: ...
     def next_event(self) -> Event: ...  # blocks until one is available (the backend enforces its own deadline)
+    # optional: `has_pending() -> bool`, whether next_event would return at once with an event that arrived
+    # together with the last one (the runtime's engines send one message per step); the controller applies such
+    # a batch before deciding once. Backends without it (the simulator) are decided on after every event.
 
 
 __all__ = ["Backend", "Controller", "InvariantError", "PromptItem"]
@@ -72,12 +75,17 @@ class Controller(AbortRules, PartialRules):
         if not self.v.engines:
             self.v.engines = [EngineView(engine=i) for i in range(backend.num_engines)]
         self.decide(backend)
+        has_pending = getattr(backend, "has_pending", None)
         while not self.done:
-            ev = backend.next_event()
-            self.apply(ev)
+            batch = [backend.next_event()]
+            while has_pending is not None and has_pending():
+                batch.append(backend.next_event())
+            for ev in batch:
+                self.apply(ev)
             self.decide(backend)
             if after_event is not None:
-                after_event(ev)
+                for ev in batch:
+                    after_event(ev)
         self.log.flush()
         return self.v
 

@@ -5,17 +5,18 @@ random order and the trainer, which needs whole groups, waits for stragglers of 
 arrival gap", §2.2). FGD serves at most F_w groups at a time, the earliest submitted ones:
 
     O = groups with a request not yet done (pending, running or being requeued)
-    F = the F_w lowest-order groups of O                               (Eq. 5; order = group id = submission order)
+    F = the F_w x N lowest-order groups of O          (Eq. 5 for N engines; order = group id = submission order)
     a pending request is admitted iff its group is in F, else it waits ("Deferred Groups")     (Eq. 6)
 
 A group leaves F once all its requests are finished or dropped ("serving-complete"; with tail batching that is
 when its surplus responses are aborted), and the next deferred group takes the slot on the next decision. F need
 not be contiguous (group 2 finishing before group 1 gives F = {1, 3}). Within F the engine's own continuous
-batching decides what runs. A group goes whole to the least-loaded engine; F_w is global across engines, so with
-N engines choose F_w >= N (the paper has one rollout node and F_w = U = 2). Intake: synchronous rounds.
+batching decides what runs. F_w counts groups per engine: the paper's rollout node is one engine (2 A100s, TP = 2)
+with F_w = U = 2, so N engines serve F_w x N groups, each going whole to the least-loaded engine.
+Intake: synchronous rounds.
 
-Invariant kept: at most F_w groups are ever in service; a group never spans engines (requeued requests of a group
-return to the engine that serves the rest of it).
+Invariant kept: at most F_w x N groups are ever in service; a group never spans engines (requeued requests of a
+group return to the engine that serves the rest of it).
 """
 from __future__ import annotations
 
@@ -47,12 +48,12 @@ class FrontierDispatch(Dispatch):
 
     @dataclass
     class Params:
-        width: int = F(2, ge=1, help="F_w: groups in service at once")
+        width: int = F(2, ge=1, help="F_w: groups in service at once per engine (the frontier holds F_w x engines)")
 
     def admit(self, v: Views) -> list[Submit]:
         load = {e.engine: e.assigned for e in v.engines}
         out: dict[int, list[int]] = {}
-        for gid in frontier(v, self.p.width):
+        for gid in frontier(v, self.p.width * len(v.engines)):
             reqs = [v.requests[i] for i in v.groups[gid].req_ids]
             todo = [r.req_id for r in reqs if r.state == "pending"]
             if not todo:

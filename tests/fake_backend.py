@@ -32,8 +32,13 @@ class TrainRecord:
 
 
 class FakeBackend:
-    def __init__(self, num_engines: int, seed: int, race_s: float = 0.5, max_len: int = 40):
+    def __init__(self, num_engines: int, seed: int, race_s: float = 0.5, max_len: int = 40,
+                 batch_window: float | None = None):
         self.num_engines = num_engines
+        # batch_window: events within this time of the last one count as arrived with it (has_pending), so the
+        # controller applies them together and decides once, as it does over real ranks
+        self.batch_window = batch_window
+        self.batched = 0  # events delivered as part of a batch
         self.rng = random.Random(seed)
         self.seed, self.race_s, self.max_len = seed, race_s, max_len
         self.t = 0.0
@@ -117,6 +122,15 @@ class FakeBackend:
         elif ev.kind == "reward_scored":
             self.live.pop(ev.req_id, None)
         return ev
+
+    def has_pending(self) -> bool:
+        if self.batch_window is None:
+            return False
+        while self.q and self.q[0][1] in self.cancelled:
+            heapq.heappop(self.q)
+        pending = bool(self.q) and self.q[0][0] <= self.t + self.batch_window
+        self.batched += pending
+        return pending
 
     def drain(self, ctl: Controller) -> None:
         """Deliver every outstanding event to the controller's views (no more decisions): settles the books."""

@@ -1,7 +1,9 @@
 """The control channel over gloo: ordered delivery, any-source fan-in, deadlines that name the peer."""
 import pytest
 
-from runtime.topology import split_ranks
+import torch
+
+from runtime.topology import Topology, partition_cores, pin_to_cores, split_ranks
 from tests.dist_utils import new_group, run_world
 
 
@@ -56,3 +58,46 @@ def test_rank_split(world, n, frac, coloc, train, rollout):
 def test_impossible_splits_name_the_key(world, n, msg):
     with pytest.raises(ValueError, match=msg):
         split_ranks(world, n, 0.5, False)
+
+
+def _topo(rank: int, world: int, n_rollout: int, colocate: bool = False) -> Topology:
+    train, rollout = split_ranks(world, n_rollout, 0.5, colocate)
+    return Topology(rank, world, train, rollout, colocate, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("cores, world, n_rollout, train_cores, rollout_cores", [
+    ([0, 1], 4, 2, [0], [1]),               # the bench: 2 train + 2 rollout ranks on 2 cores
+    ([0, 1], 4, 1, [0], [1]),               # the tiny default: at least one core each
+    ([0, 1, 2, 3], 4, 1, [0, 1, 2], [3]),
+    ([4, 5, 6, 7, 8, 9], 3, 1, [4, 5, 6, 7], [8, 9]),
+])
+def test_partition_cores_split_the_node(cores, world, n_rollout, train_cores, rollout_cores):
+    for rank in range(world):
+        topo = _topo(rank, world, n_rollout)
+        assert partition_cores(cores, list(range(world)), topo) == (train_cores, rollout_cores)
+
+
+def test_partition_cores_edge_cases():
+    assert partition_cores([0, 1, 2], [0, 1], _topo(0, 4, 2)) == ([0, 1, 2], [0, 1, 2])  # node with train ranks only
+    with pytest.raises(ValueError, match="at least 2 CPUs"):
+        partition_cores([0], [0, 1, 2, 3], _topo(0, 4, 2))
+    with pytest.raises(ValueError, match="colocated"):
+        partition_cores([0, 1], [0, 1], _topo(0, 2, 0, colocate=True))
+
+
+def test_pinning_moves_every_thread(tmp_path):
+    import os
+    import threading
+    before = os.sched_getaffinity(0)
+    started, stop = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: (started.set(), stop.wait()), daemon=True)
+    t.start()
+    started.wait()
+    target = [min(before)]
+    try:
+        pin_to_cores(target)
+        assert os.sched_getaffinity(0) == set(target) and os.sched_getaffinity(t.native_id) == set(target)
+    finally:
+        stop.set()
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), before)

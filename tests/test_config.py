@@ -262,6 +262,8 @@ def test_missing_config_file_lists_what_is_there(tmp_path):
      "would drop every group"),
     (["--train.minibatches=9", "--rollout.prompts_per_step=2", "--rollout.group_size=4"], "train.minibatches = 9",
      "must be <= samples per step = 8"),
+    (["--cluster.cpu_affinity=partition", "--cluster.colocate=true"], 'cluster.cpu_affinity = "partition"',
+     "needs separate partitions"),
 ])
 def test_cross_field_checks(overrides, key, problem):
     msg = error(None, overrides)

@@ -52,21 +52,27 @@ def materialize(v, gid, seq, scored=None):
 
 # ---- frontier (FGD) --------------------------------------------------------------------------------------------
 def test_frontier_admits_only_the_earliest_unfinished_groups():
+    # F_w groups per engine: 2 engines x 1 = a frontier of 2 groups
     v = views([["pending"] * 3] * 5)
-    subs = FrontierDispatch(FrontierDispatch.Params(width=2)).admit(v)
+    subs = FrontierDispatch(FrontierDispatch.Params(width=1)).admit(v)
     assert [(s.engine, s.req_ids) for s in subs] == [(0, [0, 1, 2]), (1, [3, 4, 5])]  # whole groups, spread
+    v = views([["pending"] * 3] * 5)
+    assert sorted(r for s in FrontierDispatch(FrontierDispatch.Params(width=2)).admit(v) for r in s.req_ids) == \
+        list(range(12))  # 2 engines x 2: the first four groups
     v = views([["finished:1"] * 3, ["running"] * 3, ["pending"] * 3, ["pending"] * 3])
-    assert [s.req_ids for s in FrontierDispatch(FrontierDispatch.Params(width=2)).admit(v)] == [[6, 7, 8]]
+    assert [s.req_ids for s in FrontierDispatch(FrontierDispatch.Params(width=1)).admit(v)] == [[6, 7, 8]]
     # group 1 finished before group 0: F = {0, 2}, not contiguous
     v = views([["running"] * 2, ["finished:1"] * 2, ["pending"] * 2, ["pending"] * 2])
-    assert [s.req_ids for s in FrontierDispatch(FrontierDispatch.Params(width=2)).admit(v)] == [[4, 5]]
-    # a requeued request returns to its group's engine, and the group still holds its slot
-    v = views([["running", "pending"], ["pending", "pending"]], engines=3)
+    assert [s.req_ids for s in FrontierDispatch(FrontierDispatch.Params(width=1)).admit(v)] == [[4, 5]]
+    # a requeued request returns to its group's engine, and the group still holds its slot (3 engines x 1)
+    v = views([["running", "pending"], ["pending", "pending"], ["pending", "pending"], ["pending", "pending"]],
+              engines=3)
     v.requests[0].engine = 2
-    assert [(s.engine, s.req_ids) for s in FrontierDispatch(FrontierDispatch.Params(width=1)).admit(v)] == [(2, [1])]
+    subs = {s.engine: s.req_ids for s in FrontierDispatch(FrontierDispatch.Params(width=1)).admit(v)}
+    assert subs[2][:1] == [1] and sorted(r for ids in subs.values() for r in ids) == [1, 2, 3, 4, 5]
     # aborting requests do not hold a slot (their group is serving-complete for FGD)
-    v = views([["aborting", "finished:1"], ["pending", "pending"]])
-    assert [s.req_ids for s in FrontierDispatch(FrontierDispatch.Params(width=1)).admit(v)] == [[2, 3]]
+    v = views([["aborting", "finished:1"], ["pending", "pending"], ["pending", "pending"]])
+    assert sorted(s.req_ids for s in FrontierDispatch(FrontierDispatch.Params(width=1)).admit(v)) == [[2, 3], [4, 5]]
     with pytest.raises(ConfigError, match="width = 0 .*must be >= 1"):
         sched.load_preset("rolloutpipe", {"dispatch": {"width": 0}}, lambda cls, t, pre: build(cls, t, "x", pre))
 

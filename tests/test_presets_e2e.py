@@ -47,8 +47,10 @@ def check_log(run: Path) -> dict:
 @pytest.mark.parametrize("preset", ["rolloutpipe", "rollpacker", "streamrl", "fgd_tailbatch"])
 def test_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, tmp_path):
     run = tmp_path / preset
+    pin = ["--cluster.cpu_affinity=partition"] if preset == "rolloutpipe" else []  # bench/policies.py's setting
     torchrun(4, f"--log.dir={run}", f"--sched.preset={preset}", "--cluster.rollout_ranks=2", "--train.steps=6",
-             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", *WORKLOAD, "--data.len_tail_frac=0.25")
+             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", *WORKLOAD, "--data.len_tail_frac=0.25",
+             *pin)
     assert [r["step"] for r in metrics(run)] == list(range(1, 7))
     lengths = long_tail(run)
     assert lengths["max"] >= 20 and lengths["median"] <= 5, lengths
