@@ -7,11 +7,15 @@ Definitions (names shared by the runtime, the simulator and the papers' reproduc
     engine_idle_ratio       1 - busy decode time / (engines x makespan) (RollPacker's "bubble ratio", suggested form)
     rollout_to_train_end    per round: end of the train call that consumed its last group - round start (mean)
     weight_sync_s           mean time from a publishing step's end to version_published
-    staleness               histogram of (trainer version at consumption - generating version) over trained samples
+    staleness               histogram of (trainer version at consumption - generating version) over trained groups
+    staleness_at_finish     histogram of (trainer version when the sample finished decoding - its oldest token's
+                            version) over finished samples: Laminar §6's "inherent staleness" M - K, which leaves
+                            out the time a finished sample waits in the buffer before it is trained
     samples_per_s, tokens_per_s   finished trajectories (and their response tokens) per second of makespan
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter, defaultdict
 from statistics import mean
 from typing import Any, Iterable
@@ -105,6 +109,19 @@ def summarize(events: list[Event], num_engines: int | None = None) -> dict[str, 
                     stale[e.version - gen_version[g]] += 1
     out["staleness"] = dict(sorted(stale.items()))
     out["staleness_max"] = max(stale) if stale else 0
+    steps = sorted((e.t, e.version) for e in events if e.kind == "train_step_done" and e.data.get("stepped", True))
+    step_t = [t for t, _ in steps]
+    running_max, v = [], 0
+    for _, ver in steps:
+        v = max(v, ver)
+        running_max.append(v)
+    inherent: Counter[int] = Counter()
+    for e in fin:
+        if e.version >= 0:
+            i = bisect_right(step_t, e.t)
+            inherent[running_max[i - 1] - e.version if i else 0] += 1  # no step yet: trainer at its start version
+    out["staleness_at_finish"] = dict(sorted(inherent.items()))
+    out["staleness_at_finish_max"] = max(inherent) if inherent else 0
 
     # weight sync
     done_t = {e.version: e.t for e in events if e.kind == "train_step_done" and e.data.get("stepped", True)}

@@ -54,3 +54,20 @@ def test_timeline_png(tmp_path):
     png = tmp_path / "timeline.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert timeline_main([str(tmp_path / "missing")]) == 2
+
+
+def test_staleness_at_finish_is_laminar_inherent_staleness():
+    """Laminar §6: M - K with M the trainer version when the sample *finished*, not when it was trained."""
+    ev = [Event("round_started", 0.0, data={"round": 0, "prompts": 3}),
+          Event("trajectory_finished", 1.0, req_id=0, group_id=0, version=0, data={"tokens": 5}),
+          Event("train_step_done", 2.0, version=1),
+          Event("train_step_done", 3.0, version=2),
+          Event("train_step_done", 3.5, version=3, data={"stepped": False}),   # accumulation only: no new version
+          Event("trajectory_finished", 4.0, req_id=1, group_id=1, version=0, data={"tokens": 5}),
+          Event("trajectory_finished", 4.0, req_id=2, group_id=1, version=1, data={"tokens": 5}),
+          Event("group_materialized", 4.0, group_id=0, version=0),
+          Event("group_materialized", 4.0, group_id=1, version=0),
+          Event("train_started", 9.0, version=5, data={"groups": [0, 1]})]
+    m = summarize(ev)
+    assert m["staleness_at_finish"] == {0: 1, 1: 1, 2: 1} and m["staleness_at_finish_max"] == 2
+    assert m["staleness"] == {5: 2}       # consume-time staleness counts the buffer wait too

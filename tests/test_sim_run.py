@@ -112,6 +112,23 @@ def test_repro_counts_hits_and_unavailable_policies(capsys, monkeypatch):
     assert lines[-1] == "rolloutpipe: 1/4 headline figures within 20%"
 
 
+
+def test_repro_train_speed_is_a_labelled_sensitivity_that_restores_the_profiles(capsys, monkeypatch):
+    from sim.profiles import get_profile
+    base = get_profile("h800_laminar_32b").train_s_per_token
+    seen = []
+    rows = [repro.Row("train cost", (0.0, 1.0), "-",
+                      lambda runs: seen.append(get_profile("h800_laminar_32b").train_s_per_token) or 0.5)]
+    monkeypatch.setitem(repro.PAPERS, "laminar", rows)
+    assert repro.main(["laminar", "--train-speed", "2"]) == 0
+    assert seen == [pytest.approx(base / 2)]
+    assert get_profile("h800_laminar_32b").train_s_per_token == base      # restored for the next caller
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "laminar: 1/1 headline figures within 20% (sensitivity run: training 2x faster per token)")
+    with pytest.raises(SystemExit):
+        repro.main(["laminar", "--train-speed", "0"])
+    assert "--train-speed must be > 0" in capsys.readouterr().err
+
 def test_calibrate_recovers_a_known_step_time(tmp_path):
     k3, k4, lines, t, total = 5e-5, 2e-3, [], 0.0, 0
     lines.append({"kind": "engine_busy", "t": 0.0, "engine": 0, "rank": 1})
