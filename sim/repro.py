@@ -359,18 +359,9 @@ def lm_get(runs: Runs, preset: str, s: Setting, overrides: tuple = ()) -> SimRes
     return runs.cache[key]
 
 
-def steady_throughput(r: SimResult, warmup: int = LM_WARMUP) -> float:
-    """Samples trained per second between the end of optimizer step `warmup` and the end of the last one."""
-    cum, pts = 0.0, []
-    for e in r.events:
-        if e.kind == "train_step_done":
-            cum += e.data.get("samples", 0)
-            if e.data.get("stepped", True):
-                pts.append((e.t, cum))
-    if len(pts) <= warmup:
-        raise RuntimeError(f"{r.preset}: only {len(pts)} optimizer steps")
-    (t0, c0), (t1, c1) = pts[warmup - 1] if warmup else (0.0, 0.0), pts[-1]
-    return (c1 - c0) / (t1 - t0)
+def steady_throughput(r: SimResult) -> float:
+    """Samples trained per second after Laminar's LM_WARMUP iterations (after_warmup_throughput's definition)."""
+    return after_warmup_throughput(r, LM_WARMUP)
 
 
 def generation_tps(r: SimResult) -> float:
