@@ -6,20 +6,21 @@ the backend. The controller also checks the invariants every preset must keep (a
 only after it is materialised; nothing finished is lost; no trajectory staler than the preset's bound; a resumed
 trajectory never goes back in version), so a buggy policy fails loudly in tests. Abort decisions and the events
 that settle them follow the rules of sched/aborts.py, Interrupt / Migrate of partial trajectories those of
-sched/partials.py (both mixed in here).
+sched/partials.py, and events are folded into the views by sched/fold.py (all three mixed in here).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from rl.types import Group, Trajectory
+from rl.types import Group
 from sched.aborts import AbortRules, InvariantError
+from sched.fold import EventFold
 from sched.partials import PartialRules
 from sched.base import (Abort, GroupState, Interrupt, LoadWeights, Migrate, Preset, Request, RoundPlan, Submit,
                         TrainCall, Views, EngineView)
 from sched.events import Event, EventLog
-from sched.snapshot import load_views, release_held, save_views
+from sched.snapshot import load_views, save_views
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Backend(Protocol):
 __all__ = ["Backend", "Controller", "InvariantError", "PromptItem"]
 
 
-class Controller(AbortRules, PartialRules):
+class Controller(AbortRules, PartialRules, EventFold):  # EventFold last: its stubs must not shadow the rules
     def __init__(self, preset: Preset, source: Callable[[int], list[PromptItem]], group_size: int,
                  prompts_per_step: int, total_steps: int, log: EventLog | None = None, **params: Any):
         self.preset = preset
@@ -113,59 +114,6 @@ class Controller(AbortRules, PartialRules):
 
     def emit(self, ev: Event) -> None:
         self.log.write(ev)
-
-    # ------------------------------------------------------------------------------------------------- events
-    def apply(self, ev: Event) -> None:
-        v = self.v
-        v.now = ev.t
-        v.seq += 1
-        self.emit(ev)
-        k = ev.kind
-        if k == "tokens_decoded":
-            e = v.engines[ev.engine]
-            d = ev.data
-            e.running, e.waiting = d.get("running", e.running), d.get("waiting", e.waiting)
-            e.kv_used, e.kv_free = d.get("kv_used", e.kv_used), d.get("kv_free", e.kv_free)
-            e.tokens_decoded = d.get("total", e.tokens_decoded)
-            for rid, n in d.get("progress", {}).items():
-                if int(rid) in v.requests:
-                    v.requests[int(rid)].tokens = n
-        elif k == "trajectory_finished":
-            r = v.requests[ev.req_id]
-            r.tokens, r.finished_seq = ev.data.get("tokens", r.tokens), v.seq
-            v.engines[r.engine].assigned -= 1
-            self.on_finished(r)
-        elif k == "reward_scored":
-            traj: Trajectory = ev.payload
-            g = v.groups.get(ev.group_id)
-            if g is None:  # its round was consumed and forgotten: a discarded sample's late reward
-                return
-            if traj is None or traj.group_id != g.group_id:
-                raise InvariantError(f"reward_scored event without its trajectory for group {ev.group_id}")
-            r = v.requests.get(ev.req_id) if ev.req_id >= 0 else v.requests.get(g.req_ids[traj.sample_index])
-            if r is None or r.state != "aborted":  # a discarded trajectory is never trained
-                g.trajectories.append(traj)
-                g.scored += 1
-                self._materialize(g)
-        elif k == "trajectory_interrupted":
-            if ev.req_id in v.requests:
-                self.on_interrupted(v.requests[ev.req_id], ev)
-        elif k == "trajectory_aborted":
-            if ev.req_id in v.requests:  # else its round was already consumed and forgotten
-                self.on_aborted(v.requests[ev.req_id], bool(ev.data.get("requeue")))
-        elif k == "train_step_done":
-            t = v.trainer
-            t.busy = False
-            if ev.data.get("stepped", True):
-                t.version, t.steps_done, t.groups_since_step = ev.version, t.steps_done + 1, 0
-        elif k == "version_published":
-            v.trainer.published = max(v.trainer.published, ev.version)
-        elif k == "weights_loaded":
-            e = v.engines[ev.engine]
-            e.version, e.loading = ev.version, False
-            release_held(self)  # requests restored from a checkpoint wait for weights
-        elif k == "rank_failed":
-            raise RuntimeError(f"rank {ev.rank} failed: {ev.data.get('error', 'unknown error')}")
 
     # ---------------------------------------------------------------------------------------------- decisions
     def decide(self, backend: Backend) -> None:
