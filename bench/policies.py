@@ -9,12 +9,12 @@ time-share two cores and overlapping training with rollout has no idle hardware 
 Each preset trains on the same number of samples (`--rounds` rounds of P prompts x G samples) of the
 `repeat` task with capped answers (rl/tasks.py: most answers 1-4 tokens, one prompt in eight `--tail` 64-96 tokens,
 the same length for a whole group: the synchronous baseline's trainer then waits ~45% of the time, the regime the
-RolloutPipe paper measures, 47-52% for Slime), from the same random init and seed, with the same optimizer batch where the preset
-has one: `--batch-groups U` groups (U x G samples) per optimizer step, so sync takes P/U minibatch steps per
-round (Slime's logical updates, the RolloutPipe paper's baseline) and the every-U presets (rolloutpipe,
-fgd_tailbatch) step every U complete groups; the stream-trainer presets (rollpacker, streamrl) take their one
-accumulated step per round by design (RollPacker §4.4, StreamRL §4). Runs alternate between presets (`--repeats`
-rounds of the whole list) so that machine load hits them alike. Per preset: the training loop's wall time (first
+RolloutPipe paper measures, 47-52% for Slime), from the same random init and seed, with the same optimizer batch
+where the preset has one: `--batch-groups U` groups (U x G samples) per optimizer step, so sync takes P/U
+minibatch steps per round (Slime's logical updates, the RolloutPipe paper's baseline) and the every-U presets
+(rolloutpipe, fgd_tailbatch) step every U complete groups; the stream-trainer presets (rollpacker, streamrl) take
+their one accumulated step per round by design (RollPacker §4.4, StreamRL §4). Runs alternate between presets
+(`--repeats` rounds of the whole list) so that machine load hits them alike. Per preset: the training loop's wall time (first
 round start to last event, from the run's event log; process start-up excluded and printed apart), trained
 samples per second, and the trainer waiting ratio (RolloutPipe §5.1, `sched.metrics.summarize`). The last line is
 the wall-clock ratio of each preset against sync (median over repeats): `speedup vs sync: rolloutpipe 1.31x, ...`.

@@ -26,7 +26,8 @@ class EngineConfig:
     # "auto" | "kernels" (the kernels/ dispatchers) | "batched" (the CPU batched path) | "native" (batched, decode
     # rows through the C kernel of kernels/cpu_native.py; "auto" picks it on CPU for fp32 when it builds)
     attention: str = "auto"
-    cpu_packed_linear: bool = True  # CPU fp32: Linear layers through oneDNN on pre-packed weights (engine/cpu_linear.py)
+    # CPU fp32: Linear layers through oneDNN on pre-packed weights (engine/cpu_linear.py)
+    cpu_packed_linear: bool = True
     seed: int = 0  # the engine's generator, used by requests without their own seed
 
     def __post_init__(self) -> None:

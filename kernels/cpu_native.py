@@ -3,10 +3,11 @@
 On CPU, PyTorch has no paged attention: the batched path (engine/attention.py) gathers every sequence's KV blocks
 into a padded copy and masks the padding, so each decode step writes and re-reads the whole KV context. The C
 kernel in `kernels/csrc/paged_attention.c` reads K/V in place through the block table instead (the same walk the
-Triton kernels do on GPU), one query row at a time: decode rows, prefill chunks and mixed batches in one call. No torch headers are involved, so the build is one `cc` call of well under a second;
-the shared object is cached under `TIDAL_CACHE_DIR` (default `~/.cache/tidal`), keyed by the source, the flags,
-the compiler and the CPU's feature flags (the build uses `-march=native`), and written by atomic rename so ranks
-building at once do not trip over each other.
+Triton kernels do on GPU), one query row at a time: decode rows, prefill chunks and mixed batches in one call.
+No torch headers are involved, so the build is one `cc` call of well under a second; the shared object is cached
+under `TIDAL_CACHE_DIR` (default `~/.cache/tidal`), keyed by the source, the flags, the compiler and the CPU's
+feature flags (the build uses `-march=native`), and written by atomic rename so ranks building at once do not trip
+over each other.
 
 Nothing here is required: without a C compiler (or with `TIDAL_CPU_NATIVE=0`) `native_available()` is
 False and the engine keeps the batched PyTorch path, after one warning that says why.
