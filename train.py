@@ -23,8 +23,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-import sched as policies
-from config import ConfigError, build, load_config
+import sched
+from config import ConfigError, load_config
 from runtime.build import build_run, device_for_rank, make_run_dir, model_for_rank
 from runtime import watchdog
 from runtime.channel import Channel
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     path, overrides = parse_args(argv)
     try:
         cfg = load_config(path, overrides)
-        preset = policies.load_preset(cfg.sched.preset, _sched_tables(cfg), _param_builder(cfg))
+        preset = sched.load_preset(cfg.sched.preset, _sched_tables(cfg), cfg.sources)
         c = cfg.cluster
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         train_ranks, _ = split_ranks(world, c.rollout_ranks, c.rollout_fraction, c.colocate)
@@ -132,11 +132,6 @@ def run_role(cfg, preset, parts, model, topo, channel, run_dir: str, t0: float) 
 def _sched_tables(cfg) -> dict:
     s = cfg.sched
     return {k: getattr(s, k) for k in ("dispatch", "handoff", "update", "weight_sync", "rebalance")}
-
-
-def _param_builder(cfg):
-    src = f"configs/sched/{cfg.sched.preset}.toml"
-    return lambda cls, table, prefix: build(cls, table, src, prefix, key_sources=cfg.sources)
 
 
 if __name__ == "__main__":

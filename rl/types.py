@@ -2,7 +2,23 @@
 over torch.distributed object collectives and serialise into checkpoints as they are."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+
+class RunLengthSequence(Sequence):
+    """A read-only sequence stored as runs of equal values, `runs` = ((value, count), ...): the simulator's fake
+    per-token lists (sim/tokens.py). A Trajectory reads its version bounds from the runs, not from every token."""
+    runs: tuple[tuple[Any, int], ...]
+
+
+def version_bounds(versions: Sequence[int]) -> tuple[int, int]:
+    """(oldest, newest) of per-token versions; (-1, -1) for no tokens."""
+    if isinstance(versions, RunLengthSequence):
+        vs = [v for v, _ in versions.runs]
+        return (min(vs), max(vs)) if vs else (-1, -1)
+    return (min(versions), max(versions)) if versions else (-1, -1)
 
 
 @dataclass
@@ -27,11 +43,13 @@ class Trajectory:
 
     @property
     def version(self) -> int:
-        """The (oldest) weight version this trajectory was generated under."""
-        runs = getattr(self.versions, "runs", None)  # run-length encoded (the simulator's sim.tokens.RunList)
-        if runs is not None:
-            return min((v for v, _ in runs), default=-1)
-        return min(self.versions) if self.versions else -1
+        """The (oldest) weight version this trajectory was generated under (-1: no tokens)."""
+        return version_bounds(self.versions)[0]
+
+    @property
+    def newest_version(self) -> int:
+        """The version of its newest token (-1: no tokens); a resumed trajectory never goes below it."""
+        return version_bounds(self.versions)[1]
 
     @property
     def num_tokens(self) -> int:

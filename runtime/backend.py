@@ -17,8 +17,9 @@ from typing import Any
 from rl.types import Group
 from runtime.channel import WORKER, Channel, ChannelTimeout
 from runtime.topology import Topology
-from sched.base import Abort, Interrupt, LoadWeights, Migrate, Request, TrainCall
+from sched.base import Abort, Interrupt, LoadWeights, Migrate, TrainCall
 from sched.controller import PromptItem
+from sched.views import Request
 from sched.events import Event
 
 

@@ -17,7 +17,7 @@ from rl.rewards import RewardResult, get_reward_fn
 from rl.tasks import LengthDist, SyntheticTask
 from runtime.reward_scorer import AsyncRewardScorer
 from sched.controller import PromptItem
-from sched.reward_timeout import AdaptiveTimeout
+from rl.reward_timeout import AdaptiveTimeout
 
 
 class PromptSource:

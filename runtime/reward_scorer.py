@@ -3,7 +3,7 @@
 "Completed responses are dispatched to reward workers in parallel with the ongoing rollout stage": the rollout
 worker hands each finished response to `submit` and goes back to decoding; `poll` returns the scores that are in,
 without blocking. Each call runs in a small thread pool under the timeout its test case has earned so far
-(`sched.reward_timeout.AdaptiveTimeout`: scale x the slowest correct run of that case, between min_s and max_s);
+(`rl.reward_timeout.AdaptiveTimeout`: scale x the slowest correct run of that case, between min_s and max_s);
 a call still running at its deadline is scored 0, not correct and `failed` ("terminated early and a zero reward
 is assigned"; counted like every other verifier failure), and its run time feeds the anchor only when it finished
 correct. A verifier that raises scores 0 with `failed` set; one that returns a malformed result
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 from rl.rewards import RewardError, RewardResult
-from sched.reward_timeout import AdaptiveTimeout
+from rl.reward_timeout import AdaptiveTimeout
 
 
 @dataclass

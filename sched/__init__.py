@@ -1,17 +1,16 @@
-"""Scheduling policies: one mechanism per module, papers are presets of them (configs/sched/*.toml).
+"""Scheduling: the controller and its contract (this package's modules), and the mechanisms of the papers
+(sched/policies/, one module or folder per paper). Papers and baselines are presets: configs/sched/<name>.toml
+names one registered mechanism per kind and its parameters.
 
-Importing this package registers every built-in module; `load_preset` turns a config's [sched] section into
-a `Preset` of five policy objects.
+`load_preset` turns a preset name and a run config's [sched] overrides into a `Preset` of five mechanism objects;
+it imports sched.policies, which registers the built-in mechanisms. Nothing else in this package imports a policy.
+`python -m sched` prints the registry: kind, name, file, paper section.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Mapping
 
-from sched import barrier, fifo, step_publish, whole_round  # noqa: F401  (registration)
-from sched import cgp, every_u, frontier, skewness, stream_handoff, stream_update, tail_abort, tail_batching  # noqa: F401
-from sched import experience_buffer, laminar_dispatch, one_step, one_step_handoff, partial_rollout, pull_latest, repack  # noqa: F401,E501
-from sched import areal_dispatch, areal_handoff, areal_sync, staleflow_handoff, staleflow_migrate, staleflow_route, staleflow_route_vanilla, staleflow_sync, staleflow_sync_vanilla  # noqa: F401,E501
 from sched.base import KIND_BASES, REGISTRY, Preset, build_policy
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "sched"
@@ -32,10 +31,12 @@ def preset_tables(name: str) -> dict[str, dict[str, Any]]:
     return data
 
 
-def load_preset(preset: str, overrides: dict[str, dict[str, Any]] | None = None,
-                build_params: Callable[[type, dict, str], Any] | None = None) -> Preset:
+def load_preset(preset: str, overrides: Mapping[str, Mapping[str, Any]] | None = None,
+                key_sources: Mapping[str, str] | None = None) -> Preset:
     """Preset file first, then per-kind overrides from the run config (a different `name` replaces the module
-    and its parameters; the same name updates parameters)."""
+    and its parameters; the same name updates parameters). Every table is validated by config.build; errors name
+    the key and where it came from (`key_sources`: the run config's, dotted key -> file or "command line")."""
+    import sched.policies  # noqa: F401  (registers the built-in mechanisms)
     tables = preset_tables(preset)
     for kind, table in (overrides or {}).items():
         if not table:
@@ -46,7 +47,8 @@ def load_preset(preset: str, overrides: dict[str, dict[str, Any]] | None = None,
     if missing:
         raise ValueError(f"sched preset {preset!r} names no module for {missing}")
     tables.setdefault("rebalance", {"name": "none"})
-    return Preset(**{k: build_policy(k, tables[k], build_params, f"sched preset {preset!r}") for k in KIND_BASES})
+    source = f"configs/sched/{preset}.toml"
+    return Preset(**{k: build_policy(k, tables[k], source, f"sched.{k}", key_sources) for k in KIND_BASES})
 
 
 __all__ = ["REGISTRY", "Preset", "load_preset", "preset_tables"]

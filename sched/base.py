@@ -1,6 +1,6 @@
 """The policy interface: views in, decisions out. No tensors, sockets or clocks here.
 
-A scheduling policy is five small objects, one per mechanism kind (DESIGN.md, "Mechanism kinds"):
+A scheduling policy is five small objects, one per mechanism kind:
 
     dispatch     which prompts enter the pipeline and which waiting request goes to which engine, and when
     handoff      when materialised groups become a training batch
@@ -8,17 +8,23 @@ A scheduling policy is five small objects, one per mechanism kind (DESIGN.md, "M
     weight_sync  when an engine adopts a published version
     rebalance    abort / interrupt / migrate running trajectories
 
-Each reads `Views` (the controller's picture of requests, groups, engines and trainer, maintained from events) and
-returns plain decisions. The controller (sched/controller.py) is the only caller. A `Preset` names one module per
-kind; modules register themselves with `@register(kind, name)` and take their parameters as a dataclass.
+Each reads `Views` (the controller's picture of requests, groups, engines and trainer, sched/views.py) and returns
+plain decisions (the dataclasses below). The controller (sched/controller.py) is the only caller. A `Preset` names
+one mechanism per kind; a mechanism class registers itself with the bare decorator `@register`, which reads its
+`kind` and `name`, and takes its parameters as a `Params` dataclass that `build_policy` fills from a config table
+through the one config validator (config.build).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Callable, ClassVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Mapping
+
+from config import build
+from sched.views import Views
 
 
-from sched.views import EngineView, GroupState, Request, TrainerView, Views  # noqa: F401  (re-exported)
+class InvariantError(RuntimeError):
+    """A policy made a decision that breaks a rule every preset must keep."""
 
 
 # ------------------------------------------------------------------------------------------------ decisions
@@ -48,7 +54,7 @@ class RoundPlan:
 @dataclass
 class Abort:
     """Stop requests (pending, running or finished ones); the controller routes each to the engine holding it
-    (`engine` is advisory) and settles races by the rules of sched/aborts.py."""
+    (`engine` is advisory) and settles races by the rules of sched/lifecycle.py."""
     engine: int
     req_ids: list[int]
     requeue: bool = False        # True: back to pending (resumed later); False: dropped and counted
@@ -85,16 +91,22 @@ class TrainCall:
 
 
 class Policy:
-    """Base of every mechanism. `Params` is the module's parameter dataclass (validated from the config)."""
+    """Base of every mechanism. `Params` is the module's parameter dataclass (validated from the config);
+    `paper` names the paper section it implements (`python -m sched` lists them)."""
     kind: ClassVar[str] = ""
     name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
 
     @dataclass
     class Params:
         pass
 
-    def __init__(self, params: "Policy.Params | None" = None):
+    def __init__(self, params: Any = None):
         self.p = params if params is not None else self.Params()
+
+    def bind(self, preset: "Preset") -> None:
+        """Called once when the preset is assembled. A mechanism of a coupled design (StaleFlow's four, AReaL's
+        hand-off) takes its partners here, and raises ValueError if the preset lacks them."""
 
     def state_dict(self) -> dict[str, Any]:
         """Anything the policy must carry across a checkpoint/resume (most policies are stateless)."""
@@ -120,7 +132,7 @@ class Dispatch(Policy):
             return 0
         if v.trainer.busy or not v.engines_at(v.trainer.version):
             return 0
-        return int(v.params["prompts_per_step"])
+        return v.prompts_per_step
 
     def admit(self, v: Views) -> list[Submit]:
         raise NotImplementedError
@@ -164,47 +176,59 @@ REGISTRY: dict[str, dict[str, type[Policy]]] = {k: {} for k in KIND_BASES}
 
 def register(cls: type[Policy]) -> type[Policy]:
     """Class decorator: make a mechanism selectable by `[sched.<kind>] name = "<name>"`."""
-    if cls.kind not in REGISTRY or not cls.name:
-        raise TypeError(f"{cls.__name__} needs a known `kind` and a `name`")
+    if cls.kind not in REGISTRY or not cls.name or not cls.paper:
+        raise TypeError(f"{cls.__name__} needs a known `kind`, a `name` and a `paper` section")
+    if cls.name in REGISTRY[cls.kind]:
+        raise TypeError(f"{cls.__name__}: a {cls.kind} named {cls.name!r} is registered already "
+                        f"({REGISTRY[cls.kind][cls.name].__module__})")
     REGISTRY[cls.kind][cls.name] = cls
     return cls
 
 
-@register
-class NoRebalance(Rebalance):
-    """Never touches running trajectories (every on-policy preset)."""
-    name = "none"
-
-
 @dataclass
 class Preset:
+    """One mechanism per kind; assembling a preset binds its coupled mechanisms to each other (Policy.bind)."""
     dispatch: Dispatch
     handoff: Handoff
     update: Update
     weight_sync: WeightSync
     rebalance: Rebalance
 
+    def __post_init__(self) -> None:
+        for p in self.policies().values():
+            p.bind(self)
+
     def policies(self) -> dict[str, Policy]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def build_policy(kind: str, table: dict[str, Any], build_params: Callable[[type, dict, str], Any] | None = None,
-                 source: str = "config") -> Policy:
-    """Instantiate one mechanism from its config table `{name = "...", <params>}`."""
+def build_policy(kind: str, table: Mapping[str, Any], source: str = "config", prefix: str = "",
+                 key_sources: Mapping[str, str] | None = None) -> Policy:
+    """Instantiate one mechanism from its config table `{name = "...", <params>}`, its parameters validated by
+    config.build (types, declared ranges and choices; errors name `prefix`.key and where it came from)."""
     if kind not in REGISTRY:
         raise ValueError(f"{source}: unknown mechanism kind {kind!r}; kinds: {sorted(REGISTRY)}")
+    prefix = prefix or f"sched.{kind}"
     table = dict(table)
     name = table.pop("name", None)
     if name not in REGISTRY[kind]:
-        raise ValueError(f"{source}: sched.{kind}.name = {name!r} is not a registered {kind} module; "
+        raise ValueError(f"{source}: {prefix}.name = {name!r} is not a registered {kind} module; "
                          f"available: {sorted(REGISTRY[kind])}")
     cls = REGISTRY[kind][name]
-    if build_params is not None:
-        params = build_params(cls.Params, table, f"sched.{kind}")
-    else:
-        known = {f.name for f in fields(cls.Params)} if is_dataclass(cls.Params) else set()
-        unknown = sorted(set(table) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown keys {unknown} for sched.{kind} {name!r}; allowed: {sorted(known)}")
-        params = cls.Params(**table)
-    return cls(params)
+    if table and not fields(cls.Params):
+        key = sorted(table)[0]
+        raise ValueError(f"{prefix}.{key} (from {(key_sources or {}).get(f'{prefix}.{key}', source)}): {prefix} "
+                         f"{name!r} takes no parameters")
+    return cls(build(cls.Params, table, source, prefix, key_sources=key_sources))
+
+
+def inner_dispatch(owner: Dispatch, name: str, params: Mapping[str, Any]) -> Dispatch:
+    """The dispatch module a round-composing dispatch delegates placement to (`admit = "<name>"`, `admit_params`),
+    validated like any other table."""
+    if name == owner.name or name not in REGISTRY["dispatch"]:
+        raise ValueError(f"sched.dispatch {owner.name!r}: admit = {name!r} is not a dispatch module it can delegate "
+                         f"to; available: {sorted(set(REGISTRY['dispatch']) - {owner.name})}")
+    inner = build_policy("dispatch", {"name": name, **params}, source=f"sched.dispatch {owner.name!r}",
+                         prefix="sched.dispatch.admit_params")
+    assert isinstance(inner, Dispatch)
+    return inner

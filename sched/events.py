@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-# The event kinds of DESIGN.md, plus the activity spans the timeline draws.
+# Every event kind, and what its fields carry.
 KINDS = frozenset({
     "round_started",          # controller pulled a round of prompts (data: prompts, requests)
     "request_admitted",       # dispatch sent a request to an engine
     "tokens_decoded",         # periodic per-engine counters (data: tokens, running, kv_used, kv_free)
     "trajectory_finished",    # engine finished a sample (data: tokens, finish_reason)
     "reward_scored",          # the sample's reward is known (data: reward, correct, failed)
-    "group_finished",         # all G samples of a group finished decoding
     "group_materialized",     # all G samples scored: the group is trainable
     "train_started",          # trainer began consuming a batch (data: groups, step, publish)
     "train_step_done",        # optimizer step applied (version = new trainer version; data: metrics)

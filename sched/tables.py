@@ -1,121 +1,188 @@
-"""The indexed tables behind `Views.requests` and `Views.groups` (sched/views.py): plain dicts that also keep
-indexes in step with every change of the fields they depend on (Request.state; GroupState.scored / dropped /
-consumed / size), whoever makes it, so policies read the pending queue, the running set, the open or the ready
-groups in time proportional to what they read, not to every request of every live round.
+"""The indexed tables behind `Views.requests` and `Views.groups` (sched/views.py): mappings that also keep indexes,
+so policies read the pending queue, the running set, the open or the ready groups in time proportional to what
+they read, not to every request of every live round.
+
+The indexes follow insertions and removals by themselves; a change of a field they depend on is announced
+explicitly by the one writer, the request lifecycle (sched/lifecycle.py): `RequestTable.set_state` for a request's
+state, `GroupTable.track` after a group's scored / dropped / consumed counts changed. Both are full
+`MutableMapping`s over a private dict, so every way of inserting or removing (`update`, `setdefault`, `pop`, ...)
+goes through the indexing `__setitem__` / `__delitem__`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any, Hashable, Iterator, Sequence
 
 if TYPE_CHECKING:
     from sched.views import GroupState, Request
 
-IN_FLIGHT = ("pending", "running", "aborting", "requeueing", "interrupting")
 
+class RequestTable(MutableMapping):
+    """req_id -> Request, with an index of the requests in each of the `indexed` states (the non-final ones); the
+    `queue` state's index is read in request-id order (the pending queue)."""
 
-class RequestTable(dict):
-    """`Views.requests`: a dict req_id -> Request that also indexes the requests of every non-final state, so
-    policies read the pending queue (or the running set) in time proportional to it, not to every request of every
-    live round. The index follows each `state` assignment, whoever makes it (Request.__setattr__)."""
+    def __init__(self, indexed: Sequence[Hashable], queue: Hashable):
+        self._all: dict[int, Request] = {}
+        self._by_state: dict[Hashable, dict[int, Request]] = {s: {} for s in indexed}
+        self._queue = queue
+        self._sorted = True       # the queue's index is in id order
 
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__()
-        self._by_state: dict[str, dict[int, Request]] = {s: {} for s in IN_FLIGHT}
-        self._sorted = True       # the pending index is in id order
-        for k, r in dict(*args, **kw).items():
-            self[k] = r
+    # ------------------------------------------------------------------------------------------------ mapping
+    def __getitem__(self, req_id: int) -> "Request":
+        return self._all[req_id]
 
-    def __setitem__(self, key: int, r: Request) -> None:
-        old = self.get(key)
-        if old is not None and old is not r:
-            self._untrack(old)
-        object.__setattr__(r, "_table", self)
-        super().__setitem__(key, r)
-        self._track(r, r.state)
+    def __setitem__(self, req_id: int, r: "Request") -> None:
+        old = self._all.get(req_id)
+        if old is not None:
+            self._unindex(old)
+        self._all[req_id] = r
+        self._index(r)
 
-    def __delitem__(self, key: int) -> None:
-        self._untrack(self[key])
-        super().__delitem__(key)
+    def __delitem__(self, req_id: int) -> None:
+        self._unindex(self._all.pop(req_id))
 
-    def pop(self, key: int, *default: Any) -> Any:
-        if key in self:
-            self._untrack(self[key])
-        return super().pop(key, *default)
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._all)
 
-    def _untrack(self, r: Request) -> None:
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._all
+
+    def get(self, req_id: int, default: Any = None) -> Any:
+        return self._all.get(req_id, default)
+
+    def keys(self):  # the dict's own views: iterating them costs no Python call per item
+        return self._all.keys()
+
+    def values(self):
+        return self._all.values()
+
+    def items(self):
+        return self._all.items()
+
+    def clear(self) -> None:
+        self._all.clear()
+        for idx in self._by_state.values():
+            idx.clear()
+        self._sorted = True
+
+    # ---------------------------------------------------------------------------------------------- the index
+    def set_state(self, r: "Request", state: Hashable) -> None:
+        """Move request r to `state`, keeping the index in step (the only way a state changes)."""
+        self._unindex(r)
+        r.state = state
+        self._index(r)
+
+    def _unindex(self, r: "Request") -> None:
         idx = self._by_state.get(r.state)
         if idx is not None:
             idx.pop(r.req_id, None)
 
-    def _track(self, r: Request, state: str) -> None:
-        old = self._by_state.get(r.__dict__.get("state", ""))
-        if old is not None:
-            old.pop(r.req_id, None)
-        idx = self._by_state.get(state)
+    def _index(self, r: "Request") -> None:
+        idx = self._by_state.get(r.state)
         if idx is None:
             return
-        if state == "pending" and idx and r.req_id < next(reversed(idx)):
+        if r.state == self._queue and idx and r.req_id < next(reversed(idx)):
             self._sorted = False
         idx[r.req_id] = r
 
-    def iter_pending(self) -> Iterator[Request]:
-        """Pending requests in id order (the order they were created: group by group), without a copy: change no
-        request's state while iterating (use `pending()` for a list)."""
+    def iter_pending(self) -> Iterator["Request"]:
+        """The queue (pending requests) in id order, without a copy: change no request's state while iterating
+        (use `pending()` for a list)."""
         if not self._sorted:
-            self._by_state["pending"] = dict(sorted(self._by_state["pending"].items()))
+            self._by_state[self._queue] = dict(sorted(self._by_state[self._queue].items()))
             self._sorted = True
-        return iter(self._by_state["pending"].values())
+        return iter(self._by_state[self._queue].values())
 
-    def pending(self) -> list[Request]:
+    def pending(self) -> list["Request"]:
         return list(self.iter_pending())
 
-    def in_state(self, *states: str) -> list[Request]:
-        """Requests in any of these non-final states (a state outside IN_FLIGHT is not indexed: an error)."""
+    def in_state(self, *states: Hashable) -> list["Request"]:
+        """Requests in any of these indexed states, state by state, each in the order it entered that state
+        (a state that is not indexed is an error)."""
         return [r for s in states for r in self._by_state[s].values()]
 
-    def count(self, *states: str) -> int:
+    def count(self, *states: Hashable) -> int:
         return sum(len(self._by_state[s]) for s in states)
 
+    def check(self) -> None:
+        """Raise AssertionError if an index disagrees with the requests' states (tests call it)."""
+        for s, idx in self._by_state.items():
+            for req_id, r in idx.items():
+                assert self._all.get(req_id) is r and r.state == s, f"request {req_id} indexed as {s}, is {r.state}"
+        for r in self._all.values():
+            idx = self._by_state.get(r.state)
+            assert idx is None or idx.get(r.req_id) is r, f"request {r.req_id} ({r.state}) missing from its index"
 
-class GroupTable(dict):
-    """`Views.groups`: a dict group_id -> GroupState that also indexes the open (not closed) and the ready
-    (materialised, not consumed) groups, following every change of the fields they depend on."""
 
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__()
+class GroupTable(MutableMapping):
+    """group_id -> GroupState, with indexes of the open (not closed) and the ready (materialised, not consumed)
+    groups, re-evaluated on insertion and on `track`."""
+
+    def __init__(self) -> None:
+        self._all: dict[int, GroupState] = {}
         self._open: dict[int, GroupState] = {}
         self._ready: dict[int, GroupState] = {}
-        for k, g in dict(*args, **kw).items():
-            self[k] = g
 
-    def __setitem__(self, key: int, g: GroupState) -> None:
-        old = self.get(key)
-        if old is not None and old is not g:
-            self._open.pop(key, None)
-            self._ready.pop(key, None)
-        object.__setattr__(g, "_table", self)
-        super().__setitem__(key, g)
-        self._track(g)
+    def __getitem__(self, group_id: int) -> "GroupState":
+        return self._all[group_id]
 
-    def __delitem__(self, key: int) -> None:
-        self._open.pop(key, None)
-        self._ready.pop(key, None)
-        super().__delitem__(key)
+    def __setitem__(self, group_id: int, g: "GroupState") -> None:
+        self._open.pop(group_id, None)
+        self._ready.pop(group_id, None)
+        self._all[group_id] = g
+        self.track(g)
 
-    def pop(self, key: int, *default: Any) -> Any:
-        self._open.pop(key, None)
-        self._ready.pop(key, None)
-        return super().pop(key, *default)
+    def __delitem__(self, group_id: int) -> None:
+        del self._all[group_id]
+        self._open.pop(group_id, None)
+        self._ready.pop(group_id, None)
 
-    def _track(self, g: GroupState) -> None:
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._all)
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __contains__(self, group_id: object) -> bool:
+        return group_id in self._all
+
+    def get(self, group_id: int, default: Any = None) -> Any:
+        return self._all.get(group_id, default)
+
+    def keys(self):
+        return self._all.keys()
+
+    def values(self):
+        return self._all.values()
+
+    def items(self):
+        return self._all.items()
+
+    def clear(self) -> None:
+        self._all.clear()
+        self._open.clear()
+        self._ready.clear()
+
+    def track(self, g: "GroupState") -> None:
+        """Re-evaluate group g's index membership after its scored / dropped / consumed counts changed."""
         for idx, member in ((self._open, not g.closed), (self._ready, g.materialized and not g.consumed)):
             if member:
                 idx[g.group_id] = g
             else:
                 idx.pop(g.group_id, None)
 
-    def open(self) -> list[GroupState]:
+    def check(self) -> None:
+        """Raise AssertionError if an index disagrees with the groups' counts (tests call it)."""
+        for g in self._all.values():
+            assert (g.group_id in self._open) == (not g.closed), f"group {g.group_id}: open index out of step"
+            assert (g.group_id in self._ready) == (g.materialized and not g.consumed), \
+                f"group {g.group_id}: ready index out of step"
+
+    def open(self) -> list["GroupState"]:
         return [self._open[k] for k in sorted(self._open)]
 
-    def ready(self) -> list[GroupState]:
+    def ready(self) -> list["GroupState"]:
         return [self._ready[k] for k in sorted(self._ready)]

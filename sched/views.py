@@ -1,17 +1,58 @@
-"""What policies see: the controller's read-only picture of requests, groups, engines and the trainer, maintained
-from events (sched/controller.py). Policies read these; only the controller writes them."""
+"""What policies see: the controller's picture of requests, groups, engines and the trainer, built from events.
+
+Policies read these and never write them. Every change is made by the controller's request lifecycle
+(sched/lifecycle.py), which also keeps the tables' indexes (sched/tables.py) in step: a policy that assigned
+`r.state` or `e.assigned` itself would desynchronise the controller's books (keep local copies instead, as
+`sched/policies/sync.py`'s FIFO dispatch does with its `load`).
+
+A request's life (sched/lifecycle.py has the rules):
+
+    PENDING --submit--> RUNNING --trajectory_finished--> FINISHED
+    RUNNING --Abort--> ABORTING --(engine confirms, or it finished first)--> ABORTED    (dropped, counted)
+    RUNNING --Abort(requeue)--> REQUEUEING --(engine confirms)--> PENDING               (or FINISHED if it won)
+    RUNNING --Interrupt / Migrate--> INTERRUPTING --trajectory_interrupted--> PENDING   (with its tokens so far)
+    PENDING / FINISHED --Abort--> ABORTED                                               (never sent / discarded)
+    (checkpoint) anything not yet scored --> RESTORED --(every engine holds the checkpoint's weights)--> PENDING
+"""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from rl.types import Trajectory
-from sched.tables import IN_FLIGHT, GroupTable, RequestTable  # noqa: F401  (IN_FLIGHT re-exported)
+from sched.tables import GroupTable, RequestTable
 
 if TYPE_CHECKING:
     from sched.base import RoundPlan
 
-@dataclass
+
+class RequestState(str, enum.Enum):
+    PENDING = "pending"            # in the controller, waiting for dispatch (fresh, requeued, or interrupted)
+    RUNNING = "running"            # sent to an engine
+    FINISHED = "finished"          # decoded; its reward may still be on its way
+    ABORTING = "aborting"          # dropped; the abort is on its way to the engine
+    REQUEUEING = "requeueing"      # sent back to pending; the engine has not confirmed yet
+    INTERRUPTING = "interrupting"  # asked to hand back its tokens so far (Interrupt, Migrate)
+    ABORTED = "aborted"            # dropped for good: counted, never trained
+    RESTORED = "restored"          # restored from a checkpoint: generated again once the engines hold its weights
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+S = RequestState
+ON_ENGINE = (S.RUNNING, S.ABORTING, S.REQUEUEING, S.INTERRUPTING)  # an engine holds it: sent, not yet given back
+LIVE = (S.PENDING, S.RUNNING, S.REQUEUEING, S.INTERRUPTING)        # it will still yield a trajectory
+IN_FLIGHT = (S.PENDING,) + ON_ENGINE                               # not settled: indexed by the request table
+REGENERATE = LIVE + (S.RESTORED,)                                  # generated again after a resume
+# (tuples, not sets: a set of str-valued members iterates in a per-process hash order)
+
+
+@dataclass(eq=False)
 class Request:
     """One sample to generate: G of these make a group."""
     req_id: int
@@ -20,26 +61,19 @@ class Request:
     prompt_index: int
     round: int
     prompt_len: int
-    state: str = "pending"       # pending | running | finished | aborting | requeueing | aborted | interrupting
+    state: RequestState = RequestState.PENDING
     engine: int = -1
     tokens: int = 0              # response tokens so far (as last reported)
     version: int = -1            # weight version it was admitted under
     t_created: float = 0.0
     finished_seq: int = -1       # Views.seq when its trajectory_finished arrived (finish order; -1: not finished)
-    partial: Trajectory | None = None  # tokens of earlier parts (all of them so far) when interrupted; resumed on submit
+    partial: Trajectory | None = None  # all tokens so far of an interrupted request; resumed from there on submit
     v_traj: int = -1             # version of the engine it was FIRST admitted to (StaleFlow's V_traj; never changes)
     migrate_to: int = -1         # engine a pending Migrate will resubmit it to once the interrupt lands
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Keep the owning table's pending index in step with every state change, whoever makes it.
-        if name == "state":
-            table = self.__dict__.get("_table")
-            if table is not None:
-                table._track(self, value)
-        object.__setattr__(self, name, value)
-
-    def __getstate__(self) -> dict[str, Any]:  # pickled or deep-copied without its table
-        return {k: v for k, v in self.__dict__.items() if k != "_table"}
+    def __post_init__(self) -> None:
+        if type(self.state) is not RequestState:   # e.g. a checkpoint's "pending": checked and converted
+            self.state = RequestState(self.state)
 
     @property
     def resumed_tokens(self) -> int:
@@ -47,14 +81,13 @@ class Request:
         return len(self.partial.response_ids) if self.partial is not None else 0
 
 
-@dataclass
+@dataclass(eq=False)
 class GroupState:
     group_id: int
     prompt_index: int
     round: int
     size: int
     answer: str | None = None
-    finished: int = 0            # samples done decoding
     scored: int = 0              # samples with a reward
     dropped: int = 0             # samples aborted for good (counted, never trained on)
     trajectories: list[Trajectory] = field(default_factory=list)
@@ -62,16 +95,6 @@ class GroupState:
     req_ids: list[int] = field(default_factory=list)  # its requests, by sample index
     prompt: Any = None           # its PromptItem (a policy that re-runs a prompt hands it back in a RoundPlan)
     materialized_seq: int = -1   # Views.seq when it materialised (materialisation order; -1: not yet)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        if name in ("scored", "dropped", "consumed", "size"):
-            table = self.__dict__.get("_table")
-            if table is not None:   # keep the owning table's open/ready indexes in step
-                table._track(self)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_table"}
 
     @property
     def materialized(self) -> bool:
@@ -102,7 +125,7 @@ class EngineView:
     kv_free: int = 0
     tokens_decoded: int = 0
     loading: bool = False        # a LoadWeights command is in flight
-    assigned: int = 0            # requests sent and not yet finished (controller's own count)
+    assigned: int = 0            # requests sent and not yet given back (the controller's own count)
 
 
 @dataclass
@@ -115,33 +138,56 @@ class TrainerView:
     groups_since_step: int = 0   # groups whose gradients are accumulated but not yet stepped
 
 
+def least_loaded(load: Mapping[int, float]) -> int:
+    """The engine with the least load; the lowest id among equals."""
+    return min(load, key=lambda i: (load[i], i))
+
+
 @dataclass
 class Views:
-    requests: RequestTable = field(default_factory=RequestTable)
+    group_size: int = 1                   # G: requests per prompt (a RoundPlan may ask for another size)
+    prompts_per_step: int = 1             # prompts (groups) per round, the run's training batch in groups
+    requests: RequestTable = field(default_factory=lambda: RequestTable(IN_FLIGHT, S.PENDING))
     groups: GroupTable = field(default_factory=GroupTable)
     engines: list[EngineView] = field(default_factory=list)
     trainer: TrainerView = field(default_factory=TrainerView)
     round: int = -1                       # id of the latest round started
     round_groups: dict[int, list[int]] = field(default_factory=dict)  # round -> its group ids
     plans: dict[int, "RoundPlan"] = field(default_factory=dict)        # round -> how it was composed
+    migrations: list[tuple[int, int, int]] = field(default_factory=list)  # (req_id, src, dst): interrupted by a
+    #                                                                 Migrate, resubmitted to dst at the next decision
     now: float = 0.0
     seq: int = 0                          # events applied so far (orders finishes and materialisations)
     materialized: int = 0                 # groups materialised so far (a cheap "anything new?" for handoffs)
     dropped: int = 0                      # samples dropped so far (likewise: a group may have become void)
-    params: dict[str, Any] = field(default_factory=dict)  # run-level knobs: group_size, prompts_per_step, ...
-    shared: dict[str, Any] = field(default_factory=dict)  # state several mechanisms of one paper share (e.g.
-    #                                                     StaleFlow's staleness buffers); checkpointed by its owner
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.requests, RequestTable):
-            self.requests = RequestTable(self.requests)
-        if not isinstance(self.groups, GroupTable):
-            self.groups = GroupTable(self.groups)
-
+    # ------------------------------------------------------------------------------------------------ requests
     def pending(self) -> list[Request]:
         """Requests not yet sent to an engine (fresh, requeued or interrupted), oldest (lowest id) first."""
         return self.requests.pending()
 
+    def pending_by_group(self) -> dict[int, list[int]]:
+        """Pending request ids by group, groups in ascending id (submission) order (a group's requests have
+        consecutive ids, so the id-ordered pending queue meets its groups in that order)."""
+        out: dict[int, list[int]] = {}
+        for r in self.requests.iter_pending():
+            ids = out.get(r.group_id)
+            if ids is None:
+                out[r.group_id] = [r.req_id]
+            else:
+                ids.append(r.req_id)
+        return out
+
+    def in_flight(self) -> int:
+        return self.requests.count(*IN_FLIGHT)
+
+    def migrating_to(self, engine: int) -> bool:
+        """Whether trajectories are on their way to `engine`: a Migrate there is issued and its requests are not
+        yet resubmitted (interrupting, or interrupted and awaiting resubmission)."""
+        return (any(r.migrate_to == engine for r in self.requests.in_state(S.INTERRUPTING))
+                or any(dst == engine for _, _, dst in self.migrations))
+
+    # -------------------------------------------------------------------------------------------------- groups
     def open_groups(self) -> list[GroupState]:
         """Groups not yet closed (neither trained nor void), in group-id (submission) order."""
         return self.groups.open()
@@ -149,6 +195,17 @@ class Views:
     def ready_groups(self) -> list[GroupState]:
         """Materialised groups not yet handed to the trainer, in group-id (submission) order."""
         return self.groups.ready()
+
+    def ready_in_oldest_round(self) -> tuple[list[GroupState], bool]:
+        """Ready groups of the oldest round that has any, in materialisation order, and whether they are all that
+        round will ever yield (every other group of it is closed)."""
+        ready = self.ready_groups()
+        if not ready:
+            return [], False
+        r = min(g.round for g in ready)
+        mine = sorted((g for g in ready if g.round == r), key=lambda g: (g.materialized_seq, g.group_id))
+        rest = any(not (g := self.groups[gid]).closed and not g.materialized for gid in self.round_groups.get(r, []))
+        return mine, not rest
 
     def round_done(self, r: int) -> bool:
         """Every group of round r is materialised or void (False for a round this controller has no groups of)."""
@@ -161,10 +218,23 @@ class Views:
         r = self.groups[group_ids[0]].round
         return all(g in batch or self.groups[g].closed for g in self.round_groups.get(r, []))
 
+    # ------------------------------------------------------------------------------------------------- engines
     def engines_at(self, version: int) -> bool:
         return all(e.version == version and not e.loading for e in self.engines)
 
-    def in_flight(self) -> int:
-        return self.requests.count(*IN_FLIGHT)
+    def engine_loads(self) -> dict[int, int]:
+        """Requests assigned to each engine (engine id -> count), for a dispatch's local bookkeeping."""
+        return {e.engine: e.assigned for e in self.engines}
 
-
+    # --------------------------------------------------------------------------------------------------- tests
+    def check(self) -> None:
+        """Raise AssertionError if the views contradict themselves: an index out of step with the states and
+        counts, or an engine's `assigned` unlike the requests it holds (what a policy that wrote the views, instead
+        of keeping local copies, would cause). O(requests): the tests call it after every decision."""
+        self.requests.check()
+        self.groups.check()
+        held = {e.engine: 0 for e in self.engines}
+        for r in self.requests.in_state(*ON_ENGINE):
+            held[r.engine] += 1
+        for e in self.engines:
+            assert e.assigned == held[e.engine], f"engine {e.engine}: assigned {e.assigned}, holds {held[e.engine]}"

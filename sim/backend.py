@@ -27,10 +27,11 @@ import random
 from typing import Any
 
 from rl.types import Group, Trajectory
-from sched.base import Abort, Interrupt, LoadWeights, Migrate, Request, TrainCall
+from sched.base import Abort, Interrupt, LoadWeights, TrainCall
 from sched.controller import PromptItem
 from sched.events import Event
 from sched.metrics import rollout_stats
+from sched.views import Request
 from sim.clock import EventQueue
 from sim.cost import CostModel
 from sim.engine import SimEngine, SimRequest
@@ -78,7 +79,7 @@ class SimBackend:
         self.max_events = max_events
         self.events_out = 0
         self.stop_after_samples = stop_after_samples
-        self.reward_timeout = reward_timeout   # a sched.reward_timeout.AdaptiveTimeout (RollPacker §4.3), or None
+        self.reward_timeout = reward_timeout   # an rl.reward_timeout.AdaptiveTimeout (RollPacker §4.3), or None
         self.reward_killed = 0
         self.samples_trained = 0   # samples of train calls whose train_step_done has been delivered
         self.emit(Event("version_published", 0.0, rank=0, version=0))  # engines start from the trainer's weights
@@ -143,7 +144,7 @@ class SimBackend:
             sims.append(s)
         self.engines[engine].add(sims, self.now())
 
-    def command(self, cmd: Abort | Interrupt | Migrate | LoadWeights) -> None:
+    def command(self, cmd: Abort | Interrupt | LoadWeights) -> None:
         if isinstance(cmd, LoadWeights):
             self.engines[cmd.engine].hold(self.now(), duration=self.cost.load_s, version=cmd.version)
         elif isinstance(cmd, Abort):
@@ -160,9 +161,8 @@ class SimBackend:
                                 group_id=r.group_id, version=e.version, data={"tokens": r.done},
                                 payload=self.trajectory(e.index, r, "interrupted")))
             e.plan()
-        else:  # Migrate is the controller's (an Interrupt, then a submit to the destination)
-            raise TypeError(f"{type(cmd).__name__} never reaches a backend: the controller turns a Migrate into "
-                            "an Interrupt and a resubmission")
+        else:  # a Migrate never reaches a backend: the controller sends an Interrupt, then a resubmission
+            raise TypeError(f"unknown backend command {type(cmd).__name__}")
 
     def train(self, call: TrainCall, groups: list[Group]) -> None:
         now = self.now()

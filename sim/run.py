@@ -82,15 +82,14 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
              train_gpus: int, steps: int, group_size: int, prompts_per_step: int, seed: int = 0, *,
              colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
              log_path: str | Path | None = None, max_events: int | None = 50_000_000,
-             samples: int | None = None, params: dict[str, Any] | None = None,
-             reward_timeout: Any = None) -> SimResult:
+             samples: int | None = None, reward_timeout: Any = None) -> SimResult:
     """Run `steps` optimizer steps of `preset` (a configs/sched/*.toml name or a Preset) on simulated engines.
 
     num_engines engines of cost.gpus_per_engine GPUs each, and a train partition of train_gpus GPUs (with
     colocated=True the engines time-share the train GPUs instead). `samples`: stop instead once that many samples
     have been trained (train calls done) — the same amount of work for presets whose optimizer steps differ in
-    size; `steps` is then only an upper bound. `params` go to the controller's views. `reward_timeout`: an
-    AdaptiveTimeout (sched/reward_timeout.py) applied to every simulated reward call (RollPacker §4.3)."""
+    size; `steps` is then only an upper bound. `reward_timeout`: an
+    AdaptiveTimeout (rl/reward_timeout.py) applied to every simulated reward call (RollPacker §4.3)."""
     name = preset if isinstance(preset, str) else "custom"
     policy = sched.load_preset(preset) if isinstance(preset, str) else preset
     w = get_workload(workload, seed)
@@ -99,7 +98,7 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
                          counters_every_s=counters_every_s, progress=progress, max_events=max_events,
                          stop_after_samples=samples, reward_timeout=reward_timeout)
     log = EventLog(log_path)
-    ctl = Controller(policy, prompt_source(w), group_size, prompts_per_step, steps, log=log, **(params or {}))
+    ctl = Controller(policy, prompt_source(w), group_size, prompts_per_step, steps, log=log)
     t0 = time.perf_counter()
     try:
         ctl.run(backend)

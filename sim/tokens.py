@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Sequence
 from typing import Any, Iterable, Iterator
 
+from rl.types import RunLengthSequence
 
-class RunList(Sequence):
+
+class RunList(RunLengthSequence):
     __slots__ = ("_runs", "_len", "_ends")
 
     def __init__(self, runs: Iterable[tuple[Any, int] | list]):

@@ -8,7 +8,7 @@ publishing and weight loads take random time. Aborts race the engine: a request 
 
 `RecordingController`: the real Controller, which also records each round's plan, groups and starting trainer
 version, and the controller's views right after every admission (for frontier checks), independently of the
-policies under test.
+policies under test, and checks after every decision that the views are consistent (`Views.check`).
 """
 from __future__ import annotations
 
@@ -164,6 +164,10 @@ class RecordingController(Controller):
         self.rounds[r] = RoundRecord(v.plans[r], gids, {g: v.groups[g].prompt_index for g in gids},
                                      v.groups[gids[0]].size if gids else 0, v.trainer.version,
                                      {i: (g, v.requests[i].sample_index) for g in gids for i in v.groups[g].req_ids})
+
+    def decide(self, backend):
+        super().decide(backend)
+        self.v.check()                       # the views stay consistent whatever the policies decided
 
     def submit(self, backend, sub):
         super().submit(backend, sub)

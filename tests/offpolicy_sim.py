@@ -44,6 +44,7 @@ class Recorder(Controller):
 
     def decide(self, backend) -> None:
         super().decide(backend)
+        self.v.check()
         if self.check is not None:
             self.check(self)
 

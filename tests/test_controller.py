@@ -138,8 +138,11 @@ def test_preset_errors_name_the_problem():
         sched.load_preset("nonexistent")
     with pytest.raises(ValueError, match="not a registered dispatch module"):
         sched.load_preset("sync", {"dispatch": {"name": "psychic"}})
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match=r"sched.handoff.bogus \(from configs/sched/sync.toml\): .*'whole_round' "
+                                         "takes no parameters"):
         sched.load_preset("sync", {"handoff": {"bogus": 1}})
+    with pytest.raises(ValueError, match=r"unknown key sched.dispatch.widht .*did you mean sched.dispatch.width\?"):
+        sched.load_preset("rolloutpipe", {"dispatch": {"widht": 1}})
 
 
 def test_event_log_round_trips(tmp_path):
@@ -173,4 +176,4 @@ def test_late_events_for_a_forgotten_round_are_ignored():
     traj = Trajectory(12345, 0, [1], [2], [-1.0], [0], "stop", reward=1.0)
     ctl.apply(Event("reward_scored", 1.0, req_id=999, group_id=12345, payload=traj))
     ctl.apply(Event("trajectory_aborted", 1.0, req_id=999, group_id=12345, data={"requeue": False}))
-    assert ctl.v.groups == {} and ctl.dropped == 0
+    assert ctl.v.groups == {} and ctl.v.dropped == 0

@@ -9,7 +9,7 @@ from rl.types import Trajectory
 from sched.base import Abort, Interrupt, Migrate, Rebalance, Submit
 from sched.controller import Controller, InvariantError, PromptItem
 from sched.events import EventLog
-from sched.views import EngineView
+from sched.views import EngineView, Request, RequestState
 from sim.backend import SimBackend
 from sim.cost import CostModel, RewardLatency
 from sim.tokens import RunList
@@ -76,7 +76,7 @@ def test_a_migrated_trajectory_finishes_on_its_destination_with_every_token_and_
     traj = next(t for g in trained for t in g.trajectories if g.group_id == inter[0].group_id and t.sample_index == 0)
     assert len(traj.response_ids) == LONG and len(traj.versions) == LONG and 0 < inter[0].data["tokens"] < LONG
     keys = [(g.group_id, t.sample_index) for g in trained for t in g.trajectories]
-    assert len(keys) == len(set(keys)) == 2 * 2 * 4 and ctl.interrupted == 1
+    assert len(keys) == len(set(keys)) == 2 * 2 * 4 and ctl.life.interrupted == 1
 
 
 def test_an_interrupted_request_waits_pending_with_its_partial_and_is_admitted_again():
@@ -93,7 +93,7 @@ def test_dropping_a_request_whose_interrupt_is_in_flight_discards_it_once():
     assert [e.data for e in events if e.kind == "trajectory_aborted" and e.req_id == rid] == \
         [{"requeue": False, "interrupted": True}]
     assert sum(1 for e in events if e.kind == "request_admitted" and e.req_id == rid) == 1  # never resumed
-    assert ctl.dropped == 1 and sum(len(g.trajectories) for g in trained) == 15
+    assert ctl.v.dropped == 1 and sum(len(g.trajectories) for g in trained) == 15
 
 
 def test_a_trajectory_staler_than_the_declared_bound_is_caught():
@@ -127,10 +127,24 @@ def test_pending_index_follows_every_state_change_in_id_order():
     ctl.start_round(3)
     v = ctl.v
     assert [r.req_id for r in v.pending()] == list(range(6))
-    v.requests[1].state, v.requests[4].state = "running", "running"
-    assert [r.req_id for r in v.pending()] == [0, 2, 3, 5]
-    v.requests[4].state = "pending"                       # requeued: back in id order, not at the end
-    v.requests[1].state = "pending"
+    S = RequestState
+    v.requests.set_state(v.requests[1], S.RUNNING)
+    v.requests.set_state(v.requests[4], S.RUNNING)
+    assert [r.req_id for r in v.pending()] == [0, 2, 3, 5] and v.requests.count(S.RUNNING) == 2
+    v.requests.set_state(v.requests[4], S.PENDING)        # requeued: back in id order, not at the end
+    v.requests.set_state(v.requests[1], S.PENDING)
     assert [r.req_id for r in v.pending()] == list(range(6))
     del v.requests[0]
     assert [r.req_id for r in v.pending()] == list(range(1, 6))
+    # every way of changing the mapping keeps the index: pop, setdefault, update, clear
+    r5 = v.requests.pop(5)
+    assert [r.req_id for r in v.pending()] == list(range(1, 5))
+    v.requests.setdefault(5, r5)
+    v.requests.update({9: Request(9, 4, 0, 4, 0, 1)})
+    assert [r.req_id for r in v.pending()] == [1, 2, 3, 4, 5, 9]
+    v.requests.check()
+    v.requests[2].state = S.RUNNING                       # a change behind the table's back is caught by check()
+    with pytest.raises(AssertionError, match="request 2 indexed as pending"):
+        v.requests.check()
+    v.requests.clear()
+    assert v.pending() == [] and v.in_flight() == 0

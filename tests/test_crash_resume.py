@@ -17,6 +17,7 @@ import sched
 from rl.types import Trajectory
 from sched.controller import PromptItem
 from sched.events import Event, EventLog
+from sched.views import RequestState
 from tests.dist_utils import free_port
 from tests.fake_backend import FakeBackend, RecordingController
 
@@ -101,7 +102,7 @@ def test_a_mid_round_checkpoint_loses_nothing_and_trains_nothing_twice(preset, a
     for gid, s, t in carried:
         got = trained_after.get((gid, s))
         if got is None:  # only a dropped sample (an abort policy's choice) may go untrained
-            assert ctl2.dropped > 0
+            assert ctl2.v.dropped > 0
             continue
         assert (got.response_ids, got.reward, got.versions) == (t.response_ids, t.reward, t.versions)
     # every group started before the crash is closed by the end (trained whole, or void: every sample dropped by
@@ -128,21 +129,22 @@ def _views_with(states: dict[int, str]):
     ctl.apply(backend.next_event())                    # weights loaded
     ctl.decide(backend)                                # round 0 starts and is submitted
     g0 = ctl.v.groups[0]
+    S = RequestState
     for rid, st in states.items():
         r = ctl.v.requests[rid]
         if st == "finished+scored":
-            r.state = "finished"
+            ctl.v.requests.set_state(r, S.FINISHED)
             g0.trajectories.append(Trajectory(0, r.sample_index, [1], [5, 6], [-0.5, -0.5], [0, 0], "stop", 1.0))
             g0.scored += 1
+            ctl.v.groups.track(g0)
         elif st == "partial":
-            r.state = "interrupting"
+            ctl.v.requests.set_state(r, S.INTERRUPTING)
             r.partial = Trajectory(0, r.sample_index, [1], [9], [-0.1], [0], "interrupted",
                                    meta={"rng_state": torch.tensor([1, 2, 3], dtype=torch.uint8)})
         elif st == "aborting":
-            r.state = "aborting"
-            ctl._drop(r)
+            ctl.command(backend, sched.base.Abort(0, [rid]))   # RUNNING -> ABORTING, counted dropped
         else:
-            r.state = st
+            ctl.v.requests.set_state(r, S(st))
     return ctl
 
 
@@ -152,25 +154,25 @@ def test_each_request_state_is_settled_on_restore():
     fresh = RecordingController(sched.load_preset("sync"), Source(), group_size=3, prompts_per_step=2, total_steps=3)
     fresh.load_state_dict(state)
     got = {i: fresh.v.requests[i].state for i in range(6)}
-    assert got == {0: "finished", 1: "held", 2: "aborted", 3: "held", 4: "held", 5: "held"}
-    assert fresh.v.pending() == []                              # held until the engines have weights
+    assert got == {0: "finished", 1: "restored", 2: "aborted", 3: "restored", 4: "restored", 5: "restored"}
+    assert fresh.v.pending() == []                              # restored: held back until the engines have weights
     part = fresh.v.requests[3].partial
     assert part.response_ids == [9] and torch.equal(part.meta["rng_state"], torch.tensor([1, 2, 3],
                                                                                           dtype=torch.uint8))
     assert fresh.v.requests[3].tokens == 1 and fresh.v.requests[5].tokens == 0
     g0 = fresh.v.groups[0]
     assert [t.response_ids for t in g0.trajectories] == [[5, 6]] and g0.dropped == 1 and g0.scored == 1
-    assert fresh.v.groups[0].prompt is fresh.prompts[0] and fresh.prompts[0].prompt_ids == [1, 2, 3]
+    assert fresh.v.groups[0].prompt.prompt_ids == [1, 2, 3]
     aborted = [e for e in fresh.log.events if e.kind == "trajectory_aborted"]
-    assert [e.req_id for e in aborted] == [2]                   # its one abort event, as sched/aborts.py promises
-    # weights arrive: the held requests become pending, oldest first, and fifo submits them
+    assert [e.req_id for e in aborted] == [2]                   # its one abort event (sched/lifecycle.py's rules)
+    # weights arrive: the restored requests become pending, oldest first, and fifo submits them
     backend = restarted_backend(1, 5, fresh.v.trainer.version)
     fresh.v.engines = []
     from sched.views import EngineView
     fresh.v.engines = [EngineView(0)]
     fresh.apply(backend.next_event())
     fresh.decide(backend)
-    assert fresh.v.pending() == []                              # still held: the engine is loading
+    assert fresh.v.pending() == []                              # still restored: the engine is loading
     fresh.apply(backend.next_event())
     assert [r.req_id for r in fresh.v.pending()] == [1, 3, 4, 5]
     fresh.decide(backend)
@@ -183,6 +185,7 @@ def test_a_restored_request_is_never_trained_twice_by_a_buggy_handoff():
     fresh = RecordingController(sched.load_preset("sync"), Source(), group_size=3, prompts_per_step=2, total_steps=3)
     fresh.load_state_dict(roundtrip(ctl.state_dict()))
     fresh.v.groups[0].consumed = False                          # a policy bug: hand group 0 over again
+    fresh.v.groups.track(fresh.v.groups[0])
     with pytest.raises(sched.controller.InvariantError, match="trained twice"):
         fresh.train(FakeBackend(1, 0), sched.base.TrainCall([0], True, True), [0])
 

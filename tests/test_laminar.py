@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sched
-from sched.repack import INBOUND, Snapshot, best_fit, candidates, migrating_to
+from sched.policies.laminar.rebalance import EngineCheck, best_fit, candidates
+from sched.views import RequestState
 from tests.offpolicy_sim import check_nothing_lost, sim_run, trained_trajectories
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -17,7 +18,7 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 
 # -------------------------------------------------------------------------------------------- Algorithm 1 (pure)
 def snap(engine, c, n, prev=1.0, version=0, waiting=0):
-    return Snapshot(engine, version, c, prev, n, waiting)
+    return EngineCheck(engine, version, c, prev, n, waiting)
 
 
 def test_best_fit_packs_smallest_first_onto_the_densest_that_fits():
@@ -83,15 +84,13 @@ def laminar_checks(moves: list):
         if v.trainer.steps_done >= ctl.total_steps or v.trainer.published < 0:
             return
         for e in v.engines:
-            assert e.assigned > 0 or e.loading or migrating_to(v, e.engine), \
+            assert e.assigned > 0 or e.loading or v.migrating_to(e.engine), \
                 f"engine {e.engine} idle at t={v.now:.3f} (version {e.version}, published {v.trainer.published})"
-        for dst, ids in v.shared.get(INBOUND, {}).items():
-            for rid in ids:
-                r = v.requests.get(rid)
-                if r is not None and r.state == "interrupting" and r.migrate_to == dst:
-                    assert v.engines[r.engine].version == v.engines[dst].version == r.version
-                    assert not v.engines[dst].loading
-                    moves.append(rid)
+        for r in v.requests.in_state(RequestState.INTERRUPTING):
+            if r.migrate_to >= 0:
+                assert v.engines[r.engine].version == v.engines[r.migrate_to].version == r.version
+                assert not v.engines[r.migrate_to].loading
+                moves.append(r.req_id)
     return check
 
 

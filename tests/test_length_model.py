@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from sched.length_model import LearnedPredictor
-from sched.length_rank import PREDICTORS, HistoryPredictor, PromptLengthPredictor
-from sched.skewness import SkewnessDispatch
+from sched.policies.streamrl.dispatch import SkewnessDispatch
+from sched.policies.streamrl.length_rank import PREDICTORS, HistoryPredictor, LearnedPredictor, PromptLengthPredictor
 from tests.test_policies_units import views
 
 

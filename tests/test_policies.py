@@ -56,7 +56,7 @@ def check_invariants(ctl, backend, log):
     # no finished trajectory lost or used twice: every request is trained xor dropped (closed by exactly one
     # trajectory_aborted), unless its group was never handed over because the run ended
     dropped = Counter(e.req_id for e in log.events if e.kind == "trajectory_aborted" and not e.data.get("requeue"))
-    assert set(dropped.values()) <= {1} and sum(dropped.values()) == ctl.dropped
+    assert set(dropped.values()) <= {1} and sum(dropped.values()) == ctl.v.dropped
     for rec in ctl.rounds.values():
         for rid, (gid, s) in rec.reqs.items():
             assert not ((gid, s) in trained and rid in dropped)

@@ -3,28 +3,26 @@ pure helpers (length ranking, resource splits, adaptive reward timeout)."""
 import pytest
 
 import sched
-from config import ConfigError, build
+from config import ConfigError
 from rl.types import Trajectory
-from sched.base import Abort, EngineView, GroupState, Request, RoundPlan, Submit, Views
-from sched.cgp import CompleteGroupPipelining
+from sched.base import Abort, RoundPlan, Submit
+from sched.views import EngineView, GroupState, Request, RequestState, Views
+from sched.policies.rolloutpipe import CompleteGroupPipelining, EveryU, FrontierDispatch
 from sched.controller import Controller, InvariantError, PromptItem
 from sched.events import Event, EventLog
-from sched.every_u import EveryU
-from sched.frontier import FrontierDispatch
-from sched.length_rank import PREDICTORS, HistoryPredictor
-from sched.resource_split import should_scale_out, split_cross_dc, split_gpus, split_instances
-from sched.reward_timeout import AdaptiveTimeout
-from sched.skewness import SkewnessDispatch
-from sched.stream_handoff import StreamHandoff
-from sched.stream_update import StreamUpdate
-from sched.tail_abort import TailAbort
-from sched.tail_batching import TailBatching
-from sched.whole_round import WholeRound
+from sched.policies.streamrl.length_rank import PREDICTORS, HistoryPredictor
+from sched.policies.streamrl.resource_split import should_scale_out, split_cross_dc, split_gpus, split_instances
+from rl.reward_timeout import AdaptiveTimeout
+from sched.policies.streamrl.dispatch import SkewnessDispatch
+from sched.policies.streamrl.handoff import StreamHandoff
+from sched.policies.streamrl.update import StreamUpdate
+from sched.policies.rollpacker import TailAbort, TailBatching
+from sched.policies.sync import WholeRound
 
 
 def views(groups, engines=2, group_size=None, prompts_per_step=2, plan=None, rnd=0):
     """groups: per group a list of request states; "finished:<seq>" sets the finish order. Group i has prompt i."""
-    v = Views(params=dict(group_size=group_size or len(groups[0]), prompts_per_step=prompts_per_step))
+    v = Views(group_size=group_size or len(groups[0]), prompts_per_step=prompts_per_step)
     v.engines = [EngineView(e, version=0) for e in range(engines)]
     v.round, v.round_groups[rnd], v.plans[rnd] = rnd, [], plan or RoundPlan(fresh=len(groups))
     rid = 0
@@ -42,12 +40,27 @@ def views(groups, engines=2, group_size=None, prompts_per_step=2, plan=None, rnd
     return v
 
 
+S = RequestState
+
+
 def materialize(v, gid, seq, scored=None):
     g = v.groups[gid]
     g.scored, g.materialized_seq = g.size if scored is None else scored, seq
     g.dropped = g.size - g.scored
+    v.groups.track(g)
     for i in g.req_ids:
-        v.requests[i].state = "finished"
+        v.requests.set_state(v.requests[i], S.FINISHED)
+
+
+def consume(v, *gids):
+    for gid in gids:
+        v.groups[gid].consumed = True
+        v.groups.track(v.groups[gid])
+
+
+def drop(v, gid, n):
+    v.groups[gid].dropped = n
+    v.groups.track(v.groups[gid])
 
 
 # ---- frontier (FGD) --------------------------------------------------------------------------------------------
@@ -74,7 +87,9 @@ def test_frontier_admits_only_the_earliest_unfinished_groups():
     v = views([["aborting", "finished:1"], ["pending", "pending"], ["pending", "pending"]])
     assert sorted(s.req_ids for s in FrontierDispatch(FrontierDispatch.Params(width=1)).admit(v)) == [[2, 3], [4, 5]]
     with pytest.raises(ConfigError, match="width = 0 .*must be >= 1"):
-        sched.load_preset("rolloutpipe", {"dispatch": {"width": 0}}, lambda cls, t, pre: build(cls, t, "x", pre))
+        sched.load_preset("rolloutpipe", {"dispatch": {"width": 0}})
+    with pytest.raises(ConfigError, match=r"sched.dispatch.admit_params.width = 0 .*must be >= 1"):
+        sched.load_preset("fgd_tailbatch", {"dispatch": {"admit_params": {"width": 0}}})
 
 
 # ---- CGP and stream handoffs -------------------------------------------------------------------------------------
@@ -89,12 +104,11 @@ def test_cgp_hands_u_groups_in_materialisation_order_and_the_round_rest():
     materialize(v, 4, seq=8)
     materialize(v, 2, seq=10)
     assert cgp.ready(v) == [3, 1]
-    for g in (3, 1, 4, 0):
-        v.groups[g].consumed = True
+    consume(v, 3, 1, 4, 0)
     assert cgp.ready(v) == [2]                       # R not a multiple of U: the rest goes once nothing else can
     v = views([["running"] * 2] * 3)
     materialize(v, 0, seq=1)
-    v.groups[1].dropped = 2                          # void (deferred): nothing else of the round can come but 2
+    drop(v, 1, 2)                                    # void (deferred): nothing else of the round can come but 2
     assert cgp.ready(v) is None
     materialize(v, 2, seq=2)
     assert cgp.ready(v) == [0, 2]
@@ -108,8 +122,7 @@ def test_stream_handoff_hands_everything_ready_once_enough():
     materialize(v, 0, seq=4)
     materialize(v, 1, seq=2)
     assert h.ready(v) == [1, 2, 0]
-    for g in (0, 1, 2):
-        v.groups[g].consumed = True
+    consume(v, 0, 1, 2)
     materialize(v, 3, seq=9)
     assert h.ready(v) == [3]                         # the round's rest, below min_groups
 
@@ -117,7 +130,7 @@ def test_stream_handoff_hands_everything_ready_once_enough():
 def test_batches_never_mix_rounds():
     v = views([["running"] * 2] * 2)
     v.round_groups[1] = [7]
-    v.groups[7] = GroupState(7, 7, 1, 2, scored=2, materialized_seq=1)
+    v.groups[7] = GroupState(7, 7, 1, 2, scored=2, materialized_seq=1)   # indexed as it is inserted
     materialize(v, 0, seq=2)
     assert StreamHandoff().ready(v) == [0] and CompleteGroupPipelining().ready(v) is None
 
@@ -130,9 +143,8 @@ def test_every_u_steps_every_u_groups_and_publishes_after_the_round():
     assert (u.decide([0], v).step, u.decide([0], v).publish) == (False, False)    # a streamed group accumulates
     v.trainer.groups_since_step = 1
     assert u.decide([1], v).step
-    for g in (0, 1, 2):
-        v.groups[g].consumed = True
-    v.groups[4].dropped = 1                          # void
+    consume(v, 0, 1, 2)
+    drop(v, 4, 1)                                    # void
     v.trainer.groups_since_step = 0
     call = u.decide([3], v)
     assert call.step and call.publish                # the round's last group steps and publishes, whatever U
@@ -143,7 +155,7 @@ def test_stream_update_steps_once_at_round_end():
     assert StreamUpdate().decide([0, 2], v) == StreamUpdate().decide([0, 2], v)
     c = StreamUpdate().decide([0, 2], v)
     assert (c.step, c.publish) == (False, False)
-    v.groups[1].consumed = True
+    consume(v, 1)
     c = StreamUpdate().decide([0, 2], v)
     assert (c.step, c.publish) == (True, True)
 
@@ -151,7 +163,7 @@ def test_stream_update_steps_once_at_round_end():
 # ---- tail batching ------------------------------------------------------------------------------------------------
 def test_tail_batching_plans_short_rounds_then_a_long_round_from_the_queue():
     tb = TailBatching()
-    v = Views(params=dict(group_size=8, prompts_per_step=128), engines=[EngineView(0, version=0)])
+    v = Views(group_size=8, prompts_per_step=128, engines=[EngineView(0, version=0)])
     p = tb.intake(v)
     assert (p.fresh, p.group_size, p.kind, p.keep_groups, p.keep_per_group) == (160, 10, "short", 128, 8)
     # a short round in which 3 prompts ended void (deferred): queued once, the round is closed, next is short
@@ -159,13 +171,14 @@ def test_tail_batching_plans_short_rounds_then_a_long_round_from_the_queue():
               plan=RoundPlan(fresh=7, group_size=3, kind="short", keep_groups=4, keep_per_group=1))
     for g in range(4):
         materialize(v, g, seq=g)
-        v.groups[g].consumed = True
+        consume(v, g)
     for g in range(4, 7):
-        v.groups[g].dropped = 1
+        drop(v, g, 1)
     assert tb.intake(v).kind == "long"               # 3 queued >= P0 = 3
     assert tb.long_queue == [] and tb.intake(v).kind == "short"  # harvested once only
     # nothing while the round is open or the engines are behind
     v.groups[0].consumed = False
+    v.groups.track(v.groups[0])
     assert tb.intake(v) == 0
     with pytest.raises(ValueError, match="admit"):
         TailBatching(TailBatching.Params(admit="tail_batching"))
@@ -178,10 +191,9 @@ def test_tail_batching_queue_survives_a_checkpoint():
     tb.long_queue = [PromptItem(4, [1, 2], "a")]
     fresh = TailBatching()
     fresh.load_state_dict(tb.state_dict())
-    v = Views(params=dict(group_size=2, prompts_per_step=1), engines=[EngineView(0, version=0)])
+    v = Views(group_size=2, prompts_per_step=1, engines=[EngineView(0, version=0)])
     plan = fresh.intake(v)
-    assert plan.kind == "long" and plan.prompts == [{"prompt_index": 4, "prompt_ids": [1, 2], "answer": "a",
-                                                         "max_new_tokens": None}]
+    assert plan.kind == "long" and plan.prompts == [PromptItem(4, [1, 2], "a")]
 
 
 def test_tail_abort_keeps_the_first_finishers_and_defers_the_rest():
@@ -191,10 +203,12 @@ def test_tail_abort_keeps_the_first_finishers_and_defers_the_rest():
                ["running", "pending", "running"]], group_size=2, plan=plan)
     ta = TailAbort()
     assert [(a.req_ids, a.requeue) for a in ta.plan(v)] == [([1], False)]
-    v.requests[1].state = "aborting"
+    v.requests.set_state(v.requests[1], S.ABORTING)
     assert ta.plan(v) == []
-    v.requests[8].state, v.requests[8].finished_seq = "finished", 6   # group 2's first finish
-    v.requests[6].state, v.requests[6].finished_seq = "finished", 7   # its second: kept, P0 = 2 reached
+    v.requests.set_state(v.requests[8], S.FINISHED)
+    v.requests[8].finished_seq = 6                    # group 2's first finish
+    v.requests.set_state(v.requests[6], S.FINISHED)
+    v.requests[6].finished_seq = 7                    # its second: kept, P0 = 2 reached
     out = ta.plan(v)
     victims = sorted(i for a in out for i in a.req_ids)
     assert victims == [3, 4, 5, 7]                   # all of group 1 (finished one too), group 2's pending third
@@ -247,7 +261,8 @@ def test_skewness_learns_from_finished_requests():
     v = views([["pending"], ["pending"]], engines=1)
     d = SkewnessDispatch()
     d.admit(v)
-    v.requests[0].state, v.requests[0].tokens = "finished", 50
+    v.requests.set_state(v.requests[0], S.FINISHED)
+    v.requests[0].tokens = 50
     d.admit(v)
     assert d.ranker.predict(0, 2) == 50.0 and not d.work.get(0)
 
@@ -292,14 +307,14 @@ def test_abort_rules_running_pending_finished_and_races():
     ctl.decide(b)                                     # round 0 starts, all 3 submitted
     ctl.apply(Event("trajectory_finished", 1, engine=0, req_id=2, group_id=0, data={"tokens": 1}))
     ctl.decide(b)                                     # abort 0 and 1 (running): sent, counted dropped at once
-    assert b.cmds == [Abort(0, [0, 1], False)] and ctl.dropped == 2
+    assert b.cmds == [Abort(0, [0, 1], False)] and ctl.v.dropped == 2
     assert [ctl.v.requests[i].state for i in (0, 1)] == ["aborting", "aborting"]
     ctl.apply(Event("trajectory_aborted", 2, engine=0, req_id=0, data={"requeue": False}))  # the ack
     ctl.apply(Event("trajectory_finished", 2, engine=0, req_id=1, group_id=0))              # lost the race
     ctl.apply(Event("reward_scored", 3, req_id=1, group_id=0, payload=traj(0, 1)))          # ignored
     ctl.apply(Event("reward_scored", 3, req_id=2, group_id=0, payload=traj(0, 2)))
     g = ctl.v.groups[0]
-    assert (g.scored, g.dropped, ctl.dropped, ctl.v.engines[0].assigned) == (1, 2, 2, 0) and g.materialized
+    assert (g.scored, g.dropped, ctl.v.dropped, ctl.v.engines[0].assigned) == (1, 2, 2, 0) and g.materialized
     assert ctl.v.requests[1].state == "aborted"
     ctl.decide(b)
     (call, groups), = b.trained
@@ -308,7 +323,7 @@ def test_abort_rules_running_pending_finished_and_races():
     assert [(e.req_id, e.data) for e in closed] == [(0, {"requeue": False}),
                                                     (1, {"requeue": False, "discarded": True})]
     with pytest.raises(InvariantError, match="after its group"):
-        ctl.abort(b, Abort(0, [2]))                   # trained: can never be dropped
+        ctl.command(b, Abort(0, [2]))                   # trained: can never be dropped
 
 
 def test_abort_of_pending_and_scored_requests_is_settled_locally():
@@ -317,12 +332,12 @@ def test_abort_of_pending_and_scored_requests_is_settled_locally():
     ctl.submit(b, Submit(0, [0, 1]))
     ctl.apply(Event("trajectory_finished", 1, engine=0, req_id=0, group_id=0))
     ctl.apply(Event("reward_scored", 1, req_id=0, group_id=0, payload=traj(0, 0)))
-    ctl.abort(b, Abort(0, [0, 2]))                   # 0 finished and scored: discarded; 2 never sent: local
+    ctl.command(b, Abort(0, [0, 2]))                   # 0 finished and scored: discarded; 2 never sent: local
     g = ctl.v.groups[0]
     assert b.cmds == [] and (g.scored, g.dropped, g.trajectories) == (0, 2, [])
     assert [e.data for e in ctl.log.events if e.kind == "trajectory_aborted"] == [
         {"requeue": False, "discarded": True}, {"requeue": False, "local": True}]
-    ctl.abort(b, Abort(0, [1]))
+    ctl.command(b, Abort(0, [1]))
     assert g.void and g.closed and not g.materialized and ctl.v.round_done(0) and ctl.v.open_groups() == []
     assert WholeRound().ready(ctl.v) is None          # a void group is never handed to the trainer
     ctl.apply(Event("trajectory_aborted", 2, engine=0, req_id=1, data={"requeue": False}))
@@ -333,8 +348,8 @@ def test_requeue_returns_to_pending_unless_it_finished_first():
     ctl, b = controller([]), Stub()
     ctl.start_round(1)
     ctl.submit(b, Submit(0, [0, 1, 2]))
-    ctl.abort(b, Abort(0, [0, 1], requeue=True))
-    assert b.cmds == [Abort(0, [0, 1], True)] and ctl.dropped == 0
+    ctl.command(b, Abort(0, [0, 1], requeue=True))
+    assert b.cmds == [Abort(0, [0, 1], True)] and ctl.v.dropped == 0
     ctl.apply(Event("trajectory_aborted", 1, engine=0, req_id=0, data={"requeue": True}))
     ctl.apply(Event("trajectory_finished", 1, engine=0, req_id=1, group_id=0))
     assert [ctl.v.requests[i].state for i in (0, 1)] == ["pending", "finished"]
@@ -344,7 +359,7 @@ def test_requeue_returns_to_pending_unless_it_finished_first():
 
 def test_round_plan_reruns_prompts_with_its_own_group_size():
     ctl, b = controller([]), Stub()
-    ctl.start_round(RoundPlan(prompts=[{"prompt_index": 9, "prompt_ids": [5], "answer": "y"}], fresh=1,
+    ctl.start_round(RoundPlan(prompts=[PromptItem(9, [5], "y")], fresh=1,
                               group_size=2, kind="long"))
     assert [(g.prompt_index, g.size) for g in ctl.v.groups.values()] == [(9, 2), (0, 2)]
     assert ctl.log.events[-1].data == {"round": 0, "prompts": 2, "group_size": 2, "kind": "long"}

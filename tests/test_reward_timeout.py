@@ -9,7 +9,7 @@ import pytest
 
 from rl.rewards import RewardResult
 from runtime.reward_scorer import AsyncRewardScorer
-from sched.reward_timeout import AdaptiveTimeout
+from rl.reward_timeout import AdaptiveTimeout
 
 
 def test_unseen_cases_fall_back_to_a_running_quantile_of_all_cases():

@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sched.base import Abort, Interrupt, LoadWeights, Migrate, Request
+from sched.base import Abort, Interrupt, LoadWeights, Migrate
+from sched.views import Request
 from sched.controller import PromptItem
 from sim.backend import SimBackend, SimStalled
 from sim.clock import EventQueue
@@ -230,7 +231,7 @@ def _sim_req(done: int):
 
 def test_migrate_never_reaches_a_backend():
     b = backend(cost(), [[10]], engines=2)
-    with pytest.raises(TypeError, match="controller"):
+    with pytest.raises(TypeError, match="unknown backend command Migrate"):
         b.command(Migrate(0, 1, [0]))
 
 

@@ -4,6 +4,7 @@ simulator under random response lengths with the staleness bound checked on what
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,13 +14,13 @@ import sched
 from rl.types import Trajectory
 from sched.controller import Controller, PromptItem
 from sched.events import EventLog
-from sched.staleflow_cost import CostModel, InstanceSnap
-from sched.staleflow_migrate import StaleFlowMigration
-from sched.staleflow_route import marginal_plan
-from sched.staleflow_route_vanilla import fewest_plan
-from sched.staleflow_state import Item, Shared, snapshots
-from sched.staleness import StalenessBuffers
-from sched.views import EngineView, GroupState, Request, Views
+from sched.policies.staleflow.buffers import StalenessBuffers
+from sched.policies.staleflow.cost import InstanceSnap, ThroughputModel
+from sched.policies.staleflow.dispatch import StaleFlowRouting, fewest_routes, marginal_routes
+from sched.policies.staleflow.rebalance import StaleFlowMigration
+from sched.policies.staleflow.state import StaleFlowParams, StaleFlowState
+from sched.policies.staleflow.store import Item
+from sched.views import EngineView, GroupState, Request, RequestState, Views
 from sim.backend import SimBackend
 from sim.cost import CostModel as SimCost
 from sim.cost import RewardLatency
@@ -41,16 +42,17 @@ def item(rid: int, gid: int, prompt_len: int = 100, v_traj: int = -1, versions: 
 # ---- cost model (Eq. 2-4) --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("length,expected", [(100, 78), (200, 74), (500, 64), (1000, 53), (2000, 39)])
 def test_mu_threshold_admits_the_extractions_count_on_an_empty_instance(length, expected):
-    """seeds_staleflow.md §1.8 sanity check: Table 4, mu = 0.3, one empty instance."""
+    """Table 4 with mu = 0.3 on one empty instance: how many trajectories of each length are routed before the
+    marginal gain falls below 0.3 x the ideal gain (counts worked out by hand from Eq. 2-4)."""
     sb = StalenessBuffers(eta=0, batch=1000)
     snaps = {0: InstanceSnap(0, 0, 0)}
-    routes = marginal_plan(snaps, [item(i, i, length) for i in range(500)], sb, CostModel(), 0.3)
+    routes = marginal_routes(snaps, [item(i, i, length) for i in range(500)], sb, ThroughputModel(), 0.3)
     assert len(routes) == expected
     assert sb.live() == expected                        # each routed group reserved
 
 
 def test_marginal_gain_is_zero_when_the_trajectory_would_queue():
-    cm = CostModel()
+    cm = ThroughputModel()
     s = InstanceSnap(0, 0, running=10, kv=900.0, budget=1000.0)
     assert cm.marginal_gain(s, 50) > 0 and cm.marginal_gain(s, 200) == 0.0
     assert cm.marginal_gain(InstanceSnap(0, 0, 10, waiting=1), 1) == 0.0
@@ -65,7 +67,7 @@ def test_routing_serves_the_stalest_first_on_the_oldest_instance_that_gains_enou
     items = [item(3, 60), item(1, 51, v_traj=0, versions=[0, 1]), item(0, 52, v_traj=0, versions=[0]),
              item(2, 50, prio=0)]
     items.sort(key=lambda it: (it.prio, it.req.req_id))
-    routes = marginal_plan(snaps, items, sb, CostModel(), 0.3)
+    routes = marginal_routes(snaps, items, sb, ThroughputModel(), 0.3)
     got = {it.req.req_id: eng for eng, it in routes}
     assert [it.req.req_id for _, it in routes] == [0, 1, 2, 3]   # MLQ: V_traj 0 queue, then new groups
     assert got[0] == 1            # waterfall: the version-0 instance first
@@ -78,33 +80,34 @@ def test_routing_serves_the_stalest_first_on_the_oldest_instance_that_gains_enou
 def test_routing_withholds_when_no_instance_gains_enough_and_blocks_what_follows():
     sb = StalenessBuffers(eta=2, batch=64)
     busy = {0: InstanceSnap(0, 0, running=200, kv=2e6)}
-    assert marginal_plan(busy, [item(i, i) for i in range(3)], sb, CostModel(), 0.3) == []
+    assert marginal_routes(busy, [item(i, i) for i in range(3)], sb, ThroughputModel(), 0.3) == []
     assert sb.live() == 0
     # vanilla routing ignores gains: fewest trajectories, until the staleness manager says no
     snaps = {0: InstanceSnap(0, 0, running=5), 1: InstanceSnap(1, 0, running=1)}
     sb = StalenessBuffers(eta=0, batch=3)
-    routes = fewest_plan(snaps, [item(i, i) for i in range(5)], sb)
+    routes = fewest_routes(snaps, [item(i, i) for i in range(5)], sb)
     assert [e for e, _ in routes] == [1, 1, 1] and sb.live() == 3     # 3 slots for version 0 with eta 0
 
 
 # ---- snapshots (Eq. 1) -----------------------------------------------------------------------------------------
 def test_an_engine_report_is_used_only_when_it_agrees_with_the_issued_commands():
-    v = Views(params=dict(group_size=1, prompts_per_step=2))
+    v = Views(group_size=1, prompts_per_step=2)
     v.engines = [EngineView(0, version=0, running=2, kv_used=100, kv_free=900, assigned=2),
                  EngineView(1, version=0, running=1, kv_used=50, kv_free=950, assigned=2)]
     for rid, eng in ((0, 0), (1, 0), (2, 1), (3, 1)):
         v.requests[rid] = Request(rid, rid, 0, rid, 0, 10, state="running", engine=eng, tokens=5)
-    st_ = Shared(StalenessBuffers(1, 2), held={0, 1, 2, 3})
-    snaps = snapshots(v, st_, block_size=16, budget=float("inf"))
+    st_ = StaleFlowState(StaleFlowParams(eta=1, block_size=16))
+    st_.routed = {0, 1, 2, 3}
+    snaps = st_.snapshots(v, budget=float("inf"))
     assert snaps[0].kv == 1600.0 and snaps[0].budget == 16000.0          # valid: the engine's own numbers
     assert snaps[1].running == 2 and snaps[1].kv == 30.0                 # stale report: P's estimate
-    v.requests[3].state = "finished"
-    assert snapshots(v, st_, 16, float("inf"))[1].held == (2,) and 3 not in st_.held
+    v.requests.set_state(v.requests[3], RequestState.FINISHED)
+    assert st_.snapshots(v, float("inf"))[1].requests == (2,) and 3 not in st_.routed
 
 
 # ---- migration (Alg. 5) ----------------------------------------------------------------------------------------
 def test_migration_trims_long_wait_queues_and_drains_the_fastest_instance_on_imbalance():
-    v = Views(params=dict(group_size=1, prompts_per_step=4))
+    v = Views(group_size=1, prompts_per_step=4)
     v.engines = [EngineView(0, version=0, running=6, waiting=0, kv_used=10, kv_free=10**6, assigned=6),
                  EngineView(1, version=0, running=1, waiting=0, kv_used=10, kv_free=10**6, assigned=1),
                  EngineView(2, version=0, running=1, waiting=5, kv_used=10, kv_free=10**6, assigned=6),
@@ -114,8 +117,10 @@ def test_migration_trims_long_wait_queues_and_drains_the_fastest_instance_on_imb
         for _ in range(n):
             v.requests[rid] = Request(rid, rid, 0, rid, 0, 10, state="running", engine=eng)
             rid += 1
-    m = StaleFlowMigration(StaleFlowMigration.Params(eta=1, period_s=0))
-    v.shared["staleflow"] = Shared(StalenessBuffers(1, 4), held=set(range(rid)))
+    routing = StaleFlowRouting(StaleFlowRouting.Params(eta=1, period_s=0))
+    routing.state.routed = set(range(rid))
+    m = StaleFlowMigration()
+    m.bind(SimpleNamespace(dispatch=routing))
     out = {c.engine: c.req_ids for c in m.plan(v)}
     assert out[2] == [11, 12]                         # 5 waiting > phi_wait 3: the 2 latest
     assert out[0] == [0, 1, 2, 3, 4, 5]               # T(6) / T(1) > 5: everything on the fastest
@@ -188,35 +193,45 @@ def test_staleflow_interrupts_and_resumes_and_reaches_the_bound():
             assert full[(e.group_id, e.payload.sample_index)] >= e.data["tokens"]
 
 
-def test_mismatched_eta_between_staleflow_tables_is_rejected():
-    p = sched.load_preset("staleflow", {"handoff": {"eta": 1}})
-    ctl = Controller(p, lambda n: [PromptItem(i, [1, 2], None) for i in range(n)], 2, 2, 1)
-    ctl.v.engines = [EngineView(0)]
-    with pytest.raises(ValueError, match="disagree on eta"):
-        ctl.decide(SimBackend(sim_cost(), TraceWorkload("t", ((2, (3, 3)),)), 1, 1))
-    assert min(b for q in p.policies().values() if (b := q.staleness_bound()) is not None) == 1
+def test_a_coupled_design_has_one_parameter_set_and_needs_its_partners():
+    p = sched.load_preset("staleflow", {"dispatch": {"eta": 1}})       # set once, in the routing's table
+    assert [q.staleness_bound() for q in p.policies().values()] == [1, None, None, None, None]
+    assert p.handoff.routing is p.weight_sync.routing is p.rebalance.routing is p.dispatch
+    with pytest.raises(ValueError, match="sched.handoff.eta .*'staleflow' takes no parameters"):
+        sched.load_preset("staleflow", {"handoff": {"eta": 1}})       # no second eta that could disagree
+    with pytest.raises(ValueError, match="needs a StaleFlow routing dispatch .* dispatch is 'fifo'"):
+        sched.load_preset("sync", {"weight_sync": {"name": "staleflow"}})
+    with pytest.raises(ValueError, match="areal handoff takes its staleness bound from the areal dispatch"):
+        sched.load_preset("sync", {"handoff": {"name": "areal"}})
+    q = sched.load_preset("areal", {"dispatch": {"eta": 2}})
+    assert q.handoff.dispatch is q.dispatch and q.dispatch.staleness_bound() == 2
 
 
 def test_areal_hand_off_waits_rather_than_strand_an_old_group():
-    v = Views(params=dict(group_size=1, prompts_per_step=2))
+    v = Views(group_size=1, prompts_per_step=2)
     v.trainer.version = 2
     for gid, (ver, done) in enumerate([(0, False), (1, True), (1, True), (2, True)]):
-        g = v.groups[gid] = GroupState(gid, gid, 0, 1, req_ids=[gid])
+        g = GroupState(gid, gid, 0, 1, req_ids=[gid])
         v.requests[gid] = Request(gid, gid, 0, gid, 0, 4, state="finished" if done else "running", v_traj=ver)
         if done:
             g.scored, g.materialized_seq = 1, gid
             g.trajectories = [Trajectory(gid, 0, [1], [2], [-1.0], [ver], "stop")]
-    h = sched.REGISTRY["handoff"]["areal"](sched.REGISTRY["handoff"]["areal"].Params(eta=2))
+        v.groups[gid] = g                         # indexed (open / ready) as it is inserted
+    D, H = sched.REGISTRY["dispatch"]["areal"], sched.REGISTRY["handoff"]["areal"]
+    h = H()
+    h.bind(SimpleNamespace(dispatch=D(D.Params(eta=2))))
     assert h.ready(v) is None                     # group 0 (version 0) is due now and not finished
-    v.groups[0].scored, v.groups[0].materialized_seq = 1, 9
-    v.groups[0].trajectories = [Trajectory(0, 0, [1], [2], [-1.0], [0], "stop")]
+    g0 = v.groups[0]
+    g0.scored, g0.materialized_seq = 1, 9
+    g0.trajectories = [Trajectory(0, 0, [1], [2], [-1.0], [0], "stop")]
+    v.groups.track(g0)
     assert h.ready(v) == [0, 1]                   # oldest first
 
 
 def test_areal_dispatch_caps_groups_per_engine_at_areals_max_concurrent_rollouts():
     # 2 engines, batch of 4 groups of 2: AReaL's default cap is one batch (4 groups) over all engines, 2 per engine
     def views(running_on_0: int) -> Views:
-        v = Views(params=dict(group_size=2, prompts_per_step=4))
+        v = Views(group_size=2, prompts_per_step=4)
         v.engines = [EngineView(0, version=0), EngineView(1, version=0)]
         rid = 0
         for gid in range(8):

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sched.staleness import READY, STUCK, WAITING, NotAdmissible, StalenessBuffers
+from sched.policies.staleflow.buffers import READY, STUCK, WAITING, NotAdmissible, StalenessBuffers
 
 
 def test_reserve_is_worst_case_and_occupy_is_greedy():

@@ -137,8 +137,7 @@ def test_colocated_world_of_one(tmp_path):
 def test_reward_still_rises_off_policy_at_staleness_two(tmp_path):
     """StaleFlow with eta = 2 (most samples two versions old) and the decoupled-PPO correction still learns."""
     run = tmp_path / "staleflow"
-    eta = [f"--sched.{k}.eta=2" for k in ("dispatch", "handoff", "weight_sync", "rebalance")]
-    torchrun(4, f"--log.dir={run}", "--sched.preset=staleflow", *eta, "--cluster.rollout_ranks=2",
+    torchrun(4, f"--log.dir={run}", "--sched.preset=staleflow", "--sched.dispatch.eta=2", "--cluster.rollout_ranks=2",
              "--train.steps=70", "--train.off_policy=decoupled", "--checkpoint.export_hf=false")
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 71))

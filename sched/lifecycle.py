@@ -1,0 +1,353 @@
+"""The request lifecycle: every state transition of requests, groups, engines and the trainer in the views, and the
+rules that settle races. The controller (sched/controller.py) owns one `Lifecycle`, calls it for each decision it
+performs and each event it receives, and sends the backend commands it returns. Nothing else writes the views.
+
+Rounds: `start_round` makes a round's groups and their requests (PENDING); `admit` sends pending requests to an
+engine (RUNNING; `request_admitted`). Events are folded in by `apply`, in arrival order, each logged first.
+
+Aborts (`abort`, for `sched.base.Abort`), so every policy and both backends see the same rules:
+- requeue=False drops a request for good, counted in its group's `dropped` the moment the abort is decided, so
+  the group can materialise (or become void) at once:
+    RUNNING  -> ABORTING, sent to its engine; the engine's `trajectory_aborted` closes it (ABORTED), or, if it
+                finished before the abort landed, its `trajectory_finished` does and the trajectory is discarded
+                (its later reward is ignored);
+    PENDING  -> ABORTED here, never sent;
+    FINISHED -> ABORTED here: the trajectory is discarded (taken back out of its group if already scored);
+                dropping one of a group already handed to the trainer is an InvariantError.
+- requeue=True sends a running request back to pending (REQUEUEING until the engine confirms); one that finishes
+  first simply stays finished. Requeueing a pending or finished request does nothing.
+- An INTERRUPTING request dropped with requeue=False becomes ABORTING and its `trajectory_interrupted` (or
+  `trajectory_finished`) closes it as discarded; requeue=True on it does nothing (it comes back pending anyway).
+- Aborting an aborting/aborted request again does nothing, so a policy may repeat itself.
+Every dropped request gets exactly one `trajectory_aborted` event in the log: the engine's, or the lifecycle's own
+(data `local`: never sent; `discarded`: it had finished). Backends report `trajectory_aborted` only for requests
+they actually stopped.
+
+Partial trajectories (`interrupt`, `migrate`, for `sched.base.Interrupt` and `Migrate`):
+- Interrupt: a RUNNING request becomes INTERRUPTING and its engine is asked to hand it back; requests in any other
+  state are skipped (one that finished first simply finished). The engine's `trajectory_interrupted` carries
+  every token so far (ids, behaviour log-probs, per-token versions; the seeded generator state on real engines);
+  the request keeps it as `partial` and waits PENDING again, to resume on whichever engine dispatch picks (the
+  engine re-prefills prompt + tokens so far). Its `v_traj` never changes.
+- Migrate(src, dst): an Interrupt whose request is resubmitted to dst as soon as it lands, before any other
+  admission (`due_migrations`; `trajectory_migrated`, data src/dst/tokens).
+
+Restored requests (after a resume, sched/resume.py) stay RESTORED, invisible to dispatch, until every engine holds
+the trainer's checkpointed version; `weights_loaded` then releases them to PENDING.
+
+Invariants kept here: every event is logged before it is applied; a reward for a discarded sample is never added
+to its group; a group is handed to the trainer whole, once, only after it materialised, and no trajectory staler
+than the preset's bound; a partial only grows and its three per-token lists have one entry per token; a resumed
+trajectory never goes back in version; a trainer version only moves on a step that stepped.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rl.types import Group, Trajectory
+from sched.base import Abort, Interrupt, InvariantError, LoadWeights, Migrate, RoundPlan, Submit
+from sched.events import Event
+from sched.views import GroupState, Request, RequestState, Views
+
+S = RequestState
+
+
+class Lifecycle:
+    def __init__(self, v: Views, emit: Callable[[Event], None]):
+        self.v, self.emit = v, emit
+        self.next_req = 0
+        self.next_group = 0
+        self.trained: set[tuple[int, int]] = set()   # (group_id, sample_index) handed to the trainer
+        self.interrupted = 0                          # interrupts that landed (a request may be interrupted often)
+        self.restore_floor: int | None = None         # after a resume: the version every engine must hold first
+
+    def _set(self, r: Request, state: RequestState) -> None:
+        self.v.requests.set_state(r, state)
+
+    # ----------------------------------------------------------------------------------------------- rounds
+    def start_round(self, plan: RoundPlan, items: list[Any]) -> None:
+        """A new round: one group of G requests per prompt item (PENDING), `round_started`."""
+        v = self.v
+        v.round += 1
+        v.round_groups[v.round] = []
+        v.plans[v.round] = plan
+        G = plan.group_size or v.group_size
+        for item in items:
+            gid = self.next_group
+            self.next_group += 1
+            g = GroupState(gid, item.prompt_index, v.round, G, answer=item.answer, prompt=item)
+            v.groups[gid] = g
+            v.round_groups[v.round].append(gid)
+            for s in range(G):
+                v.requests[self.next_req] = Request(self.next_req, gid, s, item.prompt_index, v.round,
+                                                    len(item.prompt_ids), t_created=v.now)
+                g.req_ids.append(self.next_req)
+                self.next_req += 1
+        data = {"round": v.round, "prompts": len(items), "group_size": G, "kind": plan.kind}
+        if plan.speculative:
+            data.update(keep_groups=plan.keep_groups, keep_per_group=plan.keep_per_group)
+        self.emit(Event("round_started", v.now, data=data))
+
+    def admit(self, sub: Submit) -> list[Request]:
+        """PENDING -> RUNNING on `sub.engine`, one `request_admitted` each; the requests to send."""
+        v = self.v
+        e = v.engines[sub.engine]
+        reqs = [v.requests[i] for i in sub.req_ids]
+        for r in reqs:
+            if r.state != S.PENDING:
+                raise InvariantError(f"request {r.req_id} submitted twice (state {r.state})")
+            if r.partial is not None and r.partial.versions and e.version < max(r.partial.versions):
+                raise InvariantError(f"request {r.req_id} resumed on engine {sub.engine} at version {e.version}, "
+                                     f"older than its tokens so far (version {max(r.partial.versions)})")
+            if r.v_traj < 0:
+                r.v_traj = e.version
+            self._set(r, S.RUNNING)
+            r.engine, r.version = sub.engine, e.version
+            self.emit(Event("request_admitted", v.now, engine=sub.engine, req_id=r.req_id, group_id=r.group_id,
+                            version=e.version))
+        e.assigned += len(reqs)
+        return reqs
+
+    def load_weights(self, cmd: LoadWeights) -> None:
+        if cmd.version > self.v.trainer.published:
+            raise InvariantError(f"engine {cmd.engine} told to load unpublished version {cmd.version}")
+        self.v.engines[cmd.engine].loading = True
+
+    # ----------------------------------------------------------------------------------------------- aborts
+    def abort(self, cmd: Abort) -> list[Abort]:
+        """Apply an Abort decision (module docstring); the aborts to send, one per engine."""
+        v = self.v
+        send: dict[int, list[int]] = {}
+        for rid in cmd.req_ids:
+            r = v.requests[rid]
+            if r.state == S.RUNNING:
+                self._set(r, S.REQUEUEING if cmd.requeue else S.ABORTING)
+                send.setdefault(r.engine, []).append(rid)
+                if not cmd.requeue:
+                    self._drop(r)
+            elif r.state in (S.PENDING, S.FINISHED) and not cmd.requeue:
+                how = "local" if r.state == S.PENDING else "discarded"
+                self._drop(r)
+                self._set(r, S.ABORTED)
+                self.emit(Event("trajectory_aborted", v.now, engine=r.engine, req_id=rid, group_id=r.group_id,
+                                data={"requeue": False, how: True}))
+            elif r.state == S.INTERRUPTING and not cmd.requeue:
+                self._set(r, S.ABORTING)   # its trajectory_interrupted will close it (the engine no longer holds it)
+                self._drop(r)
+        return [Abort(engine, ids, cmd.requeue) for engine, ids in sorted(send.items())]
+
+    def _drop(self, r: Request) -> None:
+        """Count request r dropped in its group (taking its trajectory back out if it was already scored)."""
+        v = self.v
+        g = v.groups[r.group_id]
+        if g.consumed:
+            raise InvariantError(f"request {r.req_id} dropped after its group {g.group_id} was trained")
+        kept = [t for t in g.trajectories if t.sample_index != r.sample_index]
+        g.scored -= len(g.trajectories) - len(kept)
+        g.trajectories = kept
+        g.dropped += 1
+        v.groups.track(g)
+        v.dropped += 1
+        if r.state == S.RUNNING:
+            self._set(r, S.ABORTED)
+        self._materialize(g)
+
+    def _materialize(self, g: GroupState) -> None:
+        if g.materialized and g.materialized_seq < 0:
+            g.materialized_seq = self.v.seq
+            self.v.materialized += 1
+            self.emit(Event("group_materialized", self.v.now, group_id=g.group_id, version=g.version,
+                            data={"round": g.round}))
+
+    # --------------------------------------------------------------------------------- partial trajectories
+    def interrupt(self, req_ids: list[int], migrate_to: int = -1) -> list[Interrupt]:
+        """Ask engines to hand back running requests (others are skipped: a finished one simply finished)."""
+        v = self.v
+        send: dict[int, list[int]] = {}
+        for rid in req_ids:
+            r = v.requests.get(rid)
+            if r is None or r.state != S.RUNNING or r.engine == migrate_to:
+                continue
+            self._set(r, S.INTERRUPTING)
+            r.migrate_to = migrate_to
+            send.setdefault(r.engine, []).append(rid)
+        return [Interrupt(engine, ids) for engine, ids in sorted(send.items())]
+
+    def migrate(self, cmd: Migrate) -> list[Interrupt]:
+        if not 0 <= cmd.dst < len(self.v.engines):
+            raise InvariantError(f"migration to unknown engine {cmd.dst}")
+        return self.interrupt(cmd.req_ids, migrate_to=cmd.dst)
+
+    def due_migrations(self) -> list[tuple[Submit, int]]:
+        """Migrated requests whose interrupt landed: (resubmission to the destination, source engine) each."""
+        todo, self.v.migrations = self.v.migrations, []
+        out = []
+        for rid, src, dst in todo:
+            r = self.v.requests.get(rid)
+            if r is not None and r.state == S.PENDING:
+                out.append((Submit(dst, [rid]), src))
+        return out
+
+    def migrated(self, sub: Submit, src: int) -> None:
+        v = self.v
+        r = v.requests[sub.req_ids[0]]
+        self.emit(Event("trajectory_migrated", v.now, engine=sub.engine, req_id=r.req_id, group_id=r.group_id,
+                        version=v.engines[sub.engine].version,
+                        data={"src": src, "dst": sub.engine, "tokens": r.tokens}))
+
+    # ---------------------------------------------------------------------------------------------- training
+    def consume(self, gids: list[int], max_staleness: int | None) -> list[Group]:
+        """Hand these groups to the trainer: each whole, once, materialised, within the staleness bound."""
+        v = self.v
+        groups = []
+        for gid in gids:
+            g = v.groups[gid]
+            if g.consumed or not g.materialized:
+                raise InvariantError(f"group {gid} handed to the trainer "
+                                     f"{'twice' if g.consumed else 'before it was materialised'}")
+            for t in g.trajectories:
+                if max_staleness is not None and v.trainer.version - t.version > max_staleness:
+                    raise InvariantError(f"group {gid} sample {t.sample_index} (version {t.version}) handed to the "
+                                         f"trainer at version {v.trainer.version}: staleness above the bound "
+                                         f"{max_staleness}")
+                key = (gid, t.sample_index)
+                if key in self.trained:
+                    raise InvariantError(f"trajectory {key} trained twice")
+                self.trained.add(key)
+            g.consumed = True
+            v.groups.track(g)
+            groups.append(Group(gid, g.prompt_index, g.answer, sorted(g.trajectories, key=lambda t: t.sample_index)))
+        v.trainer.busy = True
+        v.trainer.groups_consumed += len(gids)
+        v.trainer.groups_since_step += len(gids)
+        return groups
+
+    def prune(self) -> None:
+        """Forget rounds that are fully consumed (older than the current one), so long runs stay bounded."""
+        v = self.v
+        for r in [r for r in v.round_groups if r < v.round]:
+            if all(v.groups[g].closed for g in v.round_groups[r]):
+                v.plans.pop(r, None)
+                for g in v.round_groups.pop(r):
+                    del v.groups[g]
+                for rid in [i for i, q in v.requests.items() if q.round == r]:
+                    del v.requests[rid]
+
+    # ------------------------------------------------------------------------------------------------ events
+    def apply(self, ev: Event) -> None:
+        """Fold one backend event into the views (logged first)."""
+        v = self.v
+        v.now = ev.t
+        v.seq += 1
+        self.emit(ev)
+        k = ev.kind
+        if k == "tokens_decoded":
+            e = v.engines[ev.engine]
+            d = ev.data
+            e.running, e.waiting = d.get("running", e.running), d.get("waiting", e.waiting)
+            e.kv_used, e.kv_free = d.get("kv_used", e.kv_used), d.get("kv_free", e.kv_free)
+            e.tokens_decoded = d.get("total", e.tokens_decoded)
+            for rid, n in d.get("progress", {}).items():
+                if int(rid) in v.requests:
+                    v.requests[int(rid)].tokens = n
+        elif k == "trajectory_finished":
+            r = v.requests[ev.req_id]
+            r.tokens, r.finished_seq = ev.data.get("tokens", r.tokens), v.seq
+            v.engines[r.engine].assigned -= 1
+            self._finished(r)
+        elif k == "reward_scored":
+            self._scored(ev)
+        elif k == "trajectory_interrupted":
+            if ev.req_id in v.requests:
+                self._interrupted(v.requests[ev.req_id], ev)
+        elif k == "trajectory_aborted":
+            if ev.req_id in v.requests:  # else its round was already consumed and forgotten
+                self._aborted(v.requests[ev.req_id], bool(ev.data.get("requeue")))
+        elif k == "train_step_done":
+            t = v.trainer
+            t.busy = False
+            if ev.data.get("stepped", True):
+                t.version, t.steps_done, t.groups_since_step = ev.version, t.steps_done + 1, 0
+        elif k == "version_published":
+            v.trainer.published = max(v.trainer.published, ev.version)
+        elif k == "weights_loaded":
+            e = v.engines[ev.engine]
+            e.version, e.loading = ev.version, False
+            self.release_restored()
+        elif k == "rank_failed":
+            raise RuntimeError(f"rank {ev.rank} failed: {ev.data.get('error', 'unknown error')}")
+
+    def _finished(self, r: Request) -> None:
+        if r.state == S.ABORTING:      # finished before the abort landed: discarded (already counted dropped)
+            self._set(r, S.ABORTED)
+            self.emit(Event("trajectory_aborted", self.v.now, engine=r.engine, req_id=r.req_id, group_id=r.group_id,
+                            data={"requeue": False, "discarded": True}))
+        else:                          # a REQUEUEING or INTERRUPTING one that finished first simply finished
+            self._set(r, S.FINISHED)
+
+    def _scored(self, ev: Event) -> None:
+        v = self.v
+        traj: Trajectory = ev.payload
+        g = v.groups.get(ev.group_id)
+        if g is None:  # its round was consumed and forgotten: a discarded sample's late reward
+            return
+        if traj is None or traj.group_id != g.group_id:
+            raise InvariantError(f"reward_scored event without its trajectory for group {ev.group_id}")
+        r = v.requests.get(ev.req_id) if ev.req_id >= 0 else v.requests.get(g.req_ids[traj.sample_index])
+        if r is None or r.state != S.ABORTED:  # a discarded trajectory is never trained
+            g.trajectories.append(traj)
+            g.scored += 1
+            v.groups.track(g)
+            self._materialize(g)
+
+    def _aborted(self, r: Request, requeue: bool) -> None:
+        if r.state not in (S.RUNNING, S.ABORTING, S.REQUEUEING):
+            raise InvariantError(f"trajectory_aborted for request {r.req_id} in state {r.state}")
+        self.v.engines[r.engine].assigned -= 1
+        if r.state == S.ABORTING:
+            self._set(r, S.ABORTED)
+        elif r.state == S.REQUEUEING or requeue:
+            self._set(r, S.PENDING)
+            r.engine = -1
+        else:                          # stopped by the backend on its own
+            self._drop(r)
+
+    def _interrupted(self, r: Request, ev: Event) -> None:
+        v = self.v
+        part = ev.payload
+        if r.state not in (S.INTERRUPTING, S.ABORTING, S.REQUEUEING):
+            raise InvariantError(f"trajectory_interrupted for request {r.req_id} in state {r.state}")
+        if part is None or len(part.response_ids) < r.resumed_tokens or \
+                len(part.logprobs) != len(part.response_ids) or len(part.versions) != len(part.response_ids):
+            raise InvariantError(f"trajectory_interrupted for request {r.req_id} without a consistent partial "
+                                 f"trajectory (it had {r.resumed_tokens} tokens before)")
+        v.engines[r.engine].assigned -= 1
+        self.interrupted += 1
+        src = r.engine
+        r.partial, r.tokens = part, len(part.response_ids)
+        if r.state == S.ABORTING:      # dropped while its interrupt was in flight: discarded
+            self._set(r, S.ABORTED)
+            self.emit(Event("trajectory_aborted", v.now, engine=src, req_id=r.req_id, group_id=r.group_id,
+                            data={"requeue": False, "interrupted": True}))
+            return
+        self._set(r, S.PENDING)
+        r.engine = -1
+        if r.migrate_to >= 0:
+            v.migrations.append((r.req_id, src, r.migrate_to))
+        r.migrate_to = -1
+
+    # ------------------------------------------------------------------------------------------------ resume
+    def release_restored(self) -> int:
+        """Once every engine holds at least the checkpointed trainer version (and is not loading), make the
+        restored requests pending again; how many were released."""
+        floor = self.restore_floor
+        if floor is None:
+            return 0
+        engines = self.v.engines
+        if not engines or any(e.version < floor or e.loading for e in engines):
+            return 0
+        out = [r for r in self.v.requests.values() if r.state == S.RESTORED]
+        for r in out:
+            self._set(r, S.PENDING)
+        self.restore_floor = None
+        return len(out)

@@ -1,0 +1,68 @@
+"""Experience-buffer handoff: Laminar §3.1-§3.2 step 4 and App. A.3."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from config import F
+from sched.base import Handoff, register
+from sched.views import GroupState, Views
+
+
+def buffer_order(groups: list[GroupState], order: str) -> list[GroupState]:
+    if order == "oldest":
+        return sorted(groups, key=lambda g: (g.version, g.materialized_seq, g.group_id))
+    return sorted(groups, key=lambda g: (g.materialized_seq, g.group_id))
+
+
+@register
+class ExperienceBuffer(Handoff):
+    """The trainer samples completed trajectories from the experience buffer "in parallel with generation" (the
+    default sampler is FIFO). Generation never waits for the trainer and the trainer never waits for a round: a
+    materialised group enters the buffer the moment its last reward arrives, whichever engine, round or weight
+    version produced it, and as soon as the buffer holds `groups` (B) of them the trainer takes a batch of
+    exactly B. Two orders:
+        fifo     materialisation order (the paper's FIFO sampler)
+        oldest   generating version first (min per-token version), then materialisation order
+    Pair with `step_publish` (one optimizer step and one publication per batch, §3.2 step 5). Groups left over at
+    the end of a run (fewer than B) are never trained; the dispatch's `max_backlog` is the back-pressure.
+
+    Invariant kept: batches are whole materialised groups, each handed over once, exactly B per batch."""
+    name = "experience_buffer"
+    paper = "Laminar §3.1-3.2 step 4, App. A.3"
+
+    @dataclass
+    class Params:
+        groups: int = F(0, ge=0, help="B: groups per training batch (0: the run's prompts_per_step)")
+        order: str = F("fifo", choices=("fifo", "oldest"), help="which B groups: materialisation order, or the "
+                                                                 "oldest generating version first")
+
+    def __init__(self, params: "ExperienceBuffer.Params | None" = None):
+        super().__init__(params)
+        self.open: dict[int, None] = {}       # groups seen, not yet materialised (insertion ordered)
+        self.buf: list[GroupState] = []       # materialised, not yet handed over
+        self.last_round = -1                  # rounds up to this one are in `open` / `buf`
+        self.seen = -1                        # Views.materialized at the last scan
+
+    def refresh(self, v: Views) -> None:
+        """Fold new rounds and new materialisations in: O(groups in generation) per call, not O(all groups)."""
+        for r in range(self.last_round + 1, v.round + 1):
+            self.open.update(dict.fromkeys(v.round_groups.get(r, ())))
+        self.last_round = v.round
+        self.buf = [g for g in self.buf if not g.consumed and v.groups.get(g.group_id) is g]
+        if v.materialized == self.seen:
+            return
+        self.seen = v.materialized
+        for gid in list(self.open):
+            g = v.groups.get(gid)
+            if g is None or g.void or g.consumed:
+                del self.open[gid]
+            elif g.materialized:
+                del self.open[gid]
+                self.buf.append(g)
+
+    def ready(self, v: Views) -> list[int] | None:
+        self.refresh(v)
+        b = self.p.groups or v.prompts_per_step
+        if len(self.buf) < b:
+            return None
+        return [g.group_id for g in buffer_order(self.buf, self.p.order)[:b]]

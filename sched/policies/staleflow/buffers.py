@@ -1,0 +1,230 @@
+"""StaleFlow's global consistency protocol (§4.2-4.3, Fig. 7-8): virtual staleness buffers, pure bookkeeping.
+
+A sequence of buffers indexed by the trainer version V_buf that will consume them: buffer V_buf holds the
+`batch` entries trained as the model advances from V_buf to V_buf + 1. An entry is one GRPO GROUP (§4.3, "we
+maintain buffer entries at the granularity of trajectory groups and perform Reserve/Occupy per group") carrying
+the group's version V = min over its members of V_traj (the version of the engine a member was FIRST routed to,
+never changed by interrupts, partial rollout or migration). Each slot is empty, reserved (in flight) or
+occupied (all members generated and rewarded).
+
+    can_assign(v)   the discriminator: a Reserve with V_traj = v would succeed (an empty slot in [v, v + eta])
+    reserve(k, v)   worst-case Reserve: backward scan from V_buf = v + eta down to v, the LATEST empty slot
+    admits(k, v)    a later member of reserved group k, routed at version v: v + eta >= the group's buffer
+    join(k, v)      record it (the group's version becomes min(V, v))
+    complete(k)     after reward of every member: delete the reserved entry, move the earliest reserved entry
+                    that may live there into the hole (cascading: "keeps ready-to-use entries in earlier buffers
+                    while pushing reserved entries toward later buffers"), then greedy Occupy at the EARLIEST empty
+                    slot
+    remove(k)       filter / abort a group: its slot is refilled by moving occupied entries forward (§4.3)
+    consume()       only a Ready buffer (every slot occupied), only the oldest one (V_buf = v_next), in order
+
+Buffer states: Waiting (an empty slot), Ready (all occupied), Stuck (full with a reserved entry: training and
+more reservations wait for it). The paper leaves open what happens to a member routed after its group's entry was
+reserved; ours is the sound rule: it joins only if its version still reaches the entry's buffer (`admits`), and the
+group's version becomes the smaller of the two.
+
+Invariants kept (checked by `check`, tested under random schedules in tests/test_staleness.py):
+    every entry in buffer b:  V + eta >= b  and  b >= V            (staleness b - V in [0, eta])
+    buffers are consumed in version order, each only when Ready
+    live entries <= (eta + 1) x batch (only buffers v_next .. v_next + eta can hold entries, since no version
+    newer than v_next exists: V_traj <= v_next is required of every call)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+WAITING, READY, STUCK = "waiting", "ready", "stuck"
+
+
+class NotAdmissible(RuntimeError):
+    """A Reserve (or a member joining a reserved group) that would break V_traj + eta >= V_buf."""
+
+
+@dataclass
+class Entry:
+    key: int           # group id
+    v: int             # the group's version: min V_traj of its members routed so far
+    occupied: bool = False
+
+
+class StalenessBuffers:
+    def __init__(self, eta: int, batch: int, v_next: int = 0):
+        if eta < 0 or batch < 1:
+            raise ValueError(f"staleness buffers need eta >= 0 and batch >= 1, got {eta} and {batch}")
+        self.eta, self.batch, self.v_next = eta, batch, v_next
+        self.buf: dict[int, list[Entry | None]] = {}
+        self.loc: dict[int, tuple[int, int]] = {}
+
+    # ---------------------------------------------------------------------------------------------- reading
+    def slots(self, b: int) -> list[Entry | None]:
+        if b not in self.buf:
+            self.buf[b] = [None] * self.batch
+        return self.buf[b]
+
+    def state(self, b: int) -> str:
+        s = self.buf.get(b)
+        if s is None or any(e is None for e in s):
+            return WAITING
+        return READY if all(e.occupied for e in s) else STUCK  # type: ignore[union-attr]
+
+    def ready(self) -> bool:
+        return self.state(self.v_next) == READY
+
+    def entry(self, key: int) -> Entry | None:
+        at = self.loc.get(key)
+        return None if at is None else self.buf[at[0]][at[1]]
+
+    def where(self, key: int) -> int | None:
+        at = self.loc.get(key)
+        return None if at is None else at[0]
+
+    def live(self) -> int:
+        return len(self.loc)
+
+    def window(self, v: int) -> range:
+        """Buffers a trajectory of version v may train in, latest first, clipped to those not yet consumed."""
+        return range(v + self.eta, max(v, self.v_next) - 1, -1)
+
+    def _empty(self, b: int) -> int:
+        s = self.buf.get(b)
+        if s is None:
+            return 0
+        for i, e in enumerate(s):
+            if e is None:
+                return i
+        return -1
+
+    def _check_version(self, v: int) -> None:
+        if v < 0 or v > self.v_next:
+            raise ValueError(f"version {v} is outside [0, {self.v_next}]: no newer version than the buffer being "
+                             f"filled can exist")
+
+    # ------------------------------------------------------------------------------------------ discriminator
+    def can_assign(self, v: int) -> bool:
+        """A simulated Reserve: would a new group of version v find an empty slot?"""
+        return 0 <= v <= self.v_next and any(self._empty(b) >= 0 for b in self.window(v))
+
+    def admits(self, key: int, v: int) -> bool:
+        """May a member of group `key` be routed at version v? (A group not reserved yet: can_assign.)"""
+        at = self.loc.get(key)
+        if at is None:
+            return self.can_assign(v)
+        e = self.buf[at[0]][at[1]]
+        return 0 <= v <= self.v_next and not e.occupied and v + self.eta >= at[0]  # type: ignore[union-attr]
+
+    # ---------------------------------------------------------------------------------------------- tracker
+    def reserve(self, key: int, v: int) -> int:
+        if key in self.loc:
+            raise ValueError(f"group {key} already holds an entry")
+        self._check_version(v)
+        for b in self.window(v):
+            i = self._empty(b)
+            if i >= 0:
+                self.slots(b)[i] = Entry(key, v)
+                self.loc[key] = (b, i)
+                return b
+        raise NotAdmissible(f"no empty slot for version {v} in buffers {v}..{v + self.eta} (v_next {self.v_next})")
+
+    def join(self, key: int, v: int) -> None:
+        if key not in self.loc:
+            self.reserve(key, v)
+            return
+        if not self.admits(key, v):
+            raise NotAdmissible(f"group {key} in buffer {self.where(key)} cannot take a member of version {v} "
+                                f"(eta {self.eta})")
+        e = self.entry(key)
+        e.v = min(e.v, v)  # type: ignore[union-attr]
+
+    def complete(self, key: int) -> int:
+        """Every member generated and rewarded: movement, then Occupy. Returns the buffer it now occupies."""
+        hole_b, hole_i = self.loc.pop(key)
+        e = self.buf[hole_b][hole_i]
+        if e is None or e.occupied:
+            raise ValueError(f"group {key} completed twice")
+        self.buf[hole_b][hole_i] = None
+        while True:
+            mover = self._earliest(lambda x, b: not x.occupied and x.v + self.eta >= hole_b, self.v_next, hole_b)
+            if mover is None:
+                break
+            b, i = mover
+            self._move((b, i), (hole_b, hole_i))
+            hole_b, hole_i = b, i
+        b = self.v_next
+        while (i := self._empty(b)) < 0:
+            b += 1
+        assert b <= hole_b, "an empty slot at or before the final hole always exists"
+        self.slots(b)[i] = Entry(key, e.v, occupied=True)
+        self.loc[key] = (b, i)
+        return b
+
+    def remove(self, key: int) -> None:
+        """Filter or abort group `key` (reserved or occupied); later occupied entries move forward into the hole."""
+        hole_b, hole_i = self.loc.pop(key)
+        self.buf[hole_b][hole_i] = None
+        while True:
+            mover = self._earliest(lambda x, b: x.occupied, hole_b + 1, self.v_next + self.eta + 1)
+            if mover is None:
+                break
+            self._move(mover, (hole_b, hole_i))
+            hole_b, hole_i = mover
+
+    def consume(self) -> list[int]:
+        """Retire the Ready buffer v_next: its group ids, in slot order; afterwards they are no longer tracked."""
+        if not self.ready():
+            raise RuntimeError(f"buffer {self.v_next} consumed while {self.state(self.v_next)}")
+        keys = [e.key for e in self.buf.pop(self.v_next)]  # type: ignore[union-attr]
+        for k in keys:
+            del self.loc[k]
+        self.v_next += 1
+        return keys
+
+    def _earliest(self, pred, lo: int, hi: int) -> tuple[int, int] | None:
+        for b in range(lo, hi):
+            for i, x in enumerate(self.buf.get(b, ())):
+                if x is not None and pred(x, b):
+                    return b, i
+        return None
+
+    def _move(self, src: tuple[int, int], dst: tuple[int, int]) -> None:
+        x = self.buf[src[0]][src[1]]
+        self.buf[src[0]][src[1]] = None
+        self.slots(dst[0])[dst[1]] = x
+        self.loc[x.key] = dst  # type: ignore[union-attr]
+
+    # ---------------------------------------------------------------------------------------------- checking
+    def check(self) -> None:
+        """Raise AssertionError if any invariant of the module docstring is broken."""
+        n = 0
+        for b, s in self.buf.items():
+            assert len(s) == self.batch, f"buffer {b} has {len(s)} slots"
+            assert b >= self.v_next, f"buffer {b} is older than v_next {self.v_next}"
+            for i, e in enumerate(s):
+                if e is None:
+                    continue
+                n += 1
+                assert self.loc.get(e.key) == (b, i), f"group {e.key} misplaced"
+                assert e.v + self.eta >= b >= e.v, f"group {e.key} (version {e.v}) in buffer {b}, eta {self.eta}"
+        assert n == len(self.loc), "location index out of step"
+        assert n <= (self.eta + 1) * self.batch, f"{n} live entries > (eta + 1) x batch"
+
+    def copy(self) -> "StalenessBuffers":
+        c = StalenessBuffers(self.eta, self.batch, self.v_next)
+        c.buf = {b: [None if e is None else Entry(e.key, e.v, e.occupied) for e in s] for b, s in self.buf.items()}
+        c.loc = dict(self.loc)
+        return c
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"eta": self.eta, "batch": self.batch, "v_next": self.v_next,
+                "buf": {str(b): [None if e is None else [e.key, e.v, e.occupied] for e in s]
+                        for b, s in self.buf.items()}}
+
+    @classmethod
+    def from_state_dict(cls, d: dict[str, Any]) -> "StalenessBuffers":
+        sb = cls(int(d["eta"]), int(d["batch"]), int(d["v_next"]))
+        for b, s in d["buf"].items():
+            sb.buf[int(b)] = [None if x is None else Entry(int(x[0]), int(x[1]), bool(x[2])) for x in s]
+            for i, x in enumerate(s):
+                if x is not None:
+                    sb.loc[int(x[0])] = (int(b), i)
+        return sb

@@ -1,0 +1,153 @@
+"""StaleFlow routing: Algorithms 2-3 (§5.3), the multi-level queue + waterfall + cost-model marginal gain, and its
+vanilla ablation (§6.5). The routing dispatch owns the design's shared state (state.py)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from config import F
+from sched.base import Dispatch, Submit, register
+from sched.policies.staleflow.buffers import StalenessBuffers
+from sched.policies.staleflow.cost import InstanceSnap, ThroughputModel
+from sched.policies.staleflow.state import StaleFlowParams, StaleFlowState
+from sched.policies.staleflow.store import Item, TSQueue, commit, routable, ts_intake
+from sched.views import Views
+
+
+def marginal_routes(snaps: dict[int, InstanceSnap], items: Iterable[Item], buffers: StalenessBuffers,
+                    model: ThroughputModel, mu: float, until: int | None = None) -> list[tuple[int, Item]]:
+    """Alg. 3 on a snapshot (mutated copy) and buffers (mutated: pass a copy for a tentative plan). `until`: stop
+    at the first trajectory routed to that instance (Alg. 4 only asks whether there is one)."""
+    snaps = dict(snaps)
+    out: list[tuple[int, Item]] = []
+    for it in items:
+        # Alg. 2 per instance (routable()); its answer depends only on the instance's version, so ask once per
+        # distinct version: candidates grouped by version.
+        by_ver: dict[int, list[InstanceSnap]] = {}
+        ok: dict[int, bool] = {}
+        for s in snaps.values():
+            if s.version < 0 or s.loading:
+                continue
+            a = ok.get(s.version)
+            if a is None:
+                a = ok[s.version] = routable(buffers, it, s)
+            if a:
+                by_ver.setdefault(s.version, []).append(s)
+        if not by_ver:
+            break                                   # head-of-line: lower queues wait for this one
+        L = it.length
+        floor = mu * model.ideal_gain(L)
+        chosen = None
+        for ver in sorted(by_ver):
+            gain, _, best = max((model.marginal_gain(s, L), -s.engine, s) for s in by_ver[ver])
+            if gain >= floor and model.fits(best, L):
+                chosen = best
+                break
+        if chosen is None:
+            break                                   # withheld: no instance gains enough now
+        commit(buffers, it, chosen.version)
+        snaps[chosen.engine] = model.after_route(chosen, L)
+        out.append((chosen.engine, it))
+        if until is not None and chosen.engine == until:
+            break
+    return out
+
+
+def fewest_routes(snaps: dict[int, InstanceSnap], items: Iterable[Item], buffers: StalenessBuffers,
+                  until: int | None = None) -> list[tuple[int, Item]]:
+    """The vanilla routing: each TS trajectory to the routable instance with the fewest trajectories."""
+    load = {e: s.running + s.waiting for e, s in snaps.items()}
+    out: list[tuple[int, Item]] = []
+    for it in items:
+        cands = [s for s in snaps.values() if routable(buffers, it, s)]
+        if not cands:
+            break                                   # MLQ head-of-line, as in Alg. 3
+        chosen = min(cands, key=lambda s: (load[s.engine], s.engine))
+        commit(buffers, it, chosen.version)
+        load[chosen.engine] += 1
+        out.append((chosen.engine, it))
+        if until is not None and chosen.engine == until:
+            break
+    return out
+
+
+@register
+class StaleFlowRouting(Dispatch):
+    """TS trajectories are taken in MLQ order: smaller V_traj first ("higher staleness and thus higher routing
+    priority"), unrouted members of an already reserved group at their group's version, initial trajectories of new
+    groups last; FIFO within a queue. For each, the candidate instances are those Alg. 2 admits (an initial
+    trajectory: the staleness manager can reserve for the instance's version; a partial one: instance version >=
+    its V_traj and its newest token's). Candidates are visited by ascending version ("instances with a smaller
+    version should be prioritized, as they admit fewer feasible routing options"); in each version group the one
+    with the largest marginal gain dT_i (Eq. 3) is chosen if dT_i >= mu x dT_ideal (Eq. 4); otherwise the next
+    group is tried, and if none qualifies the trajectory and everything behind it is withheld until a later pass
+    ("allowing ongoing workloads on these instances to complete"). Each route updates the snapshot (S' of Eq. 3)
+    and the staleness buffers (Reserve for a group's first member, join for later ones) within the pass.
+    Intake: the TS keeps `ts_groups` unreserved groups waiting.
+
+    Invariant kept: nothing is admitted that the staleness manager did not reserve for: every routed trajectory's
+    group holds an entry with V + eta >= V_buf."""
+    name = "staleflow"
+    paper = "StaleFlow §5.3, Algorithms 2-3 (MLQ, waterfall, marginal gain)"
+
+    @dataclass
+    class Params(StaleFlowParams):
+        mu: float = F(0.3, ge=0, help="route only if the marginal gain is at least mu x the ideal gain (§6.1)")
+
+    def __init__(self, params: Any = None):
+        super().__init__(params)
+        self.state = StaleFlowState(self.p)
+
+    def staleness_bound(self) -> int | None:
+        return self.p.eta
+
+    def kv_budget(self) -> float:
+        """M for an instance that has not reported its KV size."""
+        return self.p.cost.kv_budget_tokens or math.inf
+
+    def route(self, snaps: dict[int, InstanceSnap], items: Iterable[Item], buffers: StalenessBuffers,
+              until: int | None = None) -> list[tuple[int, Item]]:
+        return marginal_routes(snaps, items, buffers, self.state.model, self.p.mu, until)
+
+    def intake(self, v: Views) -> int:
+        st = self.state
+        return ts_intake(v, st.buffers(v), self.p.ts_groups) if st.coordinating(v) else 0
+
+    def admit(self, v: Views) -> list[Submit]:
+        st = self.state
+        if not st.coordinating(v):
+            return []
+        st.sync_buffers(v)
+        buffers = st.buffers(v)
+        routes = self.route(st.snapshots(v, self.kv_budget()), TSQueue(v, buffers), buffers)
+        out: dict[int, list[int]] = {}
+        for eng, it in routes:
+            out.setdefault(eng, []).append(it.req.req_id)
+            st.routed.add(it.req.req_id)
+        return [Submit(e, ids) for e, ids in sorted(out.items())]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state)
+
+
+@register
+class VanillaRouting(StaleFlowRouting):
+    """The §6.5 ablation: "Trajectories are assigned purely by load balancing their counts. Each trajectory in TS
+    is routed to the instance with the fewest trajectories." Same TS, MLQ order and staleness check (a bound is a
+    bound), but no cost model and no withholding: everything the staleness manager admits is routed at once. With
+    vanilla sync and no migration this is the strict-staleness regime the paper says matches VeRL-Async."""
+    name = "staleflow_vanilla"
+    paper = "StaleFlow §6.5 ablation: vanilla routing (fewest trajectories)"
+    Params = StaleFlowParams
+
+    def kv_budget(self) -> float:
+        return math.inf
+
+    def route(self, snaps: dict[int, InstanceSnap], items: Iterable[Item], buffers: StalenessBuffers,
+              until: int | None = None) -> list[tuple[int, Item]]:
+        return fewest_routes(snaps, items, buffers, until)

@@ -1,0 +1,32 @@
+"""StaleFlow hand-off: Consume (§4.2)."""
+from __future__ import annotations
+
+from sched.base import Handoff, Preset, register
+from sched.policies.staleflow.weight_sync import staleflow_routing
+from sched.views import Views
+
+
+@register
+class StaleFlowHandoff(Handoff):
+    """The trainer at version w takes buffer V_buf = w, and only once it is Ready (every entry an occupied, i.e.
+    generated and rewarded, group). Before deciding, the protocol is brought up to date from the views: groups that
+    materialised are Occupied (after the reward of all members, §4.3), with the movement step. Pair with an update
+    that steps and publishes once per batch (`step_publish`): buffer w trains w -> w + 1, so the trainer's version
+    and the next buffer stay in step (checked).
+
+    Invariant kept: consumed buffers are Ready, in version order, each group in them has V + eta >= w, so every
+    trained trajectory has staleness <= eta (the controller re-checks it at hand-off)."""
+    name = "staleflow"
+    paper = "StaleFlow §4.2 (Consume)"
+
+    def bind(self, preset: Preset) -> None:
+        self.routing = staleflow_routing(preset, f"the {self.name!r} handoff")
+
+    def ready(self, v: Views) -> list[int] | None:
+        st = self.routing.state
+        st.sync_buffers(v)
+        sb = st.buffers(v)
+        if sb.v_next != v.trainer.version:
+            raise ValueError(f"staleflow handoff: the trainer is at version {v.trainer.version} but the next buffer "
+                             f"is {sb.v_next}; use an update that steps once per batch (step_publish)")
+        return sb.consume() if sb.ready() else None

@@ -1,0 +1,60 @@
+"""StaleFlow migration: Algorithm 5 (§5.3), phi_wait = 3, phi_throughput = 5 (§6.1)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from config import F
+from sched.base import Abort, Interrupt, Migrate, Preset, Rebalance, register
+from sched.policies.staleflow.weight_sync import staleflow_routing
+from sched.views import Views
+
+
+@register
+class StaleFlowMigration(Rebalance):
+    """On a coordination pass:
+      Case 1 (long wait queue, KV full): an instance with more than phi_wait trajectories in its engine's wait
+        queue has the excess interrupted. Which ones the paper leaves open: we take the latest requests (highest
+        ids, mostly the most recently routed: the back of the engine's FIFO queue, the ones that would wait longest).
+      Case 2 (imbalance): with throughputs T_i from the cost model (Eq. 2), if max T / min T > phi_throughput, every
+        trajectory on the highest-throughput instance is interrupted "and returned to the TS for redistribution by
+        the routing strategy". The paper does not say what an idle instance (T = 0) or one mid-Pull does to the
+        ratio; both would make it infinite and fire every pass, so both are left out of the min and the max (an
+        idle instance is routing's to fill, not migration's).
+    Interrupted trajectories go back to the TS (pending, with their V_traj and tokens) and routing re-places them by
+    MLQ priority; they may not resume on an instance older than their newest token (the controller checks it).
+
+    Invariant kept: migration never changes a V_traj or a buffer entry (§4.3: transparent to the protocol)."""
+    name = "staleflow"
+    paper = "StaleFlow §5.3, Algorithm 5 (migration)"
+
+    @dataclass
+    class Params:
+        phi_wait: int = F(3, ge=0, help="Case 1: wait-queue length above which the excess migrates")
+        phi_throughput: float = F(5.0, ge=1, help="Case 2: max/min instance throughput ratio that drains the max")
+
+    def __init__(self, params: Any = None):
+        super().__init__(params)
+        self.migrated = 0
+
+    def bind(self, preset: Preset) -> None:
+        self.routing = staleflow_routing(preset, f"the {self.name!r} rebalance")
+
+    def plan(self, v: Views) -> list[Abort | Interrupt | Migrate]:
+        st = self.routing.state
+        if not st.coordinating(v):
+            return []
+        snaps = st.snapshots(v, st.p.cost.kv_budget_tokens or float("inf"))
+        out: dict[int, list[int]] = {}
+        for e, s in snaps.items():                                    # Case 1
+            excess = s.waiting - self.p.phi_wait
+            if excess > 0 and s.requests:
+                out[e] = list(s.requests[-excess:])
+        thr = {e: st.model.throughput(s) for e, s in snaps.items() if s.running > 0 and not s.loading}
+        if len(thr) >= 2:                                              # Case 2
+            hi, lo = max(thr, key=lambda e: (thr[e], -e)), min(thr, key=lambda e: (thr[e], e))
+            if thr[hi] > self.p.phi_throughput * thr[lo]:
+                picked = set(out.get(hi, []))
+                out[hi] = out.get(hi, []) + [i for i in snaps[hi].requests if i not in picked]
+        self.migrated += sum(len(ids) for ids in out.values())
+        return [Interrupt(e, ids) for e, ids in sorted(out.items()) if ids]

@@ -1,0 +1,141 @@
+"""What StaleFlow's mechanisms share (§3, §5.1-5.2): one parameter set, and one state owned by the routing
+dispatch, which the hand-off, the weight sync and the migration take at bind time (Policy.bind).
+
+    StaleFlowParams  eta, the coordination period, the trajectory-store capacity, the KV block size and the cost
+                     model's coefficients: set once, in the preset's [dispatch] table
+    StaleFlowState   the staleness manager's buffers (buffers.py), the requests routed and maybe still on an
+                     engine, the coordination-pass memo, and the coordinator's validated snapshot
+
+How the paper's pieces map onto ours:
+- Trajectory store = the controller's pending requests, read in MLQ order (store.py).
+- Parameter store = each rollout rank's relay (runtime/rollout_worker.py): the CPU copy of the latest published
+  weights, pushed by the trainer's publication; a LoadWeights (the paper's Pull) copies it into the engine.
+- Snapshot (Fig. 11) = per engine: version, requests on it (the controller's bookkeeping, updated when a command
+  is ISSUED: submit -> running, interrupt -> interrupting), and the engine's last reported counters (running,
+  waiting, KV blocks from `tokens_decoded`).
+- Eq. 1 (snapshot validation): the controller's request states play the speculative state P (they change at
+  issuance, as Table 1's do). An engine's reported counters are accepted only if they agree with P: reported
+  running + waiting == requests the controller has on it, and no Pull in flight. Otherwise the report predates a
+  command; instead of discarding the whole snapshot and idling until the next one (the paper's choice, which
+  assumes a fast periodic pull), the coordinator uses P's estimate for that engine: KV = sum over its requests of
+  prompt + tokens so far.
+- Coordination period: Algorithm 1 runs at most once per `period_s` (the paper's snapshot period, unreported), on
+  the first event after it elapsed, or at once whenever nothing is in flight (else no event would ever come).
+- Staleness protocol from the views (`sync_buffers`): a reserved group is completed (Occupy, after the reward of
+  every member, §4.3) once the controller reports it materialised, and removed if it became void.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from config import F
+from sched.policies.staleflow.buffers import StalenessBuffers
+from sched.policies.staleflow.cost import CostParams, InstanceSnap, ThroughputModel
+from sched.views import ON_ENGINE, Request, RequestState, Views
+
+
+@dataclass
+class StaleFlowParams:
+    """The parameters every StaleFlow mechanism of a preset reads (the routing dispatch's table sets them)."""
+    eta: int = F(3, ge=0, help="staleness bound: trainer version - V_traj at consumption (§4.2)")
+    period_s: float = F(1.0, ge=0, help="coordination period: Algorithm 1 (routing, sync, migration) runs at most "
+                                        "this often")
+    ts_groups: int = F(0, ge=0, help="trajectory-store capacity in unreserved groups (0: (eta + 1) x batch)")
+    block_size: int = F(16, ge=1, help="tokens per KV block in the engines' reports")
+    cost: CostParams = F(CostParams, help="cost model coefficients k1..k5 and kv_budget_tokens (default Table 4): "
+                                          "routing's marginal gain, migration's throughput ratio")
+
+
+class StaleFlowState:
+    def __init__(self, p: StaleFlowParams):
+        self.p = p
+        self.model = ThroughputModel(p.cost)
+        self._buffers: StalenessBuffers | None = None
+        self._restore: dict[str, Any] | None = None  # buffers from a checkpoint, installed at the first use
+        self.routed: set[int] = set()        # request ids routed (or migrated) that may still be on an engine
+        self.last_pass = -math.inf
+        self.pass_seq = -1
+        self.passing = False
+        self.synced: tuple[int, int] | None = None  # (v.materialized, v.dropped) at the last buffer sync
+
+    def buffers(self, v: Views) -> StalenessBuffers:
+        """The staleness buffers, made at their first use: `prompts_per_step` entries each, starting at the
+        trainer's version (or restored from the checkpoint)."""
+        if self._buffers is None:
+            if self._restore is not None:
+                self._buffers, self._restore = StalenessBuffers.from_state_dict(self._restore), None
+            else:
+                self._buffers = StalenessBuffers(self.p.eta, v.prompts_per_step, v.trainer.version)
+        return self._buffers
+
+    def coordinating(self, v: Views) -> bool:
+        """Whether this decision round is a coordination pass (memoised per event: every mechanism sees the same)."""
+        if self.pass_seq != v.seq:
+            self.pass_seq = v.seq
+            idle = not any(e.assigned for e in v.engines)
+            self.passing = idle or v.now - self.last_pass >= self.p.period_s
+            if self.passing:
+                self.last_pass = v.now
+        return self.passing
+
+    def sync_buffers(self, v: Views) -> None:
+        """Occupy groups that materialised, remove groups that became void (§4.2-4.3)."""
+        if self.synced == (v.materialized, v.dropped):
+            return                 # no group materialised or lost a sample since the last sync
+        self.synced = (v.materialized, v.dropped)
+        sb = self.buffers(v)
+        for key in [k for k, (b, i) in sb.loc.items() if not sb.buf[b][i].occupied]:  # type: ignore[union-attr]
+            g = v.groups.get(key)
+            if g is None or g.void:
+                sb.remove(key)
+            elif g.materialized:
+                sb.complete(key)
+
+    def on_engine(self, v: Views) -> dict[int, list[Request]]:
+        """Per engine, the requests StaleFlow routed there that are still on it, in id order; `routed` is pruned to
+        them. Reads the controller's index of requests on engines: O(requests there), not O(every request ever
+        routed)."""
+        out: dict[int, list[Request]] = {e.engine: [] for e in v.engines}
+        routed = self.routed
+        keep = [r for r in v.requests.in_state(*ON_ENGINE) if r.engine >= 0 and r.req_id in routed]
+        if len(keep) != len(routed):
+            routed.intersection_update(r.req_id for r in keep)
+        for r in keep:
+            out[r.engine].append(r)
+        for rs in out.values():
+            rs.sort(key=_req_id)
+        return out
+
+    def snapshots(self, v: Views, budget: float) -> dict[int, InstanceSnap]:
+        """The coordinator's snapshot of every instance, each engine's reported counters validated by Eq. 1."""
+        on = self.on_engine(v)
+        bs = self.p.block_size
+        out = {}
+        for e in v.engines:
+            reqs = on[e.engine]
+            running = [r for r in reqs if r.state == RequestState.RUNNING]
+            ids = tuple(r.req_id for r in running)
+            reported = e.running + e.waiting
+            M = (e.kv_used + e.kv_free) * bs if e.kv_used + e.kv_free > 0 else budget
+            if reported == len(running) and reported == e.assigned and not e.loading and (e.kv_used or not reqs):
+                snap = InstanceSnap(e.engine, e.version, e.running, e.waiting, float(e.kv_used * bs), M, e.loading,
+                                    ids)
+            else:
+                kv = sum(r.prompt_len + r.tokens for r in running)
+                snap = InstanceSnap(e.engine, e.version, len(running), 0, float(kv), M, e.loading, ids)
+            out[e.engine] = snap
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._buffers is None:
+            return {} if self._restore is None else {"buffers": self._restore}
+        return {"buffers": self._buffers.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._buffers, self._restore = None, state.get("buffers") or None
+
+
+def _req_id(r: Request) -> int:
+    return r.req_id
