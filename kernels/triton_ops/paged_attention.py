@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpreting
-from kernels.triton_ops.paged_prefill import LOG2E
+from kernels.triton_ops.paged_prefill import LOG2E, load_kv_tile
 
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (partial write, reduce) outweighs its parallelism
 MAX_SPLITS = 32
@@ -54,6 +54,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse
         q = q.to(tl.float32)
     else:
         q = q.to(k_ptr.dtype.element_ty)
+    k_head, v_head, bt_row = k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt_ptr + b * stride_bt
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -61,16 +62,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse
     for tile in range(start, end, BLOCK_N):
         pos = tile + offs_n
         n_ok = pos < end
-        blk = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (blk * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (blk * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(k_head, v_head, bt_row, pos, n_ok, offs_d, d_ok, stride_kb, stride_ks, stride_vb,
+                            stride_vs, BLOCK_SIZE, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_H, BLOCK_N], base-2 softmax
         qk = tl.where(n_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: the tile holds at least one valid position

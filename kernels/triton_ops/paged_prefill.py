@@ -3,7 +3,7 @@
 `_prefill_kernel` is a flash-attention loop over the block table: grid (sequence, kv head, query tile); each program
 packs BLOCK_Q tokens x GROUP query heads of one KV head into BLOCK_M rows (so `tl.dot` has >= 16 rows and every K/V
 tile loaded serves the whole GQA group), and walks K/V tiles from the window start to its last token with an online
-(exp2) softmax.
+(exp2) softmax. `load_kv_tile`, the paged K/V tile load, serves the decode kernel too (triton_ops/paged_attention.py).
 """
 from __future__ import annotations
 
@@ -14,6 +14,23 @@ import triton.language as tl
 from kernels.dispatch import interpreting
 
 LOG2E = 1.4426950408889634  # softmax in base 2: exp2(s * scale * LOG2E) == exp(s * scale)
+
+
+@triton.jit
+def load_kv_tile(k_ptr, v_ptr, bt_ptr, pos, pos_ok, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+                 BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V [len(pos), len(offs_d)] at sequence positions `pos` (zeros where ~pos_ok or ~d_ok). k_ptr / v_ptr
+    point at one KV head of the caches, bt_ptr at the sequence's block table row. UPCAST: fp32 (the interpreter's
+    bf16 tl.dot is wrong)."""
+    blk = tl.load(bt_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    mask = pos_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + (blk * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + (blk * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
 
 
 @triton.jit
@@ -44,6 +61,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, sc
         q = q.to(tl.float32)
     else:
         q = q.to(k_ptr.dtype.element_ty)
+    k_head, v_head, bt_row = k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt_ptr + b * stride_bt
 
     lo = 0
     if USE_WINDOW:
@@ -57,16 +75,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, sc
     for start in range(lo, hi, BLOCK_N):
         kpos = start + offs_n
         k_ok = kpos < hi
-        blk = tl.load(bt_ptr + b * stride_bt + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        slot = kpos % BLOCK_SIZE
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (blk * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (blk * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(k_head, v_head, bt_row, kpos, k_ok, offs_d, d_ok, stride_kb, stride_ks, stride_vb,
+                            stride_vs, BLOCK_SIZE, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # base-2 softmax
         ok = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos[:, None])
         if USE_WINDOW:
