@@ -2,12 +2,18 @@
 on tiny shapes, CUDA at real sizes) against the references, and the dispatcher's choices."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from kernels.dispatch import HAS_TRITON, interpreting, use_triton
 from kernels.paged_attention import paged_decode, paged_decode_ref, paged_prefill, paged_prefill_ref
 
+ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 needs_interpreter = pytest.mark.skipif(not interpreting(), reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -170,6 +176,46 @@ def test_env_var_forces_triton(monkeypatch):
     monkeypatch.setenv("TIDAL_KERNELS", "triton")
     paged_decode(*args)
     assert calls == [1]
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter at the repo root, without TRITON_INTERPRET or TIDAL_KERNELS."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TIDAL_KERNELS")}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+CPU_JOB = """
+import sys
+import torch
+import engine, model, trainer, train  # everything the main job imports
+from kernels.kv_cache import write_kv
+k, kc, vc = torch.ones(1, 1, 4), torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4)
+write_kv(k, k, kc, vc, torch.tensor([3]))  # "auto" on CPU: the reference
+assert kc[1, 1].sum() == 4
+"""
+
+
+def test_without_triton_everything_imports_and_runs_the_references():
+    """As on a machine without triton: the main job imports, "auto" runs the reference, forcing "triton" says why
+    it cannot."""
+    proc = _python('import sys\nsys.modules["triton"] = None  # every import of triton fails\n' + CPU_JOB
+                   + 'write_kv(k, k, kc, vc, torch.tensor([3]), impl="triton")\n')
+    assert "RuntimeError: impl='triton' but triton is not installed" in proc.stderr, proc.stderr
+
+
+@needs_triton
+def test_cpu_path_never_imports_triton_and_a_late_interpreter_switch_is_refused():
+    """With triton installed and TRITON_INTERPRET unset the CPU path never imports triton; switching the
+    interpreter on after triton was imported is refused with the reason, not an obscure launch failure."""
+    proc = _python(CPU_JOB + """
+assert "triton" not in sys.modules
+import os
+import triton
+os.environ["TRITON_INTERPRET"] = "1"
+write_kv(k, k, kc, vc, torch.tensor([3]), impl="triton")
+""")
+    assert "TRITON_INTERPRET is set but triton was imported while it was unset" in proc.stderr, proc.stderr
 
 
 @needs_triton
