@@ -1,8 +1,8 @@
 """The Triton implementations, one module per op of kernels/: `@triton.jit` kernels, their launch configurations,
 and a launcher `<op>_triton` with the contract of the op's PyTorch reference.
 
-The dispatchers import these modules inside their body, once kernels/dispatch.py chose Triton; nothing else does
-(bar kernels/compile_check.py), so the rest of the repo runs where triton is missing.
+The dispatchers import these modules inside their body, once kernels/dispatch.py chose Triton; besides the tests,
+only kernels/compile_check.py imports them too, so everything else runs where triton is missing.
 
 Triton fixes its mode when first imported: triton.language builds its own @jit helpers (tl.max, tl.sum, tl.cdiv,
 ...) for the interpreter or for the compiler, as TRITON_INTERPRET says at that moment, and `@triton.jit` reads the
