@@ -22,15 +22,12 @@ PTR_TYPES = dict(bt_ptr="i32", lens_ptr="i32", cu_q_ptr="i32", part_ptr="fp32", 
 
 
 def compile_sm90(kernel: Any, consts: dict[str, Any], num_warps: int = 4, num_stages: int = 3) -> Any:
-    """kernel: a LazyJit. Pointers are bf16 unless PTR_TYPES says otherwise; other scalars i32 or fp32."""
+    """kernel: a @triton.jit function. Pointers are bf16 unless PTR_TYPES says otherwise; other scalars i32 or fp32."""
     import triton
-    import triton.language
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    kernel.fn.__globals__["tl"] = triton.language
-    fn = triton.jit(kernel.fn)
     sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
+    for i, name in enumerate(kernel.arg_names):
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
@@ -39,7 +36,7 @@ def compile_sm90(kernel: Any, consts: dict[str, Any], num_warps: int = 4, num_st
             sig[name] = "fp32" if name in FLOATS else "i32"
         if name.endswith("_ptr") or name.startswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
@@ -59,12 +56,12 @@ def resources(compiled: Any) -> tuple[int, int]:
 
 def cases() -> list[tuple[str, Any, dict[str, Any], dict[str, int]]]:
     """(label, kernel, constexprs, launch options) with the dispatchers' GPU configurations."""
-    import kernels.kv_cache as kv
-    import kernels.logprobs as lp
-    import kernels.paged_attention as pa
-    import kernels.paged_prefill as pp
-    import kernels.rmsnorm as rn
-    import kernels.rope as rp
+    import kernels.triton_ops.kv_cache as kv
+    import kernels.triton_ops.logprobs as lp
+    import kernels.triton_ops.paged_attention as pa
+    import kernels.triton_ops.paged_prefill as pp
+    import kernels.triton_ops.rmsnorm as rn
+    import kernels.triton_ops.rope as rp
     out = []
     for group, splits, window in ((2, 1, False), (4, 4, True)):  # Qwen3-0.6B and Qwen3-8B heads, D = 128
         cfg = pa.decode_config(group, 128, interpret=False)

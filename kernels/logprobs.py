@@ -13,17 +13,17 @@ Backward, with upstream gradients g_lp, g_ent [T] and E[z] = sum_v p z:
 - backward: vocabulary chunks of about chunk_size * V / T words, so the transient [T, Vc] has the same size; each
   chunk's logits are recomputed, turned into dL/dlogits, and give grad_weight[chunk] in one matmul (no accumulation
   across chunks) and a contribution to grad_hidden (accumulated in fp32, [T, H]).
-The row statistics and dL/dlogits are either plain PyTorch ops (the reference, CPU) or two Triton kernels that read
-each logit once (`_stats_kernel`: online logsumexp/entropy over vocabulary tiles; `_grad_kernel`: dL/dlogits in
-place). The matmuls are cuBLAS in both. `token_logprobs_naive` (full log_softmax) is the oracle and the baseline.
+The row statistics and dL/dlogits are either plain PyTorch ops (`_stats_ref`, `_grad_ref`: the reference, CPU) or
+two Triton kernels that read each logit once (kernels/triton_ops/logprobs.py). The matmuls are cuBLAS in both.
+`token_logprobs_naive` (full log_softmax) is the oracle and the baseline.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from kernels._triton import cdiv, lazy_jit, use_triton
-
-tl = None  # triton.language, bound by lazy_jit at the first launch (see kernels/_triton.py)
+from kernels.dispatch import use_triton
 
 CHUNK_ELEMENTS = 1 << 25  # default transient logits budget: chunk_size * V ~ 32M elements (128 MiB in fp32)
 
@@ -75,71 +75,12 @@ def _grad_ref(raw: torch.Tensor, targets: torch.Tensor, col0: int, lse: torch.Te
     return dz.div_(temperature).to(raw.dtype)
 
 
-# ---- the same two steps as Triton kernels ----------------------------------------------------------------------
-
-@lazy_jit
-def _stats_kernel(raw_ptr, tgt_ptr, lse_ptr, zt_ptr, ez_ptr, V, stride_r, inv_temp,
-                  WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One row: a single pass over the vocabulary with a running max m, s = sum e^(z-m), a = sum e^(z-m) z."""
-    row = tl.program_id(0).to(tl.int64)
-    base = raw_ptr + row * stride_r
-    offs = tl.arange(0, BLOCK_V)
-    m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), 0)
-    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), 0)
-    a = tl.sum(tl.zeros([BLOCK_V], tl.float32), 0)
-    for start in range(0, V, BLOCK_V):
-        ok = start + offs < V
-        z = tl.load(base + start + offs, mask=ok, other=0.0).to(tl.float32) * inv_temp
-        m_new = tl.maximum(m, tl.max(tl.where(ok, z, float("-inf")), 0))
-        scale = tl.exp(m - m_new)
-        e = tl.where(ok, tl.exp(z - m_new), 0.0)
-        s = s * scale + tl.sum(e, 0)
-        if WITH_ENTROPY:
-            a = a * scale + tl.sum(e * z, 0)
-        m = m_new
-    tgt = tl.load(tgt_ptr + row).to(tl.int64)
-    tl.store(lse_ptr + row, m + tl.log(s))
-    tl.store(zt_ptr + row, tl.load(base + tgt).to(tl.float32) * inv_temp)
-    if WITH_ENTROPY:
-        tl.store(ez_ptr + row, a / s)
-
-
-@lazy_jit
-def _grad_kernel(raw_ptr, tgt_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, Vc, col0, stride_r, inv_temp,
-                 HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One (row, vocabulary tile): overwrite raw logits with dL/dlogits."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    ok = cols < Vc
-    ptrs = raw_ptr + row * stride_r + cols
-    z = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) * inv_temp
-    g_lp = tl.load(glp_ptr + row)
-    p = tl.exp(z - tl.load(lse_ptr + row))
-    coef = g_lp + tl.zeros([BLOCK_V], tl.float32)
-    if HAS_ENT:
-        coef += tl.load(gent_ptr + row) * (z - tl.load(ez_ptr + row))
-    dz = -p * coef + tl.where(cols + col0 == tl.load(tgt_ptr + row), g_lp, 0.0)
-    tl.store(ptrs, (dz * inv_temp).to(raw_ptr.dtype.element_ty), mask=ok)
-
-
-def _stats_triton(raw: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    C, V = raw.shape
-    lse, zt = (torch.empty(C, dtype=torch.float32, device=raw.device) for _ in range(2))
-    ez = torch.empty_like(lse) if with_entropy else lse
-    _stats_kernel[(C,)](raw, targets, lse, zt, ez, V, raw.stride(0), 1.0 / temperature,
-                        WITH_ENTROPY=with_entropy, BLOCK_V=min(4096, 1 << (V - 1).bit_length()), num_warps=8)
-    return lse, zt, (ez if with_entropy else None)
-
-
-def _grad_triton(raw: torch.Tensor, targets: torch.Tensor, col0: int, lse: torch.Tensor, ez: torch.Tensor | None,
-                 g_lp: torch.Tensor, g_ent: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    T, Vc = raw.shape
-    block_v = min(4096, 1 << (Vc - 1).bit_length())
-    _grad_kernel[(T, cdiv(Vc, block_v))](
-        raw, targets, lse, ez if ez is not None else lse, g_lp, g_ent if g_ent is not None else g_lp, Vc, col0,
-        raw.stride(0), 1.0 / temperature, HAS_ENT=g_ent is not None, BLOCK_V=block_v, num_warps=8)
-    return raw
+def _row_ops(triton: bool) -> tuple[Callable, Callable]:
+    """(row statistics, dL/dlogits): the Triton kernels' launchers or the references above."""
+    if triton:
+        from kernels.triton_ops.logprobs import grad_triton, stats_triton
+        return stats_triton, grad_triton
+    return _stats_ref, _grad_ref
 
 
 # ---- the autograd Function and the public entry point ----------------------------------------------------------
@@ -152,7 +93,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 chunk_size: int, with_entropy: bool, triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # an unused output (say, entropy only logged) skips its gradient terms
         T = hidden.shape[0]
-        stats = _stats_triton if triton else _stats_ref
+        stats, _ = _row_ops(triton)
         lse = torch.empty(T, dtype=_acc_dtype(hidden.dtype), device=hidden.device)
         lp = torch.empty_like(lse)
         ez = torch.empty_like(lse) if with_entropy else None
@@ -181,7 +122,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             return None, None, None, None, None, None, None
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype).contiguous()
         g_ent = g_ent.to(lse.dtype).contiguous() if with_entropy and g_ent is not None else None
-        grad = _grad_triton if triton else _grad_ref
+        _, grad = _row_ops(triton)
         gh = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if need_h else None
         gw = torch.empty_like(weight) if need_w else None
         vc = max(1, chunk_size * V // max(T, 1))
@@ -213,7 +154,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     """hidden [..., H] (final, normed hidden states), weight [V, H] (lm_head; may be tied to the embedding),
     targets [...] int ids in [0, V) -> (logprobs [...] fp32, entropy [...] fp32 or None), differentiable w.r.t.
     hidden and weight, with transient memory bounded by chunk_size tokens x V logits (default: default_chunk_size).
-    impl: "auto" (Triton row kernels on CUDA), "triton", "ref" (see kernels/_triton.py); the matmuls are torch's."""
+    impl: "auto" (Triton row kernels on CUDA), "triton", "ref" (see kernels/dispatch.py); the matmuls are torch's."""
     lead = hidden.shape[:-1]
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = targets.reshape(-1)

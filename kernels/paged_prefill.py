@@ -4,9 +4,8 @@ sequence (cached prefix + themselves), all of which is already in the paged KV c
 Three implementations behind `paged_prefill` (re-exported by `kernels.paged_attention`, where the engine imports it):
 - flash-attn's `flash_attn_varlen_func(..., block_table=...)` on CUDA when importable (fp16/bf16, and FA2's paged
   mode needs block_size % 256 == 0);
-- `_prefill_kernel`, a Triton flash-attention loop over the block table: grid (sequence, kv head, query tile); each
-  program packs BLOCK_Q tokens x GROUP query heads of one KV head into BLOCK_M rows (so `tl.dot` has >= 16 rows and
-  every K/V tile loaded serves the whole GQA group), and walks K/V tiles from the window start to its last token;
+- `paged_prefill_triton` (kernels/triton_ops/paged_prefill.py), a Triton flash-attention loop over the block table
+  with the GQA group packed into the rows of each `tl.dot`;
 - `paged_prefill_ref`, plain PyTorch (gather + SDPA with an explicit mask): the CPU path and the oracle.
 """
 from __future__ import annotations
@@ -16,12 +15,9 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import cdiv, interpreting, lazy_jit, next_pow2, resolve_impl, use_triton
-
-tl = None  # triton.language, bound by lazy_jit at the first launch (see kernels/_triton.py)
+from kernels.dispatch import resolve_impl, use_triton
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-LOG2E = 1.4426950408889634
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, n: int
@@ -60,116 +56,6 @@ def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-@lazy_jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, scale_log2, window,
-                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    stride_ot, stride_oh, stride_bt,
-                    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One (sequence, kv head, query tile): rows r = token (r // GROUP) x query head (r % GROUP) of the tile."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    tile_lo = tl.program_id(2) * BLOCK_Q
-    q_start = tl.load(cu_q_ptr + b)
-    m = tl.load(cu_q_ptr + b + 1) - q_start
-    n = tl.load(lens_ptr + b)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    tok = tile_lo + offs_m // GROUP
-    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < m)
-    d_ok = offs_d < HEAD_DIM
-    qpos = n - m + tok
-    q_off = (q_start + tok).to(tl.int64) * stride_qt + (kvh * GROUP + offs_m % GROUP) * stride_qh
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:  # the interpreter's bf16 tl.dot is wrong: compute in fp32 there
-        q = q.to(tl.float32)
-    else:
-        q = q.to(k_ptr.dtype.element_ty)
-
-    lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(n - m + tile_lo - window + 1, 0)
-    hi = tl.minimum(n, n - m + tile_lo + BLOCK_Q)
-    hi = tl.where(tile_lo < m, hi, lo)  # a tile past this sequence's tokens does nothing
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        kpos = start + offs_n
-        k_ok = kpos < hi
-        blk = tl.load(bt_ptr + b * stride_bt + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        slot = kpos % BLOCK_SIZE
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (blk * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (blk * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # base-2 softmax
-        ok = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos[:, None])
-        if USE_WINDOW:
-            ok = ok & (kpos[None, :] > qpos[:, None] - window)
-        qk = tl.where(ok, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_off = (q_start + tok).to(tl.int64) * stride_ot + (kvh * GROUP + offs_m % GROUP) * stride_oh
-    tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
-
-
-def prefill_config(group: int, head_dim: int, interpret: bool) -> dict[str, int]:
-    """Tile sizes and launch options of `_prefill_kernel`: BLOCK_M rows = BLOCK_Q tokens x GROUP heads. GPU values
-    chosen from sm_90 compile statistics (no spills, 3-stage pipeline), not yet from timings."""
-    block_m = max(32 if interpret else 64, next_pow2(group))
-    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_D=max(16, next_pow2(head_dim)),
-                BLOCK_N=16 if interpret else (64 if head_dim <= 64 else 32),
-                num_warps=4 if interpret or head_dim <= 64 else 8, num_stages=1 if interpret else 3)
-
-
-def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                         context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                         window: int | None = None, max_seqlen_q: int | None = None) -> torch.Tensor:
-    """Same contract as `paged_prefill_ref`. max_seqlen_q (longest new-token run) sizes the grid; computed from
-    cu_seqlens_q (one host sync) when not given."""
-    T, Hq, D = q.shape
-    _, block_size, Hkv, _ = k_cache.shape
-    assert Hq % Hkv == 0 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty_like(q)
-    B = context_lens.shape[0]
-    if B == 0 or T == 0:
-        return out
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    group = Hq // Hkv
-    interp = interpreting()
-    cfg = prefill_config(group, D, interp)
-    grid = (B, Hkv, cdiv(max_seqlen_q, cfg["BLOCK_Q"]))
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E, window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, USE_WINDOW=window is not None, UPCAST=interp,
-        DOT_PREC="ieee" if k_cache.dtype == torch.float32 else "tf32", **cfg)
-    return out
-
-
 def _flash_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (HAS_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and k_cache.dtype == q.dtype and k_cache.shape[1] % 256 == 0)
@@ -193,11 +79,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, window: int | None = None,
                   *, impl: str | None = None, max_seqlen_q: int | None = None) -> torch.Tensor:
     """Dispatcher (contract of `paged_prefill_ref`). impl "auto": flash-attn when importable and applicable, else
-    the Triton kernel, on CUDA; the reference on CPU. "triton" / "ref" force one (see kernels/_triton.py)."""
+    the Triton kernel, on CUDA; the reference on CPU. "triton" / "ref" force one (see kernels/dispatch.py)."""
     if not use_triton(impl, q, k_cache, v_cache, block_tables):
         return paged_prefill_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window)
     if resolve_impl(impl) == "auto" and _flash_ok(q, k_cache):
         return paged_prefill_flash(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window,
                                    max_seqlen_q)
+    from kernels.triton_ops.paged_prefill import paged_prefill_triton
     return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window,
                                 max_seqlen_q)

@@ -1,17 +1,11 @@
 """KV-cache write by slot mapping: reference against a per-token loop, Triton kernel against the reference."""
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the first kernel launch (kernels/_triton.py jits lazily)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from kernels._triton import interpreting  # noqa: E402
-from kernels.kv_cache import write_kv, write_kv_ref  # noqa: E402
+from kernels.dispatch import interpreting
+from kernels.kv_cache import write_kv, write_kv_ref
 
 needs_interpreter = pytest.mark.skipif(not interpreting(), reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -2,18 +2,12 @@
 Triton row kernels against the PyTorch reference."""
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the first kernel launch (kernels/_triton.py jits lazily)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from kernels._triton import interpreting  # noqa: E402
-from kernels.logprobs import default_chunk_size, token_logprobs, token_logprobs_naive  # noqa: E402
-from kernels.memtrack import LiveBytes  # noqa: E402
+from kernels.dispatch import interpreting
+from kernels.logprobs import default_chunk_size, token_logprobs, token_logprobs_naive
+from kernels.memtrack import LiveBytes
 
 needs_interpreter = pytest.mark.skipif(not interpreting(), reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

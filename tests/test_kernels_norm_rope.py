@@ -2,20 +2,14 @@
 against the references."""
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the first kernel launch (kernels/_triton.py jits lazily)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from kernels._triton import interpreting  # noqa: E402
-from kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
-from kernels.rope import rope, rope_ref  # noqa: E402
-from model.rope import apply_rotary  # noqa: E402
-from model.transformer import RMSNorm  # noqa: E402
+from kernels.dispatch import interpreting
+from kernels.rmsnorm import rms_norm, rms_norm_ref
+from kernels.rope import rope, rope_ref
+from model.rope import apply_rotary
+from model.transformer import RMSNorm
 
 needs_interpreter = pytest.mark.skipif(not interpreting(), reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

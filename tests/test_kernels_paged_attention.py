@@ -3,18 +3,18 @@ on tiny shapes, CUDA at real sizes) against the references, and the dispatcher's
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the first kernel launch (kernels/_triton.py jits lazily)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernels.dispatch import HAS_TRITON, interpreting, use_triton
+from kernels.paged_attention import paged_decode, paged_decode_ref, paged_prefill, paged_prefill_ref
 
-import pytest  # noqa: E402
-
-from kernels._triton import interpreting, use_triton  # noqa: E402
-from kernels.paged_attention import (choose_num_splits, paged_decode, paged_decode_ref, paged_prefill,  # noqa: E402
-                                     paged_prefill_ref)
-
+ROOT = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 needs_interpreter = pytest.mark.skipif(not interpreting(), reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 LENS = [1, 8, 13, 37]  # one token, a context ending exactly on a block boundary (block_size 4), ragged, longer
@@ -166,19 +166,61 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
 
 @needs_interpreter
 def test_env_var_forces_triton(monkeypatch):
-    import kernels.paged_attention as pa
+    import kernels.triton_ops.paged_attention as triton_pa
     calls = []
-    monkeypatch.setattr(pa, "paged_decode_triton", lambda *a, **k: calls.append(1) or pa.paged_decode_ref(*a[:7]))
+    monkeypatch.setattr(triton_pa, "paged_decode_triton", lambda *a, **k: calls.append(1) or paged_decode_ref(*a[:7]))
     _, _, kc, vc, bt = make_cache([5], 1, 16, 4, torch.float32)
     args = (torch.randn(1, 2, 16), kc, vc, bt, torch.tensor([5], dtype=torch.int32), 0.25)
-    pa.paged_decode(*args)
+    paged_decode(*args)
     assert calls == []
     monkeypatch.setenv("TIDAL_KERNELS", "triton")
-    pa.paged_decode(*args)
+    paged_decode(*args)
     assert calls == [1]
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter at the repo root, without TRITON_INTERPRET or TIDAL_KERNELS."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TIDAL_KERNELS")}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+CPU_JOB = """
+import sys
+import torch
+import engine, model, trainer, train  # everything the main job imports
+from kernels.kv_cache import write_kv
+k, kc, vc = torch.ones(1, 1, 4), torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4)
+write_kv(k, k, kc, vc, torch.tensor([3]))  # "auto" on CPU: the reference
+assert kc[1, 1].sum() == 4
+"""
+
+
+def test_without_triton_everything_imports_and_runs_the_references():
+    """As on a machine without triton: the main job imports, "auto" runs the reference, forcing "triton" says why
+    it cannot."""
+    proc = _python('import sys\nsys.modules["triton"] = None  # every import of triton fails\n' + CPU_JOB
+                   + 'write_kv(k, k, kc, vc, torch.tensor([3]), impl="triton")\n')
+    assert "RuntimeError: impl='triton' but triton is not installed" in proc.stderr, proc.stderr
+
+
+@needs_triton
+def test_cpu_path_never_imports_triton_and_a_late_interpreter_switch_is_refused():
+    """With triton installed and TRITON_INTERPRET unset the CPU path never imports triton; switching the
+    interpreter on after triton was imported is refused with the reason, not an obscure launch failure."""
+    proc = _python(CPU_JOB + """
+assert "triton" not in sys.modules
+import os
+import triton
+os.environ["TRITON_INTERPRET"] = "1"
+write_kv(k, k, kc, vc, torch.tensor([3]), impl="triton")
+""")
+    assert "TRITON_INTERPRET is set but triton was imported while it was unset" in proc.stderr, proc.stderr
+
+
+@needs_triton
 def test_split_heuristic():
+    from kernels.triton_ops.paged_attention import choose_num_splits
     assert choose_num_splits(64, 8, 16384, 132) == 1  # 512 programs already fill an H200
     assert choose_num_splits(4, 8, 16384, 132) == 8  # 32 programs: split long contexts
     assert choose_num_splits(1, 8, 1000, 132) == 2  # but never below MIN_TOKENS_PER_SPLIT per split

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.logprobs import token_logprobs
 from model.attention import PackedCausal
 from rl.advantages import compute_advantages
 from rl.loss import policy_loss
@@ -48,13 +49,6 @@ from trainer.batch import MicroBatch, Sample, assign_to_ranks, build_samples, co
     pack_micro_batches, split_even
 from trainer.fsdp import build_mesh, is_sharded, shard_model, apply_activation_checkpointing
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-
-try:  # the chunked logprob + entropy autograd function (Triton rows on CUDA)
-    from kernels.logprobs import token_logprobs
-except ImportError:  # pragma: no cover - a plain fallback with the same signature
-    def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=None, with_entropy=True):
-        logp = ((hidden @ weight.T).float() / temperature).log_softmax(-1)
-        return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1).detach()
 
 
 class NonFiniteError(FloatingPointError):
