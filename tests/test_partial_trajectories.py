@@ -7,10 +7,11 @@ import copy
 import pytest
 import torch
 
+from config import TrainConfig
 from engine import EngineConfig, LLMEngine, Request, SamplingParams
 from model import ModelConfig, Transformer, cu_seqlens_from_lengths
 from rl.types import Group, Trajectory
-from trainer import TrainConfig, Trainer
+from trainer import Trainer
 
 VOCAB = 64
 

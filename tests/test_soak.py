@@ -11,8 +11,9 @@ import resource
 import pytest
 import torch
 
+from config import TrainConfig
 from engine import EngineConfig, LLMEngine, Request, SamplingParams
-from trainer import TrainConfig, Trainer
+from trainer import Trainer
 from tests.test_trainer import make_groups, tiny_cfg, tiny_model
 
 RSS_BOUND_MB = 24.0

@@ -7,10 +7,11 @@ steps run unsharded in one process."""
 import pytest
 import torch
 
+from config import TrainConfig
 from model import Transformer, cu_seqlens_from_lengths
 from tests.dist_utils import new_group, run_world
 from tests.test_trainer import SMOOTH_ADAM, make_groups, tiny_cfg, tiny_model
-from trainer import TrainConfig, Trainer
+from trainer import Trainer
 from trainer.checkpoint import latest
 from trainer.fsdp import full_state_dict
 
