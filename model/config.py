@@ -15,7 +15,7 @@ FAMILIES = {
     "llama": ("LlamaForCausalLM", False, False),
 }
 SUPPORTED_ROPE = ("default", "linear", "llama3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names -> dtypes
 
 
 class ModelConfigError(ValueError):
