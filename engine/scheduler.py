@@ -36,10 +36,6 @@ class EngineSnapshot:
     num_preemptions: int = 0
     time: float = 0.0
 
-    @property
-    def kv_utilization(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
-
 
 AdmitFn = Callable[[list[Sequence], EngineSnapshot], list[Sequence]]
 

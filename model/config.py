@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +66,6 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all layers, in the storage dtype."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
-
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        attn = qkv + self.num_heads * self.head_dim * h
-        block = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * block + h
 
     # ---- HF config.json ----------------------------------------------------------------------------------------
     @classmethod
@@ -166,9 +159,4 @@ class ModelConfig:
         )
         if self.family != "qwen2":
             d["attention_bias"] = self.attention_bias
-        return d
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("hf_config")
         return d

@@ -262,7 +262,7 @@ def test_snapshot_reports_queue_kv_and_counters(qwen3):
     s = eng.snapshot()
     assert s.running == ids[:2] and s.waiting == ids[2:] and s.kv_blocks_used == 3
     assert s.num_steps == 1 and s.num_tokens_decoded == 2 and s.num_prefill_tokens == 9
-    assert s.kv_blocks_used + s.kv_blocks_free == s.kv_blocks_total and 0 < s.kv_utilization < 1
+    assert s.kv_blocks_used + s.kv_blocks_free == s.kv_blocks_total
     while eng.has_unfinished():
         eng.step()
     assert eng.snapshot().num_tokens_decoded == 15
