@@ -2,8 +2,8 @@
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, StepStats
 from engine.sampling import SamplingParams
-from engine.scheduler import AdmitFn, EngineSnapshot, fifo
+from engine.scheduler import EngineSnapshot
 from engine.sequence import Request, RequestOutput, UnfinishedRequest
 
-__all__ = ["EngineConfig", "LLMEngine", "StepStats", "SamplingParams", "EngineSnapshot", "AdmitFn", "fifo", "Request",
-           "RequestOutput", "UnfinishedRequest"]
+__all__ = ["EngineConfig", "LLMEngine", "StepStats", "SamplingParams", "EngineSnapshot", "Request", "RequestOutput",
+           "UnfinishedRequest"]

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from engine.sampler import ERROR_TOKEN, Sampler
 from engine.sampling import SamplingParams
-from engine.scheduler import AdmitFn, EngineSnapshot, Scheduler, fifo
+from engine.scheduler import EngineSnapshot, Scheduler
 from engine.sequence import Request, RequestOutput, Sequence, UnfinishedRequest
 from model.transformer import Transformer
 
@@ -38,7 +38,7 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None, tokenizer=None, version: int = 0,
-                 admit: AdmitFn = fifo, clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time):
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.version = version
@@ -47,7 +47,7 @@ class LLMEngine:
         self.device = self.runner.device
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_batch_tokens,
-                                   config.chunked_prefill, admit, self.snapshot)
+                                   config.chunked_prefill)
         self.sampler = Sampler(self.device, config.seed)
         self.eos_ids = _eos_ids(model.config.eos_token_id, tokenizer)
         self.seqs: dict[str, Sequence] = {}  # unfinished requests by id
@@ -137,7 +137,7 @@ class LLMEngine:
                 raise RuntimeError("requests vanished from the engine (aborted or exported during generate)")
             outs = self.step()
             if not outs and not self.last_step.num_seqs:
-                raise RuntimeError("the engine made no progress: the admission hook admitted nothing runnable")
+                raise RuntimeError("the engine made no progress: no waiting request could be admitted")
             done.update((o.request_id, o) for o in outs if o.request_id in wanted)
         return [done[i] for i in ids]
 

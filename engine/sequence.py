@@ -14,7 +14,6 @@ from enum import Enum, auto
 import torch
 
 from engine.sampling import SamplingParams
-from rl.types import Trajectory
 
 _ids = itertools.count()
 
@@ -61,15 +60,6 @@ class RequestOutput:
     def version(self) -> int:
         """The oldest weight version among the generated tokens (-1 if none were generated)."""
         return min(self.versions) if self.versions else -1
-
-    def to_trajectory(self) -> Trajectory:
-        return Trajectory(
-            group_id=self.group_id, sample_index=self.sample_index, prompt_ids=list(self.prompt_ids),
-            response_ids=list(self.token_ids), logprobs=list(self.logprobs), versions=list(self.versions),
-            finish_reason=self.finish_reason, prompt_index=self.prompt_index,
-            meta=dict(request_id=self.request_id, arrival_time=self.arrival_time,
-                      first_token_time=self.first_token_time, finish_time=self.finish_time,
-                      num_preemptions=self.num_preemptions))
 
 
 @dataclass

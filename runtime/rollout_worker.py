@@ -36,7 +36,7 @@ import torch
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import Request as EngineRequest
-from engine.sequence import UnfinishedRequest
+from engine.sequence import RequestOutput, UnfinishedRequest
 from rl.rewards import RewardResult
 from rl.types import Trajectory
 from runtime.channel import WORKER, Channel, ChannelTimeout
@@ -63,6 +63,16 @@ class SamplingConfig:
 def request_seed(run_seed: int, group_id: int, sample_index: int) -> int:
     """Per-sample seed: a sample's tokens do not depend on batching, engine or timing (reproducible runs)."""
     return (run_seed * 1_000_003 + group_id * 9_973 + sample_index) % (2**63 - 1)
+
+
+def trajectory_of(out: RequestOutput) -> Trajectory:
+    """A finished engine output as a GRPO trajectory (engine timings in `meta`); reward not yet scored."""
+    return Trajectory(
+        group_id=out.group_id, sample_index=out.sample_index, prompt_ids=list(out.prompt_ids),
+        response_ids=list(out.token_ids), logprobs=list(out.logprobs), versions=list(out.versions),
+        finish_reason=out.finish_reason, prompt_index=out.prompt_index,
+        meta=dict(request_id=out.request_id, arrival_time=out.arrival_time, first_token_time=out.first_token_time,
+                  finish_time=out.finish_time, num_preemptions=out.num_preemptions))
 
 
 class RolloutWorker:
@@ -218,7 +228,7 @@ class RolloutWorker:
                 self.event("trajectory_aborted", req_id=req_id, group_id=out.group_id, version=out.version,
                            data={"requeue": False, "error": "non-finite logits", "tokens": len(out.token_ids)})
                 continue
-            traj = out.to_trajectory()
+            traj = trajectory_of(out)
             text = self.decode(out.token_ids)
             self.event("trajectory_finished", req_id=req_id, group_id=out.group_id, version=out.version,
                        data={"tokens": len(out.token_ids), "finish_reason": out.finish_reason})

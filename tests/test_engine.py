@@ -279,34 +279,6 @@ def test_rejects_requests_that_cannot_fit(qwen3):
     assert_pool_whole(eng)
 
 
-def test_admission_hook_sees_snapshots(qwen3):
-    _, ours, _ = qwen3
-    seen = []
-
-    def only_even(waiting, snapshot):
-        seen.append(snapshot.version)
-        return [s for s in waiting if s.request.sample_index % 2 == 0]
-
-    eng = LLMEngine(ours, EngineConfig(block_size=4, num_kv_tokens=256, max_num_seqs=4), admit=only_even, version=3)
-    for i in range(3):
-        eng.add_request(Request(prompts((5,), seed=i)[0], GREEDY, sample_index=i))
-    eng.step()
-    assert sorted(eng.snapshot().running) == sorted(r for r in eng.seqs if eng.seqs[r].request.sample_index != 1)
-    assert seen and set(seen) == {3}
-    with pytest.raises(RuntimeError, match="no progress"):
-        eng.generate([Request([5, 6], GREEDY, sample_index=5)])  # the hook never admits it
-
-
-def test_trajectory_conversion(qwen3):
-    _, ours, _ = qwen3
-    out = engine(ours).generate([Request(prompts((5,))[0], SamplingParams(max_new_tokens=4, seed=1), group_id=2,
-                                         sample_index=3, prompt_index=11)])[0]
-    t = out.to_trajectory()
-    assert (t.group_id, t.sample_index, t.prompt_index, t.prompt_ids) == (2, 3, 11, out.prompt_ids)
-    assert t.response_ids == out.token_ids and t.logprobs == out.logprobs and t.version == 0
-    assert t.meta["first_token_time"] >= t.meta["arrival_time"]
-
-
 # ---- GPU -------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

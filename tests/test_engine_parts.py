@@ -152,21 +152,6 @@ def test_group_leader_abort_hands_over_to_a_fork():
     assert len(run_fake(sch)) == 1 and full(bm) and len(sch.free_seats) == 8
 
 
-def test_admission_hook_decides_who_enters():
-    bm = BlockManager(32, 4)
-    seen = []
-
-    def newest_first(waiting, snapshot):
-        seen.append(snapshot)
-        return list(reversed(waiting))
-
-    sch = Scheduler(bm, max_num_seqs=1, max_batch_tokens=16, admit=newest_first, snapshot=lambda: "snap")
-    seqs = [seq(3) for _ in range(3)]
-    for s in seqs:
-        sch.add(s)
-    assert sch.schedule().seqs == [seqs[2]] and seen == ["snap"]
-
-
 # ---- sampler ---------------------------------------------------------------------------------------------------
 def logits_batch(B=6, V=50, seed=0):
     return torch.randn(B, V, generator=torch.Generator().manual_seed(seed)) * 3
