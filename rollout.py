@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine import EngineConfig, LLMEngine, Request, SamplingParams
+from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
 from rl.jsonl import iter_jsonl
 
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         for j in range(args.n):
             params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                     max_new_tokens=args.max_new_tokens, seed=args.seed + i * args.n + j)
-            requests.append(Request(ids, params, group_id=i, sample_index=j, prompt_index=i))
+            requests.append(GenRequest(ids, params, group_id=i, sample_index=j, prompt_index=i))
     outputs = engine.generate(requests)
 
     tok = engine.tokenizer

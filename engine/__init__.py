@@ -2,8 +2,8 @@
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, StepStats
 from engine.sampling import SamplingParams
-from engine.scheduler import EngineSnapshot
-from engine.sequence import Request, RequestOutput, UnfinishedRequest
+from engine.scheduler import EngineStats
+from engine.sequence import GenRequest, RequestOutput, UnfinishedRequest
 
-__all__ = ["EngineConfig", "LLMEngine", "StepStats", "SamplingParams", "EngineSnapshot", "Request", "RequestOutput",
+__all__ = ["EngineConfig", "LLMEngine", "StepStats", "SamplingParams", "EngineStats", "GenRequest", "RequestOutput",
            "UnfinishedRequest"]

@@ -20,7 +20,7 @@ from engine.sequence import Sequence, SeqStatus
 
 
 @dataclass
-class EngineSnapshot:
+class EngineStats:
     """What an engine reports about itself."""
     version: int
     running: list[str]  # request ids of sequences holding KV blocks

@@ -1,6 +1,6 @@
 """Requests in, outputs out, and the engine's per-sequence state in between.
 
-A `Request` is what a caller submits (prompt tokens, sampling params, GRPO group id and sample index). The engine
+A `GenRequest` is what a caller submits (prompt tokens, sampling params, GRPO group id and sample index). The engine
 turns it into a `Sequence` (token ids, KV block table, generated logprobs and versions) and, when it finishes or is
 aborted, into a `RequestOutput`. An unfinished sequence can leave one engine as an `UnfinishedRequest` and resume
 in another. None of these hold tensors except the sequence's own torch.Generator.
@@ -19,7 +19,7 @@ _ids = itertools.count()
 
 
 @dataclass
-class Request:
+class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | None = None  # assigned by the engine when None
@@ -67,7 +67,7 @@ class UnfinishedRequest:
     """A request taken out of one engine mid-generation, to be resumed by another (`LLMEngine.import_request`),
     which re-prefills prompt + generated tokens and carries on. `rng_state` is the request's seeded generator
     state, so a seeded sampled continuation is the one the first engine would have produced."""
-    request: Request
+    request: GenRequest
     token_ids: list[int]
     logprobs: list[float]
     sampling_logprobs: list[float]
@@ -89,7 +89,7 @@ class Sequence:
     have their K/V in the pool (in the blocks of `block_table`). Each step computes some of the rest; when it
     reaches the end, the step samples the next token. Decode is the case of exactly one token left to compute."""
 
-    def __init__(self, request: Request, arrival_time: float, device: torch.device):
+    def __init__(self, request: GenRequest, arrival_time: float, device: torch.device):
         self.request = request
         self.request_id: str = request.request_id  # type: ignore[assignment]
         self.params = request.params

@@ -35,8 +35,7 @@ import torch
 
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
-from engine.sequence import Request as EngineRequest
-from engine.sequence import RequestOutput, UnfinishedRequest
+from engine.sequence import GenRequest, RequestOutput, UnfinishedRequest
 from rl.rewards import RewardResult
 from rl.types import Trajectory
 from runtime.channel import WORKER, Channel, ChannelTimeout
@@ -159,7 +158,7 @@ class RolloutWorker:
         """Queue one submitted request: fresh, or resumed from spec["partial"] (its tokens so far re-prefilled,
         its generator restored from rng_state, so a seeded continuation is the one the first engine would have
         produced under the same weights; max_new_tokens counts the carried tokens too)."""
-        request = EngineRequest(spec["prompt_ids"], self._params(spec), request_id=str(spec["req_id"]),
+        request = GenRequest(spec["prompt_ids"], self._params(spec), request_id=str(spec["req_id"]),
                                 group_id=spec["group_id"], sample_index=spec["sample_index"],
                                 prompt_index=spec["prompt_index"])
         part = spec.get("partial")
@@ -240,7 +239,7 @@ class RolloutWorker:
                 self.next_key += 1
         scored = self.collect_scores()
         if self.steps % self.sampling.counters_every == 0:
-            snap = self.engine.snapshot()
+            snap = self.engine.stats()
             self.event("tokens_decoded", version=snap.version,
                        data={"total": snap.num_tokens_decoded, "running": len(snap.running),
                              "waiting": len(snap.waiting), "kv_used": snap.kv_blocks_used,

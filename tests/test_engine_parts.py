@@ -10,14 +10,14 @@ from engine.block_manager import BlockManager
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Request, Sequence
+from engine.sequence import GenRequest, Sequence
 from kernels.paged_attention import paged_decode_ref, paged_prefill_ref
 
 CPU = torch.device("cpu")
 
 
 def seq(n_prompt: int, group: int = -1, **params) -> Sequence:
-    return Sequence(Request(list(range(3, 3 + n_prompt)), SamplingParams(**params), group_id=group), 0.0, CPU)
+    return Sequence(GenRequest(list(range(3, 3 + n_prompt)), SamplingParams(**params), group_id=group), 0.0, CPU)
 
 
 def full(bm: BlockManager) -> bool:

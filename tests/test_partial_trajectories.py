@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from config import TrainConfig
-from engine import EngineConfig, LLMEngine, Request, SamplingParams
+from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
 from model import ModelConfig, Transformer, cu_seqlens_from_lengths
 from rl.types import Group, Trajectory
 from trainer import Trainer
@@ -63,12 +63,12 @@ PARAMS = [SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, se
 def test_interrupted_twice_and_resumed_elsewhere_equals_the_uninterrupted_run(sp):
     model = tiny_model()
     ps = prompts((6, 11, 3))
-    want = engine(model).generate([Request(p, sp, request_id=f"r{i}", group_id=i) for i, p in enumerate(ps)])
+    want = engine(model).generate([GenRequest(p, sp, request_id=f"r{i}", group_id=i) for i, p in enumerate(ps)])
     want = {o.request_id: o for o in want}
 
     a, b, c = engine(model), engine(model, block_size=8), engine(model, max_batch_tokens=16)
     for i, p in enumerate(ps):
-        a.add_request(Request(p, sp, request_id=f"r{i}", group_id=i))
+        a.add_request(GenRequest(p, sp, request_id=f"r{i}", group_id=i))
     for _ in range(4):
         a.step()
     part1 = a.export("r1")                    # k1 tokens on engine A, its neighbours keep running there
@@ -98,7 +98,7 @@ def test_resume_under_newer_weights_tags_versions_and_scores_with_the_new_weight
     sp = SamplingParams(temperature=0.9, max_new_tokens=16, ignore_eos=True, seed=3)
     prompt = prompts((9,))[0]
     a = engine(old, version=0)
-    a.add_request(Request(prompt, sp, request_id="x"))
+    a.add_request(GenRequest(prompt, sp, request_id="x"))
     for _ in range(6):
         a.step()
     part = a.export("x")
@@ -119,7 +119,7 @@ def test_resume_under_newer_weights_tags_versions_and_scores_with_the_new_weight
     # The same request kept in place while its engine loads the new weights (a LoadWeights on a busy engine)
     # continues identically: migration + re-prefill and in-place recompute are one semantics.
     c = engine(old, version=0)
-    c.add_request(Request(prompt, sp, request_id="x"))
+    c.add_request(GenRequest(prompt, sp, request_id="x"))
     for _ in range(6):
         c.step()
     c.load_weights(new.state_dict(), version=1)

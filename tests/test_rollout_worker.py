@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, Request, SamplingParams
+from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
 from model import Transformer, cu_seqlens_from_lengths
 from model.presets import preset_config
 from rl.tasks import SyntheticTask
@@ -57,7 +57,7 @@ def published(engine, scale=1.0):
 def test_trajectory_of_an_engine_output():
     w, _, task, tok = make_worker()
     prompt = tok.encode(task.prompts()[0][0], add_special_tokens=False)
-    out = w.engine.generate([Request(prompt, SamplingParams(max_new_tokens=4, seed=1), group_id=2, sample_index=3,
+    out = w.engine.generate([GenRequest(prompt, SamplingParams(max_new_tokens=4, seed=1), group_id=2, sample_index=3,
                                      prompt_index=11)])[0]
     t = trajectory_of(out)
     assert (t.group_id, t.sample_index, t.prompt_index, t.prompt_ids) == (2, 3, 11, out.prompt_ids)

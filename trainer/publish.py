@@ -155,27 +155,29 @@ class WeightPublisher:
                 "buckets": float(len(self.buckets)), "seconds": time.perf_counter() - t0}
 
     @torch.no_grad()
-    def snapshot(self, version: int) -> "Snapshot | None":
+    def pack(self, version: int) -> PackedWeights | None:
         """The gathering half of an overlapped publication (every train rank; collective on the train group): the
         leader keeps every bucket packed (a full copy of the weights), to `send` while the next step trains."""
         t0 = time.perf_counter()
-        packed = [self._gather_bucket(b, s) for b, s in zip(self.buckets, self.sizes)]
-        return Snapshot(int(version), packed, time.perf_counter() - t0) if self.leader else None  # type: ignore[arg-type]
+        buckets = [self._gather_bucket(b, s) for b, s in zip(self.buckets, self.sizes)]
+        if not self.leader:
+            return None
+        return PackedWeights(int(version), buckets, time.perf_counter() - t0)  # type: ignore[arg-type]
 
     @torch.no_grad()
-    def send(self, snap: "Snapshot") -> dict[str, float]:
+    def send(self, weights: PackedWeights) -> dict[str, float]:
         """The sending half (leader + rollout ranks, on the publication group only): safe beside a train step."""
         t0 = time.perf_counter()
-        dist.broadcast_object_list([self._header(snap.version)], src=self.src, group=self.pub_group,
+        dist.broadcast_object_list([self._header(weights.version)], src=self.src, group=self.pub_group,
                                    device=_object_device(self.pub_group))
-        for buf, check in snap.buckets:
+        for buf, check in weights.buckets:
             self._send_bucket(buf, check)
-        return {"version": float(snap.version), "bytes": float(sum(self.sizes)), "buckets": float(len(self.buckets)),
-                "seconds": time.perf_counter() - t0, "gather_s": snap.gather_s}
+        return {"version": float(weights.version), "bytes": float(sum(self.sizes)),
+                "buckets": float(len(self.buckets)), "seconds": time.perf_counter() - t0, "gather_s": weights.gather_s}
 
 
 @dataclass
-class Snapshot:
+class PackedWeights:
     """Packed buckets of one version's weights, held by the leader until they are sent."""
     version: int
     buckets: list[tuple[torch.Tensor, torch.Tensor | None]]
