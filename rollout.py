@@ -11,7 +11,7 @@ one group, so the engine prefills the prompt once. Sample j of prompt i is seede
 Bad input (model directory, prompt file, parameters) is reported in one line on stderr with exit code 2. The output
 is written to a temporary file beside --out and renamed into place when complete, so a run that fails or is
 interrupted never leaves a partial --out behind (a previous complete one stays as it was).
-This file is also where the rollout partition's worker loop lives (it reuses `load_engine` and the engine API).
+Training runs do not use this file: the rollout partition's worker loop is runtime/rollout_worker.py.
 """
 from __future__ import annotations
 

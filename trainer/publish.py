@@ -1,11 +1,12 @@
 """Weight publication: trainer -> rollout engines after an update.
 
 Every train rank calls `WeightPublisher.publish(version)` together: each parameter is gathered whole with
-`DTensor.full_tensor()` inside the train group (not `get_model_state_dict(full_state_dict=True)`, which leaves
-the values on global rank 0: see DESIGN pitfalls), in buckets of about `bucket_bytes`. The train leader (train
-group rank 0) packs each bucket into one byte buffer and broadcasts it over the publication group (train leader +
-rollout ranks; NCCL on GPU, gloo on CPU). Receivers call `WeightReceiver.receive(loader)` and get
-`loader(iterable of (name, tensor), version)` (the engine's `load_weights`), streamed bucket by bucket.
+`DTensor.full_tensor()` inside the train group (not `get_model_state_dict` with `full_state_dict=True,
+cpu_offload=True`, which gives the values to global rank 0 only, an empty dict to every other rank: PyTorch's
+`StateDictOptions`), in buckets of about `bucket_bytes`. The train leader (train group rank 0) packs each bucket
+into one byte buffer and broadcasts it over the publication group (train leader + rollout ranks; NCCL on GPU, gloo
+on CPU). Receivers call `WeightReceiver.receive(loader)` and get `loader(iterable of (name, tensor), version)` (the
+engine's `load_weights`), streamed bucket by bucket.
 
 Wire format: one header object {version, names, shapes, dtypes, buckets, offsets, tied, verify}, then per bucket
 one uint8 buffer (each tensor's bytes at a 16-byte aligned offset) and, with `verify`, one int64 [2, n] tensor of
