@@ -93,7 +93,7 @@ class ModelConfig:
             raise ModelConfigError(f"{source}: mlp_bias=true is not supported")
         if d.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported (only silu)")
-        # transformers >= 5 writes rope_parameters={rope_theta, rope_type, ...}; older files use rope_theta/rope_scaling.
+        # transformers >= 5 writes rope_parameters={rope_theta, rope_type, ...}; older files: rope_theta/rope_scaling.
         rope = dict(d.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         if not isinstance(theta, (int, float)) or isinstance(theta, bool):

@@ -87,7 +87,7 @@ def packed_logprobs(model, outs, temperature=1.0):
 LENGTHS = (1, 5, 16, 17, 40, 9)
 
 
-# the CPU paths: the default (C paged attention + oneDNN packed Linear layers) and plain PyTorch (batched SDPA, F.linear)
+# the CPU paths: the default (C paged attention + oneDNN packed Linear layers), plain PyTorch (batched SDPA, F.linear)
 CPU_PATHS = {"native": {}, "torch": dict(attention="batched", cpu_packed_linear=False)}
 
 

@@ -112,7 +112,8 @@ class Trainer:
         cfg = self.cfg
         if not step and (cfg.minibatches > 1 or cfg.ppo_epochs > 1):
             raise ValueError(f"train_step(step=False) accumulates into one optimizer step, but minibatches = "
-                             f"{cfg.minibatches} and ppo_epochs = {cfg.ppo_epochs} make each call several; set both to 1")
+                             f"{cfg.minibatches} and ppo_epochs = {cfg.ppo_epochs} make each call several; "
+                             "set both to 1")
         adv = compute_advantages(groups, cfg.adv_norm, cfg.filter_zero_variance)
         samples = build_samples(adv)
         rewards = [r for g in groups for r in g.rewards]
