@@ -11,7 +11,7 @@ one group, so the engine prefills the prompt once. Sample j of prompt i is seede
 Bad input (model directory, prompt file, parameters) is reported in one line on stderr with exit code 2. The output
 is written to a temporary file beside --out and renamed into place when complete, so a run that fails or is
 interrupted never leaves a partial --out behind (a previous complete one stays as it was).
-This file is also where the rollout partition's worker loop lives (it reuses `load_engine` and the engine API).
+Training runs do not use this file: the rollout partition's worker loop is runtime/rollout_worker.py.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine import EngineConfig, LLMEngine, Request, SamplingParams
+from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
 from rl.jsonl import iter_jsonl
 
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         for j in range(args.n):
             params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                     max_new_tokens=args.max_new_tokens, seed=args.seed + i * args.n + j)
-            requests.append(Request(ids, params, group_id=i, sample_index=j, prompt_index=i))
+            requests.append(GenRequest(ids, params, group_id=i, sample_index=j, prompt_index=i))
     outputs = engine.generate(requests)
 
     tok = engine.tokenizer

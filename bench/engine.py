@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import EngineConfig, LLMEngine, Request, SamplingParams  # noqa: E402
+from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams  # noqa: E402
 from model import load_model  # noqa: E402
 
 SHAPES = {  # Qwen3 family; "tiny" and "small" fit a 2-core box, "qwen3-0.6b" is the GPU workload's model
@@ -89,8 +89,8 @@ def run_engine(model, prompts, outs, args):
     pool = None if args.device == "cuda" else args.max_num_seqs * 2 * args.max_len  # CPU: room for all at full length
     eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=max(2048, args.max_num_seqs),
                                         num_kv_tokens=pool, memory_fraction=0.5))
-    eng.generate([Request(p[:16], SamplingParams(temperature=0, max_new_tokens=4)) for p in prompts[:4]])  # warm-up
-    reqs = [Request(p, SamplingParams(temperature=1.0, max_new_tokens=o, ignore_eos=True, seed=i))
+    eng.generate([GenRequest(p[:16], SamplingParams(temperature=0, max_new_tokens=4)) for p in prompts[:4]])  # warm-up
+    reqs = [GenRequest(p, SamplingParams(temperature=1.0, max_new_tokens=o, ignore_eos=True, seed=i))
             for i, (p, o) in enumerate(zip(prompts, outs))]
     decode_bytes = decode_time = 0.0
     cfg = model.config
@@ -109,7 +109,7 @@ def run_engine(model, prompts, outs, args):
     sync(args.device)
     secs = time.perf_counter() - t0
     assert got == sum(outs), (got, sum(outs))
-    snap = eng.snapshot()
+    snap = eng.stats()
     del eng
     if args.device == "cuda":  # hand the KV pool back before transformers needs the memory
         gc.collect()

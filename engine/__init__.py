@@ -1,9 +1,10 @@
-"""Paged-KV decode engine: sequences, block manager, scheduler, runner, sampler (see DESIGN.md, "Engine")."""
+"""Paged-KV decode engine (PagedAttention, Kwon et al. 2023, as in vLLM / nano-vllm): sequences, block manager,
+scheduler, runner, sampler. Generic: requests of token ids in, tokens with logprobs and weight versions out."""
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, StepStats
 from engine.sampling import SamplingParams
-from engine.scheduler import AdmitFn, EngineSnapshot, fifo
-from engine.sequence import Request, RequestOutput, UnfinishedRequest
+from engine.scheduler import EngineStats
+from engine.sequence import GenRequest, RequestOutput, UnfinishedRequest
 
-__all__ = ["EngineConfig", "LLMEngine", "StepStats", "SamplingParams", "EngineSnapshot", "AdmitFn", "fifo", "Request",
-           "RequestOutput", "UnfinishedRequest"]
+__all__ = ["EngineConfig", "LLMEngine", "StepStats", "SamplingParams", "EngineStats", "GenRequest", "RequestOutput",
+           "UnfinishedRequest"]

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from model.config import DTYPES
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """LLMEngine: requests in, finished outputs out, one scheduled step at a time.
 
     engine = LLMEngine(model, EngineConfig(max_num_seqs=64))
-    outputs = engine.generate([Request(prompt_ids, SamplingParams(temperature=1.0, seed=i), group_id=g, ...)])
+    outputs = engine.generate([GenRequest(prompt_ids, SamplingParams(temperature=1.0, seed=i), group_id=g, ...)])
 
 `step()` is schedule -> run the model -> sample -> append tokens and retire finished sequences. Around it: `abort`,
 `export` / `import_request` (move an unfinished request between engines), `load_weights` (new weights tagged with a
-version; running sequences are recomputed under them, so no KV from the old weights is reused) and `snapshot`.
+version; running sequences are recomputed under them, so no KV from the old weights is reused) and `stats`.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from engine.sampler import ERROR_TOKEN, Sampler
 from engine.sampling import SamplingParams
-from engine.scheduler import AdmitFn, EngineSnapshot, Scheduler, fifo
-from engine.sequence import Request, RequestOutput, Sequence, UnfinishedRequest
+from engine.scheduler import EngineStats, Scheduler
+from engine.sequence import GenRequest, RequestOutput, Sequence, UnfinishedRequest
 from model.transformer import Transformer
 
 
@@ -38,7 +38,7 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None, tokenizer=None, version: int = 0,
-                 admit: AdmitFn = fifo, clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time):
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.version = version
@@ -47,7 +47,7 @@ class LLMEngine:
         self.device = self.runner.device
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_batch_tokens,
-                                   config.chunked_prefill, admit, self.snapshot)
+                                   config.chunked_prefill)
         self.sampler = Sampler(self.device, config.seed)
         self.eos_ids = _eos_ids(model.config.eos_token_id, tokenizer)
         self.seqs: dict[str, Sequence] = {}  # unfinished requests by id
@@ -59,10 +59,10 @@ class LLMEngine:
         return self.runner.max_model_len
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def add_request(self, request: Request | list[int] | str, params: SamplingParams | None = None) -> str:
+    def add_request(self, request: GenRequest | list[int] | str, params: SamplingParams | None = None) -> str:
         """Queue a request (or a prompt, as token ids or text when the engine has a tokenizer). Returns its id."""
-        if not isinstance(request, Request):
-            request = Request(self._encode(request), params or SamplingParams())
+        if not isinstance(request, GenRequest):
+            request = GenRequest(self._encode(request), params or SamplingParams())
         return self._add(Sequence(request, self.clock(), self.device))
 
     def _add(self, seq: Sequence) -> str:
@@ -127,7 +127,7 @@ class LLMEngine:
             return "length"
         return None
 
-    def generate(self, requests: Iterable[Request | list[int] | str],
+    def generate(self, requests: Iterable[GenRequest | list[int] | str],
                  params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run the given requests to completion (along with anything already queued); outputs in input order."""
         ids = [self.add_request(r, params) for r in requests]
@@ -137,7 +137,7 @@ class LLMEngine:
                 raise RuntimeError("requests vanished from the engine (aborted or exported during generate)")
             outs = self.step()
             if not outs and not self.last_step.num_seqs:
-                raise RuntimeError("the engine made no progress: the admission hook admitted nothing runnable")
+                raise RuntimeError("the engine made no progress: no waiting request could be admitted")
             done.update((o.request_id, o) for o in outs if o.request_id in wanted)
         return [done[i] for i in ids]
 
@@ -174,9 +174,9 @@ class LLMEngine:
         return n
 
     # ---- reporting ----------------------------------------------------------------------------------------------
-    def snapshot(self) -> EngineSnapshot:
+    def stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
-        return EngineSnapshot(
+        return EngineStats(
             version=self.version, running=[s.request_id for s in sch.running],
             waiting=[s.request_id for s in sch.waiting], kv_blocks_used=bm.num_used, kv_blocks_free=bm.num_free,
             kv_blocks_total=bm.num_blocks, block_size=bm.block_size, num_tokens_decoded=self.num_tokens_decoded,

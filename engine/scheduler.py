@@ -1,8 +1,8 @@
 """Continuous batching: which sequences compute how many tokens in the next step.
 
 Every step takes the running sequences first, oldest first (a decoding one computes 1 token, one still prefilling a
-long prompt takes a chunk of what is left of the token budget), then admits waiting ones through the `admit` hook
-(FIFO unless a dispatch policy installs its own), each with a first prefill chunk. Prefill and decode share a step.
+long prompt takes a chunk of what is left of the token budget), then admits waiting ones in arrival order
+(preempted sequences are at the front), each with a first prefill chunk. Prefill and decode share a step.
 When the block pool runs dry the newest running sequence is preempted by recompute: its blocks are freed and it
 goes back to the front of the waiting queue with its tokens, to be re-prefilled (prompt + generated) later.
 
@@ -14,15 +14,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SeqStatus
 
 
 @dataclass
-class EngineSnapshot:
-    """What an engine reports about itself (and what an admission hook sees)."""
+class EngineStats:
+    """What an engine reports about itself."""
     version: int
     running: list[str]  # request ids of sequences holding KV blocks
     waiting: list[str]  # request ids queued for (re-)prefill, next first
@@ -35,18 +34,6 @@ class EngineSnapshot:
     num_steps: int = 0
     num_preemptions: int = 0
     time: float = 0.0
-
-    @property
-    def kv_utilization(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
-
-
-AdmitFn = Callable[[list[Sequence], EngineSnapshot], list[Sequence]]
-
-
-def fifo(waiting: list[Sequence], snapshot: EngineSnapshot) -> list[Sequence]:
-    """Default admission: in arrival order (preempted sequences are at the front)."""
-    return waiting
 
 
 @dataclass
@@ -66,14 +53,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batch_tokens: int,
-                 chunked_prefill: bool = True, admit: AdmitFn = fifo,
-                 snapshot: Callable[[], EngineSnapshot] | None = None):
+                 chunked_prefill: bool = True):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.chunked_prefill = chunked_prefill
-        self.admit = admit
-        self.snapshot = snapshot
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_seats = list(range(max_num_seqs - 1, -1, -1))
@@ -114,12 +98,11 @@ class Scheduler:
         return self._batch(chosen, copies, forked)
 
     def _admit(self, budget: int, chosen: list, copies: list, forked: dict) -> int:
-        snapshot = self.snapshot() if self.snapshot is not None else None
-        for seq in list(self.admit(list(self.waiting), snapshot)):  # type: ignore[arg-type]
+        for seq in list(self.waiting):
             if budget <= 0 or not self.free_seats:
                 break
             if seq.status is not SeqStatus.WAITING or seq.leader is not None:
-                continue  # the hook returned something not (or no longer) admissible on its own
+                continue  # a sibling that forked from a leader admitted above
             n = min(seq.num_uncomputed, budget)
             if n < seq.num_uncomputed and not self.chunked_prefill:
                 break

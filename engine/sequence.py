@@ -1,6 +1,6 @@
 """Requests in, outputs out, and the engine's per-sequence state in between.
 
-A `Request` is what a caller submits (prompt tokens, sampling params, GRPO group id and sample index). The engine
+A `GenRequest` is what a caller submits (prompt tokens, sampling params, GRPO group id and sample index). The engine
 turns it into a `Sequence` (token ids, KV block table, generated logprobs and versions) and, when it finishes or is
 aborted, into a `RequestOutput`. An unfinished sequence can leave one engine as an `UnfinishedRequest` and resume
 in another. None of these hold tensors except the sequence's own torch.Generator.
@@ -14,13 +14,12 @@ from enum import Enum, auto
 import torch
 
 from engine.sampling import SamplingParams
-from rl.types import Trajectory
 
 _ids = itertools.count()
 
 
 @dataclass
-class Request:
+class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | None = None  # assigned by the engine when None
@@ -62,22 +61,13 @@ class RequestOutput:
         """The oldest weight version among the generated tokens (-1 if none were generated)."""
         return min(self.versions) if self.versions else -1
 
-    def to_trajectory(self) -> Trajectory:
-        return Trajectory(
-            group_id=self.group_id, sample_index=self.sample_index, prompt_ids=list(self.prompt_ids),
-            response_ids=list(self.token_ids), logprobs=list(self.logprobs), versions=list(self.versions),
-            finish_reason=self.finish_reason, prompt_index=self.prompt_index,
-            meta=dict(request_id=self.request_id, arrival_time=self.arrival_time,
-                      first_token_time=self.first_token_time, finish_time=self.finish_time,
-                      num_preemptions=self.num_preemptions))
-
 
 @dataclass
 class UnfinishedRequest:
     """A request taken out of one engine mid-generation, to be resumed by another (`LLMEngine.import_request`),
     which re-prefills prompt + generated tokens and carries on. `rng_state` is the request's seeded generator
     state, so a seeded sampled continuation is the one the first engine would have produced."""
-    request: Request
+    request: GenRequest
     token_ids: list[int]
     logprobs: list[float]
     sampling_logprobs: list[float]
@@ -99,7 +89,7 @@ class Sequence:
     have their K/V in the pool (in the blocks of `block_table`). Each step computes some of the rest; when it
     reaches the end, the step samples the next token. Decode is the case of exactly one token left to compute."""
 
-    def __init__(self, request: Request, arrival_time: float, device: torch.device):
+    def __init__(self, request: GenRequest, arrival_time: float, device: torch.device):
         self.request = request
         self.request_id: str = request.request_id  # type: ignore[assignment]
         self.params = request.params

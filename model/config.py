@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ FAMILIES = {
     "llama": ("LlamaForCausalLM", False, False),
 }
 SUPPORTED_ROPE = ("default", "linear", "llama3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names -> dtypes
 
 
 class ModelConfigError(ValueError):
@@ -67,13 +67,6 @@ class ModelConfig:
         """Bytes of K and V one token occupies across all layers, in the storage dtype."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
 
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        attn = qkv + self.num_heads * self.head_dim * h
-        block = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * block + h
-
     # ---- HF config.json ----------------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -100,7 +93,7 @@ class ModelConfig:
             raise ModelConfigError(f"{source}: mlp_bias=true is not supported")
         if d.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported (only silu)")
-        # transformers >= 5 writes rope_parameters={rope_theta, rope_type, ...}; older files use rope_theta/rope_scaling.
+        # transformers >= 5 writes rope_parameters={rope_theta, rope_type, ...}; older files: rope_theta/rope_scaling.
         rope = dict(d.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         if not isinstance(theta, (int, float)) or isinstance(theta, bool):
@@ -166,9 +159,4 @@ class ModelConfig:
         )
         if self.family != "qwen2":
             d["attention_bias"] = self.attention_bias
-        return d
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("hf_config")
         return d

@@ -1,5 +1,5 @@
-"""Tokenizers: load a local Hugging Face tokenizer, encode prompts (with the chat template when asked), find the
-end-of-sequence ids, and build a tiny character-level tokenizer for the offline synthetic task.
+"""Tokenizers: load a local Hugging Face tokenizer, encode prompts (with the chat template when asked), and build
+a tiny character-level tokenizer for the offline synthetic task.
 
 Nothing here touches the network: every load is `local_files_only`, and the character tokenizer is built in memory
 with the `tokenizers` library and saved in the ordinary HF layout so it reloads through `load_tokenizer`.
@@ -59,21 +59,6 @@ def encode_prompt(tok: PreTrainedTokenizerFast, prompt: Prompt, chat_template: b
     return list(tok(prompt)["input_ids"])
 
 
-def eos_ids(tok: PreTrainedTokenizerFast, model_cfg: Any = None) -> list[int]:
-    """Token ids that end a response: the tokenizer's EOS plus the model config's `eos_token_id` (int or list),
-    deduplicated, in that order. ValueError if neither defines one."""
-    ids: list[int] = []
-    cands: list[Any] = [tok.eos_token_id]
-    cfg_eos = getattr(model_cfg, "eos_token_id", None) if model_cfg is not None else None
-    cands += cfg_eos if isinstance(cfg_eos, (list, tuple)) else [cfg_eos]
-    for i in cands:
-        if isinstance(i, int) and i >= 0 and i not in ids:
-            ids.append(i)
-    if not ids:
-        raise ValueError(f"tokenizer {tok.name_or_path!r} and the model config define no eos token id")
-    return ids
-
-
 def build_char_tokenizer(chars: str, path: str | Path | None = None,
                          chat_template: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: <pad>=0, <bos>=1, <eos>=2, <unk>=3, then one id per character of `chars` in
@@ -103,9 +88,3 @@ def build_char_tokenizer(chars: str, path: str | Path | None = None,
         Path(path).mkdir(parents=True, exist_ok=True)
         tok.save_pretrained(str(path))
     return tok
-
-
-def char_vocab(tok: PreTrainedTokenizerFast) -> dict[str, int]:
-    """The character -> id map of a character tokenizer (special tokens excluded)."""
-    return {t: i for t, i in tok.get_vocab().items() if len(t) == 1}
-

@@ -171,19 +171,6 @@ class PromptDataset:
         return ds
 
 
-def load_prompt_dataset(source: str | Path, tokenizer: PreTrainedTokenizerFast | None, max_prompt_tokens: int,
-                        prompt_field: str = "prompt", answer_field: str | None = "answer",
-                        chat_template: bool = False, synthetic: dict[str, Any] | None = None) -> PromptDataset:
-    """`source` is a file path, or "synthetic" for `rl.tasks.SyntheticTask(**synthetic)`."""
-    if str(source) == "synthetic":
-        from rl.tasks import SyntheticTask
-        return PromptDataset.from_synthetic(SyntheticTask(**(synthetic or {})), tokenizer, max_prompt_tokens,
-                                            chat_template)
-    if tokenizer is None:
-        raise ValueError(f"{source}: a tokenizer is needed to read a prompt file")
-    return PromptDataset.from_file(source, tokenizer, max_prompt_tokens, prompt_field, answer_field, chat_template)
-
-
 class PromptSampler:
     """Endless stream of prompts: each epoch is a fresh permutation drawn from (seed, epoch), so the order is the
     same on every run and on every rank. `state_dict()` records (epoch, position) to resume mid-epoch exactly."""

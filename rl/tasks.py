@@ -67,10 +67,6 @@ class LengthDist:
             return rng.randint(self.tail_min, self.tail_max)
         return rng.randint(1, self.body_max)
 
-    @property
-    def longest(self) -> int:
-        return self.tail_max if self.tail_frac > 0 else self.body_max
-
 
 def score_positions(response: str, answer: str) -> RewardResult:
     """Fraction of positions where `response` matches `answer`, over max(len(response), len(answer)).
@@ -132,13 +128,6 @@ class SyntheticTask:
     def tokenizer(self, path: str | Path | None = None) -> PreTrainedTokenizerFast:
         """The character tokenizer over the alphabet and the separator (saved to `path` when given)."""
         return build_char_tokenizer(self.alphabet + (DIGITS if self.name == "repeat" else "") + self.sep, path)
-
-    @property
-    def max_response_tokens(self) -> int:
-        """The longest answer plus one token for <eos>: a good `max_new_tokens` for this task."""
-        if self.name == "repeat":
-            return self.lengths.longest + 1
-        return (1 if self.name in ("first", "last") else self.max_len) + 1
 
     def score(self, response_text: str, answer: str) -> RewardResult:
         return score_positions(response_text, answer)

@@ -10,6 +10,7 @@ import torch
 
 from config import resolve_run_dir, save_config
 from model import ModelConfig, Transformer, load_model
+from model.config import DTYPES
 from model.presets import preset_config
 from model.tokenizer import load_tokenizer
 from rl.data import PromptDataset, PromptSampler
@@ -98,7 +99,7 @@ def build_run(cfg: Any, with_data: bool) -> RunParts:
 def model_dtype(cfg: Any, device: torch.device) -> torch.dtype:
     if cfg.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+    return DTYPES[cfg.model.dtype]
 
 
 def device_for_rank(backend: str) -> torch.device:

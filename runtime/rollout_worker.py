@@ -35,8 +35,7 @@ import torch
 
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
-from engine.sequence import Request as EngineRequest
-from engine.sequence import UnfinishedRequest
+from engine.sequence import GenRequest, RequestOutput, UnfinishedRequest
 from rl.rewards import RewardResult
 from rl.types import Trajectory
 from runtime.channel import WORKER, Channel, ChannelTimeout
@@ -63,6 +62,16 @@ class SamplingConfig:
 def request_seed(run_seed: int, group_id: int, sample_index: int) -> int:
     """Per-sample seed: a sample's tokens do not depend on batching, engine or timing (reproducible runs)."""
     return (run_seed * 1_000_003 + group_id * 9_973 + sample_index) % (2**63 - 1)
+
+
+def trajectory_of(out: RequestOutput) -> Trajectory:
+    """A finished engine output as a GRPO trajectory (engine timings in `meta`); reward not yet scored."""
+    return Trajectory(
+        group_id=out.group_id, sample_index=out.sample_index, prompt_ids=list(out.prompt_ids),
+        response_ids=list(out.token_ids), logprobs=list(out.logprobs), versions=list(out.versions),
+        finish_reason=out.finish_reason, prompt_index=out.prompt_index,
+        meta=dict(request_id=out.request_id, arrival_time=out.arrival_time, first_token_time=out.first_token_time,
+                  finish_time=out.finish_time, num_preemptions=out.num_preemptions))
 
 
 class RolloutWorker:
@@ -149,7 +158,7 @@ class RolloutWorker:
         """Queue one submitted request: fresh, or resumed from spec["partial"] (its tokens so far re-prefilled,
         its generator restored from rng_state, so a seeded continuation is the one the first engine would have
         produced under the same weights; max_new_tokens counts the carried tokens too)."""
-        request = EngineRequest(spec["prompt_ids"], self._params(spec), request_id=str(spec["req_id"]),
+        request = GenRequest(spec["prompt_ids"], self._params(spec), request_id=str(spec["req_id"]),
                                 group_id=spec["group_id"], sample_index=spec["sample_index"],
                                 prompt_index=spec["prompt_index"])
         part = spec.get("partial")
@@ -218,7 +227,7 @@ class RolloutWorker:
                 self.event("trajectory_aborted", req_id=req_id, group_id=out.group_id, version=out.version,
                            data={"requeue": False, "error": "non-finite logits", "tokens": len(out.token_ids)})
                 continue
-            traj = out.to_trajectory()
+            traj = trajectory_of(out)
             text = self.decode(out.token_ids)
             self.event("trajectory_finished", req_id=req_id, group_id=out.group_id, version=out.version,
                        data={"tokens": len(out.token_ids), "finish_reason": out.finish_reason})
@@ -230,7 +239,7 @@ class RolloutWorker:
                 self.next_key += 1
         scored = self.collect_scores()
         if self.steps % self.sampling.counters_every == 0:
-            snap = self.engine.snapshot()
+            snap = self.engine.stats()
             self.event("tokens_decoded", version=snap.version,
                        data={"total": snap.num_tokens_decoded, "running": len(snap.running),
                              "waiting": len(snap.waiting), "kv_used": snap.kv_blocks_used,

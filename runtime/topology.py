@@ -6,8 +6,8 @@
     control_group            every rank, gloo, for the control channel (requests, trajectories, events)
 
 The train leader is global rank 0 on purpose: torch.distributed.checkpoint's full-state-dict helpers gather to
-global rank 0 (see DESIGN.md, Pitfalls). In colocated mode every rank is both a train and a rollout rank and the
-engine shares the trainer's weights in place, so there is no publish group.
+global rank 0 (with cpu_offload=True; every other rank gets an empty dict). In colocated mode every rank is both a
+train and a rollout rank and the engine shares the trainer's weights in place, so there is no publish group.
 """
 from __future__ import annotations
 

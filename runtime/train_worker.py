@@ -97,7 +97,7 @@ def _publish(version: int, publisher: WeightPublisher, report, notify_engines, c
 
 def _publish_overlapped(version: int, publisher: WeightPublisher, report, notify_engines, clock,
                         sender: AsyncSender) -> None:
-    snap = publisher.snapshot(version)  # collective with the followers; a packed copy of the weights
+    snap = publisher.pack(version)  # collective with the followers; a packed copy of the weights
 
     def send() -> None:
         if notify_engines:

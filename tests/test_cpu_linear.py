@@ -84,7 +84,7 @@ def test_a_deep_copy_computes_with_its_own_weights():
 
 
 def test_engine_load_weights_repacks():
-    from engine import EngineConfig, LLMEngine, Request, SamplingParams
+    from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
     from model import ModelConfig, Transformer
     cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, max_position_embeddings=128, qk_norm=True)
@@ -95,9 +95,9 @@ def test_engine_load_weights_repacks():
                 p.mul_(8.0)  # sharp logits, so greedy tokens differ between the two models
     greedy = SamplingParams(temperature=0, max_new_tokens=12)
     prompt = [3, 9, 27, 17, 51]
-    want_b = LLMEngine(b, EngineConfig(max_num_seqs=4, cpu_packed_linear=False)).generate([Request(prompt, greedy)])
+    want_b = LLMEngine(b, EngineConfig(max_num_seqs=4, cpu_packed_linear=False)).generate([GenRequest(prompt, greedy)])
     eng = LLMEngine(a, EngineConfig(max_num_seqs=4))
     assert eng.runner.packed is not None
-    first = eng.generate([Request(prompt, greedy)])[0].token_ids
+    first = eng.generate([GenRequest(prompt, greedy)])[0].token_ids
     eng.load_weights(b.state_dict(), version=1)
-    assert eng.generate([Request(prompt, greedy)])[0].token_ids == want_b[0].token_ids != first
+    assert eng.generate([GenRequest(prompt, greedy)])[0].token_ids == want_b[0].token_ids != first

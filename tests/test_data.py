@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model.tokenizer import build_char_tokenizer
-from rl.data import DataError, PromptDataset, PromptSampler, load_prompt_dataset
+from rl.data import DataError, PromptDataset, PromptSampler
+from rl.tasks import SyntheticTask
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 ?+="
 
@@ -101,15 +102,13 @@ def test_parquet(tmp_path, tok):
 
 
 def test_synthetic_source():
-    ds = load_prompt_dataset("synthetic", None, 16, synthetic={"name": "copy", "num_prompts": 10, "seed": 1})
+    ds = PromptDataset.from_synthetic(SyntheticTask("copy", num_prompts=10, seed=1), None, 16)
     assert len(ds) == 10 and ds.source == "synthetic:copy"
     assert all(p.prompt == p.answer + "=" for p in ds)
-    with pytest.raises(ValueError, match="tokenizer"):
-        load_prompt_dataset("x.jsonl", None, 16)
 
 
 def _dataset(n: int) -> PromptDataset:
-    return load_prompt_dataset("synthetic", None, 16, synthetic={"name": "copy", "num_prompts": n})
+    return PromptDataset.from_synthetic(SyntheticTask("copy", num_prompts=n), None, 16)
 
 
 _DS = {n: _dataset(n) for n in range(1, 10)}  # built once: hypothesis calls the resume test many times

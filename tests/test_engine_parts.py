@@ -10,14 +10,14 @@ from engine.block_manager import BlockManager
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Request, Sequence
+from engine.sequence import GenRequest, Sequence
 from kernels.paged_attention import paged_decode_ref, paged_prefill_ref
 
 CPU = torch.device("cpu")
 
 
 def seq(n_prompt: int, group: int = -1, **params) -> Sequence:
-    return Sequence(Request(list(range(3, 3 + n_prompt)), SamplingParams(**params), group_id=group), 0.0, CPU)
+    return Sequence(GenRequest(list(range(3, 3 + n_prompt)), SamplingParams(**params), group_id=group), 0.0, CPU)
 
 
 def full(bm: BlockManager) -> bool:
@@ -150,21 +150,6 @@ def test_group_leader_abort_hands_over_to_a_fork():
     sch.remove(group[2])  # a fork still waiting for its leader
     assert group[1].forks == []
     assert len(run_fake(sch)) == 1 and full(bm) and len(sch.free_seats) == 8
-
-
-def test_admission_hook_decides_who_enters():
-    bm = BlockManager(32, 4)
-    seen = []
-
-    def newest_first(waiting, snapshot):
-        seen.append(snapshot)
-        return list(reversed(waiting))
-
-    sch = Scheduler(bm, max_num_seqs=1, max_batch_tokens=16, admit=newest_first, snapshot=lambda: "snap")
-    seqs = [seq(3) for _ in range(3)]
-    for s in seqs:
-        sch.add(s)
-    assert sch.schedule().seqs == [seqs[2]] and seen == ["snap"]
 
 
 # ---- sampler ---------------------------------------------------------------------------------------------------

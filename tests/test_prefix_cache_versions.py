@@ -4,7 +4,7 @@ the old weights is reused, not by the running group's siblings, nor by a new req
 import pytest
 import torch
 
-from engine import Request, SamplingParams
+from engine import GenRequest, SamplingParams
 from model import load_model
 from tests.test_engine import assert_pool_whole, drain, engine, packed_logprobs, prompts, sharp_model
 
@@ -27,19 +27,19 @@ def test_no_block_of_the_old_version_is_reused_after_a_load(two_models, max_seqs
     prompt = prompts((23,), seed=3)[0]  # 5 full blocks of 4 and a partial one
     eng = engine(load_model(a), max_num_seqs=max_seqs)
     for i in range(4):
-        eng.add_request(Request(prompt, params(i), request_id=f"old{i}", group_id=9, sample_index=i))
+        eng.add_request(GenRequest(prompt, params(i), request_id=f"old{i}", group_id=9, sample_index=i))
     eng.step()
     eng.step()
     assert eng.block_manager.num_used > 0
     eng.load_weights(load_model(b).state_dict(), version=1)
     assert eng.block_manager.num_used == 0  # nothing computed by version 0 is held any more
     # a new request of the same group and prompt arrives while its siblings wait to be recomputed
-    eng.add_request(Request(prompt, params(4), request_id="new", group_id=9, sample_index=4))
+    eng.add_request(GenRequest(prompt, params(4), request_id="new", group_id=9, sample_index=4))
     outs = {o.request_id: o for o in drain(eng)}
     assert_pool_whole(eng)
     # reference: the new request alone on a fresh engine that only ever held version 1 (same seed, same tokens)
     ref = engine(load_model(b), max_num_seqs=max_seqs)
-    want = ref.generate([Request(prompt, params(4), group_id=-1)])[0]
+    want = ref.generate([GenRequest(prompt, params(4), group_id=-1)])[0]
     got = outs["new"]
     assert got.versions == [1] * 6 and got.token_ids == want.token_ids
     assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)

@@ -7,8 +7,7 @@ import time
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
 from model import Transformer, cu_seqlens_from_lengths
 from model.presets import preset_config
 from rl.tasks import SyntheticTask
@@ -16,7 +15,7 @@ from rl.rewards import RewardResult
 from rl.types import Trajectory
 from runtime.backend import RuntimeBackend
 from runtime.channel import ChannelTimeout
-from runtime.rollout_worker import RolloutWorker, SamplingConfig, WeightMismatchError
+from runtime.rollout_worker import RolloutWorker, SamplingConfig, WeightMismatchError, trajectory_of
 from runtime.topology import Topology
 from sched.base import Interrupt, LoadWeights, Migrate
 from sched.controller import PromptItem
@@ -53,6 +52,18 @@ def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None):
 def published(engine, scale=1.0):
     return [(k, v.detach().clone() * scale) for k, v in engine.runner.model.state_dict().items()
             if k != "lm_head.weight" or not engine.runner.model.config.tie_word_embeddings]
+
+
+def test_trajectory_of_an_engine_output():
+    w, _, task, tok = make_worker()
+    prompt = tok.encode(task.prompts()[0][0], add_special_tokens=False)
+    out = w.engine.generate([GenRequest(prompt, SamplingParams(max_new_tokens=4, seed=1), group_id=2, sample_index=3,
+                                     prompt_index=11)])[0]
+    t = trajectory_of(out)
+    assert (t.group_id, t.sample_index, t.prompt_index, t.prompt_ids) == (2, 3, 11, out.prompt_ids)
+    assert t.response_ids == out.token_ids and t.logprobs == out.logprobs and t.versions == out.versions
+    assert t.version == -1 and t.finish_reason == out.finish_reason and t.reward is None
+    assert t.meta["request_id"] == out.request_id and t.meta["first_token_time"] >= t.meta["arrival_time"]
 
 
 def test_submit_steps_and_reports_scored_trajectories():

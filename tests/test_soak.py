@@ -11,8 +11,9 @@ import resource
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, Request, SamplingParams
-from trainer import TrainConfig, Trainer
+from config import TrainConfig
+from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
+from trainer import Trainer
 from tests.test_trainer import make_groups, tiny_cfg, tiny_model
 
 RSS_BOUND_MB = 24.0
@@ -42,7 +43,7 @@ def engine_round(eng: LLMEngine, rng: random.Random, r: int) -> int:
         prompt = [rng.randrange(3, 60) for _ in range(rng.randrange(3, 14))]
         for s in range(4):
             sp = SamplingParams(temperature=1.0, max_new_tokens=rng.randrange(2, 12), seed=r * 100 + g * 4 + s)
-            ids.append(eng.add_request(Request(prompt, sp, group_id=r * 10 + g, sample_index=s)))
+            ids.append(eng.add_request(GenRequest(prompt, sp, group_id=r * 10 + g, sample_index=s)))
     steps = 0
     while eng.has_unfinished():
         eng.step()

@@ -33,7 +33,6 @@ def test_lengths_and_alphabet_respected():
     lengths = {len(a) for _, a in task.prompts()}
     assert lengths == {2, 3, 4, 5}
     assert all(set(a) <= set("xyz") for _, a in task.prompts())
-    assert task.max_response_tokens == 6
 
 
 def test_unknown_task_and_bad_options():
@@ -95,8 +94,6 @@ def test_repeat_prompts_state_the_length_and_the_tail_is_heavy():
     tail = [n for n in lengths if n >= 24]
     assert 0.10 < len(tail) / len(lengths) < 0.15                 # 1 prompt in 8 ...
     assert sum(tail) / sum(lengths) > 0.5                          # ... carries most of the tokens
-    assert task.max_response_tokens == 33
-    assert SyntheticTask("repeat", lengths=LengthDist(tail_frac=0.0)).max_response_tokens == 5
 
 
 def test_length_dist_bounds_and_errors():

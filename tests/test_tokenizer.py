@@ -1,12 +1,11 @@
-"""model/tokenizer.py: the character tokenizer, loading from disk (offline), prompt encoding and EOS ids."""
+"""model/tokenizer.py: the character tokenizer, loading from disk (offline) and prompt encoding."""
 from __future__ import annotations
 
 import socket
-from types import SimpleNamespace
 
 import pytest
 
-from model.tokenizer import ROLE_TOKENS, build_char_tokenizer, char_vocab, encode_prompt, eos_ids, load_tokenizer
+from model.tokenizer import ROLE_TOKENS, build_char_tokenizer, encode_prompt, load_tokenizer
 
 CHARS = "abcdef=x "
 
@@ -26,7 +25,7 @@ def test_special_ids_and_roundtrip():
     assert len(tok) == 4 + len(CHARS)
     ids = tok("ab=fx")["input_ids"]
     assert ids[0] == 1 and len(ids) == 6  # <bos> then one id per character
-    assert ids[1:] == [char_vocab(tok)[c] for c in "ab=fx"]
+    assert ids[1:] == tok.convert_tokens_to_ids(list("ab=fx"))
     assert tok.decode(ids, skip_special_tokens=True) == "ab=fx"
     assert tok.decode(ids[1:] + [tok.eos_token_id]) == "ab=fx<eos>"
     assert tok.decode(tok("a b")["input_ids"], skip_special_tokens=True) == "a b"  # spaces are characters too
@@ -52,7 +51,6 @@ def test_save_and_reload_offline(tmp_path, no_network, monkeypatch):
         assert tok(text)["input_ids"] == built(text)["input_ids"]
         assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
     assert tok.chat_template == built.chat_template
-    assert eos_ids(tok) == [2]
 
 
 def test_chat_template_applied():
@@ -72,13 +70,6 @@ def test_chat_template_requested_but_absent():
         encode_prompt(tok, "ab", chat_template=True)
     with pytest.raises(ValueError, match="chat_template=True"):
         encode_prompt(tok, [{"role": "user", "content": "ab"}], chat_template=False)
-
-
-def test_eos_ids_merges_model_config():
-    tok = build_char_tokenizer(CHARS)
-    assert eos_ids(tok, SimpleNamespace(eos_token_id=[7, 2])) == [2, 7]
-    assert eos_ids(tok, SimpleNamespace(eos_token_id=5)) == [2, 5]
-    assert eos_ids(tok, SimpleNamespace(eos_token_id=None)) == [2]
 
 
 def test_load_errors_name_the_path(tmp_path):

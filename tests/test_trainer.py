@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 
+from config import TrainConfig
 from model import ModelConfig, Transformer, cu_seqlens_from_lengths
 from rl.advantages import compute_advantages
 from rl.types import Group, Trajectory
-from trainer import TrainConfig, Trainer
+from trainer import Trainer
 from trainer.batch import assign_to_ranks, build_samples, collate, pack_micro_batches
 from trainer.optim import lr_factor
 

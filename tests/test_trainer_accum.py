@@ -4,9 +4,10 @@ aggregation, in one process and on 2 FSDP ranks; non-stepping calls leave weight
 import pytest
 import torch
 
+from config import TrainConfig
 from tests.dist_utils import run_world
 from tests.test_trainer import SMOOTH_ADAM, make_groups, on_policy_groups, tiny_model, weights
-from trainer import TrainConfig, Trainer
+from trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,10 +7,11 @@ steps run unsharded in one process."""
 import pytest
 import torch
 
+from config import TrainConfig
 from model import Transformer, cu_seqlens_from_lengths
 from tests.dist_utils import new_group, run_world
 from tests.test_trainer import SMOOTH_ADAM, make_groups, tiny_cfg, tiny_model
-from trainer import TrainConfig, Trainer
+from trainer import Trainer
 from trainer.checkpoint import latest
 from trainer.fsdp import full_state_dict
 
@@ -167,10 +168,10 @@ def _overlapped(rank: int, world: int, tmp: str):
     tr.train_step(b[0])
     w1 = full_state_dict(tr.model)
     publisher = WeightPublisher(tr.model, pub if rank == 1 else None, train, bucket_bytes=2048, verify=True)
-    snap = publisher.snapshot(1)
+    packed = publisher.pack(1)
     sender = AsyncSender()
     if rank == 1:
-        sender.submit(lambda: publisher.send(snap))
+        sender.submit(lambda: publisher.send(packed))
     tr.train_step(b[1])                     # collectives on the train group while the broadcast goes out
     sender.wait()
     return dict(w1=w1, w2=full_state_dict(tr.model))

@@ -6,8 +6,9 @@
   shared weight lives in the root unit). Mixed precision: bf16 params / fp32 gradient reduction on GPU, fp32 on CPU.
 - Activation checkpointing wraps each block's forward (non-reentrant `torch.utils.checkpoint`) before sharding,
   keeping the parameter names exactly the HF ones (no `_checkpoint_wrapped_module.` prefix).
-- `full_tensors` gathers each parameter with `DTensor.full_tensor()` inside the train group: the DESIGN pitfall is
-  that `get_model_state_dict(full_state_dict=True)` leaves the values on global rank 0, which may be a rollout rank.
+- `full_tensors` gathers each parameter with `DTensor.full_tensor()` inside the train group, because
+  `get_model_state_dict` with `StateDictOptions(full_state_dict=True, cpu_offload=True)` gives the values to global
+  rank 0 only (every other rank gets an empty dict; PyTorch's `StateDictOptions`), which may be a rollout rank.
 """
 from __future__ import annotations
 

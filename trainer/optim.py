@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from config import TrainConfig
+
 LR_SCHEDULES = ("cosine", "constant")
 
 
@@ -30,11 +32,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW from cfg.lr, cfg.betas, cfg.weight_decay; fused on CUDA, foreach elsewhere."""
     on_cuda = any(p.is_cuda for p in model.parameters())
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
-                             eps=getattr(cfg, "adam_eps", 1e-8), fused=True if on_cuda else None,
+                             eps=cfg.adam_eps, fused=True if on_cuda else None,
                              foreach=None if on_cuda else True)
 
 
@@ -52,9 +54,9 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str = "c
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup + cosine over cfg.steps optimizer steps (cfg.steps trainer calls x ppo_epochs x minibatches)."""
-    total = int(cfg.steps) * int(getattr(cfg, "ppo_epochs", 1)) * int(getattr(cfg, "minibatches", 1))
+    total = cfg.steps * cfg.ppo_epochs * cfg.minibatches
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
         s, int(cfg.warmup_steps), total, cfg.lr_schedule, float(cfg.min_lr_ratio)))
 

@@ -1,11 +1,12 @@
 """Weight publication: trainer -> rollout engines after an update.
 
 Every train rank calls `WeightPublisher.publish(version)` together: each parameter is gathered whole with
-`DTensor.full_tensor()` inside the train group (not `get_model_state_dict(full_state_dict=True)`, which leaves
-the values on global rank 0: see DESIGN pitfalls), in buckets of about `bucket_bytes`. The train leader (train
-group rank 0) packs each bucket into one byte buffer and broadcasts it over the publication group (train leader +
-rollout ranks; NCCL on GPU, gloo on CPU). Receivers call `WeightReceiver.receive(loader)` and get
-`loader(iterable of (name, tensor), version)` (the engine's `load_weights`), streamed bucket by bucket.
+`DTensor.full_tensor()` inside the train group (not `get_model_state_dict` with `full_state_dict=True,
+cpu_offload=True`, which gives the values to global rank 0 only, an empty dict to every other rank: PyTorch's
+`StateDictOptions`), in buckets of about `bucket_bytes`. The train leader (train group rank 0) packs each bucket
+into one byte buffer and broadcasts it over the publication group (train leader + rollout ranks; NCCL on GPU, gloo
+on CPU). Receivers call `WeightReceiver.receive(loader)` and get `loader(iterable of (name, tensor), version)` (the
+engine's `load_weights`), streamed bucket by bucket.
 
 Wire format: one header object {version, names, shapes, dtypes, buckets, offsets, tied, verify}, then per bucket
 one uint8 buffer (each tensor's bytes at a 16-byte aligned offset) and, with `verify`, one int64 [2, n] tensor of
@@ -155,27 +156,29 @@ class WeightPublisher:
                 "buckets": float(len(self.buckets)), "seconds": time.perf_counter() - t0}
 
     @torch.no_grad()
-    def snapshot(self, version: int) -> "Snapshot | None":
+    def pack(self, version: int) -> PackedWeights | None:
         """The gathering half of an overlapped publication (every train rank; collective on the train group): the
         leader keeps every bucket packed (a full copy of the weights), to `send` while the next step trains."""
         t0 = time.perf_counter()
-        packed = [self._gather_bucket(b, s) for b, s in zip(self.buckets, self.sizes)]
-        return Snapshot(int(version), packed, time.perf_counter() - t0) if self.leader else None  # type: ignore[arg-type]
+        buckets = [self._gather_bucket(b, s) for b, s in zip(self.buckets, self.sizes)]
+        if not self.leader:
+            return None
+        return PackedWeights(int(version), buckets, time.perf_counter() - t0)  # type: ignore[arg-type]
 
     @torch.no_grad()
-    def send(self, snap: "Snapshot") -> dict[str, float]:
+    def send(self, weights: PackedWeights) -> dict[str, float]:
         """The sending half (leader + rollout ranks, on the publication group only): safe beside a train step."""
         t0 = time.perf_counter()
-        dist.broadcast_object_list([self._header(snap.version)], src=self.src, group=self.pub_group,
+        dist.broadcast_object_list([self._header(weights.version)], src=self.src, group=self.pub_group,
                                    device=_object_device(self.pub_group))
-        for buf, check in snap.buckets:
+        for buf, check in weights.buckets:
             self._send_bucket(buf, check)
-        return {"version": float(snap.version), "bytes": float(sum(self.sizes)), "buckets": float(len(self.buckets)),
-                "seconds": time.perf_counter() - t0, "gather_s": snap.gather_s}
+        return {"version": float(weights.version), "bytes": float(sum(self.sizes)),
+                "buckets": float(len(self.buckets)), "seconds": time.perf_counter() - t0, "gather_s": weights.gather_s}
 
 
 @dataclass
-class Snapshot:
+class PackedWeights:
     """Packed buckets of one version's weights, held by the leader until they are sent."""
     version: int
     buckets: list[tuple[torch.Tensor, torch.Tensor | None]]

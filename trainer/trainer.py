@@ -32,13 +32,13 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from config import TrainConfig
 from kernels.logprobs import token_logprobs
 from model.attention import PackedCausal
 from rl.advantages import compute_advantages
@@ -55,41 +55,13 @@ class NonFiniteError(FloatingPointError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
-@dataclass
-class TrainConfig:
-    """The trainer's knobs; config.py's `train` section has the same names and can be passed instead."""
-    lr: float = 1e-6
-    max_nonfinite_steps: int = 3        # optimizer steps in a row with a non-finite gradient before the run stops
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"       # "cosine" | "constant"
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 16384
-    activation_checkpointing: bool = False
-    loss_agg: str = "token_mean"        # "token_mean" (DAPO) | "seq_mean" (GRPO) | "seq_sum_norm" (Dr.GRPO)
-    ratio_level: str = "token"          # "token" | "sequence" (GSPO)
-    clip_low: float = 0.2
-    clip_high: float = 0.2              # DAPO clip-higher: 0.28
-    adv_norm: str = "std"               # "std" | "none" (Dr.GRPO)
-    kl_coef: float = 0.0
-    filter_zero_variance: bool = False
-    ppo_epochs: int = 1
-    minibatches: int = 1
-    off_policy: str = "behaviour"       # "behaviour" (PPO vs behaviour logprobs) | "decoupled" (AReaL)
-    is_cap: float = 2.0                 # decoupled: truncation of the importance weight (0 = none)
-    steps: int = 100                    # stepping train_step calls in the run (cosine spans steps*epochs*minibatches)
-
-
 STAT_KEYS = ("pg_loss", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "kl_ref", "entropy",
              "is_weight_mean", "is_truncated_frac")
 OFF_POLICY = ("behaviour", "decoupled")
 
 
 class Trainer:
-    def __init__(self, model: nn.Module, cfg: Any, group: dist.ProcessGroup | None = None,
+    def __init__(self, model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu", ref_model: nn.Module | None = None, *,
                  temperature: float = 1.0, max_response_len: int | None = None, logprob_chunk: int | None = None):
         """model: a model.Transformer with the same full weights on every train rank. group: the train ranks
@@ -101,8 +73,7 @@ class Trainer:
             raise ValueError("loss_agg='seq_sum_norm' (Dr.GRPO) needs max_response_len (rollout.max_new_tokens)")
         if cfg.kl_coef and ref_model is None:
             raise ValueError(f"kl_coef={cfg.kl_coef} needs a reference model")
-        self.off_policy = getattr(cfg, "off_policy", "behaviour")
-        self.is_cap = float(getattr(cfg, "is_cap", 2.0))
+        self.off_policy, self.is_cap = cfg.off_policy, float(cfg.is_cap)
         if self.off_policy not in OFF_POLICY:
             raise ValueError(f"off_policy {self.off_policy!r} is not one of {OFF_POLICY}")
         if self.is_cap < 0:
@@ -135,7 +106,8 @@ class Trainer:
         cfg = self.cfg
         if not step and (cfg.minibatches > 1 or cfg.ppo_epochs > 1):
             raise ValueError(f"train_step(step=False) accumulates into one optimizer step, but minibatches = "
-                             f"{cfg.minibatches} and ppo_epochs = {cfg.ppo_epochs} make each call several; set both to 1")
+                             f"{cfg.minibatches} and ppo_epochs = {cfg.ppo_epochs} make each call several; "
+                             "set both to 1")
         adv = compute_advantages(groups, cfg.adv_norm, cfg.filter_zero_variance)
         samples = build_samples(adv)
         rewards = [r for g in groups for r in g.rewards]
@@ -252,7 +224,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_steps += 1
             self.nonfinite_streak += 1
-            limit = getattr(self.cfg, "max_nonfinite_steps", 3)
+            limit = self.cfg.max_nonfinite_steps
             if self.nonfinite_streak >= limit:
                 raise NonFiniteError(f"{self.nonfinite_streak} optimizer steps in a row had a non-finite gradient "
                                      f"norm ({grad_norm}); stopping (train.max_nonfinite_steps = {limit})")
