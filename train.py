@@ -1,5 +1,5 @@
 """GRPO with verifiable rewards: a rollout partition of decode engines and an FSDP2 train partition, scheduled by
-a pluggable policy (sched/). One entry point for every rank.
+pluggable policies (sched/). One entry point for every rank.
 
     # the tiny offline default (random tiny model, synthetic task): 1 rollout rank + 3 train ranks on CPU
     torchrun --nproc_per_node=4 train.py --config configs/tiny.toml
@@ -10,27 +10,38 @@ a pluggable policy (sched/). One entry point for every rank.
     # two nodes of 8: run this on each node, with the same rendezvous endpoint
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py --config C
 
-Global rank 0 is the train leader and runs the controller (sched/controller.py) in its main thread and the
-trainer in a second thread; the other train ranks follow it through FSDP2 collectives; rollout ranks run
-runtime/rollout_worker.py. Everything a run writes goes to its run directory: config.toml, events.jsonl,
-metrics.jsonl, timeline.png, checkpoints/ and the exported model in hf/.
+What each rank does is one of the four functions below: `run_leader` (global rank 0: the controller in the main
+thread, the trainer in a second one), `run_follower` (the other train ranks), `run_rollout` (one engine per rollout
+rank) and `run_colocated` (every rank both, taking turns). Everything a run writes goes to its run directory
+(runtime/rundir.py): config.toml, events.jsonl, metrics.jsonl, timeline.png, checkpoints/ and the exported model
+in hf/.
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import sched
-from config import ConfigError, load_config
-from runtime.build import build_run, device_for_rank, make_run_dir, model_for_rank
+from config import Config, ConfigError, load_config
 from runtime import watchdog
+from runtime.backend import RuntimeBackend
+from runtime.build import RunParts, build_run, device_for_rank, make_engine, make_trainer, model_dtype, model_for_rank
 from runtime.channel import Channel
 from runtime.logger import MetricsLogger
-from runtime.topology import init_distributed, partition_cores, pin_to_cores, split_ranks
+from runtime.messages import ExportHF, Publish, SaveCheckpoint
+from runtime.rollout_worker import RolloutWorker
+from runtime.rundir import (checkpoint_dir, finish_run, leader_state, periodic_checkpoints, prepare_run_dir,
+                            restart_count, restore, resume_path)
+from runtime.topology import Topology, init_distributed, partition_cores, pin_to_cores, split_ranks
+from runtime.train_worker import TrainerThread, follower_loop
+from sched.base import Preset
 from sched.controller import Controller
+from trainer.publish import WeightReceiver
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -66,8 +77,6 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-    from runtime.launch import prepare_run_dir, restart_count
     if restart_count() > 0 and not (cfg.log.dir or cfg.checkpoint.dir) and rank == 0:
         print("warning: restarted by torchrun without log.dir: a new run directory, starting afresh",
               file=sys.stderr, flush=True)
@@ -86,15 +95,22 @@ def main(argv: list[str]) -> int:
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     # a job torchrun restarted (--max-restarts) resumes from its run directory's newest complete checkpoint
-    holder = [prepare_run_dir(cfg, make_run_dir) if topo.is_leader else None]
+    holder = [prepare_run_dir(cfg) if topo.is_leader else None]
     dist.broadcast_object_list(holder, src=0, group=topo.control_group)
     run_dir, t0 = holder[0]
     watchdog.install(run_dir, topo.rank)
     channel = Channel(topo.control_group, topo.rank, c.timeout_s)
 
-    # 4. roles; a deadline that fires anywhere ends the job with a stall report (runtime/watchdog.py)
+    # 4. the rank's role; a deadline that fires anywhere ends the job with a stall report (runtime/watchdog.py)
     try:
-        run_role(cfg, preset, parts, model, topo, channel, run_dir, t0)
+        if topo.colocate:
+            run_colocated(cfg, preset, parts, model, topo, channel, run_dir, t0)
+        elif topo.is_rollout:
+            run_rollout(cfg, parts, model, topo, channel, t0)
+        elif topo.is_leader:
+            run_leader(cfg, preset, parts, model, topo, channel, run_dir, t0)
+        else:
+            run_follower(cfg, model, topo)
     except Exception as e:
         if watchdog.is_timeout(e):
             role = "leader" if topo.is_leader else "rollout" if topo.is_rollout else "train"
@@ -109,27 +125,93 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def run_role(cfg, preset, parts, model, topo, channel, run_dir: str, t0: float) -> None:
-    log = controller = None
+# ----------------------------------------------------------------------------------------------------- roles
+def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Module, topo: Topology,
+               channel: Channel, run_dir: str, t0: float) -> None:
+    """Global rank 0: the controller drives the policies in this thread; the trainer runs its work items (and
+    broadcasts the weights it publishes) in a second one, with the other train ranks following it."""
+    log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))
+    controller = Controller(preset, parts.source, cfg.rollout.group_size, cfg.rollout.prompts_per_step,
+                            cfg.train.steps, log=log)
+    trainer, publisher = make_trainer(cfg, model, topo)
+    resume = resume_path(cfg)
+    if resume is not None:
+        restore(controller, parts, trainer.load_checkpoint(resume) or {})
+    tt = TrainerThread(trainer, publisher, topo, channel, t0, notify=lambda v: backend.notify_publication(v))
+    backend = RuntimeBackend(topo, channel, t0, cfg.cluster.timeout_s, to_trainer=tt.queue.put)
+
+    def save() -> None:
+        backend.call(SaveCheckpoint(str(checkpoint_dir(cfg, run_dir)), leader_state(controller, parts, log),
+                                    cfg.checkpoint.keep))
+
+    backend.to_trainer(Publish(trainer.step))   # the engines start from the trainer's weights
+    try:
+        controller.run(backend, periodic_checkpoints(cfg, controller, save))
+        save()
+        if cfg.checkpoint.export_hf:
+            backend.call(ExportHF(str(Path(run_dir) / "hf")))
+    finally:
+        backend.stop_workers()
+        tt.stop(cfg.cluster.timeout_s)
+        log.close()
+    finish_run(run_dir, log, parts)
+
+
+def run_follower(cfg: Config, model: torch.nn.Module, topo: Topology) -> None:
+    """Train ranks 1..T-1: run each work item the leader broadcasts, collectively (FSDP2), until it says stop."""
+    trainer, publisher = make_trainer(cfg, model, topo)
+    resume = resume_path(cfg)
+    if resume is not None:
+        trainer.load_checkpoint(resume)
+    follower_loop(trainer, publisher, topo)
+
+
+def run_rollout(cfg: Config, parts: RunParts, model: torch.nn.Module, topo: Topology, channel: Channel,
+                t0: float) -> None:
+    """Rollout ranks: one decode engine each, driven by the leader's messages; published weights arrive in this
+    rank's relay and are loaded when the weight-sync policy says."""
+    engine = make_engine(cfg, model, parts, topo)
+    receiver = WeightReceiver(topo.publish_group, src=0, device="cpu")
+    RolloutWorker.for_rank(cfg, parts, engine, topo, channel, t0, receiver).run()
+
+
+def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Module, topo: Topology,
+                  channel: Channel, run_dir: str, t0: float) -> None:
+    """Every rank: an engine on a private copy of the weights plus an FSDP2 trainer shard, taking turns; rank 0 also
+    runs the controller, in a thread (runtime/colocated.py)."""
+    from runtime.colocated import ColocatedBackend, ColocatedWorker, ControllerThread
+    engine = make_engine(cfg, copy.deepcopy(model).to(model_dtype(cfg, topo.device)), parts, topo)
+    trainer, _ = make_trainer(cfg, model, topo)
+    resume = resume_path(cfg)
+    extra = (trainer.load_checkpoint(resume) or {}) if resume is not None else None
+    worker = ColocatedWorker.for_rank(cfg, parts, engine, topo, channel, t0, None, trainer=trainer)
+    ctl = log = None
     if topo.is_leader:
         log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))
         controller = Controller(preset, parts.source, cfg.rollout.group_size, cfg.rollout.prompts_per_step,
                                 cfg.train.steps, log=log)
-    if topo.colocate:
-        from runtime.launch import run_colocated
-        run_colocated(cfg, parts, model, topo, channel, controller, log, run_dir, t0)
-    elif topo.is_rollout:
-        from runtime.launch import run_rollout
-        run_rollout(cfg, parts, model, topo, channel, t0)
-    elif not topo.is_leader:
-        from runtime.launch import run_follower
-        run_follower(cfg, parts, model, topo)
-    else:
-        from runtime.launch import run_leader
-        run_leader(cfg, parts, model, topo, channel, controller, log, run_dir, t0)
+        if extra is not None:
+            restore(controller, parts, extra)
+        backend = ColocatedBackend(topo, channel, t0, cfg.cluster.timeout_s)
+
+        def save() -> None:
+            backend.call(SaveCheckpoint(str(checkpoint_dir(cfg, run_dir)), leader_state(controller, parts, log),
+                                        cfg.checkpoint.keep))
+
+        def finish() -> None:
+            save()
+            if cfg.checkpoint.export_hf:
+                backend.call(ExportHF(str(Path(run_dir) / "hf")))
+        ctl = ControllerThread(controller, backend, finish, periodic_checkpoints(cfg, controller, save))
+    worker.start()
+    worker.run()
+    if ctl is not None:
+        ctl.join(cfg.cluster.timeout_s)
+        log.close()
+        finish_run(run_dir, log, parts)
 
 
-def _sched_tables(cfg) -> dict:
+def _sched_tables(cfg: Config) -> dict:
     s = cfg.sched
     return {k: getattr(s, k) for k in ("dispatch", "handoff", "update", "weight_sync", "rebalance")}
 

@@ -21,7 +21,7 @@ from engine.runner import ModelRunner
 from engine.sampler import ERROR_TOKEN, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import EngineStats, Scheduler
-from engine.sequence import GenRequest, RequestOutput, Sequence, UnfinishedRequest
+from engine.sequence import GenRequest, RequestId, RequestOutput, Sequence, UnfinishedRequest
 from model.transformer import Transformer
 
 
@@ -50,7 +50,7 @@ class LLMEngine:
                                    config.chunked_prefill)
         self.sampler = Sampler(self.device, config.seed)
         self.eos_ids = _eos_ids(model.config.eos_token_id, tokenizer)
-        self.seqs: dict[str, Sequence] = {}  # unfinished requests by id
+        self.seqs: dict[RequestId, Sequence] = {}  # unfinished requests by id
         self.num_steps = self.num_tokens_decoded = self.num_prefill_tokens = 0
         self.last_step = StepStats()
 
@@ -59,13 +59,13 @@ class LLMEngine:
         return self.runner.max_model_len
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def add_request(self, request: GenRequest | list[int] | str, params: SamplingParams | None = None) -> str:
+    def add_request(self, request: GenRequest | list[int] | str, params: SamplingParams | None = None) -> RequestId:
         """Queue a request (or a prompt, as token ids or text when the engine has a tokenizer). Returns its id."""
         if not isinstance(request, GenRequest):
             request = GenRequest(self._encode(request), params or SamplingParams())
         return self._add(Sequence(request, self.clock(), self.device))
 
-    def _add(self, seq: Sequence) -> str:
+    def _add(self, seq: Sequence) -> RequestId:
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already in this engine")
         if seq.num_tokens >= self.max_model_len:
@@ -142,7 +142,7 @@ class LLMEngine:
         return [done[i] for i in ids]
 
     # ---- taking requests out, putting them in ---------------------------------------------------------------------
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: RequestId) -> RequestOutput | None:
         """Stop a request now. Returns its output so far (finish_reason "abort"), or None if it is not here."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
@@ -151,7 +151,7 @@ class LLMEngine:
         seq.finish_reason, seq.finish_time = "abort", self.clock()
         return seq.output()
 
-    def export(self, request_id: str) -> UnfinishedRequest:
+    def export(self, request_id: RequestId) -> UnfinishedRequest:
         """Take an unfinished request out of this engine, to be resumed elsewhere with `import_request`."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
@@ -159,7 +159,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         return seq.unfinished()
 
-    def import_request(self, unfinished: UnfinishedRequest) -> str:
+    def import_request(self, unfinished: UnfinishedRequest) -> RequestId:
         """Resume a request exported from another engine: prompt + its generated tokens are re-prefilled here."""
         return self._add(Sequence.resume(unfinished, self.device))
 

@@ -16,15 +16,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import RequestId, Sequence, SeqStatus
 
 
 @dataclass
 class EngineStats:
     """What an engine reports about itself."""
     version: int
-    running: list[str]  # request ids of sequences holding KV blocks
-    waiting: list[str]  # request ids queued for (re-)prefill, next first
+    running: list[RequestId]  # request ids of sequences holding KV blocks
+    waiting: list[RequestId]  # request ids queued for (re-)prefill, next first
     kv_blocks_used: int
     kv_blocks_free: int
     kv_blocks_total: int

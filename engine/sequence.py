@@ -16,13 +16,14 @@ import torch
 from engine.sampling import SamplingParams
 
 _ids = itertools.count()
+RequestId = int | str   # the caller's (the rollout worker uses the controller's int req_id); "req-N" when not given
 
 
 @dataclass
 class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str | None = None  # assigned by the engine when None
+    request_id: RequestId | None = None  # assigned by the engine when None
     group_id: int = -1  # GRPO group: samples of one group with the same prompt share its KV blocks
     sample_index: int = 0
     prompt_index: int = -1  # position of the prompt in the dataset, carried through for logs
@@ -41,7 +42,7 @@ class RequestOutput:
     temperature applied and no top-k/top-p truncation (temperature 1 for greedy requests) -- the behaviour-policy
     logprob the trainer's importance ratio needs. `sampling_logprobs[i]`: under the distribution actually sampled
     from (after top-k/top-p; 0.0 for greedy). `versions[i]`: the weight version that produced token i."""
-    request_id: str
+    request_id: RequestId
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
@@ -91,7 +92,7 @@ class Sequence:
 
     def __init__(self, request: GenRequest, arrival_time: float, device: torch.device):
         self.request = request
-        self.request_id: str = request.request_id  # type: ignore[assignment]
+        self.request_id: RequestId = request.request_id  # type: ignore[assignment]
         self.params = request.params
         self.token_ids: list[int] = list(request.prompt_ids)
         self.num_prompt_tokens = len(self.token_ids)

@@ -1,79 +1,92 @@
-"""RuntimeBackend: the controller's Backend over real ranks (sched/controller.py drives it).
+"""RuntimeBackend: the controller's Backend over real ranks (sched/controller.py drives it); it composes every
+message the leader sends (runtime/messages.py).
 
-    submit / command    -> messages on the control channel to the engine's rollout rank (a request with a
-                           `partial` is resumed there; Interrupt -> ("interrupt", req_ids); Migrate is the
-                           controller's: it arrives here as Interrupt + a later submit)
-    train               -> a work item for the trainer thread (runtime/train_worker.py) on this rank
+    submit              -> Start on the control channel to the engine's rollout rank (a request with a
+                           `partial` trajectory is resumed there)
+    command             -> the decision itself (Abort, Interrupt, LoadWeights) to the engine's rollout rank; the
+                           controller turns a Migrate into Interrupt + a later submit, so none arrives here
+    train / call        -> work items for the trainer (the leader's trainer thread, runtime/train_worker.py);
+                           `call` waits for a SaveCheckpoint / ExportHF to be done
+    notify_publication  -> ReceiveWeights to every rollout rank, from the trainer thread right before the broadcast
+                           they must join
     next_event          <- events from rollout ranks (lists, one message per engine step) and from the trainer
                            thread, in arrival order, with a deadline that names who was being waited for
 """
 from __future__ import annotations
 
 import collections
-import queue
 import time
-from typing import Any
+from typing import Any, Callable
 
 from rl.types import Group
 from runtime.channel import WORKER, Channel, ChannelTimeout
+from runtime.messages import ExportHF, ReceiveWeights, SaveCheckpoint, Start, StartRequest, Stop, Train, WorkDone
 from runtime.topology import Topology
-from sched.base import Abort, Interrupt, LoadWeights, Migrate, TrainCall
+from sched.base import Abort, Interrupt, LoadWeights, TrainCall
 from sched.controller import PromptItem
-from sched.views import Request
 from sched.events import Event
-
+from sched.views import Request
 
 LEFT_ENGINE = ("trajectory_finished", "trajectory_aborted", "trajectory_interrupted")  # a request left its engine
 
 
 class RuntimeBackend:
-    def __init__(self, topo: Topology, channel: Channel, train_queue: "queue.Queue[Any]", t0: float,
-                 timeout_s: float):
-        self.topo, self.channel, self.train_queue = topo, channel, train_queue
+    def __init__(self, topo: Topology, channel: Channel, t0: float, timeout_s: float,
+                 to_trainer: Callable[[Any], None]):
+        self.topo, self.channel, self.to_trainer = topo, channel, to_trainer
         self.num_engines = len(topo.rollout_ranks)
         self.t0 = t0
         self.timeout_s = timeout_s
         self.pending: collections.deque[Event] = collections.deque()
-        self.assigned = [0] * self.num_engines   # for the deadline message only
+        self.assigned = [0] * self.num_engines   # requests on each engine, for the deadline message only
         self.training = False
 
     def now(self) -> float:
         return time.time() - self.t0
 
+    # ----------------------------------------------------------------------------------------- to the ranks
     def submit(self, engine: int, reqs: list[Request], prompts: dict[int, PromptItem]) -> None:
-        specs = [self._spec(r, prompts[r.group_id]) for r in reqs]
+        starts = [StartRequest(r.req_id, r.group_id, r.sample_index, r.prompt_index, prompts[r.group_id].prompt_ids,
+                               prompts[r.group_id].answer, prompts[r.group_id].max_new_tokens, r.partial)
+                  for r in reqs]
         self.assigned[engine] += len(reqs)
-        self.channel.send(("submit", specs), self.topo.engine_rank(engine), WORKER)
+        self.channel.send(Start(starts), self.topo.engine_rank(engine), WORKER)
 
-    @staticmethod
-    def _spec(r: Request, prompt: PromptItem) -> dict[str, Any]:
-        """What the rollout worker needs to start (or, with r.partial, resume) one request."""
-        spec: dict[str, Any] = dict(req_id=r.req_id, group_id=r.group_id, sample_index=r.sample_index,
-                                    prompt_index=r.prompt_index, prompt_ids=prompt.prompt_ids, answer=prompt.answer,
-                                    max_new_tokens=getattr(prompt, "max_new_tokens", None))
-        part = r.partial
-        if part is not None:
-            spec["partial"] = dict(response_ids=list(part.response_ids), logprobs=list(part.logprobs),
-                                   versions=list(part.versions), rng_state=part.meta.get("rng_state"))
-        return spec
-
-    def command(self, cmd: Abort | Interrupt | Migrate | LoadWeights) -> None:
-        if isinstance(cmd, LoadWeights):
-            self.channel.send(("load", cmd.version), self.topo.engine_rank(cmd.engine), WORKER)
-        elif isinstance(cmd, Abort):
-            self.channel.send(("abort", cmd.req_ids, cmd.requeue), self.topo.engine_rank(cmd.engine), WORKER)
-        elif isinstance(cmd, Interrupt):
-            self.channel.send(("interrupt", list(cmd.req_ids)), self.topo.engine_rank(cmd.engine), WORKER)
-        elif isinstance(cmd, Migrate):
-            raise TypeError(f"Migrate({cmd.src} -> {cmd.dst}, {cmd.req_ids}) reached the runtime backend: the "
-                            "controller turns a Migrate into Interrupt + resubmit, backends never see one")
-        else:
+    def command(self, cmd: Abort | Interrupt | LoadWeights) -> None:
+        if not isinstance(cmd, (Abort, Interrupt, LoadWeights)):
             raise TypeError(f"unknown backend command {type(cmd).__name__}")
+        self.channel.send(cmd, self.topo.engine_rank(cmd.engine), WORKER)
 
+    def notify_publication(self, version: int) -> None:
+        for r in self.topo.rollout_ranks:
+            self.channel.send(ReceiveWeights(version), r, WORKER)
+
+    def stop_workers(self) -> None:
+        for r in self.topo.rollout_ranks:
+            self.channel.send(Stop(), r, WORKER)
+
+    # ------------------------------------------------------------------------------------------ the trainer
     def train(self, call: TrainCall, groups: list[Group]) -> None:
         self.training = True
-        self.train_queue.put(("train", call, groups))
+        self.to_trainer(Train(call, groups))
 
+    def call(self, item: SaveCheckpoint | ExportHF) -> None:
+        """Run a checkpoint or an export on the trainer and wait until it is done (events that arrive meanwhile
+        are kept for next_event)."""
+        work = type(item).__name__
+        self.to_trainer(item)
+        while True:
+            src, msg = self.channel.get(timeout=self.timeout_s, waiting_for=f"the trainer to finish {work}")
+            if isinstance(msg, WorkDone) and msg.work == work:
+                if msg.error is not None:
+                    raise RuntimeError(f"trainer failed during {work}:\n{msg.error}")
+                return
+            self._receive(src, msg)
+            failed = next((e for e in self.pending if e.kind == "rank_failed"), None)
+            if failed is not None:   # the trainer died before it got to this item: it never will
+                raise RuntimeError(f"rank {failed.rank} failed: {failed.data.get('error', 'unknown error')}")
+
+    # ---------------------------------------------------------------------------------------------- events
     def next_event(self) -> Event:
         while not self.pending:
             src, msg = self.channel.get(timeout=self.timeout_s, waiting_for=self._waiting_for())

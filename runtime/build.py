@@ -1,14 +1,17 @@
-"""Turn a Config into the run's parts: tokenizer, prompt source, reward function, model weights, run directory."""
+"""Turn a Config into the run's parts: tokenizer, prompt source, reward function, model weights, and each role's
+trainer and engine."""
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from config import resolve_run_dir, save_config
+from config import Config
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
 from model import ModelConfig, Transformer, load_model
 from model.config import DTYPES
 from model.presets import preset_config
@@ -16,9 +19,12 @@ from model.tokenizer import load_tokenizer
 from rl.data import PromptDataset, PromptSampler
 from rl.rewards import RewardResult, get_reward_fn
 from rl.tasks import LengthDist, SyntheticTask
-from runtime.reward_scorer import AsyncRewardScorer
-from sched.controller import PromptItem
 from rl.reward_timeout import AdaptiveTimeout
+from runtime.reward_scorer import AsyncRewardScorer
+from runtime.topology import Topology
+from sched.controller import PromptItem
+from trainer.publish import WeightPublisher
+from trainer.trainer import Trainer
 
 
 class PromptSource:
@@ -48,12 +54,12 @@ class RunParts:
     max_new_tokens: int = 0
 
 
-def reward_fn(cfg: Any) -> Callable[[str, str], RewardResult]:
+def reward_fn(cfg: Config) -> Callable[[str, str], RewardResult]:
     kind = cfg.reward.kind
     return get_reward_fn(kind, timeout_s=cfg.reward.timeout_s) if kind == "math" else get_reward_fn(kind)
 
 
-def reward_scorer(cfg: Any, fn: Callable[[str, str], RewardResult]) -> AsyncRewardScorer | None:
+def reward_scorer(cfg: Config, fn: Callable[[str, str], RewardResult]) -> AsyncRewardScorer | None:
     """RollPacker §4.3's asynchronous scorer for a rollout rank (`reward.async_workers` threads, per-prompt adaptive
     timeout between `reward.timeout_min_s` and `reward.timeout_s`), or None: score inline (async_workers = 0)."""
     r = cfg.reward
@@ -63,20 +69,16 @@ def reward_scorer(cfg: Any, fn: Callable[[str, str], RewardResult]) -> AsyncRewa
     return AsyncRewardScorer(fn, workers=r.async_workers, timeout=AdaptiveTimeout(params))
 
 
-def build_run(cfg: Any, with_data: bool) -> RunParts:
+def build_run(cfg: Config, with_data: bool) -> RunParts:
     d = cfg.data
     task = None
     if d.source == "synthetic":
         task = SyntheticTask(d.task, d.num_prompts, d.seed, lengths=LengthDist(
             d.len_body_max, d.len_tail_min, d.len_tail_max, d.len_tail_frac))
         tok = task.tokenizer()
-        reward = reward_fn(cfg)
-    else:
-        tok_dir = cfg.model.tokenizer or cfg.model.path
-        if not tok_dir:
-            raise ValueError("data.source is a file, so the run needs a tokenizer: set model.path or model.tokenizer")
-        tok = load_tokenizer(tok_dir)
-        reward = reward_fn(cfg)
+    else:   # the config checked that a prompt file comes with a tokenizer
+        tok = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    reward = reward_fn(cfg)
     if cfg.model.path:
         mcfg = ModelConfig.from_dir(cfg.model.path)
     else:
@@ -96,7 +98,7 @@ def build_run(cfg: Any, with_data: bool) -> RunParts:
     return RunParts(mcfg, tok, reward, source, skipped, cfg.rollout.max_new_tokens)
 
 
-def model_dtype(cfg: Any, device: torch.device) -> torch.dtype:
+def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     if cfg.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[cfg.model.dtype]
@@ -109,7 +111,7 @@ def device_for_rank(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def model_for_rank(cfg: Any, parts: RunParts, device: torch.device, is_train: bool) -> Transformer:
+def model_for_rank(cfg: Config, parts: RunParts, device: torch.device, is_train: bool) -> Transformer:
     """Full fp32 weights for a train rank (FSDP2 shards them; mixed precision casts on GPU); the engine's dtype
     for a rollout rank (whose weights are replaced by the trainer's first publication anyway)."""
     dtype = torch.float32 if is_train else model_dtype(cfg, device)
@@ -120,8 +122,23 @@ def model_for_rank(cfg: Any, parts: RunParts, device: torch.device, is_train: bo
     return model.init_weights(seed=cfg.model.init_seed).to(dtype)
 
 
-def make_run_dir(cfg: Any) -> str:
-    run_dir = Path(resolve_run_dir(cfg))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir)
-    return str(run_dir)
+def make_trainer(cfg: Config, model: torch.nn.Module, topo: Topology) -> tuple[Trainer, WeightPublisher | None]:
+    """A train rank's FSDP2 trainer, and (disaggregated mode) its share of the weight publication."""
+    ref = copy.deepcopy(model) if cfg.train.kl_coef > 0 else None
+    trainer = Trainer(model, cfg.train, group=topo.train_group, device=topo.device, ref_model=ref,
+                      temperature=cfg.rollout.temperature or 1.0, max_response_len=cfg.rollout.max_new_tokens)
+    if topo.colocate:
+        return trainer, None
+    publisher = WeightPublisher(trainer.model, topo.publish_group, topo.train_group,
+                                dtype=model_dtype(cfg, topo.device), verify=cfg.cluster.verify_weights)
+    return trainer, publisher
+
+
+def make_engine(cfg: Config, model: torch.nn.Module, parts: RunParts, topo: Topology) -> LLMEngine:
+    """A rollout rank's decode engine (no weights version yet: the trainer's first publication provides them)."""
+    r = cfg.rollout
+    on_gpu = topo.device.type == "cuda"
+    return LLMEngine(model, EngineConfig(
+        block_size=r.kv_block_size, num_kv_tokens=None if on_gpu else r.kv_cache_tokens,
+        memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
+        cuda_graphs=r.cuda_graphs, seed=cfg.seed), tokenizer=parts.tokenizer, version=-1)

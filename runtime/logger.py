@@ -16,6 +16,7 @@ from sched.events import Event, EventLog
 from sched.metrics import summarize
 
 WINDOW_KEYS = ("tokens_per_s", "samples_per_s", "trainer_wait_ratio", "engine_idle_ratio", "staleness_max")
+LOGS = ("events.jsonl", "metrics.jsonl")   # the run directory's logs, cut back to a checkpoint on resume
 
 
 class MetricsLogger(EventLog):
@@ -71,6 +72,15 @@ class MetricsLogger(EventLog):
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{row.get('reward_mean', 0):.3f}", acc=f"{row.get('accuracy', 0):.2f}",
                                  loss=f"{row.get('loss', 0):.3f}")
+
+    def marks(self) -> dict[str, int]:
+        """Byte lengths of the run's logs as of now (flushed first): where a checkpoint taken now cuts them back."""
+        out = {}
+        for name, f in zip(LOGS, (self._f, self.metrics_f)):
+            if f is not None and not f.closed:
+                f.flush()
+                out[name] = f.tell()
+        return out
 
     def close(self) -> None:
         super().close()

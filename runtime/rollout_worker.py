@@ -1,17 +1,20 @@
-"""The rollout partition's worker loop: one decode engine per rollout rank, driven by control-channel messages.
+"""The rollout partition's worker loop: one decode engine per rollout rank, driven by the leader's messages
+(runtime/messages.py; the worker dispatches on their type):
 
-    ("submit", [spec, ...])      add requests (prompt ids, group id, sample index, answer) to the engine; a spec
-                                 with "partial" (response_ids, logprobs, versions, rng_state of an interrupted
-                                 request) resumes it: prompt + tokens so far are re-prefilled and generation goes on
-    ("interrupt", req_ids)       take running requests out of the engine and hand back their tokens so far
-                                 (trajectory_interrupted, payload = the partial Trajectory); ids not held: ignored
-    ("recv_weights", version)    join the publication broadcast; keep the weights in this rank's relay (CPU copy)
-    ("load", version)            adopt the relay's weights in the engine (the weight-sync policy says when)
-    ("abort", req_ids, requeue)  stop requests; report them aborted (requeued or dropped)
-    ("stop",)                    leave the loop
+    Start            add requests (prompt ids, group id, sample index, answer) to the engine; a request with a
+                     `partial` trajectory resumes: prompt + tokens so far are re-prefilled and generation goes on
+    Interrupt        take running requests out of the engine and hand back their tokens so far
+                     (trajectory_interrupted, payload = the partial Trajectory); ids not held: ignored
+    ReceiveWeights   join the publication broadcast; keep the weights in this rank's relay (CPU copy)
+    LoadWeights      adopt the relay's weights in the engine (the weight-sync policy says when). The relay holds
+                     only the newest publication, so the engine adopts that one, at least the version asked for;
+                     `weights_loaded` says which
+    Abort            stop requests; report them aborted (requeued or dropped)
+    Stop             leave the loop
 
-Between messages the engine steps. Finished samples are scored beside the engine (as in the papers' disaggregated
-setups) and sent back as events, batched one message per engine step:
+Request ids are the controller's int `req_id` end to end, the engine's request id included. Between messages the
+engine steps. Finished samples are scored beside the engine (as in the papers' disaggregated setups) and sent back
+as events, batched one message per engine step:
 
 - inline (`reward.async_workers = 0`, the default): each finished sample is scored in `step` before the next
   engine step; its `trajectory_finished` and `reward_scored` go out together.
@@ -23,7 +26,7 @@ setups) and sent back as events, batched one message per engine step:
   scores 0 with `failed` set. `engine_idle` still means "nothing decoding": pending scores keep no engine busy.
   A request already finished is no longer in the engine, so an abort or interrupt of it does nothing here (no
   event): its one `reward_scored` still comes, and the controller discards it if it dropped the request
-  (sched/aborts.py). At "stop" the scores already in are sent and the rest are cancelled (the controller is done).
+  (sched/lifecycle.py). At Stop the scores already in are sent and the rest are cancelled (the controller is done).
 """
 from __future__ import annotations
 
@@ -33,14 +36,19 @@ from typing import Any, Callable
 
 import torch
 
+from config import Config
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import GenRequest, RequestOutput, UnfinishedRequest
 from rl.rewards import RewardResult
 from rl.types import Trajectory
+from runtime.build import RunParts, reward_scorer
 from runtime.channel import WORKER, Channel, ChannelTimeout
+from runtime.messages import ReceiveWeights, Start, StartRequest, Stop
 from runtime.reward_scorer import AsyncRewardScorer
+from runtime.topology import Topology
 from runtime.watchdog import maybe_kill, maybe_stall
+from sched.base import Abort, Interrupt, LoadWeights
 from sched.events import Event
 from trainer.publish import WeightReceiver, checksum
 
@@ -70,19 +78,19 @@ def trajectory_of(out: RequestOutput) -> Trajectory:
         group_id=out.group_id, sample_index=out.sample_index, prompt_ids=list(out.prompt_ids),
         response_ids=list(out.token_ids), logprobs=list(out.logprobs), versions=list(out.versions),
         finish_reason=out.finish_reason, prompt_index=out.prompt_index,
-        meta=dict(request_id=out.request_id, arrival_time=out.arrival_time, first_token_time=out.first_token_time,
-                  finish_time=out.finish_time, num_preemptions=out.num_preemptions))
+        meta=dict(arrival_time=out.arrival_time, first_token_time=out.first_token_time, finish_time=out.finish_time,
+                  num_preemptions=out.num_preemptions))
 
 
 class RolloutWorker:
-    def __init__(self, engine: LLMEngine, channel: Channel, engine_index: int, rank: int,
+    def __init__(self, engine: LLMEngine, channel: Channel, *, engine_index: int, rank: int,
                  reward_fn: Callable[[str, str], RewardResult], decode: Callable[[list[int]], str],
                  receiver: WeightReceiver | None, sampling: SamplingConfig, t0: float, timeout_s: float,
                  verify_weights: bool = False, scorer: AsyncRewardScorer | None = None):
         self.engine, self.channel, self.engine_index, self.rank = engine, channel, engine_index, rank
         self.reward_fn, self.decode, self.receiver, self.sampling = reward_fn, decode, receiver, sampling
         self.t0, self.timeout_s = t0, timeout_s
-        self.answers: dict[str, tuple[int, str | None]] = {}   # engine request id -> (req_id, answer)
+        self.answers: dict[int, str | None] = {}               # req_id -> its reference answer
         self.relay: dict[str, torch.Tensor] = {}
         self.relay_version = -1
         self.relay_sums: dict[str, tuple[float, int]] = {}
@@ -93,6 +101,17 @@ class RolloutWorker:
         self.outbox: list[Event] = []
         self.busy = False
         self.steps = 0
+
+    @classmethod
+    def for_rank(cls, cfg: Config, parts: RunParts, engine: LLMEngine, topo: Topology, channel: Channel, t0: float,
+                 receiver: WeightReceiver | None, **kw: Any) -> "RolloutWorker":
+        """This rank's worker, as the run config says."""
+        r = cfg.rollout
+        return cls(engine, channel, engine_index=topo.engine_of(topo.rank), rank=topo.rank, reward_fn=parts.reward_fn,
+                   decode=response_decoder(parts.tokenizer, engine.eos_ids), receiver=receiver,
+                   sampling=SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed), t0=t0,
+                   timeout_s=cfg.cluster.timeout_s, verify_weights=cfg.cluster.verify_weights,
+                   scorer=reward_scorer(cfg, parts.reward_fn), **kw)
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -106,88 +125,86 @@ class RolloutWorker:
             self.outbox = []
 
     # --------------------------------------------------------------------------------------------- messages
-    def handle(self, msg: tuple) -> bool:
-        """Apply one controller message; False means stop."""
-        kind = msg[0]
-        if kind == "submit":
+    def handle(self, msg: Any) -> bool:
+        """Apply one message from the leader; False means stop."""
+        if isinstance(msg, Start):
             maybe_stall(self.rank)
-            for spec in msg[1]:
-                rid = self._add(spec)
-                self.answers[rid] = (spec["req_id"], spec["answer"])
-        elif kind == "recv_weights":
+            for req in msg.requests:
+                self._add(req)
+        elif isinstance(msg, ReceiveWeights):
             if self.receiver is None:
                 raise RuntimeError(f"rank {self.rank} told to receive weights but it has no publication group")
             self.relay_version = self.receiver.receive(self._into_relay)
-        elif kind == "load":
-            version = msg[1]
-            if version > self.relay_version:
-                raise RuntimeError(f"rank {self.rank}: told to load version {version} but the relay holds "
-                                   f"{self.relay_version}")
-            version = self.relay_version  # a newer publication reached the relay first: adopt it (pull latest)
-            self.engine.load_weights(self.relay.items(), version)
-            if self.verify_weights:
-                self.check_engine_weights()
-            self.event("weights_loaded", version=version)
-        elif kind == "abort":
-            _, req_ids, requeue = msg
-            for req_id in req_ids:
-                out = self.engine.abort(str(req_id))
+        elif isinstance(msg, LoadWeights):
+            self.load(msg.version)
+        elif isinstance(msg, Abort):
+            for req_id in msg.req_ids:
+                out = self.engine.abort(req_id)
                 if out is not None:
-                    self.answers.pop(out.request_id, None)
+                    self.answers.pop(req_id, None)
                     self.event("trajectory_aborted", req_id=req_id, group_id=out.group_id,
-                               data={"requeue": bool(requeue), "tokens": len(out.token_ids)})
+                               data={"requeue": msg.requeue, "tokens": len(out.token_ids)})
             self._maybe_idle()
-        elif kind == "interrupt":
-            for req_id in msg[1]:
+        elif isinstance(msg, Interrupt):
+            for req_id in msg.req_ids:
                 self._interrupt(req_id)
             self._maybe_idle()
-        elif kind == "stop":
+        elif isinstance(msg, Stop):
             return False
         else:
-            raise ValueError(f"rank {self.rank}: unknown control message {kind!r}")
+            raise TypeError(f"rank {self.rank}: unknown control message {type(msg).__name__}")
         return True
 
-    def _params(self, spec: dict[str, Any]) -> SamplingParams:
+    def load(self, version: int) -> None:
+        """Adopt the relay's weights (the newest published, at least `version`) in the engine."""
+        if version > self.relay_version:
+            raise RuntimeError(f"rank {self.rank}: told to load version {version} but the relay holds "
+                               f"{self.relay_version}")
+        self.engine.load_weights(self.relay.items(), self.relay_version)
+        if self.verify_weights:
+            self.check_engine_weights()
+        self.event("weights_loaded", version=self.relay_version)
+
+    def _params(self, req: StartRequest) -> SamplingParams:
         """The request's sampling parameters, seeded per sample (the same on every engine and every resume)."""
         s = self.sampling
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
-                              max_new_tokens=min(s.max_new_tokens, spec.get("max_new_tokens") or s.max_new_tokens),
-                              seed=request_seed(s.seed, spec["group_id"], spec["sample_index"]))
+                              max_new_tokens=min(s.max_new_tokens, req.max_new_tokens or s.max_new_tokens),
+                              seed=request_seed(s.seed, req.group_id, req.sample_index))
 
-    def _add(self, spec: dict[str, Any]) -> str:
-        """Queue one submitted request: fresh, or resumed from spec["partial"] (its tokens so far re-prefilled,
-        its generator restored from rng_state, so a seeded continuation is the one the first engine would have
-        produced under the same weights; max_new_tokens counts the carried tokens too)."""
-        request = GenRequest(spec["prompt_ids"], self._params(spec), request_id=str(spec["req_id"]),
-                                group_id=spec["group_id"], sample_index=spec["sample_index"],
-                                prompt_index=spec["prompt_index"])
-        part = spec.get("partial")
+    def _add(self, req: StartRequest) -> None:
+        """Queue one request: fresh, or resumed from its partial trajectory (its tokens so far re-prefilled, its
+        generator restored from the partial's rng_state, so a seeded continuation is the one the first engine would
+        have produced under the same weights; max_new_tokens counts the carried tokens too)."""
+        request = GenRequest(req.prompt_ids, self._params(req), request_id=req.req_id, group_id=req.group_id,
+                             sample_index=req.sample_index, prompt_index=req.prompt_index)
+        part = req.partial
         if part is None:
-            return self.engine.add_request(request)
-        ids, lps, versions = list(part["response_ids"]), list(part["logprobs"]), list(part["versions"])
-        if not len(ids) == len(lps) == len(versions):
-            raise ValueError(f"rank {self.rank}: request {spec['req_id']} resumed with {len(ids)} tokens, "
-                             f"{len(lps)} logprobs and {len(versions)} versions")
-        if versions and max(versions) > self.engine.version:
-            raise ValueError(f"rank {self.rank}: request {spec['req_id']} has tokens of version {max(versions)} "
-                             f"but this engine holds version {self.engine.version} (tokens never go back)")
-        # The sampled-distribution logprobs of earlier parts are not carried (nothing downstream reads them).
-        return self.engine.import_request(UnfinishedRequest(
-            request, token_ids=ids, logprobs=lps, sampling_logprobs=[float("nan")] * len(ids), versions=versions,
-            arrival_time=self.engine.clock(), rng_state=part.get("rng_state")))
+            self.engine.add_request(request)
+        else:
+            ids, lps, versions = list(part.response_ids), list(part.logprobs), list(part.versions)
+            if not len(ids) == len(lps) == len(versions):
+                raise ValueError(f"rank {self.rank}: request {req.req_id} resumed with {len(ids)} tokens, "
+                                 f"{len(lps)} logprobs and {len(versions)} versions")
+            if versions and max(versions) > self.engine.version:
+                raise ValueError(f"rank {self.rank}: request {req.req_id} has tokens of version {max(versions)} "
+                                 f"but this engine holds version {self.engine.version} (tokens never go back)")
+            # The sampled-distribution logprobs of earlier parts are not carried (nothing downstream reads them).
+            self.engine.import_request(UnfinishedRequest(
+                request, token_ids=ids, logprobs=lps, sampling_logprobs=[float("nan")] * len(ids),
+                versions=versions, arrival_time=self.engine.clock(), rng_state=part.meta.get("rng_state")))
+        self.answers[req.req_id] = req.answer
 
     def _interrupt(self, req_id: int) -> None:
         """Export one request the engine still holds and report its tokens so far (no event if not held)."""
-        rid = str(req_id)
-        if rid not in self.engine.seqs:
+        if req_id not in self.engine.seqs:
             return
-        u = self.engine.export(rid)
-        self.answers.pop(rid, None)
+        u = self.engine.export(req_id)
+        self.answers.pop(req_id, None)
         r = u.request
         traj = Trajectory(group_id=r.group_id, sample_index=r.sample_index, prompt_ids=list(r.prompt_ids),
                           response_ids=list(u.token_ids), logprobs=list(u.logprobs), versions=list(u.versions),
-                          finish_reason="interrupted", prompt_index=r.prompt_index,
-                          meta={"rng_state": u.rng_state, "request_id": rid})
+                          finish_reason="interrupted", prompt_index=r.prompt_index, meta={"rng_state": u.rng_state})
         self.event("trajectory_interrupted", req_id=req_id, group_id=r.group_id, version=self.engine.version,
                    data={"tokens": len(u.token_ids)}, payload=traj)
 
@@ -222,7 +239,8 @@ class RolloutWorker:
             maybe_kill(self.engine.version)  # fault injection (runtime/watchdog.py)
         self.steps += 1
         for out in finished:
-            req_id, answer = self.answers.pop(out.request_id)
+            req_id = out.request_id
+            answer = self.answers.pop(req_id)
             if out.finish_reason == "error":  # non-finite logits: dropped (never trained, never rescored), counted
                 self.event("trajectory_aborted", req_id=req_id, group_id=out.group_id, version=out.version,
                            data={"requeue": False, "error": "non-finite logits", "tokens": len(out.token_ids)})
@@ -239,11 +257,10 @@ class RolloutWorker:
                 self.next_key += 1
         scored = self.collect_scores()
         if self.steps % self.sampling.counters_every == 0:
-            snap = self.engine.stats()
-            self.event("tokens_decoded", version=snap.version,
-                       data={"total": snap.num_tokens_decoded, "running": len(snap.running),
-                             "waiting": len(snap.waiting), "kv_used": snap.kv_blocks_used,
-                             "kv_free": snap.kv_blocks_free})
+            st = self.engine.stats()
+            self.event("tokens_decoded", version=st.version,
+                       data={"total": st.num_tokens_decoded, "running": len(st.running), "waiting": len(st.waiting),
+                             "kv_used": st.kv_blocks_used, "kv_free": st.kv_blocks_free})
         self._maybe_idle()
         if finished or scored or not self.busy:
             self.flush()
@@ -301,3 +318,11 @@ class RolloutWorker:
         finally:
             if self.scorer is not None:
                 self.scorer.close()
+
+
+def response_decoder(tok: Any, eos_ids: frozenset[int]) -> Callable[[list[int]], str]:
+    """Text the reward sees: the final EOS dropped, every other special token kept, so a policy cannot earn reward
+    by padding with special tokens that a skip-special-tokens decode would hide."""
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids[:-1] if ids and ids[-1] in eos_ids else ids, skip_special_tokens=False)
+    return decode

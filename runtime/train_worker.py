@@ -1,16 +1,14 @@
-"""The train partition's side of the runtime.
+"""The train partition's side of the runtime: the work items every train rank runs together (FSDP2 collectives
+inside), the leader's trainer thread, and the other train ranks' loop.
 
-On the train leader (global rank 0) a trainer thread takes work items from the controller's queue; every item is
-first broadcast to the other train ranks (followers), then all of them run it together (FSDP2 collectives inside):
-
-    ("train", TrainCall, groups)     train_step on the groups; publish the new weights if the call says so
-    ("publish", version)             publish the current weights (at start-up, so engines start from ours)
-    ("checkpoint", dir, extra)       torch.distributed.checkpoint save (model, optimizer, schedule, extra)
-    ("export", dir)                  HF-layout safetensors export
-    None                             stop
-
-The leader thread reports back as events on its own control-channel inbox, so the controller sees training the way
-it sees engines: train_step_done (with the step's metrics) and version_published.
+On the train leader (global rank 0) a trainer thread takes work items (runtime/messages.py: Train, Publish,
+SaveCheckpoint, ExportHF, Stop) from the controller's backend; every item is first broadcast to the other train
+ranks (followers), then all of them run it together (`run_work`; colocated mode runs the same function on every
+rank, runtime/colocated.py). The leader reports back on its own control-channel inbox, so the controller sees
+training the way it sees engines: `train_step_done` (with the step's metrics), `version_published`, and a WorkDone
+for the SaveCheckpoint / ExportHF the controller waits on. Before each publication's broadcast the thread has the
+backend tell the rollout ranks to join it (`notify`, RuntimeBackend.notify_publication): the rollout ranks must
+be in that collective, so the notice is sent from this thread, right before it.
 """
 from __future__ import annotations
 
@@ -22,13 +20,17 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from runtime.channel import WORKER, Channel
+from runtime.channel import Channel
+from runtime.messages import ExportHF, Publish, SaveCheckpoint, Stop, Train, WorkDone
 from runtime.topology import Topology
 from runtime.watchdog import maybe_kill
 from sched.events import Event
 from sched.metrics import rollout_stats
 from trainer.publish import WeightPublisher
 from trainer.trainer import Trainer
+
+PublishFn = Callable[[int, bool], None]   # (version, overlapped): publish the trainer's current weights
+Report = Callable[[Event], None]
 
 
 class AsyncSender:
@@ -59,56 +61,31 @@ class AsyncSender:
             raise RuntimeError(f"overlapped weight publication failed:\n{err}")
 
 
-def run_item(item: tuple, trainer: Trainer, publisher: WeightPublisher,
-             report: Callable[[Event], None] | None = None, notify_engines: Callable[[int], None] | None = None,
-             clock: Callable[[], float] = time.time, sender: AsyncSender | None = None) -> None:
-    """Run one work item on this train rank (collectively with the other train ranks). With `sender` (the leader)
-    a call that asks for `overlap_publish` gathers the weights now and sends them in the background."""
-    kind = item[0]
-    if kind == "train":
-        _, call, groups = item
-        metrics = trainer.train_step(groups, step=call.step)
+def run_work(item: Any, trainer: Trainer, publish: PublishFn, report: Report | None = None,
+             clock: Callable[[], float] = time.time) -> None:
+    """Run one work item on this train rank, collectively with the other train ranks. `publish` is the mode's way
+    to publish (the leader's broadcast, a follower's share of the gather, colocated mode's in-place engine refresh);
+    `report` (the rank that reports: the leader) gets the `train_step_done` event."""
+    if isinstance(item, Train):
+        call = item.call
+        metrics = trainer.train_step(item.groups, step=call.step)
         maybe_kill(trainer.step)  # fault injection (runtime/watchdog.py); a no-op otherwise
-        if report:
+        if report is not None:
             report(Event("train_step_done", clock(), rank=0, version=trainer.step,
-                         data={"stepped": call.step, **rollout_stats(groups), **_floats(metrics)}))
-        if call.publish and call.overlap_publish and sender is not None:
-            _publish_overlapped(trainer.step, publisher, report, notify_engines, clock, sender)
-        elif call.publish:  # (a follower gathers the same buckets in either case)
-            _publish(trainer.step, publisher, report, notify_engines, clock)
-    elif kind == "publish":
-        _publish(item[1], publisher, report, notify_engines, clock)
-    elif kind == "checkpoint":
-        _, ckpt_dir, extra, keep = item
-        trainer.save_checkpoint(ckpt_dir, extra=extra, keep_last=keep)
-    elif kind == "export":
-        trainer.export_hf(item[1])
+                         data={"stepped": call.step, **rollout_stats(item.groups), **floats(metrics)}))
+        if call.publish:
+            publish(trainer.step, call.overlap_publish)
+    elif isinstance(item, Publish):
+        publish(item.version, False)
+    elif isinstance(item, SaveCheckpoint):
+        trainer.save_checkpoint(item.dir, extra=item.extra, keep_last=item.keep)
+    elif isinstance(item, ExportHF):
+        trainer.export_hf(item.dir)
     else:
-        raise ValueError(f"unknown trainer work item {kind!r}")
+        raise TypeError(f"unknown trainer work item {type(item).__name__}")
 
 
-def _publish(version: int, publisher: WeightPublisher, report, notify_engines, clock) -> None:
-    if notify_engines:
-        notify_engines(version)
-    stats = publisher.publish(version)
-    if report:
-        report(Event("version_published", clock(), rank=0, version=version, data=_floats(stats)))
-
-
-def _publish_overlapped(version: int, publisher: WeightPublisher, report, notify_engines, clock,
-                        sender: AsyncSender) -> None:
-    snap = publisher.pack(version)  # collective with the followers; a packed copy of the weights
-
-    def send() -> None:
-        if notify_engines:
-            notify_engines(version)
-        stats = publisher.send(snap)
-        if report:
-            report(Event("version_published", clock(), rank=0, version=version, data=_floats(stats)))
-    sender.submit(send)
-
-
-def _floats(d: dict[str, Any]) -> dict[str, float]:
+def floats(d: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in d.items() if isinstance(v, (int, float))}
 
 
@@ -121,11 +98,11 @@ def broadcast_item(item: Any, topo: Topology) -> Any:
 class TrainerThread:
     """The leader's trainer: runs work items in order, off the controller's thread."""
 
-    def __init__(self, trainer: Trainer, publisher: WeightPublisher, topo: Topology, channel: Channel, t0: float):
+    def __init__(self, trainer: Trainer, publisher: WeightPublisher, topo: Topology, channel: Channel, t0: float,
+                 notify: Callable[[int], None]):
         self.trainer, self.publisher, self.topo, self.channel, self.t0 = trainer, publisher, topo, channel, t0
+        self.notify = notify
         self.queue: "queue.Queue[Any]" = queue.Queue()
-        self.replies: "queue.Queue[str | None]" = queue.Queue()  # for call(): None = done, str = a traceback
-        self.done = threading.Event()
         self.sender = AsyncSender()
         self.thread = threading.Thread(target=self._loop, name="trainer", daemon=True)
         self.thread.start()
@@ -133,49 +110,49 @@ class TrainerThread:
     def _clock(self) -> float:
         return time.time() - self.t0
 
-    def _notify(self, version: int) -> None:
-        for r in self.topo.rollout_ranks:
-            self.channel.send(("recv_weights", version), r, WORKER)
+    def _publish(self, version: int, overlapped: bool) -> None:
+        """Tell the rollout ranks, then broadcast; overlapped (StreamRL §4.1's asynchronous mode): gather and pack
+        now (collective with the followers), send in the background while the next item trains."""
+        def send(packed: Any = None) -> None:
+            self.notify(version)
+            stats = self.publisher.send(packed) if packed is not None else self.publisher.publish(version)
+            self.channel.post(Event("version_published", self._clock(), rank=0, version=version,
+                                    data=floats(stats)))
+        if overlapped:
+            packed = self.publisher.pack(version)
+            self.sender.submit(lambda: send(packed))
+        else:
+            send()
 
     def _loop(self) -> None:
+        item = None
         try:
             while True:
                 item = self.queue.get()
                 if len(self.topo.train_ranks) > 1:
                     broadcast_item(item, self.topo)
-                if item is None:
+                if isinstance(item, Stop):
                     self.sender.wait()
                     return
-                run_item(item, self.trainer, self.publisher, self.channel.post, self._notify, self._clock,
-                         self.sender)
-                if item[0] in ("checkpoint", "export"):
-                    self.replies.put(None)
+                run_work(item, self.trainer, self._publish, self.channel.post, self._clock)
+                if isinstance(item, (SaveCheckpoint, ExportHF)):
+                    self.channel.post(WorkDone(type(item).__name__))
         except BaseException:
             err = traceback.format_exc()
-            self.replies.put(err)
+            if isinstance(item, (SaveCheckpoint, ExportHF)):
+                self.channel.post(WorkDone(type(item).__name__, error=err))
             self.channel.post(Event("rank_failed", self._clock(), rank=0, data={"error": err}))
-        finally:
-            self.done.set()
-
-    def call(self, item: tuple, timeout_s: float) -> None:
-        """Run a checkpoint/export item and wait for it (the controller is idle meanwhile)."""
-        self.queue.put(item)
-        try:
-            err = self.replies.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"rank 0 waited {timeout_s:.0f}s for the trainer to finish {item[0]}") from None
-        if err is not None:
-            raise RuntimeError(f"trainer failed during {item[0]}:\n{err}")
 
     def stop(self, timeout_s: float) -> None:
-        self.queue.put(None)
+        self.queue.put(Stop())
         self.thread.join(timeout=timeout_s)
 
 
 def follower_loop(trainer: Trainer, publisher: WeightPublisher, topo: Topology) -> None:
-    """Train ranks other than the leader: receive each work item, run it collectively, until None."""
+    """Train ranks other than the leader: receive each work item, run it collectively, until Stop. A follower's
+    share of any publication (overlapped or not) is the same gather of every bucket."""
     while True:
         item = broadcast_item(None, topo)
-        if item is None:
+        if isinstance(item, Stop):
             return
-        run_item(item, trainer, publisher)
+        run_work(item, trainer, lambda version, overlapped: publisher.publish(version))

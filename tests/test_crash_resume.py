@@ -1,4 +1,4 @@
-"""Crash and resume with nothing lost: the controller checkpointed mid-round (sched/snapshot.py) and, for real, a
+"""Crash and resume with nothing lost: the controller checkpointed mid-round (sched/resume.py) and, for real, a
 SIGKILLed train or rollout rank under `torchrun --max-restarts=1` (TIDAL_FAULT_KILL_RANK / _STEP)."""
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ from engine.sampling import SamplingParams
 from rl.data import DataError, PromptDataset
 from rl.rewards import CheckedReward, RewardError, RewardResult
 from rl.types import Group
+from runtime.messages import Start, StartRequest
+from sched.base import LoadWeights
 from sched.metrics import rollout_stats
 from tests.dist_utils import free_port
 
@@ -47,10 +49,9 @@ def test_the_rollout_worker_goes_on_through_a_raising_reward_and_counts_it():
     w.reward_fn = CheckedReward("custom", lambda text, answer: 1 // 0 if len(text) % 2 else RewardResult(0.5, False))
     w._into_relay(published(w.engine), 0)
     w.relay_version = 0
-    w.handle(("load", 0))
+    w.handle(LoadWeights(0, 0))
     p, a = task.prompts()[0]
-    w.handle(("submit", [dict(req_id=i, group_id=0, sample_index=i, prompt_index=0, answer=a,
-                              prompt_ids=tok.encode(p, add_special_tokens=False)) for i in range(8)]))
+    w.handle(Start([StartRequest(i, 0, i, 0, tok.encode(p, add_special_tokens=False), a) for i in range(8)]))
     while w.engine.has_unfinished():
         w.step()
     scored = [e for _, batch in ch.sent for e in batch if e.kind == "reward_scored"]
@@ -97,19 +98,18 @@ def test_a_request_whose_logits_go_non_finite_is_dropped_and_the_rest_go_on():
     w, ch, task, tok = make_worker(max_new_tokens=4)
     w._into_relay(published(w.engine), 0)
     w.relay_version = 0
-    w.handle(("load", 0))
+    w.handle(LoadWeights(0, 0))
     run = w.engine.runner.run
 
     def poisoned(batch):  # request 1's logits go NaN once it has one token
         logits = run(batch).clone()
         for seq, row in zip(batch.sample_seqs, batch.sample_rows):
-            if seq.request_id == "1" and seq.num_generated >= 1:
+            if seq.request_id == 1 and seq.num_generated >= 1:
                 logits[row] = float("nan")
         return logits
     w.engine.runner.run = poisoned
     p, a = task.prompts()[0]
-    w.handle(("submit", [dict(req_id=i, group_id=0, sample_index=i, prompt_index=0, answer=a,
-                              prompt_ids=tok.encode(p, add_special_tokens=False)) for i in range(3)]))
+    w.handle(Start([StartRequest(i, 0, i, 0, tok.encode(p, add_special_tokens=False), a) for i in range(3)]))
     while w.engine.has_unfinished():
         w.step()
     events = [e for _, batch in ch.sent for e in batch]
@@ -119,7 +119,7 @@ def test_a_request_whose_logits_go_non_finite_is_dropped_and_the_rest_go_on():
         [(1, False, "non-finite logits", 1)]
     assert all(tok_id >= 0 for e in events if e.kind == "reward_scored" for tok_id in e.payload.response_ids)
     assert w.engine.block_manager.num_free == w.engine.block_manager.num_blocks  # its KV blocks came back
-    from runtime.launch import fault_counts
+    from runtime.rundir import fault_counts
     assert fault_counts(events) == {"reward_failed": 0, "sample_errors": 1}
 
 

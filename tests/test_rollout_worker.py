@@ -1,5 +1,6 @@
 """The rollout worker without a cluster: messages in, events out, weight verification after a load, interrupt and
 resume of partial trajectories (and the backend's side of both)."""
+import dataclasses
 import queue
 import threading
 import time
@@ -15,9 +16,10 @@ from rl.rewards import RewardResult
 from rl.types import Trajectory
 from runtime.backend import RuntimeBackend
 from runtime.channel import ChannelTimeout
+from runtime.messages import ReceiveWeights, Start, StartRequest, Stop
 from runtime.rollout_worker import RolloutWorker, SamplingConfig, WeightMismatchError, trajectory_of
 from runtime.topology import Topology
-from sched.base import Interrupt, LoadWeights, Migrate
+from sched.base import Abort, Interrupt, LoadWeights, Migrate
 from sched.controller import PromptItem
 from sched.events import Event
 from sched.views import Request as SchedRequest
@@ -42,9 +44,10 @@ def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None):
     engine = LLMEngine(Transformer(cfg).init_weights(seed=0), EngineConfig(num_kv_tokens=512, max_num_seqs=16,
                                                                           max_batch_tokens=256), version=-1)
     ch = FakeChannel()
-    from runtime.launch import response_decoder
-    w = RolloutWorker(engine, ch, 0, 1, task.score, response_decoder(tok, engine.eos_ids), None,
-                      SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0, timeout_s=5,
+    from runtime.rollout_worker import response_decoder
+    w = RolloutWorker(engine, ch, engine_index=0, rank=1, reward_fn=task.score,
+                      decode=response_decoder(tok, engine.eos_ids), receiver=None,
+                      sampling=SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0, timeout_s=5,
                       verify_weights=verify, scorer=scorer)
     return w, ch, task, tok
 
@@ -63,25 +66,24 @@ def test_trajectory_of_an_engine_output():
     assert (t.group_id, t.sample_index, t.prompt_index, t.prompt_ids) == (2, 3, 11, out.prompt_ids)
     assert t.response_ids == out.token_ids and t.logprobs == out.logprobs and t.versions == out.versions
     assert t.version == -1 and t.finish_reason == out.finish_reason and t.reward is None
-    assert t.meta["request_id"] == out.request_id and t.meta["first_token_time"] >= t.meta["arrival_time"]
+    assert t.meta["first_token_time"] >= t.meta["arrival_time"]
 
 
 def test_submit_steps_and_reports_scored_trajectories():
     w, ch, task, tok = make_worker()
     w._into_relay(published(w.engine, 1.5), 0)
     w.relay_version = 0
-    assert w.handle(("load", 0))
+    assert w.handle(LoadWeights(0, 0))
     prompts = task.prompts()[:2]
-    specs = [dict(req_id=10 * g + s, group_id=g, sample_index=s, prompt_index=g,
-                  prompt_ids=tok.encode(p, add_special_tokens=False), answer=a)
+    specs = [StartRequest(10 * g + s, g, s, g, tok.encode(p, add_special_tokens=False), a)
              for g, (p, a) in enumerate(prompts) for s in range(3)]
-    w.handle(("submit", specs))
+    w.handle(Start(specs))
     while w.engine.has_unfinished():
         w.step()
     events = [e for _, batch in ch.sent for e in batch]
     scored = [e for e in events if e.kind == "reward_scored"]
-    assert sorted(e.req_id for e in scored) == sorted(s["req_id"] for s in specs)
-    answer = {s["req_id"]: s["answer"] for s in specs}
+    assert sorted(e.req_id for e in scored) == sorted(s.req_id for s in specs)
+    answer = {s.req_id: s.answer for s in specs}
     eos = tok.eos_token_id
     for e in scored:
         t = e.payload
@@ -113,13 +115,13 @@ def test_a_load_that_corrupts_a_tensor_is_named():
         return n
     w.engine.runner.load_weights = corrupting
     with pytest.raises(WeightMismatchError, match="model.layers.1.mlp.up_proj.weight"):
-        w.handle(("load", 3))
+        w.handle(LoadWeights(0, 3))
 
 
 def test_loading_a_version_the_relay_does_not_hold_fails():
     w, _, _, _ = make_worker()
     with pytest.raises(RuntimeError, match="relay holds"):
-        w.handle(("load", 5))
+        w.handle(LoadWeights(0, 5))
 
 
 # ---- partial trajectories: interrupt, resume, load on a busy engine ------------------------------------------------
@@ -127,13 +129,12 @@ def loaded_worker(version=0, scale=1.5, **kw):
     w, ch, task, tok = make_worker(**kw)
     w._into_relay(published(w.engine, scale), version)
     w.relay_version = version
-    w.handle(("load", version))
+    w.handle(LoadWeights(0, version))
     return w, ch, task, tok
 
 
 def group_specs(task, tok, n_groups=2, group_size=3):
-    return [dict(req_id=10 * g + s, group_id=g, sample_index=s, prompt_index=g,
-                 prompt_ids=tok.encode(p, add_special_tokens=False), answer=a)
+    return [StartRequest(10 * g + s, g, s, g, tok.encode(p, add_special_tokens=False), a)
             for g, (p, a) in enumerate(task.prompts()[:n_groups]) for s in range(group_size)]
 
 
@@ -158,46 +159,50 @@ def training_logprobs(model, prompt, response, temperature=1.0):
 def test_interrupt_hands_back_partials_and_another_worker_finishes_them_as_if_uninterrupted():
     ref, ref_ch, task, tok = loaded_worker(max_new_tokens=12)
     specs = group_specs(task, tok)
-    ref.handle(("submit", specs))
+    ref.handle(Start(specs))
     run_to_end(ref)
     want = {e.req_id: e.payload for e in events_of(ref_ch, "reward_scored")}
 
     a, a_ch, _, _ = loaded_worker(max_new_tokens=12)
-    a.handle(("submit", specs))
+    a.handle(Start(specs))
     for _ in range(4):
         a.step()
     running = {int(r) for r in a.engine.seqs}
     assert len(running) >= 4  # most are mid-generation (a seeded run: fixed)
-    a.handle(("interrupt", sorted(running) + [999]))   # 999: never held, ignored
+    a.handle(Interrupt(0, sorted(running) + [999]))   # 999: never held, ignored
     a.flush()
     interrupted = events_of(a_ch, "trajectory_interrupted")
     assert sorted(e.req_id for e in interrupted) == sorted(running)
     assert not a.answers and not a.engine.has_unfinished()
     assert a.engine.block_manager.num_free == a.engine.block_manager.num_blocks
     assert events_of(a_ch, "engine_idle")  # emptied by the interrupt: idle now, not at a next step
-    spec_of = {s["req_id"]: s for s in specs}
+    spec_of = {s.req_id: s for s in specs}
     for e in interrupted:
         t = e.payload
         n = len(t.response_ids)
-        assert e.version == 0 and e.data == {"tokens": n} and e.group_id == spec_of[e.req_id]["group_id"]
+        assert e.version == 0 and e.data == {"tokens": n} and e.group_id == spec_of[e.req_id].group_id
         assert 0 < n < 12 and t.finish_reason == "interrupted" and t.reward is None
-        assert len(t.logprobs) == n and t.versions == [0] * n and t.prompt_ids == spec_of[e.req_id]["prompt_ids"]
+        assert len(t.logprobs) == n and t.versions == [0] * n and t.prompt_ids == spec_of[e.req_id].prompt_ids
         assert isinstance(t.meta["rng_state"], bytes)
         assert t.response_ids == want[e.req_id].response_ids[:n]
 
     # resume on a second worker: specs as the backend builds them from the controller's Request.partial
     b, b_ch, _, _ = loaded_worker(max_new_tokens=12)
-    prompt_items = {s["group_id"]: PromptItem(s["prompt_index"], s["prompt_ids"], s["answer"]) for s in specs}
+    prompt_items = {s.group_id: PromptItem(s.prompt_index, s.prompt_ids, s.answer) for s in specs}
     reqs = []
     for e in interrupted:
         s = spec_of[e.req_id]
-        reqs.append(SchedRequest(req_id=e.req_id, group_id=s["group_id"], sample_index=s["sample_index"],
-                                 prompt_index=s["prompt_index"], round=0, prompt_len=len(s["prompt_ids"]),
+        reqs.append(SchedRequest(req_id=e.req_id, group_id=s.group_id, sample_index=s.sample_index,
+                                 prompt_index=s.prompt_index, round=0, prompt_len=len(s.prompt_ids),
                                  partial=e.payload))
-    resume = [RuntimeBackend._spec(r, prompt_items[r.group_id]) for r in reqs]
-    assert all(sp["partial"]["rng_state"] == e.payload.meta["rng_state"] for sp, e in zip(resume, interrupted))
-    b.handle(("submit", resume))
-    assert set(b.answers) == {str(r.req_id) for r in reqs}
+    sent = FakeChannel()
+    topo = Topology(rank=0, world=2, train_ranks=[0], rollout_ranks=[1], colocate=False,
+                    device=torch.device("cpu"))
+    RuntimeBackend(topo, sent, t0=0.0, timeout_s=5, to_trainer=None).submit(0, reqs, prompt_items)
+    (_, start), = sent.sent
+    assert all(sr.partial is e.payload for sr, e in zip(start.requests, interrupted))
+    b.handle(start)
+    assert set(b.answers) == {r.req_id for r in reqs}
     run_to_end(b)
     got = {e.req_id: e for e in events_of(b_ch, "reward_scored")}
     assert sorted(got) == sorted(running) and not b.answers
@@ -213,32 +218,32 @@ def test_interrupt_hands_back_partials_and_another_worker_finishes_them_as_if_un
 
 def test_a_partial_from_a_newer_version_than_the_engine_is_refused():
     w, _, task, tok = loaded_worker()
-    spec = dict(group_specs(task, tok, 1, 1)[0], partial=dict(response_ids=[5], logprobs=[-1.0], versions=[3],
-                                                              rng_state=None))
+    spec = dataclasses.replace(group_specs(task, tok, 1, 1)[0],
+                               partial=Trajectory(0, 0, [1], [5], [-1.0], [3], "interrupted"))
     with pytest.raises(ValueError, match="version 3"):
-        w.handle(("submit", [spec]))
-    spec["partial"]["versions"] = [0, 0]
+        w.handle(Start([spec]))
+    spec.partial.versions = [0, 0]
     with pytest.raises(ValueError, match="1 tokens, 1 logprobs and 2 versions"):
-        w.handle(("submit", [spec]))
+        w.handle(Start([spec]))
 
 
 def test_load_on_a_busy_worker_keeps_running_sequences_under_the_new_version():
     w, ch, task, tok = loaded_worker(max_new_tokens=10)
     specs = group_specs(task, tok)
-    w.handle(("submit", specs))
+    w.handle(Start(specs))
     for _ in range(3):
         w.step()
     running = {int(r) for r in w.engine.seqs}
     assert running
     w._into_relay(published(w.engine, 1.3), 1)  # version 1: the engine's weights scaled
     w.relay_version = 1
-    w.handle(("load", 1))
+    w.handle(LoadWeights(0, 1))
     assert w.engine.version == 1 and {int(r) for r in w.engine.seqs} == running  # nothing dropped
     run_to_end(w)
     scored = {e.req_id: e for e in events_of(ch, "reward_scored")}
-    assert sorted(scored) == sorted(s["req_id"] for s in specs)
+    assert sorted(scored) == sorted(s.req_id for s in specs)
     model = w.engine.runner.model
-    prompt_of = {s["req_id"]: s["prompt_ids"] for s in specs}
+    prompt_of = {s.req_id: s.prompt_ids for s in specs}
     for rid in running:
         t = scored[rid].payload
         k = t.versions.count(0)
@@ -259,14 +264,17 @@ class LoopbackChannel(FakeChannel):
         return self.inbox.pop(0)
 
 
-def test_backend_sends_interrupts_and_partial_specs_and_refuses_migrate():
+def test_backend_sends_typed_messages_and_partial_trajectories_and_refuses_migrate():
     topo = Topology(rank=0, world=3, train_ranks=[0], rollout_ranks=[1, 2], colocate=False,
                     device=torch.device("cpu"))
     ch = LoopbackChannel()
-    be = RuntimeBackend(topo, ch, queue.Queue(), t0=0.0, timeout_s=5)
+    work = []
+    be = RuntimeBackend(topo, ch, t0=0.0, timeout_s=5, to_trainer=work.append)
     be.command(Interrupt(1, [4, 7]))
     be.command(LoadWeights(0, 3))
-    assert ch.sent == [(2, ("interrupt", [4, 7])), (1, ("load", 3))]
+    be.notify_publication(2)
+    assert ch.sent == [(2, Interrupt(1, [4, 7])), (1, LoadWeights(0, 3)), (1, ReceiveWeights(2)),
+                       (2, ReceiveWeights(2))]
     with pytest.raises(TypeError, match="Migrate"):
         be.command(Migrate(0, 1, [4]))
     part = Trajectory(5, 1, [3, 4], [7, 8, 9], [-0.1, -0.2, -0.3], [0, 0, 1], finish_reason="interrupted",
@@ -275,10 +283,9 @@ def test_backend_sends_interrupts_and_partial_specs_and_refuses_migrate():
     resumed = SchedRequest(req_id=51, group_id=5, sample_index=1, prompt_index=9, round=0, prompt_len=2,
                            partial=part)
     be.submit(0, [fresh, resumed], {5: PromptItem(9, [3, 4], "x")})
-    dst, (kind, specs) = ch.sent[-1]
-    assert dst == 1 and kind == "submit" and "partial" not in specs[0]
-    assert specs[1]["partial"] == dict(response_ids=[7, 8, 9], logprobs=[-0.1, -0.2, -0.3], versions=[0, 0, 1],
-                                       rng_state=b"\x01\x02")
+    dst, msg = ch.sent[-1]
+    assert dst == 1 and isinstance(msg, Start) and msg.requests[0].partial is None
+    assert msg.requests[1] == StartRequest(51, 5, 1, 9, [3, 4], "x", None, part)
     assert be.assigned == [2, 0]
     ch.inbox.append((1, [Event("trajectory_interrupted", 1.0, rank=1, engine=0, req_id=51, group_id=5,
                                 version=1, data={"tokens": 3}, payload=part)]))
@@ -343,18 +350,18 @@ def test_async_scoring_decodes_on_while_a_score_is_pending_and_reports_each_samp
         slow_answer = task.prompts()[0][1]
         w.scorer.fn = gated_reward(task, gate, hold=lambda text, answer: answer == slow_answer)
         specs = group_specs(task, tok, n_groups=2, group_size=2)
-        first = [dict(sp, max_new_tokens=1) for sp in specs if sp["group_id"] == 0]
-        w.handle(("submit", first))
+        first = [dataclasses.replace(sp, max_new_tokens=1) for sp in specs if sp.group_id == 0]
+        w.handle(Start(first))
         run_to_end(w)                                  # group 0 finished; its scores wait on the gate
         assert len(events_of(ch, "trajectory_finished")) == 2 and not events_of(ch, "reward_scored")
         assert len(w.scoring) == 2 and events_of(ch, "engine_idle")   # nothing decoding: idle, scores pending
         # an abort or interrupt of a finished request being scored: nothing to stop here, nothing reported
-        w.handle(("abort", [sp["req_id"] for sp in first], False))
-        w.handle(("interrupt", [sp["req_id"] for sp in first]))
+        w.handle(Abort(0, [sp.req_id for sp in first]))
+        w.handle(Interrupt(0, [sp.req_id for sp in first]))
         w.flush()
         assert not events_of(ch, "trajectory_aborted") and not events_of(ch, "trajectory_interrupted")
         steps = w.steps
-        w.handle(("submit", [sp for sp in specs if sp["group_id"] == 1]))
+        w.handle(Start([sp for sp in specs if sp.group_id == 1]))
         run_to_end(w)                                  # decoding went on while group 0's scores were pending
         assert len(events_of(ch, "trajectory_finished")) == 4 and w.steps > steps
         wait_for(lambda: (w.collect_scores(), w.flush(), len(w.scoring) == 2)[-1], "group 1's scores")
@@ -365,8 +372,8 @@ def test_async_scoring_decodes_on_while_a_score_is_pending_and_reports_each_samp
         kinds = [(e.kind, e.group_id) for e in events]
         assert kinds.index(("trajectory_finished", 1)) < kinds.index(("reward_scored", 0))
         scored = [e for e in events if e.kind == "reward_scored"]
-        assert sorted(e.req_id for e in scored) == sorted(sp["req_id"] for sp in specs)   # each exactly once
-        answer = {sp["req_id"]: sp["answer"] for sp in specs}
+        assert sorted(e.req_id for e in scored) == sorted(sp.req_id for sp in specs)   # each exactly once
+        answer = {sp.req_id: sp.answer for sp in specs}
         eos = tok.eos_token_id
         for e in scored:
             t = e.payload
@@ -392,11 +399,11 @@ def test_async_scoring_a_raising_verifier_fails_one_score_and_the_run_goes_on():
         return RewardResult(1.0, True)
     w, ch, task, tok = async_worker(flaky, workers=1)
     specs = group_specs(task, tok)
-    w.handle(("submit", specs))
+    w.handle(Start(specs))
     run_to_end(w)
     wait_for(lambda: (w.collect_scores(), w.flush(), not w.scoring)[-1], "the scores")
     scored = events_of(ch, "reward_scored")
-    assert sorted(e.req_id for e in scored) == sorted(sp["req_id"] for sp in specs)
+    assert sorted(e.req_id for e in scored) == sorted(sp.req_id for sp in specs)
     failed = [e for e in scored if e.data["failed"]]
     assert len(failed) == 1 and failed[0].data == {"reward": 0.0, "correct": False, "failed": True}
     assert failed[0].payload.reward == 0.0 and failed[0].payload.meta["reward_failed"]
@@ -421,7 +428,7 @@ def test_async_scoring_a_call_past_its_timeout_scores_zero_failed_and_stop_cance
     specs = group_specs(task, tok)
     th = threading.Thread(target=w.run, daemon=True)
     try:
-        ch.inbox.put(("submit", specs))
+        ch.inbox.put(Start(specs))
         th.start()
         wait_for(lambda: len(events_of(ch, "reward_scored")) == len(specs), "every score (one timed out)", 5.0)
         scored = events_of(ch, "reward_scored")
@@ -434,9 +441,9 @@ def test_async_scoring_a_call_past_its_timeout_scores_zero_failed_and_stop_cance
         # a new sample whose verifier hangs, then "stop": no waiting for it, nothing reported for it
         gate.clear()
         calls.clear()
-        ch.inbox.put(("submit", [dict(specs[0], req_id=99, group_id=9)]))
+        ch.inbox.put(Start([dataclasses.replace(specs[0], req_id=99, group_id=9)]))
         wait_for(lambda: len(calls) == 1, "the hung call")
-        ch.inbox.put(("stop",))
+        ch.inbox.put(Stop())
         th.join(2.0)
         assert not th.is_alive() and not w.scoring and w.scorer.pool._shutdown
         assert [e.req_id for e in events_of(ch, "reward_scored")].count(99) == 0
