@@ -70,27 +70,28 @@ class RankMemory:
 
 def saved_bytes_per_token(m: ModelConfig, b: int) -> float:
     """Bytes one token of one decoder block keeps for backward, computing in `b`-byte floats (2: bf16 on GPU, 4:
-    fp32 on CPU). Counted from model/transformer.py: RMSNorm in bf16 upcasts (its fp32 input and bf16 result are
-    saved), in fp32 it is one fused op; linears save their inputs; SiLU x up saves gate, up and SiLU(gate), down
-    its input; rotary saves only cos/sin (shared per token); attention keeps q, k, v, out and a fp32 log-sum-exp."""
+    fp32 on CPU). Counted from model/transformer.py: RMSNorms (`norm_bytes`); linears save their inputs; SiLU x up
+    saves gate, up and SiLU(gate), down its input; rotary saves only cos/sin (shared per token, counted outside the
+    blocks); attention keeps q, k, v, out and a fp32 log-sum-exp."""
     H, I, qd, kvd = m.hidden_size, m.intermediate_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    if b < 4:
-        norm = 4 + b        # fp32 copy of the input + the bf16 normalised value (weight grad), per element
-        per = 2 * (norm + b) * H + 8  # two norms: their saved inputs and outputs (the next linear's input), rsqrt
-    else:
-        per = 24 * H + 8    # measured: fused fp32 rms_norm keeps input, output and its weight-grad operand
-        norm = 4
-    per += 4 * b * I        # gate, up, SiLU(gate), SiLU(gate) * up
-    per += 2 * b * (qd + kvd) + 4 * m.num_heads  # rotated q, k; v; out (o_proj input); log-sum-exp
+    norm = norm_bytes(b)
+    per = 2 * (norm + b) * H + 8  # two norms: what they save, their outputs (the next linears' input), rsqrt
+    per += 4 * b * I              # gate, up, SiLU(gate), SiLU(gate) * up
+    per += 2 * b * (qd + kvd) + 4 * m.num_heads  # rotated q, k; v; out (o_proj's input); log-sum-exp
     if m.qk_norm:
         per += norm * (qd + kvd) + 4 * (m.num_heads + m.num_kv_heads)
     return float(per)
 
 
+def norm_bytes(b: int) -> int:
+    """Bytes an RMSNorm saves per element: in bf16 its fp32 copy of the input and the bf16 normalised value (for the
+    weight's gradient); in fp32 the fused op's input and output."""
+    return 4 + b if b < 4 else 8
+
+
 def outside_blocks_bytes_per_token(m: ModelConfig, b: int) -> float:
     """Per token, outside the blocks: the final norm's saved tensors and the rotary cos/sin."""
-    norm = (4 + 2 * b) * m.hidden_size if b < 4 else 12 * m.hidden_size
-    return float(norm + 2 * b * m.head_dim + 4)
+    return float(norm_bytes(b) * m.hidden_size + 2 * b * m.head_dim + 4)
 
 
 def block_params(m: ModelConfig) -> int:
@@ -107,7 +108,8 @@ def activation_items(m: ModelConfig, tokens: int, b: int, checkpointing: bool) -
     from kernels.logprobs import default_chunk_size
     per_block = tokens * saved_bytes_per_token(m, b)
     if checkpointing:
-        saved = Item("activations (checkpointed)", m.num_layers * tokens * b * m.hidden_size + per_block,
+        saved = Item("activations (checkpointed)", tokens * (m.num_layers * b * m.hidden_size
+                                                             + outside_blocks_bytes_per_token(m, b)) + per_block,
                      f"each block's input, plus one block recomputed in backward ({tokens} tokens)")
     else:
         saved = Item("activations", m.num_layers * per_block + tokens * outside_blocks_bytes_per_token(m, b),
@@ -315,8 +317,9 @@ def check_data(plan: Plan, tok: Any) -> None:
                      f"{lengths[len(lengths) // 2]}), {skipped} skipped ({len(ds.skipped_too_long)} longer than "
                      f"data.max_prompt_tokens = {d.max_prompt_tokens}, {len(ds.skipped_rejected)} rejected)")
     for p in ds.prompts[:SAMPLE_PROMPTS]:
-        text = tok.decode(p.prompt_ids)
-        plan.say("prompt", f"#{p.index}: {len(p.prompt_ids)} tokens {text[:200]!r}{'...' if len(text) > 200 else ''}")
+        text = tok.decode(p.prompt_ids)  # head and tail: the end is where the generation prompt sits
+        shown = repr(text) if len(text) <= 300 else f"{text[:180]!r} ... {text[-100:]!r}"
+        plan.say("prompt", f"#{p.index}: {len(p.prompt_ids)} tokens {shown}")
     if d.system_prompt and not d.chat_template:
         plan.notes.append("data.system_prompt is set but data.chat_template is off: it is not used")
     check_reward(plan, [p.answer for p in ds.prompts[:SAMPLE_PROMPTS] if p.answer is not None])
