@@ -419,7 +419,9 @@ def rows(results: dict[str, Any]) -> list[str]:
     def res(name: str) -> dict[str, Any] | None:
         r = sec.get(name)
         if r is not None and r["status"] != "ok":
-            out.append(f"| {name} | {r['status']}: {str(r.get('error', r.get('results', '')))[:200]} | | **no** |")
+            res = r.get("results", {})
+            detail = r.get("error") or res.get("summary") or res.get("check") or str(res.get("log", res))[-300:]
+            out.append(f"| {name} | {r['status']}: {' '.join(str(detail).split())[:300]} | | **no** |")
             return None
         return None if r is None else r["results"]
 

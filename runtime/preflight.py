@@ -166,12 +166,10 @@ class Plan:
     model: ModelConfig
     gpu: bool
     device_bytes: float | None
-    lines: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # printed after the plan
 
     def say(self, head: str, text: str) -> None:
-        self.lines.append(f"{head:<10}{text}")
-        print(self.lines[-1], flush=True)
+        print(f"{head:<10}{text}", flush=True)
 
 
 def preflight(path: str | None, overrides: list[str], load_preset: Callable[[Config], Any]) -> int:
