@@ -149,6 +149,11 @@ class SchedConfig:
     weight_sync: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's weight_sync module")
     rebalance: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's rebalance module")
 
+    def overrides(self) -> dict[str, dict[str, Any]]:
+        """The run's per-kind tables, laid over the preset file by sched.load_preset."""
+        return {"dispatch": self.dispatch, "handoff": self.handoff, "update": self.update,
+                "weight_sync": self.weight_sync, "rebalance": self.rebalance}
+
 
 @dataclass
 class ClusterConfig:
@@ -164,6 +169,10 @@ class ClusterConfig:
                           help="partition = pin each partition's ranks to its own share of this node's cores (rollout "
                           "ranks on the last ones, in proportion to rank counts, at least one each): disaggregated "
                           "pools on one CPU box, so one partition's idle time is not the other's")
+    world_size: int = F(0, ge=0, help="ranks this config is written for (nodes x GPUs per node), what `train.py "
+                        "--check` plans with; 0 = $WORLD_SIZE, else 1. A run uses torchrun's world either way")
+    device_memory_gib: float = F(0.0, ge=0, help="memory of one GPU in GiB that `train.py --check` plans for "
+                                 "(H100 80GB: 79.1, H200: 139.8); 0 = this machine's GPU, else 79.1")
 
 
 @dataclass

@@ -5,6 +5,8 @@ pluggable policies (sched/). One entry point for every rank.
     torchrun --nproc_per_node=4 train.py --config configs/tiny.toml
     # any key can be overridden from the command line
     torchrun --nproc_per_node=4 train.py --config configs/tiny.toml --train.steps=20 --sched.preset=sync
+    # check a config on any machine (no GPU, no weights): rank plan, data, memory plan for the target GPU
+    python train.py --config configs/qwen3-1.7b-math-8gpu.toml --check
     # one GPU: engine and trainer share the device (colocated)
     torchrun --nproc_per_node=1 train.py --config configs/X.toml --cluster.colocate=true
     # two nodes of 8: run this on each node, with the same rendezvous endpoint
@@ -60,9 +62,12 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 def main(argv: list[str]) -> int:
     # 1. configuration: every mistake is reported here, before any process group or model exists
     path, overrides = parse_args(argv)
+    if "--check" in overrides:  # validate config, ranks, data and memory plan on any machine (runtime/preflight.py)
+        from runtime.preflight import preflight
+        return preflight(path, [a for a in overrides if a != "--check"])
     try:
         cfg = load_config(path, overrides)
-        preset = sched.load_preset(cfg.sched.preset, _sched_tables(cfg), cfg.sources)
+        preset = sched.load_preset(cfg.sched.preset, cfg.sched.overrides(), cfg.sources)
         c = cfg.cluster
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         train_ranks, _ = split_ranks(world, c.rollout_ranks, c.rollout_fraction, c.colocate)
@@ -209,11 +214,6 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
         ctl.join(cfg.cluster.timeout_s)
         log.close()
         finish_run(run_dir, log, parts)
-
-
-def _sched_tables(cfg: Config) -> dict:
-    s = cfg.sched
-    return {k: getattr(s, k) for k in ("dispatch", "handoff", "update", "weight_sync", "rebalance")}
 
 
 if __name__ == "__main__":

@@ -107,7 +107,9 @@ def bench_decode(label: str, hq: int, hkv: int, d: int, batch: int, ctx: int, bw
     return frac
 
 
-def bench_logprobs(T: int, V: int, H: int, dtype: torch.dtype, chunk: int | None = None) -> None:
+def bench_logprobs(T: int, V: int, H: int, dtype: torch.dtype, chunk: int | None = None
+                   ) -> dict[str, tuple[float, float]]:
+    """Prints a line per path; returns {path: (seconds, peak extra bytes)}."""
     h = torch.randn(T, H, device=DEV, dtype=dtype, requires_grad=True)
     w = (torch.randn(V, H, device=DEV, dtype=dtype) / math.sqrt(H)).requires_grad_()
     t = torch.randint(0, V, (T,), device=DEV)
@@ -135,6 +137,7 @@ def bench_logprobs(T: int, V: int, H: int, dtype: torch.dtype, chunk: int | None
     print(f"logprobs_vs_naive: speed {naive[0] / ours[0]:.2f}x, peak memory {naive[1] / ours[1]:.1f}x smaller")
     if "chunked (torch only)" in res:
         print(f"logprobs_triton_rows_vs_torch_rows: {res['chunked (torch only)'][0] / ours[0]:.2f}x")
+    return res
 
 
 def bench_norm_rope(dtype: torch.dtype) -> None:

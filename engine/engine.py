@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -49,7 +49,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_batch_tokens,
                                    config.chunked_prefill)
         self.sampler = Sampler(self.device, config.seed)
-        self.eos_ids = _eos_ids(model.config.eos_token_id, tokenizer)
+        self.eos_ids = eos_ids(model.config.eos_token_id, tokenizer)
         self.seqs: dict[RequestId, Sequence] = {}  # unfinished requests by id
         self.num_steps = self.num_tokens_decoded = self.num_prefill_tokens = 0
         self.last_step = StepStats()
@@ -184,7 +184,8 @@ class LLMEngine:
             num_preemptions=sch.num_preemptions, time=self.clock())
 
 
-def _eos_ids(model_eos: int | list[int] | None, tokenizer) -> frozenset[int]:
+def eos_ids(model_eos: int | list[int] | None, tokenizer: Any) -> frozenset[int]:
+    """The ids that end a response: the model config's EOS (one or several) and the tokenizer's."""
     ids = set([model_eos] if isinstance(model_eos, int) else model_eos or [])
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)

@@ -67,6 +67,14 @@ class ModelConfig:
         """Bytes of K and V one token occupies across all layers, in the storage dtype."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
 
+    def num_params(self) -> int:
+        """Parameters of the model these shapes make (runtime/preflight.py's memory plan)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        attn = qkv + self.num_heads * self.head_dim * h + (qkv // h if self.attention_bias else 0)
+        block = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * block + h
+
     # ---- HF config.json ----------------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":

@@ -85,6 +85,30 @@ def _check_answer(value: Any, where: str) -> str:
     return str(value)
 
 
+def parse_row(row: Any, where: str, prompt_field: str, answer_field: str | None,
+              chat_template: bool) -> tuple[PromptContent, str | None]:
+    """One row's prompt and answer, checked; DataError naming `where` (file:line) and the field otherwise."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: row must be a JSON object, got {type(row).__name__}")
+    try:
+        text = _check_prompt(_get(row, prompt_field), f"{where}: field {prompt_field!r}", chat_template)
+        answer = None if answer_field is None else _check_answer(
+            _get(row, answer_field), f"{where}: field {answer_field!r}")
+    except KeyError as e:
+        raise DataError(f"{where}: missing field {e.args[0]!r} (row has {sorted(row)})") from None
+    return text, answer
+
+
+def with_system(prompt: PromptContent, system_prompt: str) -> PromptContent:
+    """The chat messages of `prompt` with `system_prompt` first, unless it is '' or the prompt has its own."""
+    if not system_prompt:
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if messages and messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
 @dataclass
 class PromptDataset:
     """Tokenized prompts in source order, with the indices of those skipped for being too long, and of those the
@@ -106,8 +130,11 @@ class PromptDataset:
     @classmethod
     def from_records(cls, records: Iterable[tuple[int, Any]], tokenizer: PreTrainedTokenizerFast,
                      max_prompt_tokens: int, prompt_field: str = "prompt", answer_field: str | None = "answer",
-                     chat_template: bool = False, source: str = "<memory>") -> "PromptDataset":
-        """Build from (line number, row) pairs: validate each row, tokenize, drop and count over-long prompts."""
+                     chat_template: bool = False, source: str = "<memory>",
+                     system_prompt: str = "") -> "PromptDataset":
+        """Build from (line number, row) pairs: validate each row, tokenize (with `system_prompt` as the first
+        message when the chat template is on and the prompt has no system message), drop and count over-long
+        prompts."""
         if max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
         prompts, skipped, n_rows = [], [], 0
@@ -116,16 +143,10 @@ class PromptDataset:
         for index, (line_no, row) in enumerate(records):
             n_rows += 1
             where = f"{source}:{line_no}"
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: row must be a JSON object, got {type(row).__name__}")
+            text, answer = parse_row(row, where, prompt_field, answer_field, chat_template)
             try:
-                text = _check_prompt(_get(row, prompt_field), f"{where}: field {prompt_field!r}", chat_template)
-                answer = None if answer_field is None else _check_answer(
-                    _get(row, answer_field), f"{where}: field {answer_field!r}")
-            except KeyError as e:
-                raise DataError(f"{where}: missing field {e.args[0]!r} (row has {sorted(row)})") from None
-            try:
-                ids = encode_prompt(tokenizer, text, chat_template)
+                ids = encode_prompt(tokenizer, with_system(text, system_prompt) if chat_template else text,
+                                    chat_template)
             except Exception as e:  # this prompt is the tokenizer's problem, not the run's: skipped and counted
                 rejected.append(index)
                 reason = reason or f"{where}: {type(e).__name__}: {e}"
@@ -150,9 +171,9 @@ class PromptDataset:
     @classmethod
     def from_file(cls, path: str | Path, tokenizer: PreTrainedTokenizerFast, max_prompt_tokens: int,
                   prompt_field: str = "prompt", answer_field: str | None = "answer",
-                  chat_template: bool = False) -> "PromptDataset":
+                  chat_template: bool = False, system_prompt: str = "") -> "PromptDataset":
         return cls.from_records(read_rows(path), tokenizer, max_prompt_tokens, prompt_field, answer_field,
-                                chat_template, source=str(path))
+                                chat_template, source=str(path), system_prompt=system_prompt)
 
     @classmethod
     def from_synthetic(cls, task: Any, tokenizer: PreTrainedTokenizerFast | None = None,

@@ -1,7 +1,8 @@
 """Verifiable rewards: `(response_text, answer) -> RewardResult`.
 
 - `math`: extract the final answer (the last `\\boxed{...}`, braces nested; else "answer is X" or "#### X"; else the
-  last number) and check it against the reference with `math_verify`. Percentages follow math_verify: `50\\%`
+  last number) and check it against the reference with `math_verify`. A reference may be a whole worked solution:
+  its last `\\boxed{}` (MATH) or what follows `####` (GSM8K) is the answer. Percentages follow math_verify: `50\\%`
   matches both "50" and "0.5". Units in `\\text{...}` are dropped: `5\\text{ cm}` matches "5".
 - `exact`: whitespace-normalised string equality, optionally case-folded.
 - `synthetic`: the partial-credit scorer of `rl.tasks`.
@@ -89,6 +90,17 @@ def extract_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def reference_answer(reference: str) -> str:
+    """The final answer of a reference: the content of its last `\\boxed{...}` (a MATH solution), else what follows
+    its last `####` (a GSM8K solution), else the reference as it is."""
+    boxed = last_boxed(reference)
+    if boxed is not None:
+        return boxed.strip()
+    if "####" in reference:
+        return reference.rsplit("####", 1)[1].strip()
+    return reference
+
+
 def _as_latex(ans: str) -> str:
     """Wrap a bare answer so math_verify's boxed extraction (highest priority, unit normalisation) takes it whole."""
     return ans if ("\\boxed" in ans or "$" in ans) else f"\\boxed{{{ans}}}"
@@ -97,6 +109,7 @@ def _as_latex(ans: str) -> str:
 def score_math(response: str, answer: str) -> tuple[float, bool, str]:
     """Extract and verify; the function the worker runs. Returns (reward, correct, reason)."""
     from math_verify import parse, verify  # imported in the worker only
+    answer = reference_answer(answer)
     pred = extract_answer(response)
     if pred is None:
         return 0.0, False, "no answer found"

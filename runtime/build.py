@@ -92,7 +92,7 @@ def build_run(cfg: Config, with_data: bool) -> RunParts:
             ds = PromptDataset.from_synthetic(task, tok, d.max_prompt_tokens, d.chat_template, d.cap_at_answer)
         else:
             ds = PromptDataset.from_file(d.source, tok, d.max_prompt_tokens, d.prompt_field, d.answer_field,
-                                         d.chat_template)
+                                         d.chat_template, d.system_prompt)
         skipped = len(ds.skipped_too_long) + len(ds.skipped_rejected)
         source = PromptSource(PromptSampler(ds, d.seed, d.shuffle))
     return RunParts(mcfg, tok, reward, source, skipped, cfg.rollout.max_new_tokens)

@@ -1,5 +1,6 @@
 """The leader's run log: events.jsonl (every event), metrics.jsonl (one line per train step), a console progress
-bar, and wandb when `log.wandb` is set (offline mode when no API key is configured).
+bar, and wandb when `log.wandb` is set (offline mode when no API key is configured, or as WANDB_MODE says): the
+run config attached, every metrics row logged at its step, the timeline image at the end.
 
 Per-step metrics = the trainer's (loss, KL, entropy, clip fractions, grad norm, lr, reward mean, accuracy,
 response lengths) + what the event log says about the step's window (tokens/s, trainer waiting ratio, engine idle
@@ -7,6 +8,7 @@ ratio, staleness, weight-sync time), computed by sched/metrics.py, the same code
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -40,9 +42,10 @@ class MetricsLogger(EventLog):
                 import wandb
             except ImportError:
                 raise RuntimeError("log.wandb = true but wandb is not installed: pip install -e '.[wandb]'")
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-            self.wandb = wandb.init(project=cfg.log.wandb_project, name=self.run_dir.name, dir=str(self.run_dir),
-                                    mode=mode, config={"run_dir": str(self.run_dir)})
+            mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+            self.wandb = wandb.init(project=cfg.log.wandb_project, entity=cfg.log.wandb_entity or None,
+                                    name=self.run_dir.name, dir=str(self.run_dir), mode=mode,
+                                    config={**dataclasses.asdict(cfg), "run_dir": str(self.run_dir)})
 
     def write(self, ev: Event) -> None:
         super().write(ev)
@@ -88,4 +91,16 @@ class MetricsLogger(EventLog):
         if self.bar is not None:
             self.bar.close()
         if self.wandb is not None:
+            self.log_timeline()
             self.wandb.finish()
+
+    def log_timeline(self) -> None:
+        """timeline.png (sched/timeline.py, from the event log) as a wandb image at the last step."""
+        import wandb
+
+        from sched.events import read_events
+        from sched.timeline import draw
+        path = self.run_dir / "timeline.png"
+        draw(list(read_events(self.run_dir / "events.jsonl")), path, self.run_dir.name)
+        step = self.history[-1]["step"] if self.history else None
+        self.wandb.log({"timeline": wandb.Image(str(path))}, step=step)

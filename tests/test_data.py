@@ -142,3 +142,15 @@ def test_sampler_rejects_foreign_state():
         PromptSampler(_DS[6], seed=0).load_state_dict(s.state_dict())
     with pytest.raises(ValueError, match="seed"):
         PromptSampler(_DS[5], seed=1).load_state_dict(s.state_dict())
+
+
+def test_system_prompt_goes_first_unless_the_prompt_has_its_own(tok):
+    rows = [(1, {"prompt": "1+1?", "answer": "2"}),
+            (2, {"prompt": [{"role": "system", "content": "own"}, {"role": "user", "content": "2+2?"}], "answer": "4"})]
+    ds = PromptDataset.from_records(rows, tok, 64, chat_template=True, system_prompt="be brief")
+    first, second = (tok.decode(p.prompt_ids) for p in ds)
+    assert first == "<bos><|system|>be brief<eos><|user|>1+1?<eos><|assistant|>"
+    assert second == "<bos><|system|>own<eos><|user|>2+2?<eos><|assistant|>"
+    assert ds[0].prompt == "1+1?"  # the row's own prompt is kept as it was
+    plain = PromptDataset.from_records(rows[:1], tok, 64, chat_template=False, system_prompt="be brief")
+    assert tok.decode(plain[0].prompt_ids) == "<bos>1+1?"  # no template: no system message

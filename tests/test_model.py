@@ -151,3 +151,13 @@ def test_random_init_builds_from_config_alone():
     a = Transformer(cfg).init_weights(seed=0)
     b = Transformer(cfg).init_weights(seed=0)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("family,qk_norm,bias,tied", [("qwen3", True, False, True), ("qwen2", False, True, False),
+                                                     ("llama", False, False, False)])
+def test_num_params_counts_what_the_module_holds(family, qk_norm, bias, tied):
+    """ModelConfig.num_params (train.py --check's memory plan) against the parameters the module really has."""
+    cfg = ModelConfig(family, vocab_size=97, hidden_size=32, intermediate_size=80, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=8, qk_norm=qk_norm, attention_bias=bias, tie_word_embeddings=tied)
+    model = Transformer(cfg)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())

@@ -149,3 +149,14 @@ def test_registry():
     assert get_reward_fn("exact", casefold=True).casefold
     with pytest.raises(ValueError, match="valid kinds: math, exact, synthetic"):
         get_reward_fn("bleu")
+
+
+@pytest.mark.parametrize("response, reference", [
+    (r"so \boxed{72}", "She sells 48 + 24 = <<48+24=72>>72 clips.\n#### 72"),  # GSM8K: what follows ####
+    (r"\boxed{0.5}", r"The probability is $\boxed{\frac{1}{2}}$, since ..."),  # MATH: its last \boxed{}
+])
+def test_math_reads_worked_solutions_as_references(math, response, reference):
+    from rl.rewards import reference_answer
+    assert reference_answer("#### 72") == "72" and reference_answer("42") == "42"
+    assert math(response, reference).correct
+    assert not math(r"\boxed{71}", reference).correct

@@ -1,0 +1,206 @@
+"""FSDP2 trainer throughput as MFU: our Trainer's train_step on one device, against the matmul rate measured in the
+same run, with activation checkpointing off and on.
+
+    python bench/train.py                   # CPU: a small Qwen3 shape, fp32 (a smoke run: CPU MFU means little)
+    python bench/train.py --device cuda     # GPU: the Qwen3-1.7B shape, bf16 compute (FSDP2 mixed precision)
+
+Workload: `--seqs` sequences of `--prompt` + `--response` random tokens (one GRPO batch, rewards alternating so every
+advantage is non-zero), packed into micro-batches of `--micro-batch-tokens`, one optimizer step per train_step.
+The trainer runs exactly as in a run: FSDP2 over a process group (here of one rank), chunked logprobs, the GRPO loss,
+AdamW. MFU = model FLOPs per step / step time / the measured dense matmul rate (bf16 8192^3 on GPU, fp32 on CPU):
+model FLOPs are 3 x forward (6 per parameter per token for the decoder's matmuls, causal attention 2 x 2 x heads x
+head_dim x s^2 / 2 per layer, lm_head on response tokens only, as the trainer computes it); checkpointing's
+recomputed forward is not counted (it is what HFU would add). On GPU the peak memory of the timed steps is printed
+beside `train.py --check`'s plan for the same settings (runtime/preflight.py), checking that plan on the device.
+The last line is the headline, e.g. `trainer_mfu: 0.41 (checkpointing off), 0.33 (on)`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: bench/ would shadow nothing here, but the repo root must be first
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from config import load_config  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.presets import preset_config  # noqa: E402
+from model.transformer import Transformer  # noqa: E402
+from rl.types import Group, Trajectory  # noqa: E402
+
+SHAPES = {  # beside the presets: CPU-sized Qwen3 shapes ("tiny" is what `bench/gpu.py --dry-run` runs)
+    "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
+                  num_kv_heads=2, head_dim=64),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--shape", help="small, tiny or a model preset (default: small on cpu, qwen3-1.7b on cuda)")
+    p.add_argument("--seqs", type=int, help="sequences per train step")
+    p.add_argument("--prompt", type=int, help="prompt tokens per sequence")
+    p.add_argument("--response", type=int, help="response tokens per sequence")
+    p.add_argument("--micro-batch-tokens", type=int)
+    p.add_argument("--steps", type=int, default=3, help="timed train steps (after one warm-up step)")
+    p.add_argument("--checkpointing", default="off,on", help="activation checkpointing modes to run")
+    a = p.parse_args(argv)
+    cpu = a.device == "cpu"
+    for k, cpu_v, gpu_v in [("shape", "small", "qwen3-1.7b"), ("seqs", 8, 32), ("prompt", 16, 512),
+                            ("response", 48, 1536), ("micro_batch_tokens", 256, 8192)]:
+        if getattr(a, k) is None:
+            setattr(a, k, cpu_v if cpu else gpu_v)
+    return a
+
+
+def shape(name: str) -> ModelConfig:
+    if name in SHAPES:
+        return ModelConfig(family="qwen3", qk_norm=True, tie_word_embeddings=True, **SHAPES[name])
+    return preset_config(name)
+
+
+def init_one_rank(device: str) -> None:
+    """A process group of one rank (FSDP2 needs one), without torchrun: a file store in a temporary directory."""
+    if dist.is_initialized():
+        return
+    store = Path(tempfile.mkdtemp(prefix="tidal-bench-")) / "store"
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
+                            world_size=1)
+
+
+def random_model(m: ModelConfig, device: str, seed: int = 0) -> Transformer:
+    """Random weights drawn on the device (model.init_weights draws on the CPU: minutes for billions)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(m)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    return model
+
+
+def synthetic_groups(n: int, prompt: int, response: int, vocab: int, group_size: int = 8, seed: int = 0
+                     ) -> list[Group]:
+    rng = random.Random(seed)
+    trajs = [Trajectory(group_id=i // group_size, sample_index=i % group_size,
+                        prompt_ids=[rng.randrange(vocab) for _ in range(prompt)],
+                        response_ids=[rng.randrange(vocab) for _ in range(response)],
+                        logprobs=[-rng.uniform(0.5, 3.0) for _ in range(response)], versions=[0] * response,
+                        reward=float(i % 2)) for i in range(n)]
+    return [Group(g, g, None, trajs[g * group_size:(g + 1) * group_size]) for g in range(-(-n // group_size))]
+
+
+def train_flops(m: ModelConfig, lengths: list[tuple[int, int]]) -> float:
+    """Model FLOPs of one train_step over (prompt, response) pairs: 3 x forward. The trainer's input is prompt +
+    response[:-1]; lm_head runs on the response positions only."""
+    qkvo = m.hidden_size * (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+    dense = m.num_layers * (qkvo + 3 * m.hidden_size * m.intermediate_size)
+    fwd = 0.0
+    for p, r in lengths:
+        s = p + r - 1
+        attention = 2 * m.num_layers * m.num_heads * m.head_dim * s * s  # QK^T and PV over s^2 / 2 causal pairs
+        fwd += 2 * dense * s + attention + 2 * m.vocab_size * m.hidden_size * r
+    return 3 * fwd
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_rate(device: str) -> float:
+    """FLOP/s of a large dense matmul: bf16 8192^3 on GPU (triton's do_bench, median), fp32 512^3 on CPU."""
+    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (512, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    if device == "cuda":
+        from triton.testing import do_bench
+        secs = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median") * 1e-3
+    else:
+        a @ b
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        secs = statistics.median(times)
+    return 2 * n ** 3 / secs
+
+
+def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, rate: float) -> dict[str, Any]:
+    """One trainer (fresh model, FSDP2 over one rank), one warm-up step, `args.steps` timed steps."""
+    from runtime.preflight import train_items
+    from trainer.trainer import Trainer
+    cfg = load_config(None, [f"--train.micro_batch_tokens={args.micro_batch_tokens}", "--train.lr=1e-6",
+                             f"--train.activation_checkpointing={str(checkpointing).lower()}",
+                             f"--data.max_prompt_tokens={args.prompt}", f"--rollout.max_new_tokens={args.response}"])
+    trainer = Trainer(random_model(m, args.device), cfg.train, group=dist.group.WORLD, device=args.device,
+                      max_response_len=args.response)
+    groups = synthetic_groups(args.seqs, args.prompt, args.response, m.vocab_size)
+    trainer.train_step(groups)  # warm-up: allocator, kernels, AdamW state
+    sync(args.device)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        metrics = trainer.train_step(groups)
+        sync(args.device)
+        times.append(time.perf_counter() - t0)
+    secs = statistics.median(times)
+    flops = train_flops(m, [(args.prompt, args.response)] * args.seqs)
+    out = {"checkpointing": checkpointing, "step_s": secs, "tokens": args.seqs * (args.prompt + args.response - 1),
+           "tflops": flops / secs / 1e12, "mfu": flops / secs / rate, "loss": float(metrics["loss"])}
+    if args.device == "cuda":
+        plan = sum(i.nbytes for i in train_items(m, cfg, 1, 2, True))
+        out.update(peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30, plan_gib=plan / 2 ** 30)
+    del trainer
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/train.py: --device cuda but CUDA is not available")
+    init_one_rank(args.device)
+    m = shape(args.shape)
+    rate = matmul_rate(args.device)
+    print(f"model {args.shape}: {m.num_params() / 1e6:.4g}M params; {args.seqs} sequences of {args.prompt} + "
+          f"{args.response} tokens, micro-batches of {args.micro_batch_tokens}; matmul rate {rate / 1e12:.3g} "
+          f"TFLOP/s ({'bf16 8192^3' if args.device == 'cuda' else 'fp32 512^3'})", flush=True)
+    modes = []
+    for mode in args.checkpointing.split(","):
+        r = bench_mode(args, m, mode == "on", rate)
+        mem = f", peak {r['peak_gib']:.1f} GiB (--check plans {r['plan_gib']:.1f})" if "peak_gib" in r else ""
+        print(f"checkpointing {mode}: {r['step_s']:.3f} s/step, {r['tokens'] / r['step_s']:.0f} tokens/s, "
+              f"{r['tflops']:.3g} TFLOP/s, MFU {r['mfu']:.3f}{mem}", flush=True)
+        modes.append(r)
+    return {"shape": args.shape, "matmul_tflops": rate / 1e12, "modes": modes}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    res = run(args)
+    print("trainer_mfu: " + ", ".join(f"{r['mfu']:.2f} (checkpointing {'on' if r['checkpointing'] else 'off'})"
+                                      for r in res["modes"]))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    main()
