@@ -66,7 +66,8 @@ def _grad_ref(raw: torch.Tensor, targets: torch.Tensor, col0: int, lse: torch.Te
     z = raw.to(_acc_dtype(raw.dtype))
     z.div_(temperature)
     dz = z.sub(lse[:, None]).exp_()  # p
-    coef = g_lp[:, None].expand_as(dz) if g_ent is None else z.sub_(ez[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None])
+    coef = (g_lp[:, None].expand_as(dz) if g_ent is None
+            else z.sub_(ez[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]))
     dz.mul_(coef).neg_()
     local = targets.long() - col0
     hit = (local >= 0) & (local < raw.shape[1])

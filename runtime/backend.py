@@ -38,7 +38,7 @@ class RuntimeBackend:
         self.t0 = t0
         self.timeout_s = timeout_s
         self.pending: collections.deque[Event] = collections.deque()
-        self.assigned = [0] * self.num_engines   # requests on each engine, for the deadline message only
+        self.sent = [0] * self.num_engines   # requests sent to each engine and not back yet (for the deadline message)
         self.training = False
 
     def now(self) -> float:
@@ -49,7 +49,7 @@ class RuntimeBackend:
         starts = [StartRequest(r.req_id, r.group_id, r.sample_index, r.prompt_index, prompts[r.group_id].prompt_ids,
                                prompts[r.group_id].answer, prompts[r.group_id].max_new_tokens, r.partial)
                   for r in reqs]
-        self.assigned[engine] += len(reqs)
+        self.sent[engine] += len(reqs)
         self.channel.send(Start(starts), self.topo.engine_rank(engine), WORKER)
 
     def command(self, cmd: Abort | Interrupt | LoadWeights) -> None:
@@ -98,7 +98,7 @@ class RuntimeBackend:
             if not isinstance(ev, Event):
                 raise RuntimeError(f"rank {src} sent {type(ev).__name__} where an event was expected")
             if ev.kind in LEFT_ENGINE and 0 <= ev.engine < self.num_engines:
-                self.assigned[ev.engine] = max(self.assigned[ev.engine] - 1, 0)
+                self.sent[ev.engine] = max(self.sent[ev.engine] - 1, 0)
             elif ev.kind == "train_step_done":
                 self.training = False
             self.pending.append(ev)
@@ -112,7 +112,7 @@ class RuntimeBackend:
         return bool(self.pending)
 
     def _waiting_for(self) -> str:
-        busy = [f"engine {i} (rank {self.topo.engine_rank(i)}, {n} requests)" for i, n in enumerate(self.assigned)
+        busy = [f"engine {i} (rank {self.topo.engine_rank(i)}, {n} requests)" for i, n in enumerate(self.sent)
                 if n > 0]
         parts = busy + (["the trainer"] if self.training else [])
         return "events from " + (", ".join(parts) if parts else "anyone (nothing is in flight)")

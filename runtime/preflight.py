@@ -205,8 +205,7 @@ def run_checks(cfg: Config, preset: sched.Preset, path: str | None) -> None:
     tok, tok_note = load_tokenizer_if_present(cfg)
     model, model_note = model_shapes(cfg, tok)
     plan = Plan(cfg, world, train, rollout, model, gpu, device_bytes(cfg) if gpu else None)
-    modules = ", ".join(f"{k}={getattr(preset, k).name}" for k in ("dispatch", "handoff", "update", "weight_sync",
-                                                                     "rebalance"))
+    modules = ", ".join(f"{kind}={p.name}" for kind, p in preset.policies().items())
     plan.say("config", f"{path or '(defaults)'}: {cfg.name}, sched preset {cfg.sched.preset} ({modules})")
     plan.say("ranks", rank_text(plan, where))
     plan.say("model", model_note)

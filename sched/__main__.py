@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import sched
+from sched import PRESET_DIR, preset_tables
 from sched.base import REGISTRY
 
 
@@ -13,8 +13,8 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     import sched.policies  # noqa: F401  (registers the built-in mechanisms)
     root = Path(__file__).resolve().parent.parent
     used: dict[tuple[str, str], list[str]] = {}
-    for f in sorted(sched.PRESET_DIR.glob("*.toml")):
-        for kind, table in sched.preset_tables(f.stem).items():
+    for f in sorted(PRESET_DIR.glob("*.toml")):
+        for kind, table in preset_tables(f.stem).items():
             used.setdefault((kind, table.get("name", "")), []).append(f.stem)
             if "admit" in table:   # a round-composing dispatch delegates placement to another dispatch
                 used.setdefault((kind, table["admit"]), []).append(f.stem)

@@ -17,7 +17,37 @@ if TYPE_CHECKING:
     from sched.views import GroupState, Request
 
 
-class RequestTable(MutableMapping):
+class _Table(MutableMapping):
+    """A mapping over a private dict `_all`; reading it costs what reading a dict costs (the dict's own views).
+    Subclasses index what they hold in `__setitem__` / `__delitem__` / `clear`."""
+    _all: dict[int, Any]
+
+    def __getitem__(self, key: int) -> Any:
+        return self._all[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._all)
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._all
+
+    def get(self, key: int, default: Any = None) -> Any:
+        return self._all.get(key, default)
+
+    def keys(self):
+        return self._all.keys()
+
+    def values(self):
+        return self._all.values()
+
+    def items(self):
+        return self._all.items()
+
+
+class RequestTable(_Table):
     """req_id -> Request, with an index of the requests in each of the `indexed` states (the non-final ones); the
     `queue` state's index is read in request-id order (the pending queue)."""
 
@@ -26,10 +56,6 @@ class RequestTable(MutableMapping):
         self._by_state: dict[Hashable, dict[int, Request]] = {s: {} for s in indexed}
         self._queue = queue
         self._sorted = True       # the queue's index is in id order
-
-    # ------------------------------------------------------------------------------------------------ mapping
-    def __getitem__(self, req_id: int) -> "Request":
-        return self._all[req_id]
 
     def __setitem__(self, req_id: int, r: "Request") -> None:
         old = self._all.get(req_id)
@@ -40,27 +66,6 @@ class RequestTable(MutableMapping):
 
     def __delitem__(self, req_id: int) -> None:
         self._unindex(self._all.pop(req_id))
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._all)
-
-    def __len__(self) -> int:
-        return len(self._all)
-
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._all
-
-    def get(self, req_id: int, default: Any = None) -> Any:
-        return self._all.get(req_id, default)
-
-    def keys(self):  # the dict's own views: iterating them costs no Python call per item
-        return self._all.keys()
-
-    def values(self):
-        return self._all.values()
-
-    def items(self):
-        return self._all.items()
 
     def clear(self) -> None:
         self._all.clear()
@@ -117,7 +122,7 @@ class RequestTable(MutableMapping):
             assert idx is None or idx.get(r.req_id) is r, f"request {r.req_id} ({r.state}) missing from its index"
 
 
-class GroupTable(MutableMapping):
+class GroupTable(_Table):
     """group_id -> GroupState, with indexes of the open (not closed) and the ready (materialised, not consumed)
     groups, re-evaluated on insertion and on `track`."""
 
@@ -125,9 +130,6 @@ class GroupTable(MutableMapping):
         self._all: dict[int, GroupState] = {}
         self._open: dict[int, GroupState] = {}
         self._ready: dict[int, GroupState] = {}
-
-    def __getitem__(self, group_id: int) -> "GroupState":
-        return self._all[group_id]
 
     def __setitem__(self, group_id: int, g: "GroupState") -> None:
         self._open.pop(group_id, None)
@@ -139,27 +141,6 @@ class GroupTable(MutableMapping):
         del self._all[group_id]
         self._open.pop(group_id, None)
         self._ready.pop(group_id, None)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._all)
-
-    def __len__(self) -> int:
-        return len(self._all)
-
-    def __contains__(self, group_id: object) -> bool:
-        return group_id in self._all
-
-    def get(self, group_id: int, default: Any = None) -> Any:
-        return self._all.get(group_id, default)
-
-    def keys(self):
-        return self._all.keys()
-
-    def values(self):
-        return self._all.values()
-
-    def items(self):
-        return self._all.items()
 
     def clear(self) -> None:
         self._all.clear()

@@ -1,5 +1,5 @@
 """Discrete-event simulator: the same sched/ policies and Controller as the runtime, driven on a virtual clock by
-simulated engines and a simulated trainer (DESIGN.md, "Simulator").
+simulated engines and a simulated trainer (docs/architecture.md, "Simulator").
 
     clock.py     event queue on a virtual clock
     cost.py      the cost model (decode step, prefill, train, weight sync, reward latency)

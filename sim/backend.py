@@ -153,14 +153,14 @@ class SimBackend:
                 self.emit(Event("trajectory_aborted", e.t, rank=e.rank, engine=e.index, req_id=r.req_id,
                                 group_id=r.group_id, version=min((v for v, _ in r.runs), default=e.version),
                                 data={"requeue": bool(cmd.requeue), "tokens": r.done}))
-            e.plan()
+            e.schedule_segment()
         elif isinstance(cmd, Interrupt):
             e = self.engines[cmd.engine]
             for r in e.remove(cmd.req_ids, self.now()):
                 self.emit(Event("trajectory_interrupted", e.t, rank=e.rank, engine=e.index, req_id=r.req_id,
                                 group_id=r.group_id, version=e.version, data={"tokens": r.done},
                                 payload=self.trajectory(e.index, r, "interrupted")))
-            e.plan()
+            e.schedule_segment()
         else:  # a Migrate never reaches a backend: the controller sends an Interrupt, then a resubmission
             raise TypeError(f"unknown backend command {type(cmd).__name__}")
 

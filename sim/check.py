@@ -1,8 +1,9 @@
 """Invariant checks read back from an event log (in memory: reward_scored events carry their Trajectory payload).
 
-DESIGN.md "Invariants": on-policy presets train every sample under the weights the step starts from; no finished
-trajectory is lost or trained twice. The controller enforces what it can decide on the spot (sched/controller.py);
-this reads the log afterwards, per token, so a simulator or policy bug shows up as a list of offending samples.
+docs/architecture.md, "Invariants": on-policy presets train every sample under the weights the step starts from;
+no finished trajectory is lost or trained twice. The controller enforces what it can decide on the spot
+(sched/lifecycle.py); this reads the log afterwards, per token, so a simulator or policy bug shows up as a list of
+offending samples.
 """
 from __future__ import annotations
 

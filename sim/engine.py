@@ -12,17 +12,18 @@ Model, per engine step (every running sequence gets one token; step time from si
 
 Efficiency: between two events the running set is fixed, so the engine plans a *segment* of m steps at once, up to
 the next finish or the step at which KV would overflow, and sums their time in closed form (kv grows by n per step).
-Anything arriving mid-segment (a submit, a command) first brings the engine to the next step boundary (`sync`), then
-the engine re-plans. A running request's progress is lazy: it holds the engine step count `mark` at which its `done`
-was last written, and every running request gains one token per engine step, so advancing a segment touches no
-request; aggregates (context tokens, private KV blocks per residue of the block size, the remaining-length heap)
-answer the planner in O(block_size) or O(log n). A request is brought up to date (`_settle`) when it leaves the
-running set. 1024 engines x thousands of requests cost O(events x log running), not O(tokens).
+Anything arriving mid-segment (a submit, a command) first brings the engine to the next step boundary (`sync`),
+then the engine schedules the next segment. A running request's progress is lazy: it holds the engine step count
+`mark` at which its `done` was last written, and every running request gains one token per engine step, so
+advancing a segment touches no request; aggregates (context tokens, private KV blocks per residue of the block
+size, the remaining-length heap) answer the planner in O(block_size) or O(log n). A request is brought up to date
+(`_settle`) when it leaves the running set. 1024 engines x thousands of requests cost O(events x log running),
+not O(tokens).
 
-Extension points for the off-policy work: `remove` takes requests out with their state (tokens so far, per-token
-version runs) and `add` accepts partially generated requests (their tokens are re-prefilled), so interrupt = remove +
-park, and migrate = remove here + add there; `hold` pauses decoding (weight loads, colocated training). A weight load
-on a busy engine sends its running sequences back to the queue to re-prefill under the new version.
+Partial trajectories: `remove` takes requests out with their state (tokens so far, per-token version runs) and `add`
+accepts partially generated requests (their tokens are re-prefilled), so an interrupt is a remove, and a migration a
+remove here and an add there; `hold` pauses decoding (weight loads, colocated training). A weight load on a busy
+engine sends its running sequences back to the queue to re-prefill under the new version.
 """
 from __future__ import annotations
 
@@ -244,10 +245,10 @@ class SimEngine:
                 self.waiting.appendleft(r)
             self.version, self.pending_version = self.pending_version, None
             self.host.emit(Event("weights_loaded", self.t, rank=self.rank, engine=self.index, version=self.version))
-        self.plan()
+        self.schedule_segment()
 
     # ------------------------------------------------------------------------------------------------ planning
-    def plan(self) -> None:
+    def schedule_segment(self) -> None:
         """Decide the next segment of steps from the current (synced) state and schedule its end."""
         if self.seg is not None:
             return
@@ -334,11 +335,11 @@ class SimEngine:
                                  f"(cost profile {self.cost.name!r})")
         self.sync(now)
         self.waiting.extend(reqs)
-        self.plan()
+        self.schedule_segment()
 
     def remove(self, req_ids: list[int], now: float) -> list[SimRequest]:
         """Take requests out wherever they are (running or queued), with their state; unknown ids are skipped
-        (already finished). The caller re-plans with `plan()` after emitting its events."""
+        (already finished). The caller schedules the next segment (`schedule_segment()`) after emitting its events."""
         self.sync(now)
         want, out = set(req_ids), []
         for r in [r for r in self.running if r.req_id in want]:
@@ -358,4 +359,4 @@ class SimEngine:
         if version is not None:
             self.pending_version = version
         self._set_busy(False)
-        self.plan()
+        self.schedule_segment()

@@ -1,7 +1,7 @@
 """Named calibrations of the cost model (sim/cost.py), every constant with its source.
 
-Sources are cited as: a seed paper's section/table (extractions in shared/research/seeds_*.md), a public datasheet or
-model config, `assumption` (our choice, with the reason), or `measured` (our own engine/trainer, see sim/calibrate.py).
+Sources are cited as: a paper's section/table, a public datasheet or model config, `assumption` (our choice, with
+the reason), or `measured` (our own engine/trainer, see sim/calibrate.py).
 Nothing here is tuned to make any policy or any paper figure come out a certain way; the reproduction script
 (sim/repro.py) compares against figures that none of these constants were derived from.
 
@@ -159,7 +159,7 @@ def _streamrl(model: Model, tp: int, name: str) -> CostModel:
                  "max_num_seqs": "vLLM default max_num_seqs = 256",
                  "reward": "MATH_REWARD: rule-based verifier (StreamRL §7), 2 s timeout (RollPacker §5)",
                  "train_s_per_token": "PPO: actor and critic fwd+bwd (6+6) + reference and value fwd (2+2) "
-                                      "(seeds_streamrl.md, simulator notes); MFU 0.25: assumption",
+                                      "(StreamRL §7 trains with PPO; our FLOP count); MFU 0.25: assumption",
                  "publish_s": "8 x 200 Gb/s RDMA per node (StreamRL §7) shared by 8 GPUs = 25 GB/s, at 50% + 1 s"})
 
 
@@ -211,8 +211,8 @@ def _staleflow() -> CostModel:
     base = roofline("h20_qwen3_30b_a3b", QWEN3_30B_A3B, H20, 1, train_gpu=H20, train_mfu=0.25, flops_factor=6.0,
                     publish_bw=25e9, publish_fixed_s=1.0, load_bw=25e9, reward=MATH_REWARD, mem_fraction=0.9)
     src = dict(base.sources)
-    src.update({k: "StaleFlow Table 4 (offline profiling + linear regression); kv in tokens (seeds_staleflow.md §1.8)"
-                for k in ("k1", "k2", "k3", "k4")})
+    src.update({k: "StaleFlow Table 4 (offline profiling + linear regression); kv in tokens (the unit Table 4's k1 "
+                   "implies: sched/policies/staleflow/cost.py)" for k in ("k1", "k2", "k3", "k4")})
     src["reward"] = "MATH_REWARD: DAPO-Math rule-based reward (StaleFlow §6.1)"
     src["max_num_seqs"] = "assumption: vLLM default 256 (StaleFlow: vLLM rollout)"
     src["engine"] = ("TP=1 inferred: Table 4's k2 = 1.72 ms = active weights (3.3B x 2 B) / 4 TB/s H20 bandwidth")

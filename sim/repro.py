@@ -394,7 +394,8 @@ LAMINAR = [
         metric(("sync", LM_VERL), lambda r: round_figures(r)["pre_train_share"])),
     *[Row(f"Laminar vs {name}, math, average (§8.1)", (x, x), f"{x:.2f}x", lm_speedup(base), "{:.2f}x")
       for name, x, base in (("verl", 2.56, ("sync", LM_VERL_32B)), ("one-step", 1.98, ("one_step", LM_PIPE)),
-                            ("stream generation", 1.93, ("streamrl_async", LM_PIPE)), ("AReaL", 1.39, ("areal", LM_EVEN)))],
+                            ("stream generation", 1.93, ("streamrl_async", LM_PIPE)),
+                            ("AReaL", 1.39, ("areal", LM_EVEN)))],
     Row("repack: generation throughput gain, 32B/128 GPUs (§8.4)", (0.26, 0.26), "+26%",
         lambda runs: lm_ratio(runs, LAMINAR_RUN, ("laminar", LM_EVEN, NO_REPACK), generation_tps) - 1),
     Row("repack: average KV utilisation with repack (Table 1)", (0.822, 0.822), "82.2%",

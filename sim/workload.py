@@ -148,8 +148,8 @@ RP_SIGMA = math.log(RP_P75_OVER_MEDIAN) / 0.6745
 def _rollpacker(cap: int, name: str) -> LengthModel:
     sp, ss = _split(RP_SIGMA)
     return LengthModel(name, cap / RP_RATIO, sp, ss, cap, RP_RUNAWAY, prompt_median=300, source=(
-        "RollPacker §1/§2.2: P75 755–1.1k, max = cap, max/median 25–32x (14B/16k); same shape assumed at other caps; "
-        "ICC 0.6 and prompt lengths (median 300) are assumptions"))
+        "RollPacker §1/§2.2: P75 755–1.1k, max = cap, max/median 25–32x (14B/16k); same shape assumed at other "
+        "caps; ICC 0.6 and prompt lengths (median 300) are assumptions"))
 
 
 def _rolloutpipe() -> LengthModel:

@@ -518,8 +518,8 @@ def source_files() -> list[Path]:
 
 def test_audit_catches_each_pattern():
     bad = ("import torch, pickle\nx = eval('1')\nexec('y = 2')\ntorch.load('f')\ntorch.load('f', weights_only=False)\n"
-           "pickle.loads(b'')\nAutoModel.from_pretrained('m', trust_remote_code=True)\nnp.load('a', allow_pickle=True)\n"
-           "sympify(text)\nmodel.eval()\ntorch.load('f', weights_only=True)\n")
+           "pickle.loads(b'')\nAutoModel.from_pretrained('m', trust_remote_code=True)\n"
+           "np.load('a', allow_pickle=True)\nsympify(text)\nmodel.eval()\ntorch.load('f', weights_only=True)\n")
     found = audit(bad, "x.py")
     assert sorted(int(f.split(":")[1]) for f in found) == list(range(2, 10)), found
 

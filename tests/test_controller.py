@@ -6,7 +6,7 @@ import pytest
 
 import sched
 from rl.types import Trajectory
-from sched.base import Handoff, LoadWeights, TrainCall
+from sched.base import Handoff, LoadWeights
 from sched.controller import Controller, InvariantError, PromptItem
 from sched.events import Event, EventLog
 

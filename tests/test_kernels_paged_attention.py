@@ -21,7 +21,8 @@ LENS = [1, 8, 13, 37]  # one token, a context ending exactly on a block boundary
 
 
 def make_cache(lens: list[int], hkv: int, d: int, block_size: int, dtype: torch.dtype, device: str = "cpu",
-               seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+               seed: int = 0
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Contiguous per-sequence K/V ([n, Hkv, D] each) scattered into a paged cache with shuffled block ids.
     Returns (ks, vs, k_cache, v_cache, block_tables [B, max_blocks] int32, -1 padded)."""
     g = torch.Generator().manual_seed(seed)

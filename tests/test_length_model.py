@@ -1,5 +1,5 @@
-"""sched/length_model.py: the learned output-length ranker (StreamRL §5.2) ranks the long tail first on prompts it
-has never seen, from their content, where the baselines cannot."""
+"""The learned output-length ranker (StreamRL §5.2, sched/policies/streamrl/length_rank.py) ranks the long tail
+first on prompts it has never seen, from their content, where the baselines cannot."""
 from __future__ import annotations
 
 import random

@@ -3,7 +3,7 @@ import pytest
 
 from sched.events import Event, EventLog
 from sched.metrics import summarize
-from sched.timeline import draw, main as timeline_main
+from sched.timeline import main as timeline_main
 
 
 def sync_log():

@@ -1,6 +1,6 @@
 """The on-policy papers' presets (RolloutPipe, RollPacker, StreamRL, FGD-in-tail-batching) driven through random
-event orders and random response lengths by a fake backend; the DESIGN.md invariants are checked on the recorded
-trainer calls, rounds and event log, independently of the policies' own bookkeeping."""
+event orders and random response lengths by a fake backend; the invariants of docs/architecture.md are checked on the
+recorded trainer calls, rounds and event log, independently of the policies' own bookkeeping."""
 from collections import Counter, defaultdict
 
 import pytest

@@ -31,8 +31,8 @@ def views(groups, engines=2, group_size=None, prompts_per_step=2, plan=None, rnd
         v.round_groups[rnd].append(gid)
         for s, st in enumerate(states):
             st, _, seq = st.partition(":")
-            r = v.requests[rid] = Request(rid, gid, s, gid, rnd, 2 + gid, state=st,
-                                          engine=-1 if st == "pending" else 0, finished_seq=int(seq or -1))
+            v.requests[rid] = Request(rid, gid, s, gid, rnd, 2 + gid, state=st,
+                                      engine=-1 if st == "pending" else 0, finished_seq=int(seq or -1))
             if st in ("running", "aborting", "requeueing"):
                 v.engines[0].assigned += 1
             g.req_ids.append(rid)
@@ -358,9 +358,8 @@ def test_requeue_returns_to_pending_unless_it_finished_first():
 
 
 def test_round_plan_reruns_prompts_with_its_own_group_size():
-    ctl, b = controller([]), Stub()
-    ctl.start_round(RoundPlan(prompts=[PromptItem(9, [5], "y")], fresh=1,
-                              group_size=2, kind="long"))
+    ctl = controller([])
+    ctl.start_round(RoundPlan(prompts=[PromptItem(9, [5], "y")], fresh=1, group_size=2, kind="long"))
     assert [(g.prompt_index, g.size) for g in ctl.v.groups.values()] == [(9, 2), (0, 2)]
     assert ctl.log.events[-1].data == {"round": 0, "prompts": 2, "group_size": 2, "kind": "long"}
 

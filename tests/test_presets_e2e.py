@@ -1,6 +1,6 @@
 """Every scheduling preset, for real: torchrun with 2 rollout + 2 train ranks on the long-tail length workload
-(bench/policies.py WORKLOAD: the `repeat` task with per-prompt caps); the invariants of DESIGN.md are checked on the
-run's own event log, and the response lengths on it are long-tailed and group-correlated."""
+(bench/policies.py WORKLOAD: the `repeat` task with per-prompt caps); the invariants of docs/architecture.md are
+checked on the run's own event log, and the response lengths on it are long-tailed and group-correlated."""
 from __future__ import annotations
 
 import json

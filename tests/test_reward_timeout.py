@@ -1,4 +1,4 @@
-"""RollPacker §4.3: the adaptive reward timeout (sched/reward_timeout.py), the asynchronous scorer that applies it
+"""RollPacker §4.3: the adaptive reward timeout (rl/reward_timeout.py), the asynchronous scorer that applies it
 at runtime (runtime/reward_scorer.py) and the simulator's reward path that applies it on the virtual clock."""
 from __future__ import annotations
 

@@ -286,12 +286,12 @@ def test_backend_sends_typed_messages_and_partial_trajectories_and_refuses_migra
     dst, msg = ch.sent[-1]
     assert dst == 1 and isinstance(msg, Start) and msg.requests[0].partial is None
     assert msg.requests[1] == StartRequest(51, 5, 1, 9, [3, 4], "x", None, part)
-    assert be.assigned == [2, 0]
+    assert be.sent == [2, 0]
     ch.inbox.append((1, [Event("trajectory_interrupted", 1.0, rank=1, engine=0, req_id=51, group_id=5,
                                 version=1, data={"tokens": 3}, payload=part)]))
     ev = be.next_event()
     assert ev.kind == "trajectory_interrupted" and ev.payload is part
-    assert be.assigned == [1, 0]  # the request left its engine: the deadline message no longer waits on it
+    assert be.sent == [1, 0]  # the request left its engine: the deadline message no longer waits on it
 
 
 # ---- asynchronous reward scoring (RollPacker §4.3, reward.async_workers > 0) ---------------------------------------

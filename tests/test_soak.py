@@ -9,12 +9,11 @@ import random
 import resource
 
 import pytest
-import torch
 
 from config import TrainConfig
 from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
 from trainer import Trainer
-from tests.test_trainer import make_groups, tiny_cfg, tiny_model
+from tests.test_trainer import make_groups, tiny_model
 
 RSS_BOUND_MB = 24.0
 

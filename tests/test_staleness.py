@@ -1,5 +1,5 @@
-"""StaleFlow's staleness buffers (sched/staleness.py): the paper's worked example, each operation, and random
-reserve / join / complete / remove / consume schedules that must never break V_traj + eta >= V_buf."""
+"""StaleFlow's staleness buffers (sched/policies/staleflow/buffers.py): the paper's worked example, each operation,
+and random reserve / join / complete / remove / consume schedules that must never break V_traj + eta >= V_buf."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,7 +20,7 @@ def test_reserve_is_worst_case_and_occupy_is_greedy():
     assert sb.complete(10) == 0
     assert sb.where(12) == 1 and sb.where(10) == 0
     sb.check()
-    assert sb.complete(13) == 0 and sb.state(0) == READY and sb.ready()
+    assert sb.complete(13) == 0 and sb.state(0) == READY and sb.next_ready()
     assert sb.consume() == [10, 13]                                 # slot order
     assert sb.v_next == 1
     assert sb.can_assign(1) and sb.reserve(14, 1) == 2              # window 1..2
@@ -36,7 +36,7 @@ def test_fig7_shape_stuck_buffer_blocks_old_version_but_not_new():
         sb.reserve(9, 1)                      # version 1 cannot exist before buffer 0 is consumed
     for k in (3, 4, 5):
         sb.complete(k)
-    assert sb.ready() and sorted(sb.consume()) == [3, 4, 5]
+    assert sb.next_ready() and sorted(sb.consume()) == [3, 4, 5]
     assert sb.can_assign(1) and sb.admits(0, 0) and sb.where(0) == 1  # group 0 still reserved in buffer 1
     assert sb.reserve(6, 1) == 2
 
@@ -61,7 +61,7 @@ def test_remove_moves_occupied_entries_forward_and_consume_needs_ready():
     with pytest.raises(RuntimeError):
         sb.consume()          # only the oldest buffer, and only when Ready
     sb.remove(2)              # group 2 filtered: group 1 moves forward into buffer 1
-    assert sb.where(1) == 1 and sb.ready() and sb.consume() == [1]
+    assert sb.where(1) == 1 and sb.next_ready() and sb.consume() == [1]
     assert sb.state(2) == WAITING and sb.live() == 0
 
 
@@ -114,7 +114,7 @@ def test_random_schedules_keep_the_staleness_bound(eta, batch, ops):
             sb.remove(k)
             members.pop(k)
         elif op == "consume":
-            if sb.ready():
+            if sb.next_ready():
                 version = sb.v_next
                 for k in sb.consume():
                     assert members[k] + eta >= version >= members[k]   # staleness in [0, eta] at consumption
@@ -149,6 +149,6 @@ def test_a_saturating_schedule_always_makes_progress(eta, batch, seed):
         for k in reserved[:rng.randint(1, max(1, len(reserved)))]:
             sb.complete(k)
             sb.check()
-        while sb.ready():
+        while sb.next_ready():
             sb.consume()
     assert sb.v_next >= 10

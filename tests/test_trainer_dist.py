@@ -1,5 +1,6 @@
 """The trainer across processes: a gloo world of 3 where global rank 0 is a rollout (receiver) rank and ranks 1-2
-are the train partition (so the train leader is NOT global rank 0, the DESIGN pitfall). One world runs, in order:
+are the train partition (so the train leader is NOT global rank 0, which the runtime avoids because DCP's full state
+dicts go to global rank 0: docs/architecture.md, "Runtime"). One world runs, in order:
 FSDP2 train steps (activation checkpointing on, KL to a sharded reference, minibatches, a step where one rank has
 no data), a DCP checkpoint, weight publication with verification, a crash inside a checkpoint save, resume into a
 fresh model, a deliberately corrupted publication, and an HF export. The main process compares against the same

@@ -68,7 +68,8 @@ class StalenessBuffers:
             return WAITING
         return READY if all(e.occupied for e in s) else STUCK  # type: ignore[union-attr]
 
-    def ready(self) -> bool:
+    def next_ready(self) -> bool:
+        """Is the buffer the trainer consumes next (V_buf = v_next) Ready?"""
         return self.state(self.v_next) == READY
 
     def entry(self, key: int) -> Entry | None:
@@ -171,7 +172,7 @@ class StalenessBuffers:
 
     def consume(self) -> list[int]:
         """Retire the Ready buffer v_next: its group ids, in slot order; afterwards they are no longer tracked."""
-        if not self.ready():
+        if not self.next_ready():
             raise RuntimeError(f"buffer {self.v_next} consumed while {self.state(self.v_next)}")
         keys = [e.key for e in self.buf.pop(self.v_next)]  # type: ignore[union-attr]
         for k in keys:

@@ -29,4 +29,4 @@ class StaleFlowHandoff(Handoff):
         if sb.v_next != v.trainer.version:
             raise ValueError(f"staleflow handoff: the trainer is at version {v.trainer.version} but the next buffer "
                              f"is {sb.v_next}; use an update that steps once per batch (step_publish)")
-        return sb.consume() if sb.ready() else None
+        return sb.consume() if sb.next_ready() else None
