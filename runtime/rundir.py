@@ -57,7 +57,24 @@ def resume_path(cfg: Config) -> Path | None:
     path = Path(cfg.checkpoint.resume)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint.resume = {cfg.checkpoint.resume!r} is not a directory")
+    if (bad := checkpoint.problem(path)) is not None:
+        raise FileNotFoundError(f"checkpoint.resume = {cfg.checkpoint.resume!r} cannot be resumed from: {bad}")
     return path
+
+
+def skipped_checkpoints(cfg: Config, path: Path | None) -> list[str]:
+    """A warning for each checkpoint newer than `path` (the one this attempt resumes from) that cannot be resumed
+    from: a write interrupted by a crash, a marker or manifest that does not match the files on disk."""
+    if cfg.checkpoint.resume not in ("", "latest"):
+        return []
+    out = []
+    for step, p, bad in reversed(checkpoint.scan(checkpoint_dir(cfg))):
+        if p == path:
+            break
+        if bad is not None:
+            out.append(f"warning: checkpoint {p} cannot be resumed from: {bad}; "
+                       + (f"falling back to {path}" if path is not None else "no earlier complete checkpoint"))
+    return out
 
 
 def prepare_run_dir(cfg: Config) -> tuple[str, float]:
@@ -66,11 +83,16 @@ def prepare_run_dir(cfg: Config) -> tuple[str, float]:
     continues the checkpoint's clock."""
     run_dir = Path(resolve_run_dir(cfg))
     run_dir.mkdir(parents=True, exist_ok=True)
+    for empty in run_dir.glob("fatal-rank*.txt"):  # no fatal signal in the attempt that left it (runtime/watchdog.py)
+        if empty.stat().st_size == 0:
+            empty.unlink()
     save_config(cfg, run_dir)
     now = time.time()
     path = resume_path(cfg)
     if path is None and restart_count() == 0:
         return str(run_dir), now
+    for line in skipped_checkpoints(cfg, path):
+        print(line, file=sys.stderr, flush=True)
     marks = checkpoint.read_extra(path).get("extra", {}).get("log", {}) if path is not None else {"t": 0.0}
     for name in LOGS:
         rewind_log(run_dir / name, int(marks.get(name, 0)))
@@ -110,12 +132,15 @@ def restore(controller: Controller, parts: RunParts, extra: dict[str, Any]) -> N
 def periodic_checkpoints(cfg: Config, controller: Controller, save: Callable[[], None]) -> Callable[[Event], None]:
     """The controller's after-event hook: every `checkpoint.every` published versions, `save()` at the first moment
     the trainer holds no work (nothing training, no gradients accumulated); trajectories in flight go into the
-    controller's state (sched/resume.py). The final checkpoint is the caller's."""
+    controller's state (sched/resume.py). The final checkpoint is the caller's. A resumed run does not save the
+    version it resumed from again (its first publication is that version's): that checkpoint is on disk."""
     due = [False]
+    start = controller.v.trainer.version
 
     def after_event(ev: Event) -> None:
         every = cfg.checkpoint.every
-        if ev.kind == "version_published" and every and ev.version % every == 0 and 0 < ev.version < cfg.train.steps:
+        if ev.kind == "version_published" and every and ev.version % every == 0 and \
+                start < ev.version < cfg.train.steps:
             due[0] = True
         t = controller.v.trainer
         if due[0] and not t.busy and t.groups_since_step == 0 and not controller.done:

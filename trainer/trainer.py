@@ -26,13 +26,15 @@ each trained token's version (`Trajectory.versions`), mean and max.
 
 Every train rank calls `train_step` with the same groups (the runtime broadcasts them). Without an initialised
 process group the trainer runs unsharded in one process (debugging, and the reference of the equivalence tests).
+`progress` (when given) is told of each micro-batch back-propagated, each optimizer step and each checkpoint stage:
+the runtime's deadlines are renewed by it (runtime/watchdog.py), so a long step is not mistaken for a hung one.
 """
 from __future__ import annotations
 
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -63,11 +65,13 @@ OFF_POLICY = ("behaviour", "decoupled")
 class Trainer:
     def __init__(self, model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu", ref_model: nn.Module | None = None, *,
-                 temperature: float = 1.0, max_response_len: int | None = None, logprob_chunk: int | None = None):
+                 temperature: float = 1.0, max_response_len: int | None = None, logprob_chunk: int | None = None,
+                 progress: Callable[[str], None] | None = None):
         """model: a model.Transformer with the same full weights on every train rank. group: the train ranks
         (default: the world). temperature: the sampling temperature the behaviour log-probs were taken at.
         max_response_len: Dr.GRPO's constant divisor (rollout.max_new_tokens), needed for loss_agg="seq_sum_norm"."""
         self.cfg, self.device = cfg, torch.device(device)
+        self.progress = progress or (lambda note: None)
         self.temperature, self.max_len, self.logprob_chunk = float(temperature), max_response_len, logprob_chunk
         if cfg.loss_agg == "seq_sum_norm" and not max_response_len:
             raise ValueError("loss_agg='seq_sum_norm' (Dr.GRPO) needs max_response_len (rollout.max_new_tokens)")
@@ -194,6 +198,7 @@ class Trainer:
             acc[:len(STAT_KEYS)] += torch.stack([sums.get(key, torch.zeros(())).double().cpu() for key in STAT_KEYS])
             acc[-2] += out.loss.detach().double().cpu()
             acc[-1] += batch.num_loss_tokens
+            self.progress(f"micro-batch {k + 1} of minibatch {chunk_id + 1}")
         if self.distributed:
             acc = acc.to(self.device)
             dist.all_reduce(acc, group=self.group)
@@ -234,6 +239,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.optimizer_steps += 1
+        self.progress(f"optimizer step {self.optimizer_steps}")
         return dict(grad_norm=grad_norm, lr=float(lr), nonfinite_skipped=0.0)
 
     def logprobs(self, model: nn.Module, batch: MicroBatch, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,7 +262,7 @@ class Trainer:
                                "since the last step): they would be lost; checkpoint after a stepping call")
         counters = {"step": self.step, "optimizer_steps": self.optimizer_steps}
         return checkpoint.save(ckpt_dir, self.step, self.model, self.optimizer, self.scheduler,
-                               {"trainer": counters, "extra": extra}, self.group, keep_last)
+                               {"trainer": counters, "extra": extra}, self.group, keep_last, self.progress)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any] | None:
         """Restore what save_checkpoint wrote; returns the caller's `extra`."""
@@ -265,4 +271,4 @@ class Trainer:
         return side["extra"]
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
-        checkpoint.export_hf(self.model, self.model.config, path, self.group, dtype)
+        checkpoint.export_hf(self.model, self.model.config, path, self.group, dtype, self.progress)
