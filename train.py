@@ -23,7 +23,9 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,7 @@ from runtime import watchdog
 from runtime.backend import RuntimeBackend
 from runtime.build import RunParts, build_run, device_for_rank, make_engine, make_trainer, model_dtype, model_for_rank
 from runtime.channel import Channel
+from runtime.faults import Injector
 from runtime.logger import MetricsLogger
 from runtime.messages import ExportHF, Publish, SaveCheckpoint
 from runtime.rollout_worker import RolloutWorker
@@ -41,9 +44,11 @@ from runtime.rundir import (checkpoint_dir, finish_run, leader_state, periodic_c
                             restart_count, restore, resume_path)
 from runtime.topology import Topology, init_distributed, partition_cores, pin_to_cores, split_ranks
 from runtime.train_worker import TrainerThread, follower_loop
+from runtime.watchdog import Phase, waiting
 from sched.base import Preset
 from sched.controller import Controller
 from trainer.publish import WeightReceiver
+from trainer.trainer import Trainer
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -101,49 +106,62 @@ def main(argv: list[str]) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
     # a job torchrun restarted (--max-restarts) resumes from its run directory's newest complete checkpoint
     holder = [prepare_run_dir(cfg) if topo.is_leader else None]
-    dist.broadcast_object_list(holder, src=0, group=topo.control_group)
+    dist.broadcast_object_list(holder, src=0)  # the default group: start-up waits up to cluster.timeout_s
     run_dir, t0 = holder[0]
-    watchdog.install(run_dir, topo.rank)
-    channel = Channel(topo.control_group, topo.rank, c.timeout_s)
 
-    # 4. the rank's role; a deadline that fires anywhere ends the job with a stall report (runtime/watchdog.py)
+    # 4. the rank's role. From here on every blocking call is a declared wait: a rank frozen, dead or without
+    # progress for cluster.timeout_s ends the job with a stall report (runtime/watchdog.py)
+    watchdog.install(run_dir, topo.rank, topo.world, [topo.role(r) for r in range(topo.world)], topo.store,
+                     c.timeout_s, Injector.from_env(topo.rank, topo.store))
+    channel = Channel(topo.control_group, topo.rank)
     try:
         if topo.colocate:
-            run_colocated(cfg, preset, parts, model, topo, channel, run_dir, t0)
+            finish = run_colocated(cfg, preset, parts, model, topo, channel, run_dir, t0)
         elif topo.is_rollout:
-            run_rollout(cfg, parts, model, topo, channel, t0)
+            finish = run_rollout(cfg, parts, model, topo, channel, t0)
         elif topo.is_leader:
-            run_leader(cfg, preset, parts, model, topo, channel, run_dir, t0)
+            finish = run_leader(cfg, preset, parts, model, topo, channel, run_dir, t0)
         else:
-            run_follower(cfg, model, topo)
-    except Exception as e:
-        if watchdog.is_timeout(e):
-            role = "leader" if topo.is_leader else "rollout" if topo.is_rollout else "train"
-            watchdog.report_stall(run_dir, topo.rank, e, f"running as a {role} rank")
-        raise
+            finish = run_follower(cfg, model, topo)
+    except BaseException:  # leave at once: a thread blocked in a collective must not keep the process alive
+        print(f"[rank{topo.rank}] {traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(1)
 
-    # 5. orderly shutdown: every rank stops its neighbour's inbox, then leaves
-    dist.barrier(group=topo.control_group)
+    # 5. orderly shutdown: every rank stops its neighbour's inbox, then leaves; the leader writes the run summary
+    with waiting("every rank to finish (the shutdown barrier)", on=range(topo.world)):
+        dist.barrier(group=topo.control_group)
     channel.close(stop_peer=(topo.rank + 1) % topo.world)
     dist.destroy_process_group()
     watchdog.uninstall()
+    if finish is not None:
+        finish()
     return 0
+
+
+def resume_trainer(cfg: Config, trainer: Trainer, topo: Topology) -> dict | None:
+    """Load the checkpoint this attempt resumes from into the trainer (collective on the train ranks); its extra."""
+    path = resume_path(cfg)
+    if path is None:
+        return None
+    with waiting(f"loading checkpoint {path}", on=topo.train_ranks, phase=Phase.CHECKPOINT):
+        return trainer.load_checkpoint(path) or {}
 
 
 # ----------------------------------------------------------------------------------------------------- roles
 def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Module, topo: Topology,
-               channel: Channel, run_dir: str, t0: float) -> None:
+               channel: Channel, run_dir: str, t0: float) -> Callable[[], None]:
     """Global rank 0: the controller drives the policies in this thread; the trainer runs its work items (and
-    broadcasts the weights it publishes) in a second one, with the other train ranks following it."""
+    broadcasts the weights it publishes) in a second one, with the other train ranks following it. Returns the
+    run summary's writer, called once every rank has left."""
     log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))
     controller = Controller(preset, parts.source, cfg.rollout.group_size, cfg.rollout.prompts_per_step,
                             cfg.train.steps, log=log)
     trainer, publisher = make_trainer(cfg, model, topo)
-    resume = resume_path(cfg)
-    if resume is not None:
-        restore(controller, parts, trainer.load_checkpoint(resume) or {})
+    extra = resume_trainer(cfg, trainer, topo)
+    if extra is not None:
+        restore(controller, parts, extra)
     tt = TrainerThread(trainer, publisher, topo, channel, t0, notify=lambda v: backend.notify_publication(v))
-    backend = RuntimeBackend(topo, channel, t0, cfg.cluster.timeout_s, to_trainer=tt.queue.put)
+    backend = RuntimeBackend(topo, channel, t0, to_trainer=tt.queue.put)
 
     def save() -> None:
         backend.call(SaveCheckpoint(str(checkpoint_dir(cfg, run_dir)), leader_state(controller, parts, log),
@@ -151,23 +169,22 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
 
     backend.to_trainer(Publish(trainer.step))   # the engines start from the trainer's weights
     try:
-        controller.run(backend, periodic_checkpoints(cfg, controller, save))
+        with watchdog.doing("the controller's loop"):
+            controller.run(backend, periodic_checkpoints(cfg, controller, save))
         save()
         if cfg.checkpoint.export_hf:
             backend.call(ExportHF(str(Path(run_dir) / "hf")))
     finally:
         backend.stop_workers()
-        tt.stop(cfg.cluster.timeout_s)
+        tt.stop()
         log.close()
-    finish_run(run_dir, log, parts)
+    return lambda: finish_run(run_dir, log, parts)
 
 
 def run_follower(cfg: Config, model: torch.nn.Module, topo: Topology) -> None:
     """Train ranks 1..T-1: run each work item the leader broadcasts, collectively (FSDP2), until it says stop."""
     trainer, publisher = make_trainer(cfg, model, topo)
-    resume = resume_path(cfg)
-    if resume is not None:
-        trainer.load_checkpoint(resume)
+    resume_trainer(cfg, trainer, topo)
     follower_loop(trainer, publisher, topo)
 
 
@@ -176,20 +193,20 @@ def run_rollout(cfg: Config, parts: RunParts, model: torch.nn.Module, topo: Topo
     """Rollout ranks: one decode engine each, driven by the leader's messages; published weights arrive in this
     rank's relay and are loaded when the weight-sync policy says."""
     engine = make_engine(cfg, model, parts, topo)
-    receiver = WeightReceiver(topo.publish_group, src=0, device="cpu")
+    receiver = WeightReceiver(topo.publish_group, src=0, device="cpu", progress=watchdog.progress)
     RolloutWorker.for_rank(cfg, parts, engine, topo, channel, t0, receiver).run()
 
 
 def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Module, topo: Topology,
-                  channel: Channel, run_dir: str, t0: float) -> None:
+                  channel: Channel, run_dir: str, t0: float) -> Callable[[], None] | None:
     """Every rank: an engine on a private copy of the weights plus an FSDP2 trainer shard, taking turns; rank 0 also
-    runs the controller, in a thread (runtime/colocated.py)."""
+    runs the controller, in a thread (runtime/colocated.py), and returns the run summary's writer."""
     from runtime.colocated import ColocatedBackend, ColocatedWorker, ControllerThread
     engine = make_engine(cfg, copy.deepcopy(model).to(model_dtype(cfg, topo.device)), parts, topo)
     trainer, _ = make_trainer(cfg, model, topo)
-    resume = resume_path(cfg)
-    extra = (trainer.load_checkpoint(resume) or {}) if resume is not None else None
-    worker = ColocatedWorker.for_rank(cfg, parts, engine, topo, channel, t0, None, trainer=trainer)
+    extra = resume_trainer(cfg, trainer, topo)
+    worker = ColocatedWorker.for_rank(cfg, parts, engine, topo, channel, t0, None, trainer=trainer,
+                                      ranks=topo.train_ranks)
     ctl = log = None
     if topo.is_leader:
         log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))
@@ -197,7 +214,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
                                 cfg.train.steps, log=log)
         if extra is not None:
             restore(controller, parts, extra)
-        backend = ColocatedBackend(topo, channel, t0, cfg.cluster.timeout_s)
+        backend = ColocatedBackend(topo, channel, t0)
 
         def save() -> None:
             backend.call(SaveCheckpoint(str(checkpoint_dir(cfg, run_dir)), leader_state(controller, parts, log),
@@ -210,10 +227,11 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
         ctl = ControllerThread(controller, backend, finish, periodic_checkpoints(cfg, controller, save))
     worker.start()
     worker.run()
-    if ctl is not None:
-        ctl.join(cfg.cluster.timeout_s)
-        log.close()
-        finish_run(run_dir, log, parts)
+    if ctl is None:
+        return None
+    ctl.join()
+    log.close()
+    return lambda: finish_run(run_dir, log, parts)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ message the leader sends (runtime/messages.py).
     notify_publication  -> ReceiveWeights to every rollout rank, from the trainer thread right before the broadcast
                            they must join
     next_event          <- events from rollout ranks (lists, one message per engine step) and from the trainer
-                           thread, in arrival order, with a deadline that names who was being waited for
+                           thread, in arrival order; the wait names who is being waited for, and its deadline
+                           (runtime/watchdog.py) is renewed by the progress of any rollout rank or the trainer
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import time
 from typing import Any, Callable
 
 from rl.types import Group
-from runtime.channel import WORKER, Channel, ChannelTimeout
+from runtime import watchdog
+from runtime.channel import WORKER, Channel
 from runtime.messages import ExportHF, ReceiveWeights, SaveCheckpoint, Start, StartRequest, Stop, Train, WorkDone
 from runtime.topology import Topology
 from sched.base import Abort, Interrupt, LoadWeights, TrainCall
@@ -31,12 +33,11 @@ LEFT_ENGINE = ("trajectory_finished", "trajectory_aborted", "trajectory_interrup
 
 
 class RuntimeBackend:
-    def __init__(self, topo: Topology, channel: Channel, t0: float, timeout_s: float,
-                 to_trainer: Callable[[Any], None]):
+    def __init__(self, topo: Topology, channel: Channel, t0: float, to_trainer: Callable[[Any], None]):
         self.topo, self.channel, self.to_trainer = topo, channel, to_trainer
         self.num_engines = len(topo.rollout_ranks)
         self.t0 = t0
-        self.timeout_s = timeout_s
+        self.senders = sorted({0, *topo.rollout_ranks})   # whoever may send the controller an event
         self.pending: collections.deque[Event] = collections.deque()
         self.sent = [0] * self.num_engines   # requests sent to each engine and not back yet (for the deadline message)
         self.training = False
@@ -76,7 +77,7 @@ class RuntimeBackend:
         work = type(item).__name__
         self.to_trainer(item)
         while True:
-            src, msg = self.channel.get(timeout=self.timeout_s, waiting_for=f"the trainer to finish {work}")
+            src, msg = self.channel.get(waiting_for=f"the trainer to finish {work}", on=self.senders)
             if isinstance(msg, WorkDone) and msg.work == work:
                 if msg.error is not None:
                     raise RuntimeError(f"trainer failed during {work}:\n{msg.error}")
@@ -89,9 +90,11 @@ class RuntimeBackend:
     # ---------------------------------------------------------------------------------------------- events
     def next_event(self) -> Event:
         while not self.pending:
-            src, msg = self.channel.get(timeout=self.timeout_s, waiting_for=self._waiting_for())
+            src, msg = self.channel.get(waiting_for=self._waiting_for(), on=self.senders)
             self._receive(src, msg)
-        return self.pending.popleft()
+        ev = self.pending.popleft()
+        watchdog.progress(f"applied {ev.kind}")
+        return ev
 
     def _receive(self, src: int, msg: Any) -> None:
         for ev in (msg if isinstance(msg, list) else [msg]):
@@ -117,5 +120,3 @@ class RuntimeBackend:
         parts = busy + (["the trainer"] if self.training else [])
         return "events from " + (", ".join(parts) if parts else "anyone (nothing is in flight)")
 
-
-__all__ = ["RuntimeBackend", "ChannelTimeout"]

@@ -22,6 +22,7 @@ from rl.tasks import LengthDist, SyntheticTask
 from rl.reward_timeout import AdaptiveTimeout
 from runtime.reward_scorer import AsyncRewardScorer
 from runtime.topology import Topology
+from runtime.watchdog import progress
 from sched.controller import PromptItem
 from trainer.publish import WeightPublisher
 from trainer.trainer import Trainer
@@ -123,14 +124,17 @@ def model_for_rank(cfg: Config, parts: RunParts, device: torch.device, is_train:
 
 
 def make_trainer(cfg: Config, model: torch.nn.Module, topo: Topology) -> tuple[Trainer, WeightPublisher | None]:
-    """A train rank's FSDP2 trainer, and (disaggregated mode) its share of the weight publication."""
+    """A train rank's FSDP2 trainer, and (disaggregated mode) its share of the weight publication; both report
+    their progress to the watchdog (runtime/watchdog.py)."""
     ref = copy.deepcopy(model) if cfg.train.kl_coef > 0 else None
     trainer = Trainer(model, cfg.train, group=topo.train_group, device=topo.device, ref_model=ref,
-                      temperature=cfg.rollout.temperature or 1.0, max_response_len=cfg.rollout.max_new_tokens)
+                      temperature=cfg.rollout.temperature or 1.0, max_response_len=cfg.rollout.max_new_tokens,
+                      progress=progress)
     if topo.colocate:
         return trainer, None
     publisher = WeightPublisher(trainer.model, topo.publish_group, topo.train_group,
-                                dtype=model_dtype(cfg, topo.device), verify=cfg.cluster.verify_weights)
+                                dtype=model_dtype(cfg, topo.device), verify=cfg.cluster.verify_weights,
+                                progress=progress)
     return trainer, publisher
 
 

@@ -6,18 +6,23 @@ rank's loops read their port's queue with a deadline. Ports let one rank host tw
 worker, in colocated mode). A message is a 3-int64 header (source rank, payload bytes, port) followed by the
 pickled payload as uint8.
 
-Deadlines: every `get` takes a timeout, and `ChannelTimeout` names who was being waited for, so a silent peer ends
-the job with a message instead of hanging at a collective for the process group's default 30 minutes.
+Deadlines: every blocking `send` and `get` is a declared wait (runtime/watchdog.py) on the ranks it depends on: a
+send on its destination (gloo hands a message over only once the peer's inbox thread receives it, so a send to a
+frozen peer blocks), a get on the ranks named by the caller; the watchdog ends the process with a report naming
+them when none makes progress for `cluster.timeout_s`. A get with an explicit `timeout` is a short poll that raises
+ChannelTimeout instead.
 """
 from __future__ import annotations
 
 import pickle
 import queue
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from runtime.watchdog import waiting
 
 HEADER_TAG, PAYLOAD_TAG = 11, 12
 _STOP = -1
@@ -29,10 +34,9 @@ class ChannelTimeout(TimeoutError):
 
 
 class Channel:
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, timeout_s: float = 300.0):
+    def __init__(self, group: dist.ProcessGroup | None, rank: int):
         self.group = group
         self.rank = rank
-        self.timeout_s = timeout_s
         self.inboxes: dict[int, "queue.Queue[tuple[int, Any]]"] = {CONTROLLER: queue.Queue(), WORKER: queue.Queue()}
         self._send_lock = threading.Lock()
         self.bytes_sent = 0
@@ -48,7 +52,7 @@ class Channel:
             self.inboxes[port].put((self.rank, obj))
             return
         data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-        with self._send_lock:
+        with self._send_lock, waiting(f"rank {dst} to take {type(obj).__name__}", on=[dst]):
             dist.send(torch.tensor([self.rank, data.numel(), port], dtype=torch.int64), dst, group=self.group,
                       tag=HEADER_TAG)
             dist.send(data, dst, group=self.group, tag=PAYLOAD_TAG)
@@ -78,14 +82,18 @@ class Channel:
             # control group is made by train.py over torchrun's own ranks). Never point it at untrusted peers.
             self.inboxes[port].put((src, pickle.loads(buf.numpy().tobytes())))
 
-    def get(self, timeout: float | None = None, waiting_for: str = "a message", port: int = CONTROLLER
-            ) -> tuple[int, Any]:
-        """Next (source rank, object); raises ChannelTimeout after `timeout` seconds (default: the channel's)."""
-        timeout = self.timeout_s if timeout is None else timeout
-        try:
-            src, obj = self.inboxes[port].get(timeout=timeout)
-        except queue.Empty:
-            raise ChannelTimeout(f"rank {self.rank} waited {timeout:.0f}s for {waiting_for}") from None
+    def get(self, port: int = CONTROLLER, *, waiting_for: str = "a message", on: Sequence[int] = (),
+            timeout: float | None = None) -> tuple[int, Any]:
+        """Next (source rank, object). Without `timeout`: a wait on the ranks `on` under the watchdog's deadline;
+        with it: ChannelTimeout after `timeout` seconds."""
+        if timeout is None:
+            with waiting(waiting_for, on):
+                src, obj = self.inboxes[port].get()
+        else:
+            try:
+                src, obj = self.inboxes[port].get(timeout=timeout)
+            except queue.Empty:
+                raise ChannelTimeout(f"rank {self.rank} waited {timeout:g}s for {waiting_for}") from None
         if src == -1 and isinstance(obj, tuple) and obj[0] == "channel_error":
             raise ConnectionError(f"rank {self.rank}: control channel failed: {obj[1]}")
         return src, obj
@@ -107,7 +115,7 @@ class Channel:
         if self.group is None:
             return
         if stop_peer is not None and stop_peer != self.rank:
-            with self._send_lock:
+            with self._send_lock, waiting(f"rank {stop_peer} to take the channel's stop", on=[stop_peer]):
                 dist.send(torch.tensor([self.rank, _STOP, 0], dtype=torch.int64), stop_peer, group=self.group,
                           tag=HEADER_TAG)
         if self._thread is not None and stop_peer is not None and stop_peer != self.rank:

@@ -20,6 +20,7 @@ from runtime.channel import CONTROLLER, WORKER
 from runtime.messages import ExportHF, Publish, SaveCheckpoint, Stop, Train, WorkDone
 from runtime.rollout_worker import RolloutWorker
 from runtime.train_worker import run_work
+from runtime.watchdog import Phase, waiting
 from sched.base import LoadWeights
 from sched.controller import Controller
 from trainer.fsdp import full_tensors
@@ -27,14 +28,16 @@ from trainer.trainer import Trainer
 
 
 class ColocatedWorker(RolloutWorker):
-    def __init__(self, *args: Any, trainer: Trainer, **kw: Any):
+    def __init__(self, *args: Any, trainer: Trainer, ranks: list[int], **kw: Any):
         super().__init__(*args, **kw)
-        self.trainer = trainer
+        self.trainer, self.ranks = trainer, ranks
 
     def sync_engine(self) -> None:
         """Copy the trainer's weights into the engine (collective: every rank gathers its shards' full tensors)."""
-        self.engine.load_weights(full_tensors(self.trainer.model), self.trainer.step)
-        self.event("weights_loaded", version=self.trainer.step)
+        version = self.trainer.step
+        with waiting(f"refreshing the engine to v{version}", on=self.ranks, phase=Phase.PUBLISH, step=version):
+            self.engine.load_weights(full_tensors(self.trainer.model), version)
+        self.event("weights_loaded", version=version)
 
     def publish(self, version: int, overlapped: bool) -> None:
         """Colocated publication: no transfer to overlap, the engine is refreshed in place."""
@@ -51,7 +54,8 @@ class ColocatedWorker(RolloutWorker):
 
     def handle(self, msg: Any) -> bool:
         if isinstance(msg, (Train, Publish, SaveCheckpoint, ExportHF)):
-            run_work(msg, self.trainer, self.publish, self.outbox.append if self.rank == 0 else None, self.now)
+            run_work(msg, self.trainer, self.publish, self.ranks, self.outbox.append if self.rank == 0 else None,
+                     self.now)
             if isinstance(msg, (SaveCheckpoint, ExportHF)) and self.rank == 0:
                 self.channel.post(WorkDone(type(msg).__name__), CONTROLLER)
         elif isinstance(msg, LoadWeights):
@@ -97,7 +101,8 @@ class ControllerThread:
         finally:
             self.backend.stop_workers()
 
-    def join(self, timeout_s: float) -> None:
-        self.thread.join(timeout=timeout_s)
+    def join(self) -> None:
+        with waiting("the controller thread to finish", on=self.backend.senders):
+            self.thread.join()
         if self.error:
             raise RuntimeError(f"controller failed:\n{self.error}")

@@ -27,6 +27,10 @@ as events, batched one message per engine step:
   A request already finished is no longer in the engine, so an abort or interrupt of it does nothing here (no
   event): its one `reward_scored` still comes, and the controller discards it if it dropped the request
   (sched/lifecycle.py). At Stop the scores already in are sent and the rest are cancelled (the controller is done).
+
+Deadlines (runtime/watchdog.py): the wait for the next message and a publication's broadcast are waits on the
+leader; every engine step, scored sample and handled message is progress, which renews the waits of the ranks
+waiting on this one (the controller, for events).
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ from runtime.channel import WORKER, Channel, ChannelTimeout
 from runtime.messages import ReceiveWeights, Start, StartRequest, Stop
 from runtime.reward_scorer import AsyncRewardScorer
 from runtime.topology import Topology
-from runtime.watchdog import maybe_kill, maybe_stall
+from runtime.watchdog import Phase, doing, progress, waiting
 from sched.base import Abort, Interrupt, LoadWeights
 from sched.events import Event
 from trainer.publish import WeightReceiver, checksum
@@ -85,11 +89,11 @@ def trajectory_of(out: RequestOutput) -> Trajectory:
 class RolloutWorker:
     def __init__(self, engine: LLMEngine, channel: Channel, *, engine_index: int, rank: int,
                  reward_fn: Callable[[str, str], RewardResult], decode: Callable[[list[int]], str],
-                 receiver: WeightReceiver | None, sampling: SamplingConfig, t0: float, timeout_s: float,
+                 receiver: WeightReceiver | None, sampling: SamplingConfig, t0: float,
                  verify_weights: bool = False, scorer: AsyncRewardScorer | None = None):
         self.engine, self.channel, self.engine_index, self.rank = engine, channel, engine_index, rank
         self.reward_fn, self.decode, self.receiver, self.sampling = reward_fn, decode, receiver, sampling
-        self.t0, self.timeout_s = t0, timeout_s
+        self.t0 = t0
         self.answers: dict[int, str | None] = {}               # req_id -> its reference answer
         self.relay: dict[str, torch.Tensor] = {}
         self.relay_version = -1
@@ -110,7 +114,7 @@ class RolloutWorker:
         return cls(engine, channel, engine_index=topo.engine_of(topo.rank), rank=topo.rank, reward_fn=parts.reward_fn,
                    decode=response_decoder(parts.tokenizer, engine.eos_ids), receiver=receiver,
                    sampling=SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed), t0=t0,
-                   timeout_s=cfg.cluster.timeout_s, verify_weights=cfg.cluster.verify_weights,
+                   verify_weights=cfg.cluster.verify_weights,
                    scorer=reward_scorer(cfg, parts.reward_fn), **kw)
 
     def now(self) -> float:
@@ -128,13 +132,14 @@ class RolloutWorker:
     def handle(self, msg: Any) -> bool:
         """Apply one message from the leader; False means stop."""
         if isinstance(msg, Start):
-            maybe_stall(self.rank)
             for req in msg.requests:
                 self._add(req)
         elif isinstance(msg, ReceiveWeights):
             if self.receiver is None:
                 raise RuntimeError(f"rank {self.rank} told to receive weights but it has no publication group")
-            self.relay_version = self.receiver.receive(self._into_relay)
+            with waiting(f"weights v{msg.version} from the leader (rank 0)", on=[0], phase=Phase.PUBLISH,
+                         step=msg.version):
+                self.relay_version = self.receiver.receive(self._into_relay)
         elif isinstance(msg, LoadWeights):
             self.load(msg.version)
         elif isinstance(msg, Abort):
@@ -231,13 +236,16 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------------------------------------ stepping
     def step(self) -> None:
+        with doing(f"engine step {self.steps + 1}", phase=Phase.DECODE, step=self.engine.version):
+            self._step()
+
+    def _step(self) -> None:
         if not self.busy:
             self.busy = True
             self.event("engine_busy", version=self.engine.version)
         finished = self.engine.step()
-        if finished:
-            maybe_kill(self.engine.version)  # fault injection (runtime/watchdog.py)
         self.steps += 1
+        progress(f"{len(finished)} finished, {len(self.engine.seqs)} in the engine")
         for out in finished:
             req_id = out.request_id
             answer = self.answers.pop(req_id)
@@ -251,6 +259,7 @@ class RolloutWorker:
                        data={"tokens": len(out.token_ids), "finish_reason": out.finish_reason})
             if self.scorer is None:
                 self._scored(req_id, out.version, traj, self.reward_fn(text, answer or ""))
+                progress(f"scored request {req_id}")
             else:   # RollPacker §4.3: scored beside decoding, keyed by prompt (one test case per prompt)
                 self.scoring[self.next_key] = (req_id, out.version, traj)
                 self.scorer.submit(self.next_key, traj.prompt_index, text, answer or "")
@@ -280,6 +289,8 @@ class RolloutWorker:
         for key, result, _ in done:
             req_id, version, traj = self.scoring.pop(key)
             self._scored(req_id, version, traj, result)
+        if done:
+            progress(f"{len(done)} scores in")
         return len(done)
 
     def close(self) -> None:
@@ -293,6 +304,10 @@ class RolloutWorker:
     SCORE_POLL_S = 0.005  # how long an idle loop waits for a message between looks at pending scores
 
     def run(self) -> None:
+        with doing("the engine loop"):
+            self._run()
+
+    def _run(self) -> None:
         try:
             while True:
                 msgs = self.channel.poll(WORKER)
@@ -301,17 +316,17 @@ class RolloutWorker:
                         self.collect_scores()
                         self.flush()
                         try:
-                            msgs = [self.channel.get(timeout=self.SCORE_POLL_S, port=WORKER)]
+                            msgs = [self.channel.get(WORKER, timeout=self.SCORE_POLL_S)]
                         except ChannelTimeout:
                             continue
                     else:
                         self.flush()
-                        msgs = [self.channel.get(timeout=self.timeout_s, port=WORKER,
-                                                 waiting_for="work from the controller (rank 0)")]
+                        msgs = [self.channel.get(WORKER, waiting_for="work from the controller (rank 0)", on=[0])]
                 for _, msg in msgs:
                     if not self.handle(msg):
                         self.close()
                         return
+                    progress(f"handled {type(msg).__name__}")
                     self.flush()
                 if self.engine.has_unfinished():
                     self.step()

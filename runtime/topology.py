@@ -4,6 +4,12 @@
     global rank T .. W-1     rollout ranks, one decode engine each
     publish_group            train leader + every rollout rank (weights: NCCL on GPU, gloo on CPU)
     control_group            every rank, gloo, for the control channel (requests, trajectories, events)
+    work_group               train ranks, gloo: the leader hands each work item to the followers through it
+    store                    torchrun's key-value store (this attempt's keys): the watchdog's heartbeats
+
+Only start-up waits on the process groups' own timeout (`cluster.timeout_s`: the rendezvous of every rank). After
+it, the groups' timeouts are off (NO_PG_TIMEOUT): a gloo or NCCL call cannot tell a slow peer from a dead one, so
+every blocking call is declared to runtime/watchdog.py instead, whose deadlines are renewed by progress.
 
 The train leader is global rank 0 on purpose: torch.distributed.checkpoint's full-state-dict helpers gather to
 global rank 0 (with cpu_offload=True; every other rank gets an empty dict). In colocated mode every rank is both a
@@ -19,6 +25,9 @@ import torch
 import torch.distributed as dist
 
 
+NO_PG_TIMEOUT = timedelta(days=30)   # the process groups' own timeout after start-up: off (module docstring)
+
+
 @dataclass
 class Topology:
     rank: int
@@ -30,11 +39,9 @@ class Topology:
     train_group: dist.ProcessGroup | None = None
     publish_group: dist.ProcessGroup | None = None
     control_group: dist.ProcessGroup | None = None
-    # train ranks, gloo, no deadline: the leader hands each work item to the followers through it. A follower waits
-    # there for as long as a rollout lasts (minutes at scale), which is not a stall; the leader's own waits have
-    # deadlines and its exit ends the job, so the followers never wait on a dead leader for long.
     work_group: dist.ProcessGroup | None = None
     mesh: object | None = field(default=None, repr=False)  # DeviceMesh over train_group (train ranks only)
+    store: dist.Store | None = field(default=None, repr=False)
 
     @property
     def is_train(self) -> bool:
@@ -53,6 +60,14 @@ class Topology:
 
     def engine_of(self, rank: int) -> int:
         return self.rollout_ranks.index(rank)
+
+    def role(self, rank: int) -> str:
+        """What rank `rank` is, in words (stall reports)."""
+        if self.colocate:
+            return "colocated, controller" if rank == 0 else "colocated"
+        if rank in self.rollout_ranks:
+            return f"rollout, engine {self.engine_of(rank)}"
+        return "train leader, controller" if rank == 0 else "train"
 
 
 def split_ranks(world: int, rollout_ranks: int, rollout_fraction: float, colocate: bool) -> tuple[list[int], list[int]]:
@@ -83,24 +98,18 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
         torch.cuda.set_device(device)
     pg_backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     timeout = timedelta(seconds=timeout_s)
+    # a job torchrun restarted (--max-restarts) gets its own keys: the store still holds the dead attempt's
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if not dist.is_initialized() and attempt > 0:
-        # restarted by torchrun (--max-restarts): its store still holds the dead attempt's gloo addresses
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        dist.init_process_group(pg_backend, store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank,
-                                world_size=world, timeout=timeout)
-    elif not dist.is_initialized():
-        dist.init_process_group(pg_backend, timeout=timeout)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"attempt{attempt}/", store)
+    dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world, timeout=timeout)
     train, rollout = split_ranks(world, rollout_ranks, rollout_fraction, colocate)
-    topo = Topology(rank, world, train, rollout, colocate, device)
-    # every rank creates every group, in the same order. The control channel's inbox threads wait in an
-    # any-source recv for as long as a rank has nothing to do, so its gloo timeout is effectively off; the
-    # deadlines that matter are enforced by Channel.get, which names who was being waited for.
-    topo.control_group = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(days=30))
-    train_group = dist.new_group(train, backend=pg_backend, timeout=timeout)
-    work_group = dist.new_group(train, backend="gloo", timeout=timedelta(days=30))
-    publish_group = None if colocate else dist.new_group([0] + rollout, backend=pg_backend, timeout=timeout)
+    topo = Topology(rank, world, train, rollout, colocate, device, store=store)
+    # every rank creates every group, in the same order
+    topo.control_group = dist.new_group(list(range(world)), backend="gloo", timeout=NO_PG_TIMEOUT)
+    train_group = dist.new_group(train, backend=pg_backend, timeout=NO_PG_TIMEOUT)
+    work_group = dist.new_group(train, backend="gloo", timeout=NO_PG_TIMEOUT)
+    publish_group = None if colocate else dist.new_group([0] + rollout, backend=pg_backend, timeout=NO_PG_TIMEOUT)
     if topo.is_train:
         topo.train_group, topo.work_group = train_group, work_group
         from torch.distributed.device_mesh import DeviceMesh

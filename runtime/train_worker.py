@@ -9,6 +9,10 @@ training the way it sees engines: `train_step_done` (with the step's metrics), `
 for the SaveCheckpoint / ExportHF the controller waits on. Before each publication's broadcast the thread has the
 backend tell the rollout ranks to join it (`notify`, RuntimeBackend.notify_publication): the rollout ranks must
 be in that collective, so the notice is sent from this thread, right before it.
+
+Every blocking step here is a declared wait (runtime/watchdog.py): a work item is a work wait on every train rank
+(its FSDP2 collectives), renewed by their progress in it (the trainer reports each micro-batch, the publisher each
+bucket, a checkpoint each stage); a follower's wait for the next item is an idle wait on the leader.
 """
 from __future__ import annotations
 
@@ -16,14 +20,15 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
+from runtime import watchdog
 from runtime.channel import Channel
 from runtime.messages import ExportHF, Publish, SaveCheckpoint, Stop, Train, WorkDone
 from runtime.topology import Topology
-from runtime.watchdog import maybe_kill
+from runtime.watchdog import Phase, waiting
 from sched.events import Event
 from sched.metrics import rollout_stats
 from trainer.publish import WeightPublisher
@@ -37,7 +42,8 @@ class AsyncSender:
     """Runs the sending half of an overlapped publication in the background, one at a time (StreamRL §4.1: the
     weight transfer of step n overlaps the training of step n + 1). A failure is raised at the next `wait`."""
 
-    def __init__(self) -> None:
+    def __init__(self, on: Sequence[int]) -> None:
+        self.on = on      # the ranks a publication waits on (leader + rollout ranks)
         self.thread: threading.Thread | None = None
         self.error: str | None = None
 
@@ -54,22 +60,23 @@ class AsyncSender:
 
     def wait(self) -> None:
         if self.thread is not None:
-            self.thread.join()
+            with waiting("the overlapped publication to be sent", on=self.on):
+                self.thread.join()
             self.thread = None
         if self.error is not None:
             err, self.error = self.error, None
             raise RuntimeError(f"overlapped weight publication failed:\n{err}")
 
 
-def run_work(item: Any, trainer: Trainer, publish: PublishFn, report: Report | None = None,
+def run_work(item: Any, trainer: Trainer, publish: PublishFn, ranks: Sequence[int], report: Report | None = None,
              clock: Callable[[], float] = time.time) -> None:
-    """Run one work item on this train rank, collectively with the other train ranks. `publish` is the mode's way
-    to publish (the leader's broadcast, a follower's share of the gather, colocated mode's in-place engine refresh);
-    `report` (the rank that reports: the leader) gets the `train_step_done` event."""
+    """Run one work item on this train rank, collectively with the other train ranks (`ranks`). `publish` is the
+    mode's way to publish (the leader's broadcast, a follower's share of the gather, colocated mode's in-place engine
+    refresh; each declares its own wait); `report` (the rank that reports: the leader) gets `train_step_done`."""
     if isinstance(item, Train):
-        call = item.call
-        metrics = trainer.train_step(item.groups, step=call.step)
-        maybe_kill(trainer.step)  # fault injection (runtime/watchdog.py); a no-op otherwise
+        call, n = item.call, trainer.step + 1
+        with waiting(f"train step {n}", on=ranks, phase=Phase.TRAIN, step=n):
+            metrics = trainer.train_step(item.groups, step=call.step)
         if report is not None:
             report(Event("train_step_done", clock(), rank=0, version=trainer.step,
                          data={"stepped": call.step, **rollout_stats(item.groups), **floats(metrics)}))
@@ -78,9 +85,11 @@ def run_work(item: Any, trainer: Trainer, publish: PublishFn, report: Report | N
     elif isinstance(item, Publish):
         publish(item.version, False)
     elif isinstance(item, SaveCheckpoint):
-        trainer.save_checkpoint(item.dir, extra=item.extra, keep_last=item.keep)
+        with waiting(f"checkpoint step_{trainer.step}", on=ranks, phase=Phase.CHECKPOINT, step=trainer.step):
+            trainer.save_checkpoint(item.dir, extra=item.extra, keep_last=item.keep)
     elif isinstance(item, ExportHF):
-        trainer.export_hf(item.dir)
+        with waiting(f"the HF export to {item.dir}", on=ranks, phase=Phase.EXPORT, step=trainer.step):
+            trainer.export_hf(item.dir)
     else:
         raise TypeError(f"unknown trainer work item {type(item).__name__}")
 
@@ -102,8 +111,10 @@ class TrainerThread:
                  notify: Callable[[int], None]):
         self.trainer, self.publisher, self.topo, self.channel, self.t0 = trainer, publisher, topo, channel, t0
         self.notify = notify
+        self.followers = topo.train_ranks[1:]
+        self.receivers = [0, *topo.rollout_ranks]   # the publication broadcast
         self.queue: "queue.Queue[Any]" = queue.Queue()
-        self.sender = AsyncSender()
+        self.sender = AsyncSender(self.receivers)
         self.thread = threading.Thread(target=self._loop, name="trainer", daemon=True)
         self.thread.start()
 
@@ -114,12 +125,16 @@ class TrainerThread:
         """Tell the rollout ranks, then broadcast; overlapped (StreamRL §4.1's asynchronous mode): gather and pack
         now (collective with the followers), send in the background while the next item trains."""
         def send(packed: Any = None) -> None:
-            self.notify(version)
-            stats = self.publisher.send(packed) if packed is not None else self.publisher.publish(version)
+            with waiting(f"publishing weights v{version}", on=self.receivers + self.followers, phase=Phase.PUBLISH,
+                         step=version):
+                self.notify(version)
+                stats = self.publisher.send(packed) if packed is not None else self.publisher.publish(version)
             self.channel.post(Event("version_published", self._clock(), rank=0, version=version,
                                     data=floats(stats)))
         if overlapped:
-            packed = self.publisher.pack(version)
+            with waiting(f"gathering weights v{version}", on=self.topo.train_ranks, phase=Phase.PUBLISH,
+                         step=version):
+                packed = self.publisher.pack(version)
             self.sender.submit(lambda: send(packed))
         else:
             send()
@@ -129,12 +144,13 @@ class TrainerThread:
         try:
             while True:
                 item = self.queue.get()
-                if len(self.topo.train_ranks) > 1:
-                    broadcast_item(item, self.topo)
+                if self.followers:
+                    with waiting(f"the train ranks to take {type(item).__name__}", on=self.followers):
+                        broadcast_item(item, self.topo)
                 if isinstance(item, Stop):
                     self.sender.wait()
                     return
-                run_work(item, self.trainer, self._publish, self.channel.post, self._clock)
+                run_work(item, self.trainer, self._publish, self.topo.train_ranks, self.channel.post, self._clock)
                 if isinstance(item, (SaveCheckpoint, ExportHF)):
                     self.channel.post(WorkDone(type(item).__name__))
         except BaseException:
@@ -143,16 +159,23 @@ class TrainerThread:
                 self.channel.post(WorkDone(type(item).__name__, error=err))
             self.channel.post(Event("rank_failed", self._clock(), rank=0, data={"error": err}))
 
-    def stop(self, timeout_s: float) -> None:
+    def stop(self) -> None:
         self.queue.put(Stop())
-        self.thread.join(timeout=timeout_s)
+        with waiting("the trainer thread to stop", on=self.topo.train_ranks):
+            self.thread.join()
 
 
 def follower_loop(trainer: Trainer, publisher: WeightPublisher, topo: Topology) -> None:
     """Train ranks other than the leader: receive each work item, run it collectively, until Stop. A follower's
     share of any publication (overlapped or not) is the same gather of every bucket."""
+    def publish(version: int, overlapped: bool) -> None:
+        with waiting(f"gathering weights v{version}", on=topo.train_ranks, phase=Phase.PUBLISH, step=version):
+            publisher.publish(version)
+
     while True:
-        item = broadcast_item(None, topo)
+        with waiting("a work item from the leader (rank 0)", on=[0]):
+            item = broadcast_item(None, topo)
+        watchdog.progress(f"received {type(item).__name__}")
         if isinstance(item, Stop):
             return
-        run_work(item, trainer, lambda version, overlapped: publisher.publish(version))
+        run_work(item, trainer, publish, topo.train_ranks)

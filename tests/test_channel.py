@@ -10,7 +10,7 @@ from tests.dist_utils import new_group, run_world
 def _exchange(rank, world):
     from runtime.channel import Channel, ChannelTimeout
     import torch.distributed as dist
-    ch = Channel(new_group(list(range(world))), rank, timeout_s=30)
+    ch = Channel(new_group(list(range(world))), rank)
     n = 50
     if rank == 0:
         got = {}

@@ -47,7 +47,7 @@ def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None):
     from runtime.rollout_worker import response_decoder
     w = RolloutWorker(engine, ch, engine_index=0, rank=1, reward_fn=task.score,
                       decode=response_decoder(tok, engine.eos_ids), receiver=None,
-                      sampling=SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0, timeout_s=5,
+                      sampling=SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0,
                       verify_weights=verify, scorer=scorer)
     return w, ch, task, tok
 
@@ -198,7 +198,7 @@ def test_interrupt_hands_back_partials_and_another_worker_finishes_them_as_if_un
     sent = FakeChannel()
     topo = Topology(rank=0, world=2, train_ranks=[0], rollout_ranks=[1], colocate=False,
                     device=torch.device("cpu"))
-    RuntimeBackend(topo, sent, t0=0.0, timeout_s=5, to_trainer=None).submit(0, reqs, prompt_items)
+    RuntimeBackend(topo, sent, t0=0.0, to_trainer=None).submit(0, reqs, prompt_items)
     (_, start), = sent.sent
     assert all(sr.partial is e.payload for sr, e in zip(start.requests, interrupted))
     b.handle(start)
@@ -260,7 +260,7 @@ class LoopbackChannel(FakeChannel):
         super().__init__()
         self.inbox = []
 
-    def get(self, timeout, waiting_for="", port=0):
+    def get(self, port=0, *, waiting_for="", on=(), timeout=None):
         return self.inbox.pop(0)
 
 
@@ -269,7 +269,7 @@ def test_backend_sends_typed_messages_and_partial_trajectories_and_refuses_migra
                     device=torch.device("cpu"))
     ch = LoopbackChannel()
     work = []
-    be = RuntimeBackend(topo, ch, t0=0.0, timeout_s=5, to_trainer=work.append)
+    be = RuntimeBackend(topo, ch, t0=0.0, to_trainer=work.append)
     be.command(Interrupt(1, [4, 7]))
     be.command(LoadWeights(0, 3))
     be.notify_publication(2)
@@ -307,7 +307,7 @@ class QueueChannel(FakeChannel):
             out.append((0, self.inbox.get_nowait()))
         return out
 
-    def get(self, timeout, waiting_for="", port=0):
+    def get(self, port=0, *, waiting_for="", on=(), timeout=None):
         try:
             return 0, self.inbox.get(timeout=timeout)
         except queue.Empty:
@@ -419,8 +419,7 @@ def test_async_scoring_a_call_past_its_timeout_scores_zero_failed_and_stop_cance
     gate = threading.Event()
     calls = []
     w, ch, task, tok = loaded_worker()
-    w.channel = ch = QueueChannel()
-    w.timeout_s = 30.0   # a loop blocked on the channel would wait this long: the test would time out first
+    w.channel = ch = QueueChannel()   # a loop blocked on it while scores are pending would never see them
     cfg = load_config("configs/tiny.toml", ["--reward.async_workers=2", "--reward.timeout_s=0.2",
                                             "--reward.timeout_min_s=0.1"])
     w.scorer = reward_scorer(cfg, gated_reward(task, gate, hold=lambda text, answer: len(calls) == 1,

@@ -5,6 +5,9 @@ FSDP2 train steps (activation checkpointing on, KL to a sharded reference, minib
 no data), a DCP checkpoint, weight publication with verification, a crash inside a checkpoint save, resume into a
 fresh model, a deliberately corrupted publication, and an HF export. The main process compares against the same
 steps run unsharded in one process."""
+import resource
+import signal
+
 import pytest
 import torch
 
@@ -13,7 +16,7 @@ from model import Transformer, cu_seqlens_from_lengths
 from tests.dist_utils import new_group, run_world
 from tests.test_trainer import SMOOTH_ADAM, make_groups, tiny_cfg, tiny_model
 from trainer import Trainer
-from trainer.checkpoint import latest
+from trainer.checkpoint import CheckpointError, latest
 from trainer.fsdp import full_state_dict
 
 pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("one_thread")]
@@ -40,11 +43,17 @@ def _world(rank: int, world: int, tmp: str):
     publisher = publish.WeightPublisher(tr.model, pub if rank == 1 else None, train, bucket_bytes=2048, verify=True)
     publisher.publish(3)
 
-    crashed = False
-    try:  # a lambda cannot be pickled: torch.save raises on every rank after DCP wrote the shards
-        tr.save_checkpoint(f"{tmp}/ckpt", extra={"unpicklable": lambda: 0})
-    except Exception:
-        crashed = True
+    crashed = None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 2:  # only this rank's writes fail (EFBIG past 1 KiB, as on a full disk): every rank must raise
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limit[1]))
+    try:
+        tr.save_checkpoint(f"{tmp}/ckpt", extra={"data_position": 3})
+    except CheckpointError as e:
+        crashed = str(e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     latest_after_crash = str(latest(f"{tmp}/ckpt"))
 
     fresh = Trainer(tiny_model(seed=7), TrainConfig(**CFG, activation_checkpointing=True), group=train,
@@ -131,13 +140,15 @@ def test_corrupted_tensor_is_named_and_not_loaded(world):
 
 def test_resume_after_crash_equals_uninterrupted_run(world):
     (_, t1, t2), tmp = world
-    for t in (t1, t2):
-        assert t["crashed"]
+    for t in (t1, t2):  # the write failed on rank 2 only; both ranks raised it, naming the path and the rank
+        assert f"could not write checkpoint {tmp / 'ckpt' / 'step_3'}" in t["crashed"], t["crashed"]
+        assert "rank 1: OSError: [Errno 27] File too large" in t["crashed"], t["crashed"]
+        assert f"The previous checkpoint is untouched: {tmp / 'ckpt' / 'step_2'}" in t["crashed"]
         assert t["latest"].endswith("step_2")
         assert t["extra"] == {"data_position": 2} and t["resumed_step"] == 2
         for name, p in t["w3"].items():
             assert torch.allclose(t["w3_resumed"][name], p, atol=1e-7, rtol=0), name
-    assert (tmp / "ckpt" / ".tmp_step_3").exists() and not (tmp / "ckpt" / "step_3").exists()
+    assert not (tmp / "ckpt" / ".tmp_step_3").exists() and not (tmp / "ckpt" / "step_3").exists()
 
 
 def test_hf_export_loads_in_transformers_and_matches_logits(world):
@@ -170,7 +181,7 @@ def _overlapped(rank: int, world: int, tmp: str):
     w1 = full_state_dict(tr.model)
     publisher = WeightPublisher(tr.model, pub if rank == 1 else None, train, bucket_bytes=2048, verify=True)
     packed = publisher.pack(1)
-    sender = AsyncSender()
+    sender = AsyncSender(on=[0, 1])
     if rank == 1:
         sender.submit(lambda: publisher.send(packed))
     tr.train_step(b[1])                     # collectives on the train group while the broadcast goes out

@@ -13,7 +13,8 @@ one uint8 buffer (each tensor's bytes at a 16-byte aligned offset) and, with `ve
 per-tensor checksums (float64 sum bit-cast, and a positional hash of the bytes). The receiver checks each tensor
 before handing its bucket to the loader, keeps receiving to the end (so the collectives stay matched) and raises
 `WeightChecksumError` naming the first mismatching tensor. A tied weight is sent once, under its first name
-(`model.embed_tokens.weight`); the header's `tied` maps the other names to it.
+(`model.embed_tokens.weight`); the header's `tied` maps the other names to it. Both sides tell `progress` (when
+given) of the header and of each bucket: the runtime's deadlines are renewed by it (runtime/watchdog.py).
 """
 from __future__ import annotations
 
@@ -102,10 +103,12 @@ def _object_device(group: dist.ProcessGroup) -> torch.device | None:
 
 class WeightPublisher:
     def __init__(self, model: nn.Module, pub_group: dist.ProcessGroup | None, train_group: dist.ProcessGroup | None
-                 = None, *, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None, verify: bool = False):
+                 = None, *, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None, verify: bool = False,
+                 progress: Callable[[str], None] | None = None):
         """All train ranks build one. pub_group: train leader + rollout ranks (None on the other train ranks).
         dtype: what the engines run in (e.g. torch.bfloat16); None sends the parameters' own dtype."""
         self.model, self.pub_group, self.verify, self.bucket_bytes = model, pub_group, verify, bucket_bytes
+        self.progress = progress or (lambda note: None)
         self.train_group = train_group or dist.group.WORLD
         self.leader = dist.get_rank(self.train_group) == 0
         self.src = dist.get_global_rank(self.train_group, 0) if self.train_group is not dist.group.WORLD else 0
@@ -148,10 +151,12 @@ class WeightPublisher:
         if self.leader:
             dist.broadcast_object_list([self._header(version)], src=self.src, group=self.pub_group,
                                        device=_object_device(self.pub_group))
-        for bucket, size in zip(self.buckets, self.sizes):
+            self.progress(f"v{version}: header sent")
+        for i, (bucket, size) in enumerate(zip(self.buckets, self.sizes)):
             packed = self._gather_bucket(bucket, size)
             if packed is not None:
                 self._send_bucket(*packed)
+            self.progress(f"v{version}: bucket {i + 1}/{len(self.buckets)} {'sent' if self.leader else 'gathered'}")
         return {"version": float(version), "bytes": float(sum(self.sizes)) if self.leader else 0.0,
                 "buckets": float(len(self.buckets)), "seconds": time.perf_counter() - t0}
 
@@ -160,7 +165,10 @@ class WeightPublisher:
         """The gathering half of an overlapped publication (every train rank; collective on the train group): the
         leader keeps every bucket packed (a full copy of the weights), to `send` while the next step trains."""
         t0 = time.perf_counter()
-        buckets = [self._gather_bucket(b, s) for b, s in zip(self.buckets, self.sizes)]
+        buckets = []
+        for i, (b, s) in enumerate(zip(self.buckets, self.sizes)):
+            buckets.append(self._gather_bucket(b, s))
+            self.progress(f"v{version}: bucket {i + 1}/{len(self.buckets)} gathered")
         if not self.leader:
             return None
         return PackedWeights(int(version), buckets, time.perf_counter() - t0)  # type: ignore[arg-type]
@@ -171,8 +179,10 @@ class WeightPublisher:
         t0 = time.perf_counter()
         dist.broadcast_object_list([self._header(weights.version)], src=self.src, group=self.pub_group,
                                    device=_object_device(self.pub_group))
-        for buf, check in weights.buckets:
+        self.progress(f"v{weights.version}: header sent")
+        for i, (buf, check) in enumerate(weights.buckets):
             self._send_bucket(buf, check)
+            self.progress(f"v{weights.version}: bucket {i + 1}/{len(weights.buckets)} sent")
         return {"version": float(weights.version), "bytes": float(sum(self.sizes)),
                 "buckets": float(len(self.buckets)), "seconds": time.perf_counter() - t0, "gather_s": weights.gather_s}
 
@@ -186,15 +196,18 @@ class PackedWeights:
 
 
 class WeightReceiver:
-    def __init__(self, pub_group: dist.ProcessGroup, src: int, device: torch.device | str = "cpu"):
+    def __init__(self, pub_group: dist.ProcessGroup, src: int, device: torch.device | str = "cpu",
+                 progress: Callable[[str], None] | None = None):
         """src: the global rank of the train leader."""
         self.group, self.src, self.device = pub_group, src, torch.device(device)
+        self.progress = progress or (lambda note: None)
 
     def receive(self, loader: Callable[[Iterable[tuple[str, torch.Tensor]], int], Any]) -> int:
         """Receive one publication and hand it to `loader`; returns its version."""
         holder: list[Any] = [None]
         dist.broadcast_object_list(holder, src=self.src, group=self.group, device=_object_device(self.group))
         header = holder[0]
+        self.progress(f"v{header['version']}: header received")
         stream = self._stream(header)
         try:
             loader(stream, header["version"])
@@ -205,9 +218,10 @@ class WeightReceiver:
 
     def _stream(self, h: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
         bad = None
-        for bucket, size in zip(h["buckets"], h["sizes"]):
+        for i, (bucket, size) in enumerate(zip(h["buckets"], h["sizes"])):
             buf = torch.empty(size, dtype=torch.uint8, device=self.device)
             dist.broadcast(buf, src=self.src, group=self.group)
+            self.progress(f"v{h['version']}: bucket {i + 1}/{len(h['buckets'])} received")
             tensors = unpack_bucket(buf, bucket, h)
             if h["verify"]:
                 check = torch.empty(2, len(bucket), dtype=torch.int64, device=self.device)

@@ -1,0 +1,122 @@
+"""Fault injection for tests (tests/test_fault_matrix.py): freeze, kill, hang or slow a rank at a chosen phase of a
+real run, one plan per torchrun attempt, so one `torchrun --max-restarts=N` job walks through a list of faults.
+
+    TIDAL_FAULTS="freeze 2 decode 1; kill 1 train 2; ; slow 1 train 2 1.0 & slow 2 decode 3 1.2"
+
+Plans are separated by ';', the i-th for attempt i (TORCHELASTIC_RESTART_COUNT); attempts past the list, and empty
+plans, run clean. A plan is faults joined by '&', each `KIND RANK PHASE STEP [SECONDS]`:
+
+    freeze   SIGSTOP the whole process of RANK (every thread stops, as a hung driver or a frozen node would)
+    kill     SIGKILL RANK (a machine fault: no cleanup, no report)
+    hang     RANK's thread stops for good where it reports progress; the process stays alive and keeps beating
+    slow     RANK sleeps SECONDS at each of its progress reports in PHASE at step STEP (a slow but alive rank)
+
+PHASE is a runtime.watchdog.Phase (decode, publish, train, checkpoint, export); a fault fires at the first progress
+report (runtime/watchdog.progress) made in that phase at a step >= STEP: decode counts the engine's weight version,
+train the step being trained, publish the version published, checkpoint the step saved. freeze and kill fire on
+whichever rank reports first (once per job attempt, through torchrun's store) and signal RANK's process wherever it
+is, as `kill -STOP` from outside would: RANK need not be in that phase itself (a train rank frozen while the engines
+decode). hang and slow act on RANK's own reports. Each firing prints one line to stderr ("fault injection: ...").
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+import torch.distributed as dist
+
+from runtime.watchdog import KEY, Phase
+
+
+class Kind(str, Enum):
+    FREEZE = "freeze"
+    KILL = "kill"
+    HANG = "hang"
+    SLOW = "slow"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: Kind
+    rank: int
+    phase: Phase
+    step: int
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        extra = f" ({self.seconds:g}s per progress report)" if self.kind is Kind.SLOW else ""
+        return f"{self.kind.value} rank {self.rank} at {self.phase.value} step {self.step}{extra}"
+
+
+def parse(spec: str) -> list[list[Fault]]:
+    """TIDAL_FAULTS -> one list of faults per attempt; ValueError naming the bad entry."""
+    plans = []
+    for plan in spec.split(";"):
+        faults = []
+        for entry in filter(None, (e.strip() for e in plan.split("&"))):
+            words = entry.split()
+            try:
+                kind, rank, phase, step = Kind(words[0]), int(words[1]), Phase(words[2]), int(words[3])
+                seconds = float(words[4]) if kind is Kind.SLOW else 0.0
+                if len(words) != (5 if kind is Kind.SLOW else 4):
+                    raise IndexError
+            except (ValueError, IndexError):
+                raise ValueError(f"TIDAL_FAULTS: cannot read {entry!r}; expected 'KIND RANK PHASE STEP [SECONDS]' "
+                                 f"with KIND in {[k.value for k in Kind]}, PHASE in {[p.value for p in Phase]}, "
+                                 f"SECONDS for slow only") from None
+            faults.append(Fault(kind, rank, phase, step, seconds))
+        plans.append(faults)
+    return plans
+
+
+class Injector:
+    def __init__(self, faults: list[Fault], rank: int, store: dist.Store):
+        self.faults, self.rank, self.store = faults, rank, store
+        self.pids: dict[int, int] = {}
+        self.fired: set[int] = set()
+
+    @classmethod
+    def from_env(cls, rank: int, store: dist.Store) -> "Injector | None":
+        spec = os.environ.get("TIDAL_FAULTS")
+        if not spec:
+            return None
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        plans = parse(spec)
+        faults = plans[attempt] if attempt < len(plans) else []
+        return cls(faults, rank, store) if faults else None
+
+    def bind(self, info: dict[int, dict]) -> None:
+        """Every rank's pid (from the watchdog's start-up exchange): freeze and kill signal another rank's process."""
+        self.pids = {r: i["pid"] for r, i in info.items()}
+
+    def at(self, phase: Phase, step: int) -> None:
+        """A progress report of this rank in `phase` at `step`: fire what is due."""
+        for i, f in enumerate(self.faults):
+            if f.phase is not phase or i in self.fired:
+                continue
+            if f.kind is Kind.SLOW:
+                if f.rank == self.rank and step == f.step:
+                    time.sleep(f.seconds)
+                continue
+            if step < f.step:
+                continue
+            if f.kind is Kind.HANG:
+                if f.rank == self.rank:
+                    self.fired.add(i)
+                    announce(f, self.rank)
+                    while True:
+                        time.sleep(3600)
+                continue
+            self.fired.add(i)
+            if self.store.add(KEY + f"fault/{i}", 1) != 1:   # another rank fired it first
+                continue
+            announce(f, self.rank)
+            os.kill(self.pids[f.rank], signal.SIGSTOP if f.kind is Kind.FREEZE else signal.SIGKILL)
+
+
+def announce(f: Fault, by: int) -> None:
+    print(f"fault injection: {f} (fired by rank {by} at {time.time():.3f})", file=sys.stderr, flush=True)
