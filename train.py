@@ -123,9 +123,8 @@ def main(argv: list[str]) -> int:
             finish = run_leader(cfg, preset, parts, model, topo, channel, run_dir, t0)
         else:
             finish = run_follower(cfg, model, topo)
-    except BaseException:  # leave at once: a thread blocked in a collective must not keep the process alive
-        print(f"[rank{topo.rank}] {traceback.format_exc()}", file=sys.stderr, flush=True)
-        os._exit(1)
+    except BaseException:  # leave at once (a thread blocked in a collective must not keep the process alive)
+        watchdog.failed(traceback.format_exc())
 
     # 5. orderly shutdown: every rank stops its neighbour's inbox, then leaves; the leader writes the run summary
     with waiting("every rank to finish (the shutdown barrier)", on=range(topo.world)):
@@ -143,7 +142,7 @@ def resume_trainer(cfg: Config, trainer: Trainer, topo: Topology) -> dict | None
     path = resume_path(cfg)
     if path is None:
         return None
-    with waiting(f"loading checkpoint {path}", on=topo.train_ranks, phase=Phase.CHECKPOINT):
+    with waiting(f"the load of checkpoint {path}", on=topo.train_ranks, phase=Phase.CHECKPOINT):
         return trainer.load_checkpoint(path) or {}
 
 

@@ -35,7 +35,7 @@ class ColocatedWorker(RolloutWorker):
     def sync_engine(self) -> None:
         """Copy the trainer's weights into the engine (collective: every rank gathers its shards' full tensors)."""
         version = self.trainer.step
-        with waiting(f"refreshing the engine to v{version}", on=self.ranks, phase=Phase.PUBLISH, step=version):
+        with waiting(f"the engine refresh to v{version}", on=self.ranks, phase=Phase.PUBLISH, step=version):
             self.engine.load_weights(full_tensors(self.trainer.model), version)
         self.event("weights_loaded", version=version)
 

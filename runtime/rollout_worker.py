@@ -137,7 +137,7 @@ class RolloutWorker:
         elif isinstance(msg, ReceiveWeights):
             if self.receiver is None:
                 raise RuntimeError(f"rank {self.rank} told to receive weights but it has no publication group")
-            with waiting(f"weights v{msg.version} from the leader (rank 0)", on=[0], phase=Phase.PUBLISH,
+            with waiting(f"the publication of weights v{msg.version} (from rank 0)", on=[0], phase=Phase.PUBLISH,
                          step=msg.version):
                 self.relay_version = self.receiver.receive(self._into_relay)
         elif isinstance(msg, LoadWeights):

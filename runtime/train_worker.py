@@ -85,7 +85,8 @@ def run_work(item: Any, trainer: Trainer, publish: PublishFn, ranks: Sequence[in
     elif isinstance(item, Publish):
         publish(item.version, False)
     elif isinstance(item, SaveCheckpoint):
-        with waiting(f"checkpoint step_{trainer.step}", on=ranks, phase=Phase.CHECKPOINT, step=trainer.step):
+        with waiting(f"the checkpoint save of step_{trainer.step}", on=ranks, phase=Phase.CHECKPOINT,
+                     step=trainer.step):
             trainer.save_checkpoint(item.dir, extra=item.extra, keep_last=item.keep)
     elif isinstance(item, ExportHF):
         with waiting(f"the HF export to {item.dir}", on=ranks, phase=Phase.EXPORT, step=trainer.step):
@@ -125,15 +126,15 @@ class TrainerThread:
         """Tell the rollout ranks, then broadcast; overlapped (StreamRL §4.1's asynchronous mode): gather and pack
         now (collective with the followers), send in the background while the next item trains."""
         def send(packed: Any = None) -> None:
-            with waiting(f"publishing weights v{version}", on=self.receivers + self.followers, phase=Phase.PUBLISH,
-                         step=version):
+            with waiting(f"the publication of weights v{version}", on=self.receivers + self.followers,
+                         phase=Phase.PUBLISH, step=version):
                 self.notify(version)
                 stats = self.publisher.send(packed) if packed is not None else self.publisher.publish(version)
             self.channel.post(Event("version_published", self._clock(), rank=0, version=version,
                                     data=floats(stats)))
         if overlapped:
-            with waiting(f"gathering weights v{version}", on=self.topo.train_ranks, phase=Phase.PUBLISH,
-                         step=version):
+            with waiting(f"the publication of weights v{version} (gathering)", on=self.topo.train_ranks,
+                         phase=Phase.PUBLISH, step=version):
                 packed = self.publisher.pack(version)
             self.sender.submit(lambda: send(packed))
         else:
@@ -169,7 +170,8 @@ def follower_loop(trainer: Trainer, publisher: WeightPublisher, topo: Topology) 
     """Train ranks other than the leader: receive each work item, run it collectively, until Stop. A follower's
     share of any publication (overlapped or not) is the same gather of every bucket."""
     def publish(version: int, overlapped: bool) -> None:
-        with waiting(f"gathering weights v{version}", on=topo.train_ranks, phase=Phase.PUBLISH, step=version):
+        with waiting(f"the publication of weights v{version} (gathering)", on=topo.train_ranks, phase=Phase.PUBLISH,
+                     step=version):
             publisher.publish(version)
 
     while True:

@@ -10,7 +10,7 @@ blocking call carries its own timer. Instead every blocking call is declared whe
 
 and the work that moves a run forward reports itself with `progress(...)` (an engine step, a micro-batch, a weight
 bucket, a checkpoint stage, an event the controller applied). Each rank runs one watchdog thread that beats into
-torchrun's store every `timeout_s / 10` (at most 5 s): a sequence number, how long ago the rank last made progress,
+torchrun's store every `timeout_s / 10` (at most 2 s): a sequence number, how long ago the rank last made progress,
 and what each of its threads is doing. From the beats of the ranks it watches (the leader watches every rank; the
 others watch the leader and the ranks they are waiting on) it applies two rules, the deadlines of the runtime:
 
@@ -31,7 +31,9 @@ others watch the leader and the ranks they are waiting on) it applies two rules,
 When a rule fires, the rank writes RUN_DIR/stall-rank{R}.txt (`.restart{N}` added in a torchrun restart): the
 silent or stuck ranks with what they were doing, what this rank was doing, and every thread's stack; prints one
 line; and leaves with exit code 3 (os._exit: threads blocked in gloo cannot hold the process). torchrun then ends
-the job (and restarts it under --max-restarts). A fatal signal (segfault, abort) dumps every thread's stack to
+the job (and restarts it under --max-restarts). An exception that ends a rank's role goes the same way (`failed`):
+RUN_DIR/failed-rank{R}.txt names the ranks on this host whose process died (a SIGKILLed peer reaches the others as
+a broken connection), then the traceback; exit code 1. A fatal signal (segfault, abort) dumps every thread's stack to
 RUN_DIR/fatal-rank{R}.txt through faulthandler. Without an installed watchdog (unit tests) the declarations are
 kept but nothing watches them. Fault injection for tests (runtime/faults.py) rides on `progress`.
 """
@@ -177,7 +179,7 @@ class Watchdog:
                  timeout_s: float, faults: "Injector | None" = None):
         self.run_dir, self.rank, self.world, self.roles = run_dir, rank, world, roles
         self.store, self.timeout_s = store, timeout_s
-        self.beat_s = min(max(timeout_s / 10, 0.05), 5.0)
+        self.beat_s = min(max(timeout_s / 10, 0.05), 2.0)
         self.faults = faults
         self.peers: dict[int, Peer] = {}
         self.info: dict[int, dict] = {}
@@ -278,14 +280,26 @@ class Watchdog:
 
     # ---- firing --------------------------------------------------------------------------------------------
     def fire(self, v: Verdict) -> None:
-        """Write the report, fence what is frozen on this host, leave the process (never returns)."""
-        now = time.monotonic()
+        """Write the stall report, fence what is frozen on this host, leave the process (never returns)."""
         lines = [f"rank {self.rank} ({self.role(self.rank)}) stopped the job: {v.headline}"] + v.details
-        for r in v.fence:
-            lines.append(self.fence(r))
-        lines.append(f"rank {self.rank} was: {_describe(_snapshot(), now)}")
+        lines += [self.fence(r) for r in v.fence]
+        self.leave("stall", lines, STALL_EXIT_CODE)
+
+    def fail(self, error: str) -> None:
+        """An exception ended this rank's role: name the ranks on this host whose process is gone (a crash there
+        reaches this rank as a broken connection), then leave like `fire` (never returns)."""
+        gone = [r for r in range(self.world) if r != self.rank and self.process_gone(r)]
+        cause = "; ".join(f"rank {r} ({self.role(r)}) died: its process (pid {self.info[r]['pid']}) is gone"
+                          for r in gone) or "an error in this rank: " + error.strip().splitlines()[-1]
+        self.leave("failed", [f"rank {self.rank} ({self.role(self.rank)}) stopped the job: {cause}", error.rstrip()],
+                   1)
+
+    def leave(self, kind: str, lines: list[str], code: int) -> None:
+        """RUN_DIR/{kind}-rank{R}.txt: `lines`, what this rank was doing, every thread's stack; one line to stderr;
+        os._exit(code) (threads blocked in gloo cannot hold the process)."""
+        lines = lines + [f"rank {self.rank} was: {_describe(_snapshot(), time.monotonic())}"]
         msg = "\n".join(lines)
-        path = report_path(self.run_dir, "stall", self.rank)
+        path = report_path(self.run_dir, kind, self.rank)
         if path is not None:
             try:
                 with open(path, "w") as f:
@@ -296,7 +310,18 @@ class Watchdog:
             except OSError as e:
                 msg += f"\n(could not write {path}: {e})"
         print("error: " + msg, file=sys.stderr, flush=True)
-        os._exit(STALL_EXIT_CODE)
+        os._exit(code)
+
+    def process_gone(self, r: int) -> bool:
+        """Whether rank r's process, on this host, has exited (reaped, or a zombie torchrun has not reaped yet)."""
+        info = self.info.get(r, {})
+        if info.get("host") != socket.gethostname():
+            return False
+        try:
+            stat = Path(f"/proc/{info['pid']}/stat").read_text()
+        except OSError:
+            return True
+        return stat[stat.rindex(")") + 2] in "ZX"
 
     def fence(self, r: int) -> str:
         """SIGKILL a silent rank's process when it runs on this host and is still that rank of this job."""
@@ -375,6 +400,15 @@ def install(run_dir: str | Path, rank: int, world: int, roles: list[str], store:
     _dog.start()
     if faults is not None:
         faults.bind(_dog.info)
+
+
+def failed(error: str) -> None:
+    """An exception ended the rank's role (`error`: its traceback): report it, naming the ranks whose process died,
+    and leave with exit code 1 at once (never returns)."""
+    if _dog is not None:
+        _dog.fail(error)
+    print(error, file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def uninstall() -> None:

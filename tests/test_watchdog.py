@@ -180,6 +180,40 @@ def test_the_stall_report_names_the_rank_and_what_every_thread_was_doing(tmp_pat
     assert capsys.readouterr().err.startswith("error: rank 1 (train) stopped the job: rank 0")
 
 
+def test_a_role_that_fails_names_the_rank_whose_process_died(tmp_path, monkeypatch, capsys):
+    """A SIGKILLed peer reaches the others as a broken connection: the failure report names it (here a zombie its
+    parent has not reaped yet, as torchrun's children are for a moment), then the traceback."""
+    def leave(code):
+        raise SystemExit(code)
+    monkeypatch.setattr(watchdog.os, "_exit", leave)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(dead.pid, signal.SIGKILL)
+        host = os.uname().nodename
+        w = dog(0, tmp_path)
+        w.info = {1: {"pid": dead.pid, "host": host}, 2: {"pid": alive.pid, "host": host}}
+        for _ in range(100):   # the kernel marks it a zombie at once; give a loaded machine a moment
+            if w.process_gone(1):
+                break
+        assert w.process_gone(1) and not w.process_gone(2)
+        with pytest.raises(SystemExit) as ex:
+            w.fail("Traceback (most recent call last):\nRuntimeError: Connection closed by peer [127.0.0.1]:1234\n")
+    finally:
+        for p in (dead, alive):   # this test's own processes, by id
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert ex.value.code == 1
+    head = (tmp_path / "failed-rank0.txt").read_text().split("\n\n")[0].splitlines()
+    assert head[0] == f"rank 0 (train leader, controller) stopped the job: rank 1 (train) died: its process (pid " \
+                      f"{dead.pid}) is gone"
+    assert head[-2] == "RuntimeError: Connection closed by peer [127.0.0.1]:1234"
+    assert capsys.readouterr().err.startswith("error: rank 0 (train leader, controller) stopped the job: rank 1 "
+                                              "(train) died")
+
+
 # -------------------------------------------------------------------------------------------------- fault plans
 def test_fault_plans_parse_per_attempt_and_bad_entries_are_named():
     plans = parse("freeze 2 decode 1; kill 1 train 2 ;; slow 1 train 2 1.5 & hang 0 publish 3")
