@@ -52,7 +52,8 @@ class Channel:
             self.inboxes[port].put((self.rank, obj))
             return
         data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-        with self._send_lock, waiting(f"rank {dst} to take {type(obj).__name__}", on=[dst]):
+        what = "events" if isinstance(obj, list) else type(obj).__name__
+        with self._send_lock, waiting(f"rank {dst} to take {what}", on=[dst]):
             dist.send(torch.tensor([self.rank, data.numel(), port], dtype=torch.int64), dst, group=self.group,
                       tag=HEADER_TAG)
             dist.send(data, dst, group=self.group, tag=PAYLOAD_TAG)

@@ -134,12 +134,14 @@ def matrix(tmp_path_factory):
             if job.proc.poll() is None:   # this test's own job: its process group, by id
                 os.killpg(job.proc.pid, signal.SIGKILL)
     result = {name: job for name, (job, _) in jobs.items()}
-    print(f"\nfault matrix: {time.monotonic() - t0:.0f}s for the three jobs side by side")
+    lines = [f"fault matrix: {time.monotonic() - t0:.0f}s for the three jobs side by side"]
     for name in CHAINS:
         for c in cases(result[name]):
             took = f"{c.ended - c.fired:.1f}s" if c.fired and c.ended else "?"
-            print(f"  {c.name:30s} ended {took:>6s} after the fault; report: {named_report(result[name], c)}; "
-                  f"{c.resumed.split(': ', 1)[-1]}")
+            lines.append(f"  {c.name:30s} ended {took:>6s} after the fault; report: {named_report(result[name], c)}; "
+                         f"{c.resumed.split(': ', 1)[-1]}")
+    print("\n" + "\n".join(lines))
+    (root / "summary.txt").write_text("\n".join(lines) + "\n")   # kept with the runs, for the README's table
     return result
 
 
