@@ -161,7 +161,10 @@ class ClusterConfig:
     rollout_fraction: float = F(0.25, gt=0, lt=1, help="share of ranks for rollout when rollout_ranks = 0")
     colocate: bool = F(False, help="engines and trainer share every rank, taking turns")
     backend: str = F("auto", choices=("auto", "gloo", "nccl"), help="tensor backend; auto = nccl on CUDA, gloo on CPU")
-    timeout_s: float = F(600.0, gt=0, help="deadline of every blocking wait (collectives, queues)")
+    timeout_s: float = F(600.0, gt=0, help="a rank without a heartbeat this long, or a blocking wait (collective, "
+                         "send, queue) without progress from the ranks it waits on this long, ends the job with a "
+                         "stall report (runtime/watchdog.py); must exceed the longest single unit of work (an engine "
+                         "step, a micro-batch, a checkpoint shard write), not the longest step")
     cpu_threads: int = F(1, ge=0, help="torch threads per CPU rank; 0 = cores / ranks on the node (more threads "
                          "than free cores make small ops many times slower)")
     verify_weights: bool = F(True, help="checksum every published tensor on the engines; a mismatch stops the run")
