@@ -228,6 +228,7 @@ class Lifecycle:
         for r in [r for r in v.round_groups if r < v.round]:
             if all(v.groups[g].closed for g in v.round_groups[r]):
                 v.plans.pop(r, None)
+                v.finishes.pop(r, None)
                 for g in v.round_groups.pop(r):
                     del v.groups[g]
                 for rid in [i for i, q in v.requests.items() if q.round == r]:
@@ -253,6 +254,7 @@ class Lifecycle:
         elif k == "trajectory_finished":
             r = v.requests[ev.req_id]
             r.tokens, r.finished_seq = ev.data.get("tokens", r.tokens), v.seq
+            v.finishes.setdefault(r.round, []).append(r.req_id)
             v.engines[r.engine].assigned -= 1
             self._finished(r)
         elif k == "reward_scored":

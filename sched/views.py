@@ -156,6 +156,8 @@ class Views:
     plans: dict[int, "RoundPlan"] = field(default_factory=dict)        # round -> how it was composed
     migrations: list[tuple[int, int, int]] = field(default_factory=list)  # (req_id, src, dst): interrupted by a
     #                                                                 Migrate, resubmitted to dst at the next decision
+    finishes: dict[int, list[int]] = field(default_factory=dict)      # round -> its req ids in finish order (every
+    #                                                                 trajectory_finished, discarded ones included)
     now: float = 0.0
     seq: int = 0                          # events applied so far (orders finishes and materialisations)
     materialized: int = 0                 # groups materialised so far (a cheap "anything new?" for handoffs)
@@ -177,6 +179,11 @@ class Views:
             else:
                 ids.append(r.req_id)
         return out
+
+    def round_finishes(self, r: int) -> list[int]:
+        """Round r's request ids in the order their trajectory_finished arrived (a policy keeps a cursor into it
+        to read only the new ones; forgotten with the round)."""
+        return self.finishes.get(r, [])
 
     def in_flight(self) -> int:
         return self.requests.count(*IN_FLIGHT)

@@ -205,14 +205,14 @@ def test_tail_abort_keeps_the_first_finishers_and_defers_the_rest():
     assert [(a.req_ids, a.requeue) for a in ta.plan(v)] == [([1], False)]
     v.requests.set_state(v.requests[1], S.ABORTING)
     assert ta.plan(v) == []
-    v.requests.set_state(v.requests[8], S.FINISHED)
-    v.requests[8].finished_seq = 6                    # group 2's first finish
-    v.requests.set_state(v.requests[6], S.FINISHED)
-    v.requests[6].finished_seq = 7                    # its second: kept, P0 = 2 reached
+    for rid, seq in ((8, 6), (6, 7)):                 # group 2's first finish, then its second: kept, P0 = 2
+        v.requests.set_state(v.requests[rid], S.FINISHED)
+        v.requests[rid].finished_seq = seq
+        v.finishes.setdefault(0, []).append(rid)      # as the lifecycle records a trajectory_finished
     out = ta.plan(v)
     victims = sorted(i for a in out for i in a.req_ids)
     assert victims == [3, 4, 5, 7]                   # all of group 1 (finished one too), group 2's pending third
-    assert all(not a.requeue for a in out) and 0 in ta.settled
+    assert all(not a.requeue for a in out) and ta.races[0].settled
     assert ta.plan(v) == []                          # settled
     long = views([["running"] * 2] * 3, plan=RoundPlan(prompts=[1, 2, 3], kind="long"))
     assert TailAbort().plan(long) == []              # non-speculative rounds are never touched

@@ -23,7 +23,7 @@ reward-side mechanism: rl/reward_timeout.py.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from config import F
@@ -61,6 +61,7 @@ class TailBatching(Dispatch):
         self.inner = inner_dispatch(self, self.p.admit, self.p.admit_params)
         self.long_queue: list[Any] = []     # PromptItems of deferred prompts, oldest first
         self.harvested: set[int] = set()    # void group ids already queued
+        self.seen_drops = -1                # Views.dropped at the last harvest (a group turns void only on a drop)
 
     def intake(self, v: Views) -> int | RoundPlan:
         self.harvest(v)
@@ -76,6 +77,9 @@ class TailBatching(Dispatch):
 
     def harvest(self, v: Views) -> None:
         """Queue the prompts of short-round groups that ended void (deferred by the aborts)."""
+        if v.dropped == self.seen_drops:
+            return
+        self.seen_drops = v.dropped
         for r, plan in v.plans.items():
             if plan.kind != "short":
                 continue
@@ -118,36 +122,68 @@ class TailAbort(Rebalance):
 
     def __init__(self, params: Any = None):
         super().__init__(params)
-        self.settled: set[int] = set()      # speculative rounds with every decision made
+        self.races: dict[int, _Race] = {}   # speculative round -> its race so far (rebuilt from the views if absent)
 
     def plan(self, v: Views) -> list[Abort]:
         out: list[Abort] = []
         for r, plan in v.plans.items():
-            if plan.speculative and r not in self.settled and r in v.round_groups:
-                out += self.round_aborts(v, r, plan.keep_groups or len(v.round_groups[r]),
-                                         plan.keep_per_group or v.group_size)
-        self.settled &= set(v.plans)
+            if not plan.speculative or r not in v.round_groups:
+                continue
+            race = self.races.get(r)
+            if race is None:
+                race = self.races[r] = _Race.start(v, r, plan.keep_groups or len(v.round_groups[r]),
+                                                   plan.keep_per_group or v.group_size)
+            if not race.settled:
+                out += race.aborts(v)
+        self.races = {r: x for r, x in self.races.items() if r in v.plans}
         return out
 
-    def round_aborts(self, v: Views, r: int, keep_groups: int, keep_per_group: int) -> list[Abort]:
-        firsts: dict[int, set[int]] = {}    # group -> its first keep_per_group finishers
-        reached = []
-        for gid in v.round_groups[r]:
-            fin = sorted((v.requests[i].finished_seq, i) for i in v.groups[gid].req_ids
-                         if v.requests[i].finished_seq >= 0)
-            if len(fin) >= keep_per_group:
-                reached.append((fin[keep_per_group - 1][0], gid))
-                firsts[gid] = {i for _, i in fin[:keep_per_group]}
-        kept = {gid for _, gid in sorted(reached)[:keep_groups]}
-        full = len(kept) == keep_groups
+
+@dataclass
+class _Race:
+    """One speculative round's race to completion, kept incrementally from the round's finish order
+    (`Views.round_finishes`): each group's first `per_group` finishers, and the groups in the order they got there."""
+    round: int
+    keep: int
+    per_group: int
+    cursor: int = 0                               # finishes of the round read so far
+    firsts: dict[int, list[int]] = field(default_factory=dict)   # group -> its first finishers (up to per_group)
+    kept: list[int] = field(default_factory=list)  # groups kept, in the order their per_group-th response finished
+    todo: list[int] = field(default_factory=list)  # kept groups whose extra responses are not yet aborted
+    settled: bool = False                          # P0 groups kept and everything else aborted
+
+    @classmethod
+    def start(cls, v: Views, r: int, keep: int, per_group: int) -> "_Race":
+        """The race as the views have it now (the requests' finish order), then followed incrementally."""
+        race = cls(r, keep, per_group, cursor=len(v.round_finishes(r)))
+        done = sorted((q.finished_seq, i) for g in v.round_groups[r] for i in v.groups[g].req_ids
+                      if (q := v.requests[i]).finished_seq >= 0)
+        for _, i in done:
+            race.finished(v.requests[i].group_id, i)
+        return race
+
+    def finished(self, gid: int, rid: int) -> None:
+        f = self.firsts.setdefault(gid, [])
+        if len(f) < self.per_group:
+            f.append(rid)
+            if len(f) == self.per_group and len(self.kept) < self.keep:
+                self.kept.append(gid)
+                self.todo.append(gid)
+
+    def aborts(self, v: Views) -> list[Abort]:
+        new = v.round_finishes(self.round)[self.cursor:]
+        self.cursor += len(new)
+        for i in new:
+            self.finished(v.requests[i].group_id, i)
+        full = len(self.kept) == self.keep
+        groups = v.round_groups[self.round] if full else self.todo
+        kept = set(self.kept)
         victims: dict[int, list[int]] = {}
-        for gid in v.round_groups[r]:
-            if gid not in kept and not full:
-                continue                    # still racing
-            keep = firsts[gid] if gid in kept else set()
+        for gid in groups:
+            keep = set(self.firsts[gid]) if gid in kept else set()
             for i in v.groups[gid].req_ids:
                 if i not in keep and v.requests[i].state in ABORTABLE:
                     victims.setdefault(v.requests[i].engine, []).append(i)
-        if full:
-            self.settled.add(r)             # every later finish is of an aborted request: nothing left to decide
+        self.todo = []
+        self.settled = full   # every later finish is of an aborted request: nothing left to decide
         return [Abort(e, ids) for e, ids in sorted(victims.items())]
