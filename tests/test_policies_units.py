@@ -59,6 +59,7 @@ def consume(v, *gids):
 
 
 def drop(v, gid, n):
+    v.dropped += n - v.groups[gid].dropped           # as the lifecycle counts every drop
     v.groups[gid].dropped = n
     v.groups.track(v.groups[gid])
 
