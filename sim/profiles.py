@@ -3,7 +3,7 @@
 Sources are cited as: a paper's section/table, a public datasheet or model config, `assumption` (our choice, with
 the reason), or `measured` (our own engine/trainer, see sim/calibrate.py).
 Nothing here is tuned to make any policy or any paper figure come out a certain way; the reproduction script
-(sim/repro.py) compares against figures that none of these constants were derived from.
+(sim/repro/) compares against figures that none of these constants were derived from.
 
 Roofline-derived profiles (`roofline`), per engine of `tp` GPUs:
     k1 = KV bytes per token / (tp * HBM bandwidth * bw_eff)       attention reads the whole KV once per step
