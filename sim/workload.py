@@ -16,7 +16,11 @@ sample index), so a run is reproducible and an aborted-then-requeued sample rege
 
 Trace replay (`TraceWorkload`, `--trace FILE.jsonl`): one JSON object per line, one line per prompt,
 `{"prompt_len": int, "response_lens": [int, ...]}` (one entry per group member; extra keys are ignored). The trace
-repeats from its start when a run needs more prompts than it has.
+repeats from its start when a run needs more prompts than it has. A run may ask a prompt for more responses than
+the trace recorded (a speculative preset launches ceil(1.25 G) per prompt, RollPacker §3): sample k >= n of a
+prompt with n recorded responses is a draw, with replacement, from that prompt's own n recorded lengths (uniform,
+a pure function of (seed, prompt index, k)), so the extra responses follow the prompt's own length distribution
+and recorded samples keep their lengths.
 """
 from __future__ import annotations
 
@@ -199,6 +203,10 @@ class TraceWorkload(Workload):
     name: str
     rows: tuple[tuple[int, tuple[int, ...]], ...]
     path: str = ""
+    seed: int = 0
+
+    def with_seed(self, seed: int) -> "TraceWorkload":
+        return replace(self, seed=seed)
 
     @property
     def max_len(self) -> int:  # type: ignore[override]
@@ -208,12 +216,11 @@ class TraceWorkload(Workload):
         return PromptSpec(self.rows[index % len(self.rows)][0], 0.0, 0.5)
 
     def response_len(self, prompt_index: int, sample_index: int) -> int:
-        i = prompt_index % len(self.rows)
-        lens = self.rows[i][1]
-        if sample_index >= len(lens):
-            raise TraceError(f"{self.path}:{i + 1}: response_lens has {len(lens)} entries but sample {sample_index} "
-                             f"was requested (group size larger than the trace's groups?)")
-        return lens[sample_index]
+        lens = self.rows[prompt_index % len(self.rows)][1]
+        if sample_index < len(lens):
+            return lens[sample_index]
+        u = _uniforms(self.seed, self.name, "extra", prompt_index, sample_index)[0]   # module docstring: the rule
+        return lens[min(len(lens) - 1, int(u * len(lens)))]
 
 
 def load_trace(path: str | Path) -> TraceWorkload:

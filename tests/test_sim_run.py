@@ -92,6 +92,8 @@ def test_compare_replays_a_trace(capsys, tmp_path):
                          "--trace", str(trace), "--no-plots"]) == 0
     rows = {r["preset"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["sync"]["throughput"] > 0
+    # exactly G responses per prompt in the trace: the speculative presets (ceil(1.25 G) per prompt) run too
+    assert all("error" not in r and r["throughput"] > 0 for r in rows.values()), rows
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt_len": 3}\n')
     assert compare.main(["--trace", str(bad), "--no-plots"]) == 2
