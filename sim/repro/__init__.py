@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from sim.repro import laminar, rolloutpipe, rollpacker, staleflow, streamrl
 from sim.repro.core import (ARITHMETIC, LEVEL, NA, SPEEDUP, Paper, Row, Runs, Setting, default_jobs, evaluate,
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds if args.seeds else list(range(paper.seeds))
     print(f"{args.paper}: seeds {', '.join(map(str, seeds))}; ours = mean [min, max] over the seeds")
     if paper.components:
-        print(paper.components)
+        print(textwrap.fill(paper.components, 118))
     per_row, notes = evaluate(args.paper, seeds, args.jobs, args.train_speed)
     hits = counted = 0
     print("figure | ours | paper | hit | setting")
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         mark = "n/a" if ok is None else ("yes" if ok else "no")
         print(f"{row.figure} | {text} | {row.paper_text} | {mark} | {row.setting}".rstrip(" |"), flush=True)
     for line in notes:
-        print(line)
+        print(textwrap.fill(line, 118))
     arith = len(paper.rows) - counted
     note = "" if args.train_speed == 1.0 else f" (sensitivity run: training {args.train_speed:g}x faster per token)"
     extra = f"; {arith} arithmetic row{'s' * (arith != 1)} not counted" if arith else ""

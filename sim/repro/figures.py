@@ -84,6 +84,12 @@ def generation_tps(r: SimResult) -> float:
     return sum(total.values()) / (max(e.t for e in r.events) - t0)
 
 
+def mean_batch(r: SimResult) -> float:
+    """Mean running sequences per decode step over the run's engines (tokens decoded / decode steps)."""
+    engines = r.backend.engines
+    return sum(e.tokens_total for e in engines) / max(1, sum(e.steps for e in engines))
+
+
 def speedup(new: tuple, base: tuple, fn: Callable[[SimResult], float] = throughput) -> Callable[[Runs], float | None]:
     """Runs.get(*new) over Runs.get(*base) in `fn` (samples trained per second by default)."""
     def f(runs: Runs) -> float | None:
