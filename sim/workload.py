@@ -5,11 +5,16 @@ Length model (`LengthModel`), per prompt p and sample k:
     z_p ~ N(0, 1)                      prompt difficulty (shared by the G samples of a group)
     e_pk ~ N(0, 1)                     per-sample noise
     len_pk = min(cap, median * exp(sigma_prompt * z_p + sigma_sample * e_pk))
-    with probability runaway_p the sample instead runs to the cap (repetition / endless reasoning)
+    runaways: a runaway sample runs to the cap instead (repetition / endless reasoning); only the hardest
+    `runaway_prompts` of the prompts (z_p above its quantile) are prone to it, and each of their samples runs away
+    with probability runaway_p / runaway_prompts, so runaway_p stays the share of samples that run away
+    (runaway_prompts = 1: every sample independently, with probability runaway_p)
 
 so log-lengths within a group correlate with ICC = sigma_prompt^2 / (sigma_prompt^2 + sigma_sample^2). The papers
 say difficult prompts "consistently produce long responses" (RollPacker §6.3) and that a group's trajectories "tend to
-be either all long or all short" (StaleFlow App. C) but give no number: we take ICC = 0.6 (assumption). A sample's
+be either all long or all short" (StaleFlow App. C) but give no number: we take ICC = 0.6 (assumption). A tail tied to
+the prompt matters for speculative execution: a runaway drawn independently per sample is removed by any
+over-provisioning of responses, one that belongs to the prompt is not. A sample's
 reward is correct with probability sigmoid(-1.5 z_p) (assumption: harder prompts are longer and solved less often;
 no paper number; it only makes reward_mean non-trivial). Every value is a pure function of (seed, prompt index,
 sample index), so a run is reproducible and an aborted-then-requeued sample regenerates the same length.
@@ -30,6 +35,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 from rl.jsonl import iter_jsonl
@@ -82,6 +88,7 @@ class LengthModel(Workload):
     sigma_sample: float
     max_len: int
     runaway_p: float = 0.0
+    runaway_prompts: float = 1.0   # share of prompts (the hardest) whose samples may run away
     prompt_median: float = 300.0
     prompt_sigma: float = 0.5
     prompt_max: int = 2048
@@ -89,16 +96,26 @@ class LengthModel(Workload):
     seed: int = 0
     source: str = ""
 
+    def __post_init__(self) -> None:
+        if not 0 < self.runaway_prompts <= 1 or not 0 <= self.runaway_p <= self.runaway_prompts:
+            raise ValueError(f"workload {self.name}: need 0 < runaway_prompts <= 1 and 0 <= runaway_p <= "
+                             f"runaway_prompts, got {self.runaway_p} and {self.runaway_prompts}")
+
     def with_seed(self, seed: int) -> "LengthModel":
         return replace(self, seed=seed)
 
     def prompt(self, index: int) -> PromptSpec:
         return _prompt_spec(self, index)
 
+    @property
+    def runaway_z(self) -> float:
+        """The difficulty above which a prompt is runaway-prone (-inf: every prompt)."""
+        return -math.inf if self.runaway_prompts >= 1 else NormalDist().inv_cdf(1 - self.runaway_prompts)
+
     def response_len(self, prompt_index: int, sample_index: int) -> int:
         z = _prompt_spec(self, prompt_index).difficulty
         u1, u2, u3, _ = _uniforms(self.seed, self.name, prompt_index, sample_index)
-        if u3 < self.runaway_p:
+        if z > self.runaway_z and u3 < self.runaway_p / self.runaway_prompts:
             return self.max_len
         x = self.median * math.exp(self.sigma_prompt * z + self.sigma_sample * _normal(u1, u2))
         return int(min(self.max_len, max(self.min_len, round(x))))
@@ -142,24 +159,31 @@ def _split(sigma: float, icc: float = 0.6) -> tuple[float, float]:
 
 # RollPacker §2.2 (Qwen2.5-14B, 16k cap): "P75 ranging between 755 and 1.1k tokens, the longest responses can extend
 # up to 16k tokens", §1: "the longest response 25×–32× longer than the medi[an]". We take max/median = 28.5 (middle)
-# so median = cap / 28.5 and P75 = 930 (middle of 755–1.1k) so sigma = ln(930 / 575) / 0.674 = 0.713; the cap is
-# reached through runaway_p = 0.003 (about 3 samples per 1024-sample step: the paper's max = cap). The paper gives
-# these statistics only for 14B/16k; for 7B/8k and 32B/32k we assume the same shape (same ratios to the cap).
-RP_RATIO, RP_P75_OVER_MEDIAN, RP_RUNAWAY = 28.5, 930 / (16384 / 28.5), 0.003
+# so median = cap / 28.5 and P75 = 930 (middle of 755–1.1k) so sigma = ln(930 / 575) / 0.674 = 0.713. The cap is
+# reached through runaways tied to the prompt (§6.3: "some difficult prompts consistently produce long responses"):
+# the hardest RP_RUNAWAY_PROMPTS = 3 / 128 of the prompts are prone, so a step of P0 = 128 prompts holds 3 of them on
+# average and 95% of steps reach the cap (the paper's max = cap per step); each of their samples runs away with
+# probability RP_RUNAWAY_RHO = 1/2 (our reading of "consistently": as likely as not; no number in the paper), so
+# RP_RUNAWAY = 3/128 x 1/2 = 1.2% of samples run to the cap. The paper gives these statistics only for 14B/16k;
+# for 7B/8k and 32B/32k we assume the same shape (same ratios to the cap).
+RP_RATIO, RP_P75_OVER_MEDIAN = 28.5, 930 / (16384 / 28.5)
+RP_RUNAWAY_PROMPTS, RP_RUNAWAY_RHO = 3 / 128, 0.5
+RP_RUNAWAY = RP_RUNAWAY_PROMPTS * RP_RUNAWAY_RHO
 RP_SIGMA = math.log(RP_P75_OVER_MEDIAN) / 0.6745
 
 
 def _rollpacker(cap: int, name: str) -> LengthModel:
     sp, ss = _split(RP_SIGMA)
-    return LengthModel(name, cap / RP_RATIO, sp, ss, cap, RP_RUNAWAY, prompt_median=300, source=(
+    return LengthModel(name, cap / RP_RATIO, sp, ss, cap, RP_RUNAWAY, RP_RUNAWAY_PROMPTS, prompt_median=300, source=(
         "RollPacker §1/§2.2: P75 755–1.1k, max = cap, max/median 25–32x (14B/16k); same shape assumed at other "
-        "caps; ICC 0.6 and prompt lengths (median 300) are assumptions"))
+        "caps; runaways tied to the hardest 3/128 of prompts (§6.3), half their samples; ICC 0.6 and prompt "
+        "lengths (median 300) are assumptions"))
 
 
 def _rolloutpipe() -> LengthModel:
     cap, sp_ss = 16384, _split(RP_SIGMA)
     med = median_for_mean(3450, RP_SIGMA, cap, RP_RUNAWAY)
-    return LengthModel("rolloutpipe", med, *sp_ss, cap, RP_RUNAWAY, prompt_median=400, source=(
+    return LengthModel("rolloutpipe", med, *sp_ss, cap, RP_RUNAWAY, RP_RUNAWAY_PROMPTS, prompt_median=400, source=(
         "RolloutPipe §5.3: mean response 3.3k–3.6k (median fitted so the mean is 3.45k); tail shape from RollPacker "
         "(not reported by RolloutPipe); cap 16384 and prompt median 400 are assumptions"))
 
