@@ -35,6 +35,9 @@ class RuntimeBackend:
                  to_trainer: Callable[[Any], None]):
         self.topo, self.channel, self.to_trainer = topo, channel, to_trainer
         self.num_engines = len(topo.rollout_ranks)
+        # every rank trains and generates: a train call pauses rollout. No `elastic`: the train group is fixed at
+        # launch (FSDP2 over the train ranks), so a rollout rank's GPU cannot join the trainer mid-round.
+        self.colocated = bool(set(topo.train_ranks) & set(topo.rollout_ranks))
         self.t0 = t0
         self.timeout_s = timeout_s
         self.pending: collections.deque[Event] = collections.deque()

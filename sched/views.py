@@ -126,6 +126,8 @@ class EngineView:
     tokens_decoded: int = 0
     loading: bool = False        # a LoadWeights command is in flight
     assigned: int = 0            # requests sent and not yet given back (the controller's own count)
+    lent: bool = False           # lent to the trainer (LendEngines): no request may be placed on it
+    preemptions: int = 0         # KV preemptions so far (as last reported)
 
 
 @dataclass
@@ -162,6 +164,8 @@ class Views:
     seq: int = 0                          # events applied so far (orders finishes and materialisations)
     materialized: int = 0                 # groups materialised so far (a cheap "anything new?" for handoffs)
     dropped: int = 0                      # samples dropped so far (likewise: a group may have become void)
+    elastic: bool = False                 # the backend can lend an engine's GPUs to the trainer (LendEngines)
+    colocated: bool = False               # engines and trainer share the same GPUs (a train call pauses rollout)
 
     # ------------------------------------------------------------------------------------------------ requests
     def pending(self) -> list[Request]:
@@ -230,8 +234,13 @@ class Views:
         return all(e.version == version and not e.loading for e in self.engines)
 
     def engine_loads(self) -> dict[int, int]:
-        """Requests assigned to each engine (engine id -> count), for a dispatch's local bookkeeping."""
-        return {e.engine: e.assigned for e in self.engines}
+        """Requests assigned to each engine in rollout (engine id -> count; engines lent to the trainer are left
+        out), for a dispatch's local bookkeeping."""
+        return {e.engine: e.assigned for e in self.engines if not e.lent}
+
+    def rollout_engines(self) -> list[int]:
+        """Ids of the engines in rollout (not lent to the trainer)."""
+        return [e.engine for e in self.engines if not e.lent]
 
     # --------------------------------------------------------------------------------------------------- tests
     def check(self) -> None:

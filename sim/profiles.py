@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sim.cost import CostModel, RewardLatency
+from sim.cost import CostModel, RewardLatency, RewardTask
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,15 @@ def roofline(name: str, model: Model, gpu: GPU, tp: int, *, train_gpu: GPU, trai
 
 
 # ------------------------------------------------------------------------------------------------- reward latency
-MATH_REWARD = RewardLatency(((1.0, 0.02, 1.0, 2.0, 0.0),))
+MATH = RewardTask("math", 1.0, 0.02, 1.0, 2.0)
+MATH_REWARD = RewardLatency((MATH,))
 """Rule-based math/exact-match verifier: 2 s timeout (RollPacker §5: "per-task timeouts of 30s and 2s"); the 20 ms
 median is an assumption (string normalisation + sympy on a CPU)."""
-MULTITASK_REWARD = RewardLatency(((1.0, 0.02, 1.0, 2.0, 0.0), (1.0, 2.0, 1.0, 30.0, 0.05), (1.0, 2.0, 0.5, 30.0, 0.0)))
-"""RollPacker's uniform math / code / LLM-judge mix (§6): math as above; code sandbox with a 30 s timeout that ~5% hit
-(§4.3: "around 5% of prompts hit this timeout"); judge (Qwen2.5-7B-Instruct). Component medians are assumptions."""
+MULTITASK_REWARD = RewardLatency((MATH, RewardTask("code", 1.0, 2.0, 1.0, 30.0, hang_frac=0.05, sandbox=True),
+                                  RewardTask("judge", 1.0, 2.0, 0.5, 30.0)))
+"""RollPacker's uniform math / code / LLM-judge mix (§6), one task per prompt (per dataset): math as above; code
+sandbox with a 30 s timeout that ~5% of runs hit and fail (§4.3: "around 5% of prompts hit this timeout"; the
+adaptive timeout applies to it); judge (Qwen2.5-7B-Instruct). Component medians are assumptions."""
 
 # ------------------------------------------------------------------------------------------ RolloutPipe calibration
 ROLLOUTPIPE_PROMPT_LEN = 400          # assumption: LSAT-AR / SciBench prompts with passage; not reported
@@ -231,7 +234,7 @@ def _cpu_tiny() -> CostModel:
     return CostModel(
         name="cpu_tiny", k1=0.0, k2=0.0, k3=4.6e-5, k4=2.3e-3, prefill_s_per_token=4.6e-5, kv_capacity_tokens=4096,
         train_s_per_token=4.9e-4, publish_s=0.092, load_s=3.2e-3, max_num_seqs=64,
-        reward=RewardLatency(((1.0, 4e-6, 0.5, 5.0, 0.0),)),
+        reward=RewardLatency((RewardTask("reverse", 1.0, 4e-6, 0.5, 5.0),)),
         sources={"k1": "0: the tiny model on CPU is compute-bound; KV reads are negligible",
                  "k2": "0: weight reads are folded into the per-sequence compute k3",
                  "k3": f"{measured}: least-squares step = k3 * n + k4 over tokens_decoded intervals",

@@ -82,21 +82,24 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
              train_gpus: int, steps: int, group_size: int, prompts_per_step: int, seed: int = 0, *,
              colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
              log_path: str | Path | None = None, max_events: int | None = 50_000_000,
-             samples: int | None = None, reward_timeout: Any = None) -> SimResult:
+             samples: int | None = None, reward_timeout: Any = None, reward_workers: int = 0,
+             reward_stage: bool = False) -> SimResult:
     """Run `steps` optimizer steps of `preset` (a configs/sched/*.toml name or a Preset) on simulated engines.
 
     num_engines engines of cost.gpus_per_engine GPUs each, and a train partition of train_gpus GPUs (with
     colocated=True the engines time-share the train GPUs instead). `samples`: stop instead once that many samples
     have been trained (train calls done) — the same amount of work for presets whose optimizer steps differ in
-    size; `steps` is then only an upper bound. `reward_timeout`: an
-    AdaptiveTimeout (rl/reward_timeout.py) applied to every simulated reward call (RollPacker §4.3)."""
+    size; `steps` is then only an upper bound. `reward_timeout`: an AdaptiveTimeout (rl/reward_timeout.py) applied
+    to every sandboxed reward call (RollPacker §4.3); `reward_workers` scorers (0: unlimited) and `reward_stage`
+    (score a round only once all of it has left the engines: veRL's synchronous reward stage), sim/backend.py."""
     name = preset if isinstance(preset, str) else "custom"
     policy = sched.load_preset(preset) if isinstance(preset, str) else preset
     w = get_workload(workload, seed)
     c = get_profile(cost)
     backend = SimBackend(c, w, num_engines, train_gpus, seed, colocated=colocated,
                          counters_every_s=counters_every_s, progress=progress, max_events=max_events,
-                         stop_after_samples=samples, reward_timeout=reward_timeout)
+                         stop_after_samples=samples, reward_timeout=reward_timeout,
+                         reward_workers=reward_workers, reward_stage=reward_stage)
     log = EventLog(log_path)
     ctl = Controller(policy, prompt_source(w), group_size, prompts_per_step, steps, log=log)
     t0 = time.perf_counter()
@@ -110,7 +113,7 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     metrics = summarize(log.events, num_engines)
     gpus = train_gpus if colocated else train_gpus + num_engines * c.gpus_per_engine
     metrics.update({"samples_trained": backend.samples_trained, "preemptions": backend.preemptions,
-                    "reward_killed": backend.reward_killed,
+                    "reward_killed": backend.reward_killed, "reward_busy_s": backend.reward_busy_s,
                     "events": len(log.events), "wall_s": wall,
                     "gpus": gpus, "cost_profile": c.name, "workload": w.name, "preset": name})
     return SimResult(name, log.events, metrics, wall, num_engines, train_gpus, gpus, backend, ctl.v)

@@ -46,6 +46,7 @@ class PromptSpec:
     prompt_len: int
     difficulty: float
     p_correct: float
+    mix: float = 0.5             # a uniform in (0, 1) of the prompt's own: picks its task in a reward mix
 
 
 class Workload:
@@ -134,7 +135,7 @@ def _prompt_spec(m: LengthModel, index: int) -> PromptSpec:
     u1, u2, u3, u4 = _uniforms(m.seed, m.name, index)
     z, z_len = _normal(u1, u2), _normal(u3, u4)
     plen = int(min(m.prompt_max, max(1, round(m.prompt_median * math.exp(m.prompt_sigma * z_len)))))
-    return PromptSpec(plen, z, 1.0 / (1.0 + math.exp(1.5 * z)))
+    return PromptSpec(plen, z, 1.0 / (1.0 + math.exp(1.5 * z)), _uniforms(m.seed, m.name, index, "mix")[0])
 
 
 def _capped_mean(median: float, sigma: float, cap: float, runaway: float) -> float:
@@ -237,7 +238,8 @@ class TraceWorkload(Workload):
         return max(max(lens) for _, lens in self.rows)
 
     def prompt(self, index: int) -> PromptSpec:
-        return PromptSpec(self.rows[index % len(self.rows)][0], 0.0, 0.5)
+        return PromptSpec(self.rows[index % len(self.rows)][0], 0.0, 0.5,
+                          _uniforms(self.seed, self.name, index, "mix")[0])
 
     def response_len(self, prompt_index: int, sample_index: int) -> int:
         lens = self.rows[prompt_index % len(self.rows)][1]
