@@ -152,7 +152,7 @@ class SimBackend:
         """Queue sample r's reward call at time t on the scorer pool; emit its reward_scored at the call's end."""
         spec = self.workload.prompt(r.prompt_index)
         task = self.cost.reward.task_of(spec.mix)
-        latency, killed = task.sample(self.rng)
+        latency, killed = task.sample(self.rng, spec.reward_z)
         correct = not killed and self.rng.random() < spec.p_correct
         if self.reward_timeout is not None and task.sandbox and not killed:
             key = (r.prompt_index, task.name)        # the anchor is per (prompt, task): one test case per prompt

@@ -29,28 +29,31 @@ from typing import Mapping
 
 @dataclass(frozen=True)
 class RewardTask:
-    """One task of a reward mix: seconds from a trajectory's last token to its reward are lognormal (median,
-    sigma), capped at the verifier's own limit `timeout_s`, and a share `hang_frac` of runs hangs until that limit (a
-    code sandbox killing a slow test). A run killed at a limit scores 0 (incorrect). `sandbox`: the adaptive timeout
-    of RollPacker §4.3 applies to this task (a code sandbox), not to a rule check or an LLM judge."""
+    """One task of a reward mix: seconds from a trajectory's last token to its reward are lognormal,
+    median_s * exp(sigma_prompt * z_p + sigma * e) with z_p the prompt's own (a test case's inputs set how long its
+    tests run) and e the sample's, capped at the verifier's own limit `timeout_s`; a share `hang_frac` of runs hangs
+    until that limit (a code sandbox killing a slow test). A run killed at a limit scores 0 (incorrect). `sandbox`:
+    the adaptive timeout of RollPacker §4.3 applies to this task (a code sandbox), not to a rule check or an LLM
+    judge."""
     name: str
     weight: float
     median_s: float
-    sigma: float
+    sigma: float                 # between samples of one prompt
     timeout_s: float
     hang_frac: float = 0.0
     sandbox: bool = False
+    sigma_prompt: float = 0.0    # between prompts
 
-    def sample(self, rng: random.Random) -> tuple[float, bool]:
-        """(seconds, whether the run was killed at the task's limit)."""
+    def sample(self, rng: random.Random, z: float = 0.0) -> tuple[float, bool]:
+        """(seconds, whether the run was killed at the task's limit) for a sample of a prompt with difficulty z."""
         if self.hang_frac > 0 and rng.random() < self.hang_frac:
             return self.timeout_s, True
-        x = self.median_s * math.exp(self.sigma * rng.gauss(0.0, 1.0))
+        x = self.median_s * math.exp(self.sigma_prompt * z + self.sigma * rng.gauss(0.0, 1.0))
         return (self.timeout_s, True) if x >= self.timeout_s else (x, False)
 
     def mean(self) -> float:
         """Approximate mean (ignores the cap on the lognormal body)."""
-        body = min(self.timeout_s, self.median_s * math.exp(self.sigma ** 2 / 2))
+        body = min(self.timeout_s, self.median_s * math.exp((self.sigma ** 2 + self.sigma_prompt ** 2) / 2))
         return self.hang_frac * self.timeout_s + (1 - self.hang_frac) * body
 
 

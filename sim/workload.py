@@ -47,6 +47,7 @@ class PromptSpec:
     difficulty: float
     p_correct: float
     mix: float = 0.5             # a uniform in (0, 1) of the prompt's own: picks its task in a reward mix
+    reward_z: float = 0.0        # a standard normal of the prompt's own: how slow its verifier runs
 
 
 class Workload:
@@ -75,6 +76,12 @@ def _uniforms(*key: Any) -> tuple[float, float, float, float]:
 def _normal(u1: float, u2: float) -> float:
     """Box-Muller."""
     return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+
+
+def _reward_draws(seed: int, name: str, index: int) -> tuple[float, float]:
+    """A prompt's own reward-side draws: `mix` (a uniform) and `reward_z` (a standard normal)."""
+    u1, u2, u3, _ = _uniforms(seed, name, index, "reward")
+    return u1, _normal(u2, u3)
 
 
 def _phi(x: float) -> float:
@@ -135,7 +142,7 @@ def _prompt_spec(m: LengthModel, index: int) -> PromptSpec:
     u1, u2, u3, u4 = _uniforms(m.seed, m.name, index)
     z, z_len = _normal(u1, u2), _normal(u3, u4)
     plen = int(min(m.prompt_max, max(1, round(m.prompt_median * math.exp(m.prompt_sigma * z_len)))))
-    return PromptSpec(plen, z, 1.0 / (1.0 + math.exp(1.5 * z)), _uniforms(m.seed, m.name, index, "mix")[0])
+    return PromptSpec(plen, z, 1.0 / (1.0 + math.exp(1.5 * z)), *_reward_draws(m.seed, m.name, index))
 
 
 def _capped_mean(median: float, sigma: float, cap: float, runaway: float) -> float:
@@ -238,8 +245,7 @@ class TraceWorkload(Workload):
         return max(max(lens) for _, lens in self.rows)
 
     def prompt(self, index: int) -> PromptSpec:
-        return PromptSpec(self.rows[index % len(self.rows)][0], 0.0, 0.5,
-                          _uniforms(self.seed, self.name, index, "mix")[0])
+        return PromptSpec(self.rows[index % len(self.rows)][0], 0.0, 0.5, *_reward_draws(self.seed, self.name, index))
 
     def response_len(self, prompt_index: int, sample_index: int) -> int:
         lens = self.rows[prompt_index % len(self.rows)][1]

@@ -219,6 +219,14 @@ def test_tail_abort_keeps_the_first_finishers_and_defers_the_rest():
     assert TailAbort().plan(long) == []              # non-speculative rounds are never touched
 
 
+def test_tail_abort_drops_a_kept_groups_extra_response_while_it_migrates():
+    """An extra response on its way to another engine (the stream trainer's scale-down migrates it) is dropped like
+    a running one when its group is kept: it must never come back and join a group the trainer already has."""
+    plan = RoundPlan(fresh=2, group_size=3, kind="short", keep_groups=2, keep_per_group=2)
+    v = views([["finished:1", "finished:2", "interrupting"], ["running"] * 3], plan=plan, group_size=2)
+    assert [a.req_ids for a in TailAbort().plan(v)] == [[2]]
+
+
 def test_tail_abort_orders_by_finish_not_by_sample_index():
     plan = RoundPlan(fresh=2, group_size=3, kind="short", keep_groups=1, keep_per_group=1)
     v = views([["running", "finished:9", "running"], ["finished:5", "running", "running"]], plan=plan, group_size=1)

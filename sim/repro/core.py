@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import sched
+from rl.reward_timeout import AdaptiveTimeout
 from sim.run import SimResult, simulate
 
 NA = "policy not available yet"
@@ -39,7 +40,17 @@ class Setting:
     group_size: int
     rounds: int
     colocated: bool = False
-    sim: tuple = ()               # further simulate() keyword arguments as (name, value) pairs (hashable)
+    sim: tuple = ()               # further simulate() keyword arguments as (name, value) pairs (hashable; see
+    #                               sim_kwargs)
+
+
+def sim_kwargs(s: Setting) -> dict[str, Any]:
+    """simulate()'s extra keyword arguments of a setting; ("adaptive_timeout", True) becomes a fresh
+    rl.reward_timeout.AdaptiveTimeout with the paper's constants (RollPacker §4.3) for each run."""
+    kw = dict(s.sim)
+    if kw.pop("adaptive_timeout", False):
+        kw["reward_timeout"] = AdaptiveTimeout()
+    return kw
 
 
 class Runs:
@@ -59,7 +70,7 @@ class Runs:
             self.cache[key] = simulate(policy, s.workload, s.cost, s.num_engines, s.train_gpus, steps=10**9,
                                        group_size=s.group_size, prompts_per_step=s.prompts, seed=self.seed,
                                        colocated=s.colocated, samples=s.rounds * s.prompts * s.group_size,
-                                       **dict(s.sim))
+                                       **sim_kwargs(s))
             self.cache[key].preset = preset
         return self.cache[key]
 

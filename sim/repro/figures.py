@@ -84,6 +84,23 @@ def generation_tps(r: SimResult) -> float:
     return sum(total.values()) / (max(e.t for e in r.events) - t0)
 
 
+def round_rollout(r: SimResult) -> dict[int, float]:
+    """Per trained round, its rollout time: round start -> the last finish of a response it trained (a kept one:
+    scored into a trained group and not discarded)."""
+    ev = r.events
+    start = {e.data["round"]: e.t for e in ev if e.kind == "round_started"}
+    g_round = {e.group_id: e.data["round"] for e in ev if e.kind == "group_materialized"}
+    trained = {g for e in ev if e.kind == "train_started" for g in e.data["groups"]}
+    dropped = {e.req_id for e in ev if e.kind == "trajectory_aborted"}
+    kept = {e.req_id for e in ev if e.kind == "reward_scored" and e.group_id in trained and e.req_id not in dropped}
+    end: dict[int, float] = {}
+    for e in ev:
+        if e.kind == "trajectory_finished" and e.req_id in kept:
+            rd = g_round[e.group_id]
+            end[rd] = max(end.get(rd, 0.0), e.t)
+    return {rd: t - start[rd] for rd, t in end.items()}
+
+
 def mean_batch(r: SimResult) -> float:
     """Mean running sequences per decode step over the run's engines (tokens decoded / decode steps)."""
     engines = r.backend.engines

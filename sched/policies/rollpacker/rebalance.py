@@ -13,7 +13,7 @@ from sched.views import RequestState, Views
 S = RequestState
 
 
-ABORTABLE = (S.PENDING, S.RUNNING, S.FINISHED)
+ABORTABLE = (S.PENDING, S.RUNNING, S.FINISHED, S.INTERRUPTING)   # INTERRUPTING: being migrated (scale-down)
 
 
 @register
