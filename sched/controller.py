@@ -39,7 +39,7 @@ class Backend(Protocol):
     def next_event(self) -> Event: ...  # blocks until one is available (the backend enforces its own deadline)
     # optional attributes: `colocated` (engines and trainer share GPUs), `elastic` (it takes LendEngines /
     # ReturnEngines commands: an engine's GPUs join the trainer; the simulator can, our runtime's fixed process
-    # groups cannot). Both default to False.
+    # groups cannot), both False by default; `decode_profile` (sched.views.DecodeProfile, default None).
     # optional: `has_pending() -> bool`, whether next_event would return at once with an event that arrived
     # together with the last one (the runtime's engines send one message per step); the controller applies such
     # a batch before deciding once. Backends without it (the simulator) are decided on after every event.
@@ -72,6 +72,7 @@ class Controller:
             self.v.engines = [EngineView(engine=i) for i in range(backend.num_engines)]
         self.v.elastic = bool(getattr(backend, "elastic", False))
         self.v.colocated = bool(getattr(backend, "colocated", False))
+        self.v.decode_profile = getattr(backend, "decode_profile", None)
         self.decide(backend)
         has_pending = getattr(backend, "has_pending", None)
         while not self.done:

@@ -130,6 +130,28 @@ class EngineView:
     preemptions: int = 0         # KV preemptions so far (as last reported)
 
 
+@dataclass(frozen=True)
+class DecodeProfile:
+    """An engine's decode step, profiled in advance (StreamRL §5.1: "PTL(BS) can be profiled in advance"): a step of
+    n sequences attending over kv context tokens takes fixed_s + max(weights_s, per_seq_s x n) + per_token_s x kv
+    (the memory roofline with a compute roof, sim/cost.py); its KV pool holds kv_tokens, and at most max_seqs run at
+    once. The simulator's engines report theirs (its cost model); a runtime backend reports none."""
+    weights_s: float
+    per_seq_s: float
+    per_token_s: float
+    fixed_s: float
+    kv_tokens: int
+    max_seqs: int
+
+    def ptl(self, bs: int, context: float = 0.0) -> float:
+        """Per-token latency of a batch of bs sequences, each attending over `context` tokens."""
+        return self.fixed_s + max(self.weights_s, self.per_seq_s * bs) + self.per_token_s * bs * context
+
+    def max_batch(self, tokens: float) -> int:
+        """Sequences of `tokens` tokens each that run at once (the KV pool, then max_seqs)."""
+        return max(1, min(self.max_seqs, int(self.kv_tokens // max(tokens, 1.0))))
+
+
 @dataclass
 class TrainerView:
     version: int = 0             # optimizer steps taken = version of the trainer's weights
@@ -165,6 +187,7 @@ class Views:
     materialized: int = 0                 # groups materialised so far (a cheap "anything new?" for handoffs)
     dropped: int = 0                      # samples dropped so far (likewise: a group may have become void)
     elastic: bool = False                 # the backend can lend an engine's GPUs to the trainer (LendEngines)
+    decode_profile: DecodeProfile | None = None   # the engines' profiled decode step, when the backend has one
     colocated: bool = False               # engines and trainer share the same GPUs (a train call pauses rollout)
 
     # ------------------------------------------------------------------------------------------------ requests

@@ -47,7 +47,7 @@ from sched.base import Abort, Interrupt, LendEngines, LoadWeights, ReturnEngines
 from sched.controller import PromptItem
 from sched.events import Event
 from sched.metrics import rollout_stats
-from sched.views import Request
+from sched.views import DecodeProfile, Request
 from sim.clock import EventQueue
 from sim.cost import CostModel
 from sim.engine import SimEngine, SimRequest
@@ -108,6 +108,12 @@ class SimBackend:
         self.lent_gpu_s = 0.0                  # GPU-seconds of train calls run on lent engines
         self.samples_trained = 0   # samples of train calls whose train_step_done has been delivered
         self.emit(Event("version_published", 0.0, rank=0, version=0))  # engines start from the trainer's weights
+
+    @property
+    def decode_profile(self) -> DecodeProfile:
+        """The engines' decode step for policies that plan with it (StreamRL's Algorithm 2): the cost model's."""
+        c = self.cost
+        return DecodeProfile(c.k2, c.k3, c.k1, c.k4, c.kv_capacity_tokens, c.max_num_seqs)
 
     @property
     def num_engines(self) -> int:

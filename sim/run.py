@@ -10,11 +10,13 @@ reward draws come from one seeded generator consumed in event order, and queue t
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import sched
@@ -26,9 +28,9 @@ from sim.backend import SimBackend, StopSimulation
 from sim.cost import CostModel
 from sim.profiles import get_profile
 from sim.tokens import RunList
-from sim.workload import Workload, get_workload
+from sim.workload import PromptSpec, Workload, get_workload
 
-PROMPT_TOKEN = 1
+PROMPT_TOKEN, DIFFICULTY_WORD = 1, 100
 
 
 @dataclass
@@ -65,15 +67,31 @@ def draw_timeline(events: list[Event], out: str | Path, title: str, num_engines:
     return draw(shown, out, title)
 
 
+DIFFICULTY_LEVELS = 8
+DIFFICULTY_EDGES = [NormalDist().inv_cdf(k / DIFFICULTY_LEVELS) for k in range(1, DIFFICULTY_LEVELS)]
+
+
+def prompt_ids(spec: PromptSpec) -> RunList:
+    """Fake prompt token ids that carry the prompt's difficulty, as a real prompt's text does ("difficulty is a
+    property inherent to the prompts themselves", StreamRL §5.1): the first half of its tokens is a word naming its
+    difficulty octile (token 100 + level, levels 0-7 from the workload's z_p), the rest a filler. A content-reading
+    length ranker (StreamRL §5.2's, sched/policies/streamrl/length_rank.py) can learn it; the sample-level noise of
+    the lengths stays unpredictable. A trace has no difficulty (every prompt level 4)."""
+    level = bisect.bisect(DIFFICULTY_EDGES, spec.difficulty)
+    half = spec.prompt_len // 2
+    return RunList([(DIFFICULTY_WORD + level, half), (PROMPT_TOKEN, spec.prompt_len - half)])
+
+
 def prompt_source(workload: Workload):
-    """The controller's prompt source: prompts 0, 1, 2, ... of the workload, with fake ids of the right length."""
+    """The controller's prompt source: prompts 0, 1, 2, ... of the workload, with fake ids of the right length that
+    carry the prompt's difficulty (`prompt_ids`)."""
     counter = itertools.count()
 
     def source(n: int) -> list[PromptItem]:
         items = []
         for _ in range(n):
             i = next(counter)
-            items.append(PromptItem(i, RunList.of(PROMPT_TOKEN, workload.prompt(i).prompt_len), None))
+            items.append(PromptItem(i, prompt_ids(workload.prompt(i)), None))
         return items
     return source
 

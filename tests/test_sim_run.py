@@ -170,7 +170,8 @@ def test_every_preset_runs_in_the_simulator_and_loses_nothing(name):
     r = simulate(name, "rollpacker_7b_8k", "h800_7b", 4, 4, steps=10**9, group_size=8, prompts_per_step=16, seed=0,
                  samples=3 * 16 * 8)
     rep = on_policy_report(r.events)
-    assert rep["trained"] == r.metrics["samples_trained"] >= 3 * 16 * 8
+    done = r.metrics["samples_trained"]       # train calls done when the run stopped; one more may have started
+    assert done >= 3 * 16 * 8 and done <= rep["trained"] <= done + 16 * 8
     assert rep["trained_twice"] == []
     p = sched.load_preset(name)
     declared = [b for q in p.policies().values() if (b := q.staleness_bound()) is not None]
