@@ -36,6 +36,9 @@ class RuntimeBackend:
     def __init__(self, topo: Topology, channel: Channel, t0: float, to_trainer: Callable[[Any], None]):
         self.topo, self.channel, self.to_trainer = topo, channel, to_trainer
         self.num_engines = len(topo.rollout_ranks)
+        # every rank trains and generates: a train call pauses rollout. No `elastic`: the train group is fixed at
+        # launch (FSDP2 over the train ranks), so a rollout rank's GPU cannot join the trainer mid-round.
+        self.colocated = bool(set(topo.train_ranks) & set(topo.rollout_ranks))
         self.t0 = t0
         self.senders = sorted({0, *topo.rollout_ranks})   # whoever may send the controller an event
         self.pending: collections.deque[Event] = collections.deque()

@@ -6,7 +6,7 @@ A scheduling policy is five small objects, one per mechanism kind:
     handoff      when materialised groups become a training batch
     update       whether the trainer steps the optimizer on that batch, and whether it then publishes weights
     weight_sync  when an engine adopts a published version
-    rebalance    abort / interrupt / migrate running trajectories
+    rebalance    abort / interrupt / migrate running trajectories; lend engines to the trainer and take them back
 
 Each reads `Views` (the controller's picture of requests, groups, engines and trainer, sched/views.py) and returns
 plain decisions (the dataclasses below). The controller (sched/controller.py) is the only caller. A `Preset` names
@@ -71,6 +71,20 @@ class Migrate:
     src: int
     dst: int
     req_ids: list[int]
+
+
+@dataclass
+class LendEngines:
+    """Take these engines out of rollout and give their GPUs to the trainer until a `ReturnEngines` (RollPacker §4.4's
+    elastic scale-down). An engine is lent empty: its requests are being migrated away (Migrate) in the same decision
+    or earlier. Only on a backend that can (`Views.elastic`); dispatch never places a request on a lent engine."""
+    engines: list[int]
+
+
+@dataclass
+class ReturnEngines:
+    """Give lent engines back to rollout (their GPUs leave the trainer)."""
+    engines: list[int]
 
 
 @dataclass
@@ -165,7 +179,7 @@ class WeightSync(Policy):
 class Rebalance(Policy):
     kind = "rebalance"
 
-    def plan(self, v: Views) -> list[Abort | Interrupt | Migrate]:
+    def plan(self, v: Views) -> list[Abort | Interrupt | Migrate | LendEngines | ReturnEngines]:
         return []
 
 

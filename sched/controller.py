@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from rl.types import Group
-from sched.base import Abort, Interrupt, InvariantError, LoadWeights, Migrate, Preset, RoundPlan, Submit, TrainCall
+from sched.base import (Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, Preset, ReturnEngines,
+                        RoundPlan, Submit, TrainCall)
 from sched.events import Event, EventLog
 from sched.lifecycle import Lifecycle
 from sched.resume import load_views, save_views
@@ -36,6 +37,9 @@ class Backend(Protocol):
     def command(self, cmd: Abort | Interrupt | LoadWeights) -> None: ...
     def train(self, call: TrainCall, groups: list[Group]) -> None: ...
     def next_event(self) -> Event: ...  # blocks until one is available (the backend enforces its own deadline)
+    # optional attributes: `colocated` (engines and trainer share GPUs), `elastic` (it takes LendEngines /
+    # ReturnEngines commands: an engine's GPUs join the trainer; the simulator can, our runtime's fixed process
+    # groups cannot), both False by default; `decode_profile` (sched.views.DecodeProfile, default None).
     # optional: `has_pending() -> bool`, whether next_event would return at once with an event that arrived
     # together with the last one (the runtime's engines send one message per step); the controller applies such
     # a batch before deciding once. Backends without it (the simulator) are decided on after every event.
@@ -66,6 +70,9 @@ class Controller:
         applied and decided on (the runtime checkpoints there at step boundaries)."""
         if not self.v.engines:
             self.v.engines = [EngineView(engine=i) for i in range(backend.num_engines)]
+        self.v.elastic = bool(getattr(backend, "elastic", False))
+        self.v.colocated = bool(getattr(backend, "colocated", False))
+        self.v.decode_profile = getattr(backend, "decode_profile", None)
         self.decide(backend)
         has_pending = getattr(backend, "has_pending", None)
         while not self.done:
@@ -120,7 +127,12 @@ class Controller:
         reqs = self.life.admit(sub)
         backend.submit(sub.engine, reqs, {r.group_id: self.v.groups[r.group_id].prompt for r in reqs})
 
-    def command(self, backend: Backend, cmd: Abort | Interrupt | Migrate | LoadWeights) -> None:
+    def command(self, backend: Backend,
+                cmd: Abort | Interrupt | Migrate | LoadWeights | LendEngines | ReturnEngines) -> None:
+        if isinstance(cmd, (LendEngines, ReturnEngines)):
+            (self.life.lend if isinstance(cmd, LendEngines) else self.life.give_back)(cmd)
+            backend.command(cmd)
+            return
         if isinstance(cmd, Abort):
             sends: list[Abort | Interrupt] = list(self.life.abort(cmd))
         elif isinstance(cmd, Interrupt):

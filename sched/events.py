@@ -24,6 +24,7 @@ KINDS = frozenset({
     "weights_loaded",         # engine adopted `version`
     "trajectory_aborted", "trajectory_interrupted", "trajectory_migrated",
     "engine_busy", "engine_idle",  # engine activity spans (for the bubble ratio and the timeline)
+    "engines_lent",           # engines lent to the trainer or back to rollout (data: engines, lent)
     "rank_failed",
 })
 

@@ -45,7 +45,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from rl.types import Group, Trajectory
-from sched.base import Abort, Interrupt, InvariantError, LoadWeights, Migrate, RoundPlan, Submit
+from sched.base import (Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, ReturnEngines, RoundPlan,
+                        Submit)
 from sched.events import Event
 from sched.views import GroupState, Request, RequestState, Views
 
@@ -92,6 +93,8 @@ class Lifecycle:
         """PENDING -> RUNNING on `sub.engine`, one `request_admitted` each; the requests to send."""
         v = self.v
         e = v.engines[sub.engine]
+        if e.lent:
+            raise InvariantError(f"requests {sub.req_ids[:4]} submitted to engine {sub.engine}, lent to the trainer")
         reqs = [v.requests[i] for i in sub.req_ids]
         for r in reqs:
             if r.state != S.PENDING:
@@ -174,8 +177,8 @@ class Lifecycle:
         return [Interrupt(engine, ids) for engine, ids in sorted(send.items())]
 
     def migrate(self, cmd: Migrate) -> list[Interrupt]:
-        if not 0 <= cmd.dst < len(self.v.engines):
-            raise InvariantError(f"migration to unknown engine {cmd.dst}")
+        if not 0 <= cmd.dst < len(self.v.engines) or self.v.engines[cmd.dst].lent:
+            raise InvariantError(f"migration to engine {cmd.dst}: unknown or lent to the trainer")
         return self.interrupt(cmd.req_ids, migrate_to=cmd.dst)
 
     def due_migrations(self) -> list[tuple[Submit, int]]:
@@ -194,6 +197,30 @@ class Lifecycle:
         self.emit(Event("trajectory_migrated", v.now, engine=sub.engine, req_id=r.req_id, group_id=r.group_id,
                         version=v.engines[sub.engine].version,
                         data={"src": src, "dst": sub.engine, "tokens": r.tokens}))
+
+    # ------------------------------------------------------------------------------------------ elastic pool
+    def lend(self, cmd: LendEngines) -> None:
+        """Engines leave rollout for the trainer: each must hold nothing but requests on their way out (being
+        interrupted or migrated away, or aborted), and at least one engine stays in rollout."""
+        v = self.v
+        if not v.elastic:
+            raise InvariantError("LendEngines on a backend that cannot lend engines to the trainer")
+        out = set(cmd.engines)
+        if any(not 0 <= i < len(v.engines) or v.engines[i].lent for i in out) or len(out) >= len(v.rollout_engines()):
+            raise InvariantError(f"LendEngines {sorted(out)}: unknown or lent already, or no engine left in rollout")
+        for r in v.requests.in_state(S.RUNNING, S.REQUEUEING):
+            if r.engine in out:
+                raise InvariantError(f"engine {r.engine} lent to the trainer while request {r.req_id} runs there")
+        for i in out:
+            v.engines[i].lent = True
+        self.emit(Event("engines_lent", v.now, data={"engines": sorted(out), "lent": True}))
+
+    def give_back(self, cmd: ReturnEngines) -> None:
+        for i in cmd.engines:
+            if not self.v.engines[i].lent:
+                raise InvariantError(f"ReturnEngines: engine {i} is not lent")
+            self.v.engines[i].lent = False
+        self.emit(Event("engines_lent", self.v.now, data={"engines": sorted(cmd.engines), "lent": False}))
 
     # ---------------------------------------------------------------------------------------------- training
     def consume(self, gids: list[int], max_staleness: int | None) -> list[Group]:
@@ -228,6 +255,7 @@ class Lifecycle:
         for r in [r for r in v.round_groups if r < v.round]:
             if all(v.groups[g].closed for g in v.round_groups[r]):
                 v.plans.pop(r, None)
+                v.finishes.pop(r, None)
                 for g in v.round_groups.pop(r):
                     del v.groups[g]
                 for rid in [i for i, q in v.requests.items() if q.round == r]:
@@ -245,6 +273,7 @@ class Lifecycle:
             e = v.engines[ev.engine]
             d = ev.data
             e.running, e.waiting = d.get("running", e.running), d.get("waiting", e.waiting)
+            e.preemptions = d.get("preemptions", e.preemptions)
             e.kv_used, e.kv_free = d.get("kv_used", e.kv_used), d.get("kv_free", e.kv_free)
             e.tokens_decoded = d.get("total", e.tokens_decoded)
             for rid, n in d.get("progress", {}).items():
@@ -253,6 +282,7 @@ class Lifecycle:
         elif k == "trajectory_finished":
             r = v.requests[ev.req_id]
             r.tokens, r.finished_seq = ev.data.get("tokens", r.tokens), v.seq
+            v.finishes.setdefault(r.round, []).append(r.req_id)
             v.engines[r.engine].assigned -= 1
             self._finished(r)
         elif k == "reward_scored":

@@ -126,6 +126,30 @@ class EngineView:
     tokens_decoded: int = 0
     loading: bool = False        # a LoadWeights command is in flight
     assigned: int = 0            # requests sent and not yet given back (the controller's own count)
+    lent: bool = False           # lent to the trainer (LendEngines): no request may be placed on it
+    preemptions: int = 0         # KV preemptions so far (as last reported)
+
+
+@dataclass(frozen=True)
+class DecodeProfile:
+    """An engine's decode step, profiled in advance (StreamRL §5.1: "PTL(BS) can be profiled in advance"): a step of
+    n sequences attending over kv context tokens takes fixed_s + max(weights_s, per_seq_s x n) + per_token_s x kv
+    (the memory roofline with a compute roof, sim/cost.py); its KV pool holds kv_tokens, and at most max_seqs run at
+    once. The simulator's engines report theirs (its cost model); a runtime backend reports none."""
+    weights_s: float
+    per_seq_s: float
+    per_token_s: float
+    fixed_s: float
+    kv_tokens: int
+    max_seqs: int
+
+    def ptl(self, bs: int, context: float = 0.0) -> float:
+        """Per-token latency of a batch of bs sequences, each attending over `context` tokens."""
+        return self.fixed_s + max(self.weights_s, self.per_seq_s * bs) + self.per_token_s * bs * context
+
+    def max_batch(self, tokens: float) -> int:
+        """Sequences of `tokens` tokens each that run at once (the KV pool, then max_seqs)."""
+        return max(1, min(self.max_seqs, int(self.kv_tokens // max(tokens, 1.0))))
 
 
 @dataclass
@@ -156,10 +180,15 @@ class Views:
     plans: dict[int, "RoundPlan"] = field(default_factory=dict)        # round -> how it was composed
     migrations: list[tuple[int, int, int]] = field(default_factory=list)  # (req_id, src, dst): interrupted by a
     #                                                                 Migrate, resubmitted to dst at the next decision
+    finishes: dict[int, list[int]] = field(default_factory=dict)      # round -> its req ids in finish order (every
+    #                                                                 trajectory_finished, discarded ones included)
     now: float = 0.0
     seq: int = 0                          # events applied so far (orders finishes and materialisations)
     materialized: int = 0                 # groups materialised so far (a cheap "anything new?" for handoffs)
     dropped: int = 0                      # samples dropped so far (likewise: a group may have become void)
+    elastic: bool = False                 # the backend can lend an engine's GPUs to the trainer (LendEngines)
+    decode_profile: DecodeProfile | None = None   # the engines' profiled decode step, when the backend has one
+    colocated: bool = False               # engines and trainer share the same GPUs (a train call pauses rollout)
 
     # ------------------------------------------------------------------------------------------------ requests
     def pending(self) -> list[Request]:
@@ -177,6 +206,11 @@ class Views:
             else:
                 ids.append(r.req_id)
         return out
+
+    def round_finishes(self, r: int) -> list[int]:
+        """Round r's request ids in the order their trajectory_finished arrived (a policy keeps a cursor into it
+        to read only the new ones; forgotten with the round)."""
+        return self.finishes.get(r, [])
 
     def in_flight(self) -> int:
         return self.requests.count(*IN_FLIGHT)
@@ -223,8 +257,13 @@ class Views:
         return all(e.version == version and not e.loading for e in self.engines)
 
     def engine_loads(self) -> dict[int, int]:
-        """Requests assigned to each engine (engine id -> count), for a dispatch's local bookkeeping."""
-        return {e.engine: e.assigned for e in self.engines}
+        """Requests assigned to each engine in rollout (engine id -> count; engines lent to the trainer are left
+        out), for a dispatch's local bookkeeping."""
+        return {e.engine: e.assigned for e in self.engines if not e.lent}
+
+    def rollout_engines(self) -> list[int]:
+        """Ids of the engines in rollout (not lent to the trainer)."""
+        return [e.engine for e in self.engines if not e.lent]
 
     # --------------------------------------------------------------------------------------------------- tests
     def check(self) -> None:

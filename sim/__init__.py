@@ -9,13 +9,13 @@ simulated engines and a simulated trainer (docs/architecture.md, "Simulator").
     backend.py   SimBackend: the controller's Backend protocol; emits the runtime's events
     run.py       simulate(...) -> SimResult (events, metrics, timing)
     compare.py   `python -m sim.compare`: every preset on one workload, a table and timelines
-    repro.py     `python -m sim.repro PAPER`: our numbers beside a paper's
+    repro/       `python -m sim.repro PAPER`: our numbers beside a paper's (core.py, figures.py, a module per paper)
     calibrate.py `python -m sim.calibrate RUN_DIR`: cost constants from a real run of ours
 """
-from sim.cost import CostModel, RewardLatency
+from sim.cost import CostModel, RewardLatency, RewardTask
 from sim.profiles import PROFILES, get_profile
 from sim.run import SimResult, simulate
 from sim.workload import WORKLOADS, LengthModel, TraceError, TraceWorkload, get_workload, load_trace, save_trace
 
-__all__ = ["CostModel", "RewardLatency", "PROFILES", "get_profile", "SimResult", "simulate", "WORKLOADS",
+__all__ = ["CostModel", "RewardLatency", "RewardTask", "PROFILES", "get_profile", "SimResult", "simulate", "WORKLOADS",
            "LengthModel", "TraceError", "TraceWorkload", "get_workload", "load_trace", "save_trace"]

@@ -7,7 +7,8 @@ fields, so sched.metrics and sched.timeline read a simulated log exactly as a re
     tokens_decoded                     engine counters (total, running, waiting, kv_used/kv_free in blocks, plus
                                        tokens, preemptions, and per-request progress when enabled)
     trajectory_finished                data: tokens, finish_reason
-    reward_scored                      data: reward, correct, failed; payload: an rl.types.Trajectory whose token
+    reward_scored                      data: reward, correct, failed, task, latency_s (the call), wait_s (queued for
+                                       a scorer); payload: an rl.types.Trajectory whose token
                                        ids / logprobs / versions have the simulated length (versions per token)
     trajectory_aborted                 data: requeue, tokens (for Abort commands)
     trajectory_interrupted             data: tokens; payload: the partial Trajectory (all tokens so far, per-token
@@ -17,21 +18,36 @@ fields, so sched.metrics and sched.timeline read a simulated log exactly as a re
                                        samples, tokens, step_time_s
     version_published                  after a publishing train call (cost.publish_s), and version 0 at start
 
+Rewards: each finished sample is scored by its prompt's task (sim/cost.py `RewardLatency`: the task is the prompt's,
+from its `mix` uniform) after a sampled latency, on a pool of `reward_workers` scorers (0: as many as needed), first
+come first served. By default a sample goes to the pool the moment it finishes (asynchronous scoring beside the
+engines: our runtime's and RollPacker §4.3's); with `reward_stage=True` a round's samples wait until every request of
+the round has left its engine, then go together (veRL's separate, synchronous reward stage). A run killed at its
+task's limit, or at the adaptive timeout (`reward_timeout`, RollPacker §4.3, for sandboxed tasks only, keyed by
+(prompt, task)), scores 0.
+
 The trainer runs one call at a time, in order, like the runtime's trainer thread: a call starts when the previous
-call and its publication are done. `colocated=True` models engines and trainer time-sharing the same GPUs (veRL,
+call and its publication are done.
+
+Elastic pool (`elastic`: the controller may send LendEngines / ReturnEngines, RollPacker §4.4's scale-down): a lent
+engine stops (it is empty: its requests were migrated away) and its GPUs join the trainer for the calls that start
+while it is lent. Colocated, a call made while engines are lent runs on their GPUs alone and pauses no other engine;
+a call with none lent runs on every GPU and pauses every engine, as before. `colocated=True` models engines and trainer time-sharing the same GPUs (veRL,
 our runtime's colocated mode): every engine stops decoding while the trainer works and publishes.
 """
 from __future__ import annotations
 
+import heapq
+import math
 import random
 from typing import Any
 
 from rl.types import Group, Trajectory
-from sched.base import Abort, Interrupt, LoadWeights, TrainCall
+from sched.base import Abort, Interrupt, LendEngines, LoadWeights, ReturnEngines, TrainCall
 from sched.controller import PromptItem
 from sched.events import Event
 from sched.metrics import rollout_stats
-from sched.views import Request
+from sched.views import DecodeProfile, Request
 from sim.clock import EventQueue
 from sim.cost import CostModel
 from sim.engine import SimEngine, SimRequest
@@ -61,10 +77,12 @@ class StopSimulation(Exception):
 
 
 class SimBackend:
+    elastic = True                    # takes LendEngines / ReturnEngines
+
     def __init__(self, cost: CostModel, workload: Workload, num_engines: int, train_gpus: int, seed: int = 0, *,
                  colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
                  max_events: int | None = None, stop_after_samples: int | None = None,
-                 reward_timeout: Any = None):
+                 reward_timeout: Any = None, reward_workers: int = 0, reward_stage: bool = False):
         if num_engines < 1 or train_gpus < 1:
             raise ValueError(f"need at least one engine and one train GPU, got {num_engines} and {train_gpus}")
         self.cost, self.workload, self.train_gpus, self.colocated = cost, workload, train_gpus, colocated
@@ -80,9 +98,22 @@ class SimBackend:
         self.events_out = 0
         self.stop_after_samples = stop_after_samples
         self.reward_timeout = reward_timeout   # an rl.reward_timeout.AdaptiveTimeout (RollPacker §4.3), or None
-        self.reward_killed = 0
+        self.reward_killed = 0                 # runs cut by the adaptive timeout
+        self.reward_workers = [0.0] * reward_workers   # when each scorer is free (a heap; empty: unlimited)
+        self.reward_stage = reward_stage
+        self.on_engine: dict[int, int] = {}    # round -> its requests on an engine (reward_stage: when to score)
+        self.held: dict[int, list[tuple[int, SimRequest]]] = {}   # round -> finished samples awaiting its stage
+        self.reward_busy_s = 0.0               # scorer-seconds spent
+        self.lent: set[int] = set()            # engines lent to the trainer
+        self.lent_gpu_s = 0.0                  # GPU-seconds of train calls run on lent engines
         self.samples_trained = 0   # samples of train calls whose train_step_done has been delivered
         self.emit(Event("version_published", 0.0, rank=0, version=0))  # engines start from the trainer's weights
+
+    @property
+    def decode_profile(self) -> DecodeProfile:
+        """The engines' decode step for policies that plan with it (StreamRL's Algorithm 2): the cost model's."""
+        c = self.cost
+        return DecodeProfile(c.k2, c.k3, c.k1, c.k4, c.kv_capacity_tokens, c.max_num_seqs)
 
     @property
     def num_engines(self) -> int:
@@ -106,25 +137,49 @@ class SimBackend:
                           meta={"engine": engine, "preemptions": r.preemptions}, **kw)
 
     def finished(self, engine: int, r: SimRequest, t: float) -> None:
+        reason = "length" if r.done >= self.workload.max_len else "stop"
+        version = min(v for v, _ in r.runs)
+        self.emit(Event("trajectory_finished", t, rank=self.engines[engine].rank, engine=engine, req_id=r.req_id,
+                        group_id=r.group_id, version=version, data={"tokens": r.done, "finish_reason": reason}))
+        if self.reward_stage:
+            self.held.setdefault(r.round, []).append((engine, r))
+        else:
+            self.score(engine, r, t)
+        self.left_engine(r.round, t)
+
+    def left_engine(self, rnd: int, t: float) -> None:
+        """A request of round `rnd` left its engine; with reward_stage, the round's stage starts once none is left."""
+        self.on_engine[rnd] -= 1
+        if self.reward_stage and self.on_engine[rnd] == 0:
+            for engine, r in self.held.pop(rnd, []):
+                self.score(engine, r, t)
+
+    def score(self, engine: int, r: SimRequest, t: float) -> None:
+        """Queue sample r's reward call at time t on the scorer pool; emit its reward_scored at the call's end."""
         spec = self.workload.prompt(r.prompt_index)
-        correct = self.rng.random() < spec.p_correct
-        latency = self.cost.reward.sample(self.rng)
-        if self.reward_timeout is not None:   # keyed by prompt: a run past its adaptive timeout is killed, scores 0
-            limit = self.reward_timeout.timeout_s(r.prompt_index)
+        task = self.cost.reward.task_of(spec.mix)
+        latency, killed = task.sample(self.rng, spec.reward_z)
+        correct = not killed and self.rng.random() < spec.p_correct
+        if self.reward_timeout is not None and task.sandbox and not killed:
+            key = (r.prompt_index, task.name)        # the anchor is per (prompt, task): one test case per prompt
+            limit = self.reward_timeout.timeout_s(key)
             if latency > limit:
                 latency, correct = limit, False
                 self.reward_killed += 1
             else:
-                self.reward_timeout.observe(r.prompt_index, latency, correct)
+                self.reward_timeout.observe(key, latency, correct)
+        start = t
+        if self.reward_workers:
+            start = max(t, heapq.heappop(self.reward_workers))
+            heapq.heappush(self.reward_workers, start + latency)
+        self.reward_busy_s += latency
         reason = "length" if r.done >= self.workload.max_len else "stop"
         traj = self.trajectory(engine, r, reason, reward=float(correct), correct=correct)
-        version = min(v for v, _ in r.runs)
-        rank = self.engines[engine].rank
-        self.emit(Event("trajectory_finished", t, rank=rank, engine=engine, req_id=r.req_id, group_id=r.group_id,
-                        version=version, data={"tokens": r.done, "finish_reason": reason}))
-        self.emit(Event("reward_scored", t + latency, rank=rank, engine=engine,
-                        req_id=r.req_id, group_id=r.group_id, version=version,
-                        data={"reward": float(correct), "correct": correct, "failed": False}, payload=traj))
+        self.emit(Event("reward_scored", start + latency, rank=self.engines[engine].rank, engine=engine,
+                        req_id=r.req_id, group_id=r.group_id, version=min(v for v, _ in r.runs),
+                        data={"reward": float(correct), "correct": correct, "failed": False, "task": task.name,
+                              "latency_s": latency, "wait_s": start - t},
+                        payload=traj))
 
     # ---------------------------------------------------------------------------------------- Backend protocol
     def now(self) -> float:
@@ -135,7 +190,9 @@ class SimBackend:
         sims = []
         for r in reqs:
             s = SimRequest(r.req_id, r.group_id, r.sample_index, r.prompt_index, r.prompt_len,
-                           w.response_len(r.prompt_index, r.sample_index), w.max_len, prompts[r.group_id].prompt_ids)
+                           w.response_len(r.prompt_index, r.sample_index), w.max_len, prompts[r.group_id].prompt_ids,
+                           round=r.round)
+            self.on_engine[r.round] = self.on_engine.get(r.round, 0) + 1
             if r.partial is not None:  # resume: its tokens so far are re-prefilled on admission
                 s.done = len(r.partial.response_ids)
                 vs = r.partial.versions
@@ -144,8 +201,16 @@ class SimBackend:
             sims.append(s)
         self.engines[engine].add(sims, self.now())
 
-    def command(self, cmd: Abort | Interrupt | LoadWeights) -> None:
-        if isinstance(cmd, LoadWeights):
+    def command(self, cmd: Abort | Interrupt | LoadWeights | LendEngines | ReturnEngines) -> None:
+        if isinstance(cmd, LendEngines):
+            for i in cmd.engines:
+                self.engines[i].hold(self.now(), until=math.inf)
+            self.lent.update(cmd.engines)
+        elif isinstance(cmd, ReturnEngines):
+            for i in cmd.engines:
+                self.engines[i].release(self.now())
+            self.lent.difference_update(cmd.engines)
+        elif isinstance(cmd, LoadWeights):
             self.engines[cmd.engine].hold(self.now(), duration=self.cost.load_s, version=cmd.version)
         elif isinstance(cmd, Abort):
             e = self.engines[cmd.engine]
@@ -153,6 +218,7 @@ class SimBackend:
                 self.emit(Event("trajectory_aborted", e.t, rank=e.rank, engine=e.index, req_id=r.req_id,
                                 group_id=r.group_id, version=min((v for v, _ in r.runs), default=e.version),
                                 data={"requeue": bool(cmd.requeue), "tokens": r.done}))
+                self.left_engine(r.round, e.t)
             e.schedule_segment()
         elif isinstance(cmd, Interrupt):
             e = self.engines[cmd.engine]
@@ -160,6 +226,7 @@ class SimBackend:
                 self.emit(Event("trajectory_interrupted", e.t, rank=e.rank, engine=e.index, req_id=r.req_id,
                                 group_id=r.group_id, version=e.version, data={"tokens": r.done},
                                 payload=self.trajectory(e.index, r, "interrupted")))
+                self.left_engine(r.round, e.t)
             e.schedule_segment()
         else:  # a Migrate never reaches a backend: the controller sends an Interrupt, then a resubmission
             raise TypeError(f"unknown backend command {type(cmd).__name__}")
@@ -168,7 +235,10 @@ class SimBackend:
         now = self.now()
         tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
         start = max(now, self.trainer_free)
-        dur = self.cost.train_s(tokens, self.train_gpus)
+        lent_gpus = len(self.lent) * self.cost.gpus_per_engine
+        gpus = lent_gpus if self.colocated and self.lent else self.train_gpus + lent_gpus
+        dur = self.cost.train_s(tokens, gpus)
+        self.lent_gpu_s += dur * lent_gpus
         done = start + dur
         if call.step:
             self.trainer_version += 1
@@ -185,7 +255,7 @@ class SimBackend:
                 self.trainer_free = self.publish_free
             self.emit(Event("version_published", self.publish_free, rank=0, version=self.trainer_version,
                             data={"seconds": self.cost.publish_s}))
-        if self.colocated:
+        if self.colocated and not self.lent:
             for e in self.engines:
                 e.hold(now, until=self.trainer_free)
 

@@ -17,7 +17,7 @@ jump from one event to the next instead of stepping (sim/engine.py).
 Other costs: prefill is linear in tokens (compute-bound); training is seconds per trained token (prompt +
 response) for one GPU, divided by the train partition's GPUs, plus a per-call overhead; publishing weights is one
 broadcast from the trainer to every engine's relay; loading is relay -> engine; reward latency is a per-sample
-distribution. The named calibrations, each constant with its source, are in sim/profiles.py.
+distribution per task (a prompt's task fixed by the prompt). The named calibrations, each constant with its source, are in sim/profiles.py.
 """
 from __future__ import annotations
 
@@ -28,28 +28,52 @@ from typing import Mapping
 
 
 @dataclass(frozen=True)
-class RewardLatency:
-    """Seconds from a trajectory's last token to its reward: a mixture of lognormal components, each capped at its
-    own timeout, some fraction of which runs into the timeout (a code sandbox killing a slow test)."""
+class RewardTask:
+    """One task of a reward mix: seconds from a trajectory's last token to its reward are lognormal,
+    median_s * exp(sigma_prompt * z_p + sigma * e) with z_p the prompt's own (a test case's inputs set how long its
+    tests run) and e the sample's, capped at the verifier's own limit `timeout_s`; a share `hang_frac` of runs hangs
+    until that limit (a code sandbox killing a slow test). A run killed at a limit scores 0 (incorrect). `sandbox`:
+    the adaptive timeout of RollPacker §4.3 applies to this task (a code sandbox), not to a rule check or an LLM
+    judge."""
+    name: str
+    weight: float
+    median_s: float
+    sigma: float                 # between samples of one prompt
+    timeout_s: float
+    hang_frac: float = 0.0
+    sandbox: bool = False
+    sigma_prompt: float = 0.0    # between prompts
 
-    # (weight, median_s, sigma, timeout_s, timeout_frac) per component
-    components: tuple[tuple[float, float, float, float, float], ...] = ((1.0, 0.02, 1.0, 2.0, 0.0),)
-
-    def sample(self, rng: random.Random) -> float:
-        u = rng.random() * sum(c[0] for c in self.components)
-        for w, median, sigma, timeout, frac in self.components:
-            if u <= w:
-                break
-            u -= w
-        if frac > 0 and rng.random() < frac:
-            return timeout
-        return min(timeout, median * math.exp(sigma * rng.gauss(0.0, 1.0)))
+    def sample(self, rng: random.Random, z: float = 0.0) -> tuple[float, bool]:
+        """(seconds, whether the run was killed at the task's limit) for a sample of a prompt with difficulty z."""
+        if self.hang_frac > 0 and rng.random() < self.hang_frac:
+            return self.timeout_s, True
+        x = self.median_s * math.exp(self.sigma_prompt * z + self.sigma * rng.gauss(0.0, 1.0))
+        return (self.timeout_s, True) if x >= self.timeout_s else (x, False)
 
     def mean(self) -> float:
         """Approximate mean (ignores the cap on the lognormal body)."""
-        tot = sum(c[0] for c in self.components)
-        return sum(w / tot * (f * t + (1 - f) * min(t, m * math.exp(s * s / 2)))
-                   for w, m, s, t, f in self.components)
+        body = min(self.timeout_s, self.median_s * math.exp((self.sigma ** 2 + self.sigma_prompt ** 2) / 2))
+        return self.hang_frac * self.timeout_s + (1 - self.hang_frac) * body
+
+
+@dataclass(frozen=True)
+class RewardLatency:
+    """The reward mix of a setting: one task per prompt, chosen by the prompt's own uniform `mix` (a dataset's
+    prompts all go to that dataset's verifier: RollPacker §6's uniform math / code / judge mix is per dataset)."""
+    tasks: tuple[RewardTask, ...] = (RewardTask("math", 1.0, 0.02, 1.0, 2.0),)
+
+    def task_of(self, mix: float) -> RewardTask:
+        u = mix * sum(t.weight for t in self.tasks)
+        for t in self.tasks:
+            if u < t.weight:
+                return t
+            u -= t.weight
+        return self.tasks[-1]
+
+    def mean(self) -> float:
+        tot = sum(t.weight for t in self.tasks)
+        return sum(t.weight / tot * t.mean() for t in self.tasks)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ class SimRequest:
     target: int                     # response length this sample will have (from the workload)
     max_len: int                    # the response cap: reaching it means finish_reason "length"
     prompt_ids: Sequence[int] = ()
+    round: int = 0                  # the controller's round (the backend's reward stage waits for a round's last)
     done: int = 0                   # response tokens generated so far
     runs: list[list[int]] = field(default_factory=list)  # [[version, tokens], ...] in generation order
     preemptions: int = 0
@@ -254,7 +255,8 @@ class SimEngine:
             return
         self.gen += 1
         if self.t < self.hold_until:
-            self.host.wake(self.index, self.hold_until, self.gen)
+            if self.hold_until < math.inf:    # held for good (lent to the trainer) until `release`
+                self.host.wake(self.index, self.hold_until, self.gen)
             return
         if not self._preempt_to_fit():
             self._admit()
@@ -349,6 +351,12 @@ class SimEngine:
             self.waiting.remove(r)
             out.append(r)
         return out
+
+    def release(self, now: float) -> None:
+        """End a hold now (an engine back from the trainer)."""
+        self.sync(now)
+        self.hold_until = self.t
+        self.schedule_segment()
 
     def hold(self, now: float, duration: float = 0.0, until: float | None = None, version: int | None = None) -> None:
         """Stop decoding for `duration` from the next step boundary (a weight load, adopting `version` at its end) or

@@ -3,7 +3,7 @@
 Sources are cited as: a paper's section/table, a public datasheet or model config, `assumption` (our choice, with
 the reason), or `measured` (our own engine/trainer, see sim/calibrate.py).
 Nothing here is tuned to make any policy or any paper figure come out a certain way; the reproduction script
-(sim/repro.py) compares against figures that none of these constants were derived from.
+(sim/repro/) compares against figures that none of these constants were derived from.
 
 Roofline-derived profiles (`roofline`), per engine of `tp` GPUs:
     k1 = KV bytes per token / (tp * HBM bandwidth * bw_eff)       attention reads the whole KV once per step
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sim.cost import CostModel, RewardLatency
+from sim.cost import CostModel, RewardLatency, RewardTask
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,17 @@ def roofline(name: str, model: Model, gpu: GPU, tp: int, *, train_gpu: GPU, trai
 
 
 # ------------------------------------------------------------------------------------------------- reward latency
-MATH_REWARD = RewardLatency(((1.0, 0.02, 1.0, 2.0, 0.0),))
+MATH = RewardTask("math", 1.0, 0.02, 1.0, 2.0)
+MATH_REWARD = RewardLatency((MATH,))
 """Rule-based math/exact-match verifier: 2 s timeout (RollPacker §5: "per-task timeouts of 30s and 2s"); the 20 ms
 median is an assumption (string normalisation + sympy on a CPU)."""
-MULTITASK_REWARD = RewardLatency(((1.0, 0.02, 1.0, 2.0, 0.0), (1.0, 2.0, 1.0, 30.0, 0.05), (1.0, 2.0, 0.5, 30.0, 0.0)))
-"""RollPacker's uniform math / code / LLM-judge mix (§6): math as above; code sandbox with a 30 s timeout that ~5% hit
-(§4.3: "around 5% of prompts hit this timeout"); judge (Qwen2.5-7B-Instruct). Component medians are assumptions."""
+MULTITASK_REWARD = RewardLatency((MATH, RewardTask("code", 1.0, 2.0, 0.25, 30.0, hang_frac=0.05, sandbox=True,
+                                                   sigma_prompt=1.0),
+                                  RewardTask("judge", 1.0, 2.0, 0.5, 30.0)))
+"""RollPacker's uniform math / code / LLM-judge mix (§6), one task per prompt (per dataset): math as above; code
+sandbox with a 30 s timeout that ~5% of runs hit and fail (§4.3: "around 5% of prompts hit this timeout"; the
+adaptive timeout applies to it), its run time mostly the test case's (sigma 1.0 between prompts, 0.25 between the
+solutions of one prompt); judge (Qwen2.5-7B-Instruct). Medians and sigmas are assumptions."""
 
 # ------------------------------------------------------------------------------------------ RolloutPipe calibration
 ROLLOUTPIPE_PROMPT_LEN = 400          # assumption: LSAT-AR / SciBench prompts with passage; not reported
@@ -133,9 +138,20 @@ def _rolloutpipe() -> CostModel:
 
 
 # ---------------------------------------------------------------------------------- RollPacker (veRL colocated)
-def _rollpacker(model: Model, tp: int, name: str) -> CostModel:
+ROLLPACKER_CALIBRATION_SHARE = 0.22   # RollPacker Table 1 (veRL, 14B/16k): training 23% / 21% / 22% of the step
+ROLLPACKER_TRAIN_MFU = 0.0977         # calibrated: ROLLPACKER_TRAIN_SOURCE
+ROLLPACKER_TRAIN_SOURCE = (
+    "flops_factor 10 = actor fwd+bwd (6) + old-logprob fwd (2) + reference fwd (2), RollPacker §6 (reference same "
+    "size as actor); MFU 0.0977 calibrated from RollPacker Table 1: the MFU at which the simulated veRL 14B/16k step "
+    "(sync, colocated, synchronous reward stage; seeds 0-2) spends Table 1's 22% training (the mean of its math / "
+    "code / judge rows); rollout and reward do not depend on it there. Recomputed by "
+    "sim.repro.rollpacker.calibrate_train_mfu (tests/test_repro_figures.py checks the recorded value)")
+
+
+def _rollpacker(model: Model, tp: int, name: str, train_mfu: float = ROLLPACKER_TRAIN_MFU,
+                train_source: str = ROLLPACKER_TRAIN_SOURCE) -> CostModel:
     return roofline(
-        name, model, H800, tp, train_gpu=H800, train_mfu=0.25, flops_factor=10.0,
+        name, model, H800, tp, train_gpu=H800, train_mfu=train_mfu, flops_factor=10.0,
         publish_bw=200e9, publish_fixed_s=1.0, load_bw=0.5 * H800.hbm_bw, reward=MULTITASK_REWARD,
         mem_fraction=0.6, max_num_seqs=256,
         sources={"engine": "RollPacker §6: H800, rollout TP 1/2/2 for 7B/14B/32B, vLLM v0.8.4",
@@ -143,8 +159,7 @@ def _rollpacker(model: Model, tp: int, name: str) -> CostModel:
                  "max_num_seqs": "vLLM default max_num_seqs = 256",
                  "kv_capacity_tokens": "mem_fraction 0.6: assumption (colocated veRL leaves room for offloaded "
                                        "training state)",
-                 "train_s_per_token": "flops_factor 10 = actor fwd+bwd (6) + old-logprob fwd (2) + reference fwd (2),"
-                                      " RollPacker §6 (reference same size as actor); MFU 0.25: assumption",
+                 "train_s_per_token": train_source,
                  "publish_s": "colocated: in-place reshard over NVLink (400 GB/s, StreamRL Table 1) at 50% + 1 s "
                               "(assumption)"})
 
@@ -231,7 +246,7 @@ def _cpu_tiny() -> CostModel:
     return CostModel(
         name="cpu_tiny", k1=0.0, k2=0.0, k3=4.6e-5, k4=2.3e-3, prefill_s_per_token=4.6e-5, kv_capacity_tokens=4096,
         train_s_per_token=4.9e-4, publish_s=0.092, load_s=3.2e-3, max_num_seqs=64,
-        reward=RewardLatency(((1.0, 4e-6, 0.5, 5.0, 0.0),)),
+        reward=RewardLatency((RewardTask("reverse", 1.0, 4e-6, 0.5, 5.0),)),
         sources={"k1": "0: the tiny model on CPU is compute-bound; KV reads are negligible",
                  "k2": "0: weight reads are folded into the per-sequence compute k3",
                  "k3": f"{measured}: least-squares step = k3 * n + k4 over tokens_decoded intervals",
@@ -247,7 +262,10 @@ PROFILES: dict[str, CostModel] = {p.name: p for p in [
     _rolloutpipe(),
     _rollpacker(QWEN25_7B, 1, "h800_7b"), _rollpacker(QWEN25_14B, 2, "h800_14b"),
     _rollpacker(QWEN25_32B, 2, "h800_32b"),
-    _rollpacker(QWEN25_72B, 8, "h800_72b"),
+    # Laminar's verl at its largest scale (sim/repro/laminar.py) borrows this colocated shape at the H800 profiles'
+    # assumed MFU (RollPacker's calibration is for its own 7B-32B settings)
+    _rollpacker(QWEN25_72B, 8, "h800_72b", 0.25, "flops_factor 10 = actor fwd+bwd (6) + old-logprob fwd (2) + "
+                "reference fwd (2); MFU 0.25: assumption (as the other H800 profiles)"),
     _streamrl(QWEN25_7B, 1, "h800_streamrl_7b"), _streamrl(QWEN25_32B, 4, "h800_streamrl_32b"),
     _streamrl(QWEN25_72B, 8, "h800_streamrl_72b"),
     _staleflow(), _cpu_tiny(),

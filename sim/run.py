@@ -10,11 +10,13 @@ reward draws come from one seeded generator consumed in event order, and queue t
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import sched
@@ -26,9 +28,9 @@ from sim.backend import SimBackend, StopSimulation
 from sim.cost import CostModel
 from sim.profiles import get_profile
 from sim.tokens import RunList
-from sim.workload import Workload, get_workload
+from sim.workload import PromptSpec, Workload, get_workload
 
-PROMPT_TOKEN = 1
+PROMPT_TOKEN, DIFFICULTY_WORD = 1, 100
 
 
 @dataclass
@@ -65,15 +67,31 @@ def draw_timeline(events: list[Event], out: str | Path, title: str, num_engines:
     return draw(shown, out, title)
 
 
+DIFFICULTY_LEVELS = 8
+DIFFICULTY_EDGES = [NormalDist().inv_cdf(k / DIFFICULTY_LEVELS) for k in range(1, DIFFICULTY_LEVELS)]
+
+
+def prompt_ids(spec: PromptSpec) -> RunList:
+    """Fake prompt token ids that carry the prompt's difficulty, as a real prompt's text does ("difficulty is a
+    property inherent to the prompts themselves", StreamRL §5.1): the first half of its tokens is a word naming its
+    difficulty octile (token 100 + level, levels 0-7 from the workload's z_p), the rest a filler. A content-reading
+    length ranker (StreamRL §5.2's, sched/policies/streamrl/length_rank.py) can learn it; the sample-level noise of
+    the lengths stays unpredictable. A trace has no difficulty (every prompt level 4)."""
+    level = bisect.bisect(DIFFICULTY_EDGES, spec.difficulty)
+    half = spec.prompt_len // 2
+    return RunList([(DIFFICULTY_WORD + level, half), (PROMPT_TOKEN, spec.prompt_len - half)])
+
+
 def prompt_source(workload: Workload):
-    """The controller's prompt source: prompts 0, 1, 2, ... of the workload, with fake ids of the right length."""
+    """The controller's prompt source: prompts 0, 1, 2, ... of the workload, with fake ids of the right length that
+    carry the prompt's difficulty (`prompt_ids`)."""
     counter = itertools.count()
 
     def source(n: int) -> list[PromptItem]:
         items = []
         for _ in range(n):
             i = next(counter)
-            items.append(PromptItem(i, RunList.of(PROMPT_TOKEN, workload.prompt(i).prompt_len), None))
+            items.append(PromptItem(i, prompt_ids(workload.prompt(i)), None))
         return items
     return source
 
@@ -82,21 +100,24 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
              train_gpus: int, steps: int, group_size: int, prompts_per_step: int, seed: int = 0, *,
              colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
              log_path: str | Path | None = None, max_events: int | None = 50_000_000,
-             samples: int | None = None, reward_timeout: Any = None) -> SimResult:
+             samples: int | None = None, reward_timeout: Any = None, reward_workers: int = 0,
+             reward_stage: bool = False) -> SimResult:
     """Run `steps` optimizer steps of `preset` (a configs/sched/*.toml name or a Preset) on simulated engines.
 
     num_engines engines of cost.gpus_per_engine GPUs each, and a train partition of train_gpus GPUs (with
     colocated=True the engines time-share the train GPUs instead). `samples`: stop instead once that many samples
     have been trained (train calls done) — the same amount of work for presets whose optimizer steps differ in
-    size; `steps` is then only an upper bound. `reward_timeout`: an
-    AdaptiveTimeout (rl/reward_timeout.py) applied to every simulated reward call (RollPacker §4.3)."""
+    size; `steps` is then only an upper bound. `reward_timeout`: an AdaptiveTimeout (rl/reward_timeout.py) applied
+    to every sandboxed reward call (RollPacker §4.3); `reward_workers` scorers (0: unlimited) and `reward_stage`
+    (score a round only once all of it has left the engines: veRL's synchronous reward stage), sim/backend.py."""
     name = preset if isinstance(preset, str) else "custom"
     policy = sched.load_preset(preset) if isinstance(preset, str) else preset
     w = get_workload(workload, seed)
     c = get_profile(cost)
     backend = SimBackend(c, w, num_engines, train_gpus, seed, colocated=colocated,
                          counters_every_s=counters_every_s, progress=progress, max_events=max_events,
-                         stop_after_samples=samples, reward_timeout=reward_timeout)
+                         stop_after_samples=samples, reward_timeout=reward_timeout,
+                         reward_workers=reward_workers, reward_stage=reward_stage)
     log = EventLog(log_path)
     ctl = Controller(policy, prompt_source(w), group_size, prompts_per_step, steps, log=log)
     t0 = time.perf_counter()
@@ -110,7 +131,7 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     metrics = summarize(log.events, num_engines)
     gpus = train_gpus if colocated else train_gpus + num_engines * c.gpus_per_engine
     metrics.update({"samples_trained": backend.samples_trained, "preemptions": backend.preemptions,
-                    "reward_killed": backend.reward_killed,
+                    "reward_killed": backend.reward_killed, "reward_busy_s": backend.reward_busy_s,
                     "events": len(log.events), "wall_s": wall,
                     "gpus": gpus, "cost_profile": c.name, "workload": w.name, "preset": name})
     return SimResult(name, log.events, metrics, wall, num_engines, train_gpus, gpus, backend, ctl.v)

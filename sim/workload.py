@@ -5,18 +5,27 @@ Length model (`LengthModel`), per prompt p and sample k:
     z_p ~ N(0, 1)                      prompt difficulty (shared by the G samples of a group)
     e_pk ~ N(0, 1)                     per-sample noise
     len_pk = min(cap, median * exp(sigma_prompt * z_p + sigma_sample * e_pk))
-    with probability runaway_p the sample instead runs to the cap (repetition / endless reasoning)
+    runaways: a runaway sample runs to the cap instead (repetition / endless reasoning); only the hardest
+    `runaway_prompts` of the prompts (z_p above its quantile) are prone to it, and each of their samples runs away
+    with probability runaway_p / runaway_prompts, so runaway_p stays the share of samples that run away
+    (runaway_prompts = 1: every sample independently, with probability runaway_p)
 
 so log-lengths within a group correlate with ICC = sigma_prompt^2 / (sigma_prompt^2 + sigma_sample^2). The papers
 say difficult prompts "consistently produce long responses" (RollPacker §6.3) and that a group's trajectories "tend to
-be either all long or all short" (StaleFlow App. C) but give no number: we take ICC = 0.6 (assumption). A sample's
+be either all long or all short" (StaleFlow App. C) but give no number: we take ICC = 0.6 (assumption). A tail tied to
+the prompt matters for speculative execution: a runaway drawn independently per sample is removed by any
+over-provisioning of responses, one that belongs to the prompt is not. A sample's
 reward is correct with probability sigmoid(-1.5 z_p) (assumption: harder prompts are longer and solved less often;
 no paper number; it only makes reward_mean non-trivial). Every value is a pure function of (seed, prompt index,
 sample index), so a run is reproducible and an aborted-then-requeued sample regenerates the same length.
 
 Trace replay (`TraceWorkload`, `--trace FILE.jsonl`): one JSON object per line, one line per prompt,
 `{"prompt_len": int, "response_lens": [int, ...]}` (one entry per group member; extra keys are ignored). The trace
-repeats from its start when a run needs more prompts than it has.
+repeats from its start when a run needs more prompts than it has. A run may ask a prompt for more responses than
+the trace recorded (a speculative preset launches ceil(1.25 G) per prompt, RollPacker §3): sample k >= n of a
+prompt with n recorded responses is a draw, with replacement, from that prompt's own n recorded lengths (uniform,
+a pure function of (seed, prompt index, k)), so the extra responses follow the prompt's own length distribution
+and recorded samples keep their lengths.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 from rl.jsonl import iter_jsonl
@@ -36,6 +46,8 @@ class PromptSpec:
     prompt_len: int
     difficulty: float
     p_correct: float
+    mix: float = 0.5             # a uniform in (0, 1) of the prompt's own: picks its task in a reward mix
+    reward_z: float = 0.0        # a standard normal of the prompt's own: how slow its verifier runs
 
 
 class Workload:
@@ -66,6 +78,12 @@ def _normal(u1: float, u2: float) -> float:
     return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
 
 
+def _reward_draws(seed: int, name: str, index: int) -> tuple[float, float]:
+    """A prompt's own reward-side draws: `mix` (a uniform) and `reward_z` (a standard normal)."""
+    u1, u2, u3, _ = _uniforms(seed, name, index, "reward")
+    return u1, _normal(u2, u3)
+
+
 def _phi(x: float) -> float:
     return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
 
@@ -78,6 +96,7 @@ class LengthModel(Workload):
     sigma_sample: float
     max_len: int
     runaway_p: float = 0.0
+    runaway_prompts: float = 1.0   # share of prompts (the hardest) whose samples may run away
     prompt_median: float = 300.0
     prompt_sigma: float = 0.5
     prompt_max: int = 2048
@@ -85,16 +104,26 @@ class LengthModel(Workload):
     seed: int = 0
     source: str = ""
 
+    def __post_init__(self) -> None:
+        if not 0 < self.runaway_prompts <= 1 or not 0 <= self.runaway_p <= self.runaway_prompts:
+            raise ValueError(f"workload {self.name}: need 0 < runaway_prompts <= 1 and 0 <= runaway_p <= "
+                             f"runaway_prompts, got {self.runaway_p} and {self.runaway_prompts}")
+
     def with_seed(self, seed: int) -> "LengthModel":
         return replace(self, seed=seed)
 
     def prompt(self, index: int) -> PromptSpec:
         return _prompt_spec(self, index)
 
+    @property
+    def runaway_z(self) -> float:
+        """The difficulty above which a prompt is runaway-prone (-inf: every prompt)."""
+        return -math.inf if self.runaway_prompts >= 1 else NormalDist().inv_cdf(1 - self.runaway_prompts)
+
     def response_len(self, prompt_index: int, sample_index: int) -> int:
         z = _prompt_spec(self, prompt_index).difficulty
         u1, u2, u3, _ = _uniforms(self.seed, self.name, prompt_index, sample_index)
-        if u3 < self.runaway_p:
+        if z > self.runaway_z and u3 < self.runaway_p / self.runaway_prompts:
             return self.max_len
         x = self.median * math.exp(self.sigma_prompt * z + self.sigma_sample * _normal(u1, u2))
         return int(min(self.max_len, max(self.min_len, round(x))))
@@ -113,7 +142,7 @@ def _prompt_spec(m: LengthModel, index: int) -> PromptSpec:
     u1, u2, u3, u4 = _uniforms(m.seed, m.name, index)
     z, z_len = _normal(u1, u2), _normal(u3, u4)
     plen = int(min(m.prompt_max, max(1, round(m.prompt_median * math.exp(m.prompt_sigma * z_len)))))
-    return PromptSpec(plen, z, 1.0 / (1.0 + math.exp(1.5 * z)))
+    return PromptSpec(plen, z, 1.0 / (1.0 + math.exp(1.5 * z)), *_reward_draws(m.seed, m.name, index))
 
 
 def _capped_mean(median: float, sigma: float, cap: float, runaway: float) -> float:
@@ -138,24 +167,31 @@ def _split(sigma: float, icc: float = 0.6) -> tuple[float, float]:
 
 # RollPacker §2.2 (Qwen2.5-14B, 16k cap): "P75 ranging between 755 and 1.1k tokens, the longest responses can extend
 # up to 16k tokens", §1: "the longest response 25×–32× longer than the medi[an]". We take max/median = 28.5 (middle)
-# so median = cap / 28.5 and P75 = 930 (middle of 755–1.1k) so sigma = ln(930 / 575) / 0.674 = 0.713; the cap is
-# reached through runaway_p = 0.003 (about 3 samples per 1024-sample step: the paper's max = cap). The paper gives
-# these statistics only for 14B/16k; for 7B/8k and 32B/32k we assume the same shape (same ratios to the cap).
-RP_RATIO, RP_P75_OVER_MEDIAN, RP_RUNAWAY = 28.5, 930 / (16384 / 28.5), 0.003
+# so median = cap / 28.5 and P75 = 930 (middle of 755–1.1k) so sigma = ln(930 / 575) / 0.674 = 0.713. The cap is
+# reached through runaways tied to the prompt (§6.3: "some difficult prompts consistently produce long responses"):
+# the hardest RP_RUNAWAY_PROMPTS = 3 / 128 of the prompts are prone, so a step of P0 = 128 prompts holds 3 of them on
+# average and 95% of steps reach the cap (the paper's max = cap per step); each of their samples runs away with
+# probability RP_RUNAWAY_RHO = 1/2 (our reading of "consistently": as likely as not; no number in the paper), so
+# RP_RUNAWAY = 3/128 x 1/2 = 1.2% of samples run to the cap. The paper gives these statistics only for 14B/16k;
+# for 7B/8k and 32B/32k we assume the same shape (same ratios to the cap).
+RP_RATIO, RP_P75_OVER_MEDIAN = 28.5, 930 / (16384 / 28.5)
+RP_RUNAWAY_PROMPTS, RP_RUNAWAY_RHO = 3 / 128, 0.5
+RP_RUNAWAY = RP_RUNAWAY_PROMPTS * RP_RUNAWAY_RHO
 RP_SIGMA = math.log(RP_P75_OVER_MEDIAN) / 0.6745
 
 
 def _rollpacker(cap: int, name: str) -> LengthModel:
     sp, ss = _split(RP_SIGMA)
-    return LengthModel(name, cap / RP_RATIO, sp, ss, cap, RP_RUNAWAY, prompt_median=300, source=(
+    return LengthModel(name, cap / RP_RATIO, sp, ss, cap, RP_RUNAWAY, RP_RUNAWAY_PROMPTS, prompt_median=300, source=(
         "RollPacker §1/§2.2: P75 755–1.1k, max = cap, max/median 25–32x (14B/16k); same shape assumed at other "
-        "caps; ICC 0.6 and prompt lengths (median 300) are assumptions"))
+        "caps; runaways tied to the hardest 3/128 of prompts (§6.3), half their samples; ICC 0.6 and prompt "
+        "lengths (median 300) are assumptions"))
 
 
 def _rolloutpipe() -> LengthModel:
     cap, sp_ss = 16384, _split(RP_SIGMA)
     med = median_for_mean(3450, RP_SIGMA, cap, RP_RUNAWAY)
-    return LengthModel("rolloutpipe", med, *sp_ss, cap, RP_RUNAWAY, prompt_median=400, source=(
+    return LengthModel("rolloutpipe", med, *sp_ss, cap, RP_RUNAWAY, RP_RUNAWAY_PROMPTS, prompt_median=400, source=(
         "RolloutPipe §5.3: mean response 3.3k–3.6k (median fitted so the mean is 3.45k); tail shape from RollPacker "
         "(not reported by RolloutPipe); cap 16384 and prompt median 400 are assumptions"))
 
@@ -199,21 +235,24 @@ class TraceWorkload(Workload):
     name: str
     rows: tuple[tuple[int, tuple[int, ...]], ...]
     path: str = ""
+    seed: int = 0
+
+    def with_seed(self, seed: int) -> "TraceWorkload":
+        return replace(self, seed=seed)
 
     @property
     def max_len(self) -> int:  # type: ignore[override]
         return max(max(lens) for _, lens in self.rows)
 
     def prompt(self, index: int) -> PromptSpec:
-        return PromptSpec(self.rows[index % len(self.rows)][0], 0.0, 0.5)
+        return PromptSpec(self.rows[index % len(self.rows)][0], 0.0, 0.5, *_reward_draws(self.seed, self.name, index))
 
     def response_len(self, prompt_index: int, sample_index: int) -> int:
-        i = prompt_index % len(self.rows)
-        lens = self.rows[i][1]
-        if sample_index >= len(lens):
-            raise TraceError(f"{self.path}:{i + 1}: response_lens has {len(lens)} entries but sample {sample_index} "
-                             f"was requested (group size larger than the trace's groups?)")
-        return lens[sample_index]
+        lens = self.rows[prompt_index % len(self.rows)][1]
+        if sample_index < len(lens):
+            return lens[sample_index]
+        u = _uniforms(self.seed, self.name, "extra", prompt_index, sample_index)[0]   # module docstring: the rule
+        return lens[min(len(lens) - 1, int(u * len(lens)))]
 
 
 def load_trace(path: str | Path) -> TraceWorkload:

@@ -156,6 +156,7 @@ class RecordingController(Controller):
         super().__init__(*a, **kw)
         self.rounds: dict[int, RoundRecord] = {}
         self.admits: list[tuple[list[int], dict[int, list[str]]]] = []  # (admitted groups, states of live groups)
+        self.decided: list[dict[int, list[str]]] = []   # after every decision: the request states of live groups
 
     def start_round(self, plan):
         super().start_round(plan)
@@ -168,6 +169,8 @@ class RecordingController(Controller):
     def decide(self, backend):
         super().decide(backend)
         self.v.check()                       # the views stay consistent whatever the policies decided
+        v = self.v
+        self.decided.append({g.group_id: [v.requests[i].state for i in g.req_ids] for g in v.open_groups()})
 
     def submit(self, backend, sub):
         super().submit(backend, sub)

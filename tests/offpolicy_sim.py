@@ -10,7 +10,7 @@ import sched
 from sched.controller import Controller, PromptItem
 from sched.events import EventLog
 from sim.backend import SimBackend
-from sim.cost import CostModel, RewardLatency
+from sim.cost import CostModel, RewardLatency, RewardTask
 from sim.tokens import RunList
 from sim.workload import TraceWorkload
 
@@ -22,7 +22,7 @@ def random_cost(rng: random.Random) -> CostModel:
                      k4=1e-3, prefill_s_per_token=rng.choice([1e-6, 1e-4]),
                      kv_capacity_tokens=16 * rng.randint(60, 200), train_s_per_token=rng.uniform(1e-5, 1e-3),
                      publish_s=rng.uniform(0.01, 2.0), load_s=rng.uniform(0.01, 0.5),
-                     reward=RewardLatency(((1.0, rng.uniform(1e-3, 0.5), 1.5, 5.0, 0.0),)),
+                     reward=RewardLatency((RewardTask("math", 1.0, rng.uniform(1e-3, 0.5), 1.5, 5.0),)),
                      block_size=16, max_num_seqs=rng.randint(4, 64))
 
 

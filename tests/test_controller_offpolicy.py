@@ -11,7 +11,7 @@ from sched.controller import Controller, InvariantError, PromptItem
 from sched.events import EventLog
 from sched.views import EngineView, Request, RequestState
 from sim.backend import SimBackend
-from sim.cost import CostModel, RewardLatency
+from sim.cost import CostModel, RewardLatency, RewardTask
 from sim.tokens import RunList
 from sim.workload import TraceWorkload
 
@@ -21,7 +21,7 @@ LONG, SHORT = 400, 30
 def cost() -> CostModel:
     return CostModel(name="test", k1=1e-6, k2=1e-3, k3=1e-4, k4=1e-3, prefill_s_per_token=1e-5,
                      kv_capacity_tokens=16 * 1000, train_s_per_token=1e-5, publish_s=0.05, load_s=0.01,
-                     reward=RewardLatency(((1.0, 1e-4, 0.1, 1.0, 0.0),)), block_size=16, max_num_seqs=64)
+                     reward=RewardLatency((RewardTask("math", 1.0, 1e-4, 0.1, 1.0),)), block_size=16, max_num_seqs=64)
 
 
 def run(rebalance: Rebalance, steps: int = 2, engines: int = 2, preset: str = "sync"):

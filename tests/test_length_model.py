@@ -96,6 +96,9 @@ def test_skewness_dispatch_selects_the_learned_ranker_and_feeds_it_prompt_tokens
         d.ranker.observe(200 + i, 2, 2, [9, 8])
     subs = {s.engine: s.req_ids for s in d.admit(v)}
     assert d.long == {1} and subs[1] == v.groups[1].req_ids     # the predicted-long group on the long engine
-    v.requests[v.groups[0].req_ids[0]].state, v.requests[v.groups[0].req_ids[0]].tokens = "finished", 3
+    first = v.requests[v.groups[0].req_ids[0]]
+    v.requests.set_state(first, "finished")
+    first.tokens = 3
+    v.finishes.setdefault(0, []).append(first.req_id)          # as the lifecycle records a trajectory_finished
     d.admit(v)
     assert d.ranker.history[v.groups[0].prompt_index] == [pytest.approx(1.386, abs=1e-3), 1]  # log1p(3), seen once

@@ -92,6 +92,39 @@ def check_frontier(ctl, width):
         assert set(admitted) <= set(unfinished[:width])
 
 
+def check_work_conservation(ctl, width):
+    """FGD never idles a frontier slot: after every decision the groups in service are exactly
+    min(F_w x engines, unfinished groups) (an FGD that admitted fewer, e.g. one group at a time, fails here)."""
+    for states in ctl.decided:
+        serving = [g for g, sts in states.items() if any(s in ("running", "requeueing") for s in sts)]
+        unfinished = [g for g, sts in states.items() if any(s in LIVE for s in sts)]
+        assert len(serving) == min(width, len(unfinished)), (serving, unfinished, width)
+
+
+def first_call_and_last_materialisation(log):
+    """Per round: the log position of its first train call, of its last group_materialized, and its group count."""
+    round_of, first_call, last_mat, size = {}, {}, {}, Counter()
+    for i, e in enumerate(log.events):
+        if e.kind == "group_materialized":
+            round_of[e.group_id] = e.data["round"]
+            last_mat[e.data["round"]] = i
+            size[e.data["round"]] += 1
+        elif e.kind == "train_started":
+            for r in {round_of[g] for g in e.data["groups"]}:
+                first_call.setdefault(r, i)
+    return first_call, last_mat, size
+
+
+def check_cgp_overlaps(log, U):
+    """CGP hands over a round's first U groups while the round still generates: in every round with more than U
+    groups the first train call starts before the round's last group materialises (a barrier-then-chunks handoff,
+    Slime's, fails here)."""
+    first_call, last_mat, size = first_call_and_last_materialisation(log)
+    for r, n in size.items():
+        if n > U and r in first_call:
+            assert first_call[r] < last_mat[r], f"round {r}: first train call after the last materialisation"
+
+
 def check_frontier_from_log(ctl, log, width):
     """The same bound rebuilt from the event log alone: a group is in service from its first admission until all
     its requests finished or were aborted."""
@@ -163,6 +196,25 @@ def test_rolloutpipe(seed, engines, prompts, group_size, width, U, rounds):
         assert all(t.version == cs[0].version for c in cs for g in c.groups for t in g.trajectories)
     check_frontier(ctl, width * engines)
     check_frontier_from_log(ctl, log, width * engines)
+    check_work_conservation(ctl, width * engines)
+    check_cgp_overlaps(log, U)
+
+
+@SETTINGS
+@given(U=st.integers(1, 3), rounds=st.integers(1, 3), **common)
+def test_slime(seed, engines, prompts, group_size, U, rounds):
+    """Slime: the barrier, then R / U optimizer steps of U groups each, one publication per round; nothing of a
+    round is trained before its last group materialised."""
+    steps = rounds * -(-prompts // U)
+    ctl, backend, log = run("slime", engines, seed, prompts, group_size, steps, handoff={"groups": U},
+                            update={"groups": U})
+    calls = check_invariants(ctl, backend, log)
+    assert len(calls) == rounds
+    check_every_u(calls, U)
+    for cs in calls.values():
+        assert all(len(c.groups) == U for c in cs[:-1]) and sum(c.step for c in cs) == -(-prompts // U)
+    first_call, last_mat, _ = first_call_and_last_materialisation(log)
+    assert all(first_call[r] > last_mat[r] for r in first_call)
 
 
 @SETTINGS

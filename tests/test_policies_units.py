@@ -11,7 +11,8 @@ from sched.policies.rolloutpipe import CompleteGroupPipelining, EveryU, Frontier
 from sched.controller import Controller, InvariantError, PromptItem
 from sched.events import Event, EventLog
 from sched.policies.streamrl.length_rank import PREDICTORS, HistoryPredictor
-from sched.policies.streamrl.resource_split import should_scale_out, split_cross_dc, split_gpus, split_instances
+from sched.policies.streamrl.resource_split import (instance_latency, should_scale_out, split_cross_dc, split_gpus,
+                                                    split_instances)
 from rl.reward_timeout import AdaptiveTimeout
 from sched.policies.streamrl.dispatch import SkewnessDispatch
 from sched.policies.streamrl.handoff import StreamHandoff
@@ -59,6 +60,7 @@ def consume(v, *gids):
 
 
 def drop(v, gid, n):
+    v.dropped += n - v.groups[gid].dropped           # as the lifecycle counts every drop
     v.groups[gid].dropped = n
     v.groups.track(v.groups[gid])
 
@@ -205,17 +207,25 @@ def test_tail_abort_keeps_the_first_finishers_and_defers_the_rest():
     assert [(a.req_ids, a.requeue) for a in ta.plan(v)] == [([1], False)]
     v.requests.set_state(v.requests[1], S.ABORTING)
     assert ta.plan(v) == []
-    v.requests.set_state(v.requests[8], S.FINISHED)
-    v.requests[8].finished_seq = 6                    # group 2's first finish
-    v.requests.set_state(v.requests[6], S.FINISHED)
-    v.requests[6].finished_seq = 7                    # its second: kept, P0 = 2 reached
+    for rid, seq in ((8, 6), (6, 7)):                 # group 2's first finish, then its second: kept, P0 = 2
+        v.requests.set_state(v.requests[rid], S.FINISHED)
+        v.requests[rid].finished_seq = seq
+        v.finishes.setdefault(0, []).append(rid)      # as the lifecycle records a trajectory_finished
     out = ta.plan(v)
     victims = sorted(i for a in out for i in a.req_ids)
     assert victims == [3, 4, 5, 7]                   # all of group 1 (finished one too), group 2's pending third
-    assert all(not a.requeue for a in out) and 0 in ta.settled
+    assert all(not a.requeue for a in out) and ta.races[0].settled
     assert ta.plan(v) == []                          # settled
     long = views([["running"] * 2] * 3, plan=RoundPlan(prompts=[1, 2, 3], kind="long"))
     assert TailAbort().plan(long) == []              # non-speculative rounds are never touched
+
+
+def test_tail_abort_drops_a_kept_groups_extra_response_while_it_migrates():
+    """An extra response on its way to another engine (the stream trainer's scale-down migrates it) is dropped like
+    a running one when its group is kept: it must never come back and join a group the trainer already has."""
+    plan = RoundPlan(fresh=2, group_size=3, kind="short", keep_groups=2, keep_per_group=2)
+    v = views([["finished:1", "finished:2", "interrupting"], ["running"] * 3], plan=plan, group_size=2)
+    assert [a.req_ids for a in TailAbort().plan(v)] == [[2]]
 
 
 def test_tail_abort_orders_by_finish_not_by_sample_index():
@@ -259,12 +269,36 @@ def test_skewness_sends_the_predicted_long_tail_to_dedicated_engines_longest_fir
 
 def test_skewness_learns_from_finished_requests():
     v = views([["pending"], ["pending"]], engines=1)
-    d = SkewnessDispatch()
+    d = SkewnessDispatch(SkewnessDispatch.Params(predictor="history"))
     d.admit(v)
     v.requests.set_state(v.requests[0], S.FINISHED)
     v.requests[0].tokens = 50
+    v.finishes.setdefault(0, []).append(0)           # as the lifecycle records a trajectory_finished
     d.admit(v)
-    assert d.ranker.predict(0, 2) == 50.0 and not d.work.get(0)
+    assert d.ranker.predict(0, 2) == 50.0 and not d.work.get(0) and list(d.recent) == [50]
+
+
+def test_skewness_runs_algorithm_2_each_round_from_the_decode_profile():
+    """With a profile, the long tail gets Algorithm 2's N_l engines and its batch size as their cap; without one,
+    no engine is dedicated."""
+    from sched.views import DecodeProfile
+    prof = DecodeProfile(weights_s=0.01, per_seq_s=0.001, per_token_s=0.0, fixed_s=0.0, kv_tokens=10**6, max_seqs=4)
+    v = views([["pending"]] * 20, engines=4, group_size=1)          # prompt i has prompt_len 2 + i
+    v.decode_profile = prof
+    d = SkewnessDispatch(SkewnessDispatch.Params(predictor="prompt_length"))
+    subs = d.admit(v)
+    est = [float(2 + i) for i in range(20)]
+    want = split_instances(est, 4, lambda bs, L: prof.ptl(bs, 2 + 11.5 + L / 2),
+                           lambda L: prof.max_batch(2 + 11.5 + L), 0.2)
+    split = d.splits[0]
+    assert (len(split.long), split.long_batch) == (want.long, want.long_batch) and want.long >= 1
+    long_reqs = [i for s in subs if s.engine in split.long for i in s.req_ids]
+    assert sorted(long_reqs) == sorted(v.groups[g].req_ids[0] for g in d.long)[:want.long * want.long_batch]
+    assert all(len([i for s in subs if s.engine == e for i in s.req_ids]) <= want.long_batch for e in split.long)
+    bare = views([["pending"]] * 20, engines=4, group_size=1)
+    d = SkewnessDispatch(SkewnessDispatch.Params(predictor="prompt_length"))
+    d.admit(bare)
+    assert d.splits[0].long == () and d.splits[0].regular == (0, 1, 2, 3)
 
 
 # ---- the controller's abort rules ------------------------------------------------------------------------------
@@ -395,11 +429,19 @@ def test_split_instances_gives_the_long_tail_its_own_instances():
     # StreamRL Fig. 6a: DP 2, two long-tail samples twice as long as 64 regular ones, PTL rising with batch size
     ptl = lambda bs: 1.0 + 0.05 * bs  # noqa: E731
     lengths = [2.0, 2.0] + [1.0] * 64
-    assert split_instances(lengths, 2, ptl, max_bs=lambda L: 1000, alpha=2 / 66) == (1, 1)
-    assert split_instances(lengths, 1, ptl, max_bs=lambda L: 1000) == (0, 1)
-    many = [10.0] * 10 + [1.0] * 90
-    nl, nr = split_instances(many, 8, ptl, max_bs=lambda L: 16, alpha=0.1, objective="max")
-    assert nl + nr == 8 and 1 <= nl < 8
+    sp = split_instances(lengths, 2, lambda bs, L: ptl(bs), max_bs=lambda L: 1000, alpha=2 / 66)
+    assert (sp.long, sp.regular, sp.long_batch) == (1, 1, 2)
+    assert split_instances(lengths, 1, lambda bs, L: ptl(bs), max_bs=lambda L: 1000).long == 0
+    # Eq. 2 per class, L_a = P90 = 10, L_r = P50 = 1, BS capped at 16: the printed sum and the makespan differ
+    many = [10.0] * 20 + [1.0] * 80
+    for objective, combine in (("sum", lambda a, b: a + b), ("max", max)):
+        sp = split_instances(many, 8, lambda bs, L: ptl(bs), max_bs=lambda L: 16, alpha=0.2, objective=objective)
+        brute = min(range(1, 8), key=lambda nl: (combine(
+            instance_latency(20, 10.0, nl, lambda bs, L: ptl(bs), lambda L: 16),
+            instance_latency(80, 1.0, 8 - nl, lambda bs, L: ptl(bs), lambda L: 16)), nl))
+        assert sp.long == brute and sp.regular == 8 - brute and sp.long_batch == -(-20 // brute)
+    assert split_instances(many, 8, lambda bs, L: ptl(bs), lambda L: 16, 0.2, objective="sum").long == 3
+    assert split_instances(many, 8, lambda bs, L: ptl(bs), lambda L: 16, 0.2, objective="max").long == 7
 
 
 def test_adaptive_timeout():

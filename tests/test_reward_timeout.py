@@ -126,12 +126,60 @@ def test_reward_config_async_keys_and_the_rollout_ranks_scorer():
 
 
 def test_simulated_reward_path_applies_the_adaptive_timeout():
-    """RollPacker's multi-task reward latency (5% of code runs hit the fixed 30 s sandbox limit): with the adaptive
-    timeout, those runs are cut at 1.5 x their case's slowest correct run, scored 0, and the steps get shorter."""
+    """RollPacker's code task (5% of sandbox runs hang until the fixed 30 s limit, and fail): with the adaptive
+    timeout, runs past 1.5 x the slowest correct run of their (prompt, task) are cut there and scored 0, the pool
+    spends less time scoring, and the steps get shorter; rule-checked math is never cut."""
+    from dataclasses import replace
+
+    from sim.profiles import MATH, MULTITASK_REWARD, get_profile
+    from sim.cost import RewardLatency
     from sim.run import simulate
-    kw = dict(preset="rollpacker", workload="rollpacker_7b_8k", cost="h800_7b", num_engines=4, train_gpus=4,
-              steps=6, group_size=8, prompts_per_step=16, seed=0)
-    fixed = simulate(**kw)
-    adaptive = simulate(**kw, reward_timeout=AdaptiveTimeout())
+    code = next(t for t in MULTITASK_REWARD.tasks if t.sandbox)
+    kw = dict(preset="rollpacker", workload="rollpacker_7b_8k", num_engines=4, train_gpus=4, steps=6, group_size=8,
+              prompts_per_step=16, seed=0, reward_workers=8)
+    coding = replace(get_profile("h800_7b"), reward=RewardLatency((code,)))
+    fixed = simulate(cost=coding, **kw)
+    adaptive = simulate(cost=coding, **kw, reward_timeout=AdaptiveTimeout())
     assert fixed.metrics["reward_killed"] == 0 and adaptive.metrics["reward_killed"] > 0
+    assert adaptive.metrics["reward_busy_s"] < fixed.metrics["reward_busy_s"]
     assert adaptive.metrics["makespan_s"] < fixed.metrics["makespan_s"]
+    killed = [e for e in adaptive.events if e.kind == "reward_scored" and not e.data["correct"]]
+    assert len(killed) >= adaptive.metrics["reward_killed"] and all(e.data["task"] == "code" for e in killed)
+    math_only = replace(get_profile("h800_7b"), reward=RewardLatency((MATH,)))
+    assert simulate(cost=math_only, **kw, reward_timeout=AdaptiveTimeout()).metrics["reward_killed"] == 0
+
+
+def test_simulated_reward_task_is_the_prompts_and_a_timed_out_run_fails():
+    """One task per prompt (RollPacker's mix is per dataset); a run killed at its task's fixed limit scores 0."""
+    from sim.run import simulate
+    r = simulate("sync", "rollpacker_7b_8k", "h800_7b", 4, 4, steps=2, group_size=8, prompts_per_step=24, seed=1)
+    tasks, hung = {}, 0
+    for e in r.events:
+        if e.kind == "reward_scored":
+            tasks.setdefault(e.group_id, set()).add(e.data["task"])
+            if e.data["task"] == "code" and e.data["latency_s"] >= 30.0 - 1e-9:
+                hung += 1
+                assert not e.data["correct"]
+    assert all(len(t) == 1 for t in tasks.values()) and len(set.union(*tasks.values())) == 3
+    assert hung > 0
+
+
+def test_the_reward_stage_waits_for_the_round_and_the_pool_serves_in_order():
+    """veRL's synchronous reward stage: no sample of a round is scored before the round's last one finished; with a
+    pool of W scorers, never more than W calls at once."""
+    from sim.run import simulate
+    W = 3
+    r = simulate("sync", "rollpacker_7b_8k", "h800_7b", 4, 4, steps=2, group_size=4, prompts_per_step=8, seed=0,
+                 reward_workers=W, reward_stage=True)
+    fin = {e.req_id: e.t for e in r.events if e.kind == "trajectory_finished"}
+    rounds = {e.t: e.data["round"] for e in r.events if e.kind == "round_started"}
+    starts = sorted(rounds)
+    spans = []
+    for e in r.events:
+        if e.kind == "reward_scored":
+            rnd = max(i for i, t in enumerate(starts) if t <= fin[e.req_id])
+            last = max(t for rid, t in fin.items() if starts[rnd] <= t < (starts + [1e18])[rnd + 1])
+            assert e.t - e.data["latency_s"] >= last - 1e-9
+            spans.append((e.t - e.data["latency_s"], e.t))
+    busiest = max(sum(a - 1e-6 <= t < b - 1e-6 for a, b in spans) for t, _ in spans)   # (floating point)
+    assert busiest == W and any(e.data["wait_s"] > 0 for e in r.events if e.kind == "reward_scored")

@@ -10,12 +10,12 @@ from sched.views import Request
 from sched.controller import PromptItem
 from sim.backend import SimBackend, SimStalled
 from sim.clock import EventQueue
-from sim.cost import CostModel, RewardLatency
+from sim.cost import CostModel, RewardLatency, RewardTask
 from sim.profiles import PROFILES
 from sim.tokens import RunList
 from sim.workload import TraceWorkload
 
-NO_REWARD_DELAY = RewardLatency(((1.0, 1e-9, 0.0, 1e-9, 0.0),))
+NO_REWARD_DELAY = RewardLatency((RewardTask("none", 1.0, 1e-9, 0.0, 1.0),))
 
 
 def cost(**kw) -> CostModel:

@@ -55,8 +55,13 @@ def test_trace_round_trip(tmp_path):
     assert [[t.response_len(i, k) for k in range(4)] for i in range(20)] == \
            [[w.response_len(i, k) for k in range(4)] for i in range(20)]
     assert t.prompt(20).prompt_len == t.prompt(0).prompt_len  # the trace repeats
-    with pytest.raises(TraceError, match=r"t.jsonl:1: response_lens has 4 entries but sample 4"):
-        t.response_len(0, 4)
+    # more responses than recorded (a speculative round): drawn from the prompt's own recorded lengths,
+    # deterministic per (seed, prompt, sample), and different draws for different extra samples
+    extra = [[t.response_len(i, k) for k in range(4, 10)] for i in range(20)]
+    assert all(x in [w.response_len(i, k) for k in range(4)] for i, xs in enumerate(extra) for x in xs)
+    assert extra == [[t.response_len(i, k) for k in range(4, 10)] for i in range(20)]
+    assert len({x for xs in extra for x in xs}) > 20
+    assert [t.with_seed(1).response_len(i, 5) for i in range(20)] != [xs[1] for xs in extra]
 
 
 @pytest.mark.parametrize("line,match", [

@@ -23,7 +23,7 @@ from sched.policies.staleflow.store import Item
 from sched.views import EngineView, GroupState, Request, RequestState, Views
 from sim.backend import SimBackend
 from sim.cost import CostModel as SimCost
-from sim.cost import RewardLatency
+from sim.cost import RewardLatency, RewardTask
 from sim.tokens import RunList
 from sim.workload import TraceWorkload
 
@@ -131,7 +131,7 @@ def test_migration_trims_long_wait_queues_and_drains_the_fastest_instance_on_imb
 def sim_cost() -> SimCost:
     return SimCost(name="test", k1=1e-6, k2=1e-3, k3=1e-4, k4=1e-3, prefill_s_per_token=1e-5,
                    kv_capacity_tokens=16 * 200, train_s_per_token=1e-5, publish_s=0.05, load_s=0.01,
-                   reward=RewardLatency(((1.0, 1e-3, 0.5, 1.0, 0.0),)), block_size=16, max_num_seqs=64)
+                   reward=RewardLatency((RewardTask("math", 1.0, 1e-3, 0.5, 1.0),)), block_size=16, max_num_seqs=64)
 
 
 def run(preset: str, eta: int, engines: int, seed: int, steps: int = 6, G: int = 4, B: int = 3):

@@ -22,9 +22,11 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
+
+from rl.types import RunLengthSequence
 
 
 class LengthPredictor(Protocol):
@@ -135,15 +137,18 @@ class LearnedPredictor:
     def features(self, prompt_len: int, prompt_ids: Sequence[int] | None) -> np.ndarray:
         x = np.zeros(self.dim)
         x[0], x[1] = 1.0, math.log1p(prompt_len)
-        if prompt_ids is not None:
-            toks = list(itertools.islice(iter(prompt_ids), self.p.max_tokens))
-            B = self.p.buckets
-            for t in toks:
-                x[2 + _bucket(t, B)] += 1.0
-            for a, c in zip(toks, toks[1:]):
-                x[2 + B + _bucket(a * 1_000_003 + c, B)] += 1.0
-            if toks:
-                x[2:] /= len(toks)
+        if prompt_ids is None:
+            return x
+        B, n, prev = self.p.buckets, 0, None
+        for t, c in _runs(prompt_ids, self.p.max_tokens):   # a run of c equal tokens: c unigrams, c - 1 bigrams
+            x[2 + _bucket(t, B)] += c
+            if prev is not None:
+                x[2 + B + _bucket(prev * 1_000_003 + t, B)] += 1
+            if c > 1:
+                x[2 + B + _bucket(t * 1_000_003 + t, B)] += c - 1
+            prev, n = t, n + c
+        if n:
+            x[2:] /= n
         return x
 
     # ------------------------------------------------------------------------------------------ the interface
@@ -184,6 +189,20 @@ class LearnedPredictor:
                              f"(buckets changed?)")
         self.A, self.b, self.n, self.w = A, np.asarray(state["b"], dtype=float), float(state["n"]), None
         self.history = {int(k): list(v) for k, v in state.get("history", {}).items()}
+
+
+def _runs(ids: Sequence[int], limit: int) -> Iterator[tuple[int, int]]:
+    """The first `limit` tokens as (token, count) runs (a run-length sequence is read run by run)."""
+    if isinstance(ids, RunLengthSequence):
+        left = limit
+        for t, c in ids.runs:
+            if left <= 0:
+                return
+            yield t, min(c, left)
+            left -= c
+        return
+    for t, grp in itertools.groupby(itertools.islice(iter(ids), limit)):
+        yield t, sum(1 for _ in grp)
 
 
 def _bucket(key: int, buckets: int) -> int:

@@ -1,5 +1,6 @@
 """Profiler-based resource splits of StreamRL, as pure functions over cost curves (profiled, or the simulator's
-cost model). An analysis utility: no preset or launcher calls them yet.
+cost model). The `skewness` dispatch runs Algorithm 2 every round; the simulator's planner (sim/split.py) runs
+Algorithm 1 over generation times it simulates and scale-out over the same profile.
 
 - `split_gpus`: §4.2 Algorithm 1, single datacenter. With n GPUs, pick x for generation and y for training,
   x + y <= n, minimising the iteration time max(P_gen(x), P_train(y)) (the two stages overlap when streamed).
@@ -12,7 +13,8 @@ cost model). An analysis utility: no preset or launcher calls them yet.
 - `split_instances`: §5.3 Algorithm 2: how many of N generation instances serve the predicted long tail (the top
   alpha of prompts, at length L_a = P90 of recent lengths) vs the rest (at L_r = P50), minimising the sum of the
   two classes' latencies (as printed; `objective="max"` for the makespan), each by Eq. 2:
-  PTL(BS) x L x ceil(M / BS) with M prompts per instance and BS = min(M, max_bs(L)).
+  PTL(BS) x L x ceil(M / BS) with M prompts per instance and BS = min(M, max_bs(L)); that BS is the long-tail
+  instances' "smaller batch size" (§5.1).
 Units (`gen_unit`, `train_unit`) are the smallest allocations (a TP group, a data-parallel replica).
 Ties go to fewer GPUs, then to fewer generation GPUs.
 """
@@ -22,7 +24,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-Curve = Callable[[int], float]   # GPUs (or batch size) -> seconds
+Curve = Callable[[int], float]   # GPUs -> seconds
+PTL = Callable[[int, float], float]   # (batch size, output length) -> seconds per token (Eq. 1's PTL(BS); a profile
+#                                       that ignores the length is context-free, as Eq. 1 prints it)
 
 
 @dataclass(frozen=True)
@@ -73,27 +77,42 @@ def quantile(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def instance_latency(n_prompts: int, length: float, instances: int, ptl: Curve,
+def batch_size(n_prompts: int, length: float, instances: int, max_bs: Callable[[float], int]) -> int:
+    """Eq. 2's BS for one class spread evenly over `instances`: min(M, BS_max(L)), M = its prompts per instance."""
+    return max(1, min(math.ceil(n_prompts / instances), max_bs(length)))
+
+
+def instance_latency(n_prompts: int, length: float, instances: int, ptl: PTL,
                      max_bs: Callable[[float], int]) -> float:
-    """Eq. 2 for one class: its prompts spread evenly over `instances`."""
+    """Eq. 2 for one class: its prompts spread evenly over `instances`, PTL(BS) x L x ceil(M / BS)."""
     if n_prompts == 0:
         return 0.0
     m = math.ceil(n_prompts / instances)
-    bs = max(1, min(m, max_bs(length)))
-    return ptl(bs) * length * math.ceil(m / bs)
+    bs = batch_size(n_prompts, length, instances, max_bs)
+    return ptl(bs, length) * length * math.ceil(m / bs)
 
 
-def split_instances(est_lengths: Sequence[float], n_instances: int, ptl: Curve, max_bs: Callable[[float], int],
+@dataclass(frozen=True)
+class InstanceSplit:
+    long: int                    # N_l: instances for the predicted long tail
+    regular: int                 # N_r
+    long_batch: int              # Eq. 2's BS on a long-tail instance: its batch cap (0: no long tail)
+    long_length: float           # L_a = P90 of the recent lengths
+    regular_length: float        # L_r = P50
+
+
+def split_instances(est_lengths: Sequence[float], n_instances: int, ptl: PTL, max_bs: Callable[[float], int],
                     alpha: float = 0.2, recent_lengths: Sequence[float] | None = None,
-                    objective: str = "sum") -> tuple[int, int]:
-    """(N_long, N_regular) for Algorithm 2; (0, N) when there is no long tail or only one instance."""
+                    objective: str = "sum") -> InstanceSplit:
+    """Algorithm 2: (N_l, N_r) minimising the two classes' Eq. 2 latencies combined by `objective`, and the long
+    tail's batch size; no long-tail instance when there is no tail or only one instance."""
     n_long = math.ceil(alpha * len(est_lengths) - 1e-9)
-    if n_instances < 2 or n_long == 0 or n_long == len(est_lengths):
-        return 0, n_instances
     dist = list(recent_lengths) if recent_lengths else list(est_lengths)
-    l_a, l_r = quantile(dist, 0.9), quantile(dist, 0.5)
+    l_a, l_r = (quantile(dist, 0.9), quantile(dist, 0.5)) if dist else (0.0, 0.0)
+    if n_instances < 2 or n_long == 0 or n_long == len(est_lengths):
+        return InstanceSplit(0, n_instances, 0, l_a, l_r)
     combine = {"sum": lambda a, b: a + b, "max": max}[objective]
     best = min(range(1, n_instances), key=lambda nl: (
         combine(instance_latency(n_long, l_a, nl, ptl, max_bs),
                 instance_latency(len(est_lengths) - n_long, l_r, n_instances - nl, ptl, max_bs)), nl))
-    return best, n_instances - best
+    return InstanceSplit(best, n_instances - best, batch_size(n_long, l_a, best, max_bs), l_a, l_r)

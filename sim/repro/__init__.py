@@ -1,0 +1,69 @@
+"""Our simulated numbers beside a paper's headline figures.
+
+    python -m sim.repro PAPER [--seeds 0,1,2] [--jobs 2]      PAPER: rolloutpipe | rollpacker | streamrl | staleflow
+                                                              | laminar
+
+Prints the paper's simulated components, then `figure | ours | paper | hit | setting` rows (ours: the mean over the
+seeds, with the smallest and largest in brackets) and the notes the reproduction prints (what the simulator chose),
+and last `PAPER: K/N headline figures within 20%` under the hit rule of sim/repro/core.py (within 20% of the paper's
+range; a speedup counts only if our gain is at least half the paper's smallest gain; arithmetic rows are labelled
+and not counted). A row whose policy has no preset yet prints "policy not available yet" and counts as a miss; a run
+that fails prints its error and counts as a miss. Honesty rules: the settings are the papers' (model, hardware,
+batch, group size, GPU split or the paper's rule for it); the cost constants and workloads come from
+sim/profiles.py and sim/workload.py, none derived from any figure reproduced here. Each paper's module
+(sim/repro/<paper>.py) holds its settings, rows and assumptions.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+from sim.repro import laminar, rolloutpipe, rollpacker, staleflow, streamrl
+from sim.repro.core import (ARITHMETIC, LEVEL, NA, SPEEDUP, Paper, Row, Runs, Setting, default_jobs, evaluate,
+                            judge, summary)
+
+PAPERS: dict[str, Paper] = {"rolloutpipe": rolloutpipe.PAPER, "rollpacker": rollpacker.PAPER,
+                            "streamrl": streamrl.PAPER, "staleflow": staleflow.PAPER, "laminar": laminar.PAPER}
+
+__all__ = ["ARITHMETIC", "LEVEL", "NA", "PAPERS", "SPEEDUP", "Paper", "Row", "Runs", "Setting", "judge", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paper", choices=sorted(PAPERS))
+    ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="comma-separated seeds (default: 0..n-1, n the paper's default: 3, or 1 for the slow "
+                         "StaleFlow and Laminar reproductions)")
+    ap.add_argument("--jobs", type=int, default=default_jobs(), help="seeds simulated in parallel processes")
+    ap.add_argument("--train-speed", type=float, default=1.0, metavar="F",
+                    help="sensitivity, not the reproduction: every cost profile trains F times faster per token "
+                         "(training speed is an assumption in most profiles: `python -m sim profiles`)")
+    args = ap.parse_args(argv)
+    if not args.train_speed > 0:
+        ap.error(f"--train-speed must be > 0, got {args.train_speed}")
+    paper = PAPERS[args.paper]
+    seeds = args.seeds if args.seeds else list(range(paper.seeds))
+    print(f"{args.paper}: seeds {', '.join(map(str, seeds))}; ours = mean [min, max] over the seeds")
+    if paper.components:
+        print(textwrap.fill(paper.components, 118))
+    per_row, notes = evaluate(args.paper, seeds, args.jobs, args.train_speed)
+    hits = counted = 0
+    print("figure | ours | paper | hit | setting")
+    for row, values in zip(paper.rows, per_row):
+        text, ok, _ = summary(row, values)
+        counted += ok is not None
+        hits += bool(ok)
+        mark = "n/a" if ok is None else ("yes" if ok else "no")
+        print(f"{row.figure} | {text} | {row.paper_text} | {mark} | {row.setting}".rstrip(" |"), flush=True)
+    for line in notes:
+        print(textwrap.fill(line, 118))
+    arith = len(paper.rows) - counted
+    note = "" if args.train_speed == 1.0 else f" (sensitivity run: training {args.train_speed:g}x faster per token)"
+    extra = f"; {arith} arithmetic row{'s' * (arith != 1)} not counted" if arith else ""
+    print(f"{args.paper}: {hits}/{counted} headline figures within 20%{extra}{note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from sim.repro import main
+
+sys.exit(main())

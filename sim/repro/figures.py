@@ -1,0 +1,122 @@
+"""Figures computed from a simulated run's event log, shared by the papers' rows (each a pure function of a
+SimResult, tested on hand-built logs in tests/test_repro_figures.py)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from sched.metrics import engine_spans, trainer_spans
+from sim.repro.core import Runs
+from sim.run import SimResult
+
+
+def round_figures(r: SimResult) -> dict[str, float]:
+    """Per-round means: first dispatch (round start -> first train call of its groups), step time (round start ->
+    its last train call's end), and the shares of that step spent before the first dispatch / training."""
+    ev = r.events
+    start = {e.data["round"]: e.t for e in ev if e.kind == "round_started"}
+    g_round = {e.group_id: e.data.get("round", -1) for e in ev if e.kind == "group_materialized"}
+    first, last, compute = {}, {}, {}
+    for a, b, data in trainer_spans(ev):
+        rounds = {g_round.get(g, -1) for g in data.get("groups", [])}
+        for rd in rounds:
+            first.setdefault(rd, a)
+            last[rd] = b
+            compute[rd] = compute.get(rd, 0.0) + (b - a) / len(rounds)
+    done = [rd for rd in start if rd in last]
+    if not done:
+        raise RuntimeError("no round was trained")
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    step = {rd: last[rd] - start[rd] for rd in done}
+    return {"first_dispatch_s": mean([first[rd] - start[rd] for rd in done]),
+            "step_s": mean(list(step.values())),
+            "pre_train_share": mean([(first[rd] - start[rd]) / step[rd] for rd in done]),
+            "train_share": mean([compute[rd] / step[rd] for rd in done])}
+
+
+def rollout_idle_ratio(r: SimResult) -> float:
+    """Colocated runs: GPU time engines sit idle while the pool is rolling out (before each round's first train
+    call), over all GPU time. (In colocated mode engines are held, i.e. training, outside those windows.)"""
+    ev = r.events
+    end = max(e.t for e in ev)
+    windows = []
+    starts = sorted(e.t for e in ev if e.kind == "round_started")
+    firsts = sorted(a for a, _, _ in trainer_spans(ev))
+    for s in starts:
+        f = next((a for a in firsts if a >= s), end)
+        windows.append((s, f))
+    busy = engine_spans(ev, end)
+    idle = 0.0
+    for s, f in windows:
+        for i in range(r.num_engines):
+            b = sum(max(0.0, min(f, y) - max(s, x)) for x, y in busy.get(i, []))
+            idle += (f - s) - b
+    return idle / (r.num_engines * (end - starts[0]))
+
+
+def throughput(r: SimResult) -> float:
+    """Samples trained per second from the first round's start to the last train call's end."""
+    ends = [e.t for e in r.events if e.kind == "train_step_done"]
+    t0 = min(e.t for e in r.events if e.kind == "round_started")
+    return r.metrics["samples_trained"] / (max(ends) - t0)
+
+
+def after_warmup_throughput(r: SimResult, warmup: int = 1) -> float:
+    """Samples trained per second between the end of optimizer step `warmup` and the end of the last one."""
+    cum, pts = 0.0, []
+    for e in r.events:
+        if e.kind == "train_step_done":
+            cum += e.data.get("samples", 0)
+            if e.data.get("stepped", True):
+                pts.append((e.t, cum))
+    if len(pts) <= warmup:
+        raise RuntimeError(f"{r.preset}: only {len(pts)} optimizer steps")
+    (t0, c0), (t1, c1) = pts[warmup - 1] if warmup else (0.0, 0.0), pts[-1]
+    return (c1 - c0) / (t1 - t0)
+
+
+def generation_tps(r: SimResult) -> float:
+    """Rollout-side decode tokens per second over the run (every engine's last counter total / the makespan)."""
+    total: dict[int, float] = {}
+    for e in r.events:
+        if e.kind == "tokens_decoded":
+            total[e.engine] = e.data.get("total", 0)
+    t0 = min(e.t for e in r.events if e.kind == "round_started")
+    return sum(total.values()) / (max(e.t for e in r.events) - t0)
+
+
+def round_rollout(r: SimResult) -> dict[int, float]:
+    """Per trained round, its rollout time: round start -> the last finish of a response it trained (a kept one:
+    scored into a trained group and not discarded)."""
+    ev = r.events
+    start = {e.data["round"]: e.t for e in ev if e.kind == "round_started"}
+    g_round = {e.group_id: e.data["round"] for e in ev if e.kind == "group_materialized"}
+    trained = {g for e in ev if e.kind == "train_started" for g in e.data["groups"]}
+    dropped = {e.req_id for e in ev if e.kind == "trajectory_aborted"}
+    kept = {e.req_id for e in ev if e.kind == "reward_scored" and e.group_id in trained and e.req_id not in dropped}
+    end: dict[int, float] = {}
+    for e in ev:
+        if e.kind == "trajectory_finished" and e.req_id in kept:
+            rd = g_round[e.group_id]
+            end[rd] = max(end.get(rd, 0.0), e.t)
+    return {rd: t - start[rd] for rd, t in end.items()}
+
+
+def mean_batch(r: SimResult) -> float:
+    """Mean running sequences per decode step over the run's engines (tokens decoded / decode steps)."""
+    engines = r.backend.engines
+    return sum(e.tokens_total for e in engines) / max(1, sum(e.steps for e in engines))
+
+
+def speedup(new: tuple, base: tuple, fn: Callable[[SimResult], float] = throughput) -> Callable[[Runs], float | None]:
+    """Runs.get(*new) over Runs.get(*base) in `fn` (samples trained per second by default)."""
+    def f(runs: Runs) -> float | None:
+        a, b = runs.get(*new), runs.get(*base)
+        return None if a is None or b is None else fn(a) / fn(b)
+    return f
+
+
+def metric(preset: tuple, fn: Callable[[SimResult], float]) -> Callable[[Runs], float | None]:
+    def f(runs: Runs) -> float | None:
+        r = runs.get(*preset)
+        return None if r is None else fn(r)
+    return f

@@ -1,0 +1,109 @@
+"""The functions that compute the reproduced figures (sim/repro/), on hand-built event logs, the recorded
+calibration, and each paper's headline ordering in the simulator at a small scale."""
+from types import SimpleNamespace
+
+import pytest
+
+from sched.events import Event
+from sim.repro import figures
+from sim.repro.rollpacker import round_max_len
+
+
+def log(*rows):
+    """Events from (kind, t, fields...) tuples."""
+    return [Event(kind, t, **kw) for kind, t, kw in rows]
+
+
+def result(events, samples=0, engines=1):
+    return SimpleNamespace(events=events, metrics={"samples_trained": samples}, num_engines=engines, preset="x")
+
+
+def two_rounds():
+    """Round 0 at t=0: groups 0, 1 (requests 0-3; request 3 dropped), trained in two calls; round 1 at t=20."""
+    return log(("round_started", 0.0, {"data": {"round": 0}}),
+               ("trajectory_finished", 4.0, {"req_id": 0, "group_id": 0, "data": {"tokens": 40}}),
+               ("trajectory_finished", 5.0, {"req_id": 1, "group_id": 0, "data": {"tokens": 50}}),
+               ("reward_scored", 5.5, {"req_id": 0, "group_id": 0}), ("reward_scored", 6.0, {"req_id": 1, "group_id": 0}),
+               ("group_materialized", 6.0, {"group_id": 0, "data": {"round": 0}}),
+               ("train_started", 6.0, {"data": {"groups": [0], "step": False}}),
+               ("train_step_done", 8.0, {"data": {"stepped": False, "samples": 2}}),
+               ("trajectory_finished", 9.0, {"req_id": 2, "group_id": 1, "data": {"tokens": 90}}),
+               ("trajectory_finished", 9.5, {"req_id": 3, "group_id": 1, "data": {"tokens": 95}}),
+               ("trajectory_aborted", 9.5, {"req_id": 3, "group_id": 1}),
+               ("reward_scored", 10.0, {"req_id": 2, "group_id": 1}),
+               ("group_materialized", 10.0, {"group_id": 1, "data": {"round": 0}}),
+               ("train_started", 10.0, {"data": {"groups": [1], "step": True}}),
+               ("train_step_done", 12.0, {"data": {"stepped": True, "samples": 1}}),
+               ("round_started", 20.0, {"data": {"round": 1}}),
+               ("trajectory_finished", 23.0, {"req_id": 4, "group_id": 2, "data": {"tokens": 30}}),
+               ("reward_scored", 23.0, {"req_id": 4, "group_id": 2}),
+               ("group_materialized", 23.0, {"group_id": 2, "data": {"round": 1}}),
+               ("train_started", 24.0, {"data": {"groups": [2], "step": True}}),
+               ("train_step_done", 30.0, {"data": {"stepped": True, "samples": 1}}))
+
+
+def test_round_figures_first_dispatch_step_and_shares():
+    f = figures.round_figures(result(two_rounds()))
+    assert f["first_dispatch_s"] == pytest.approx((6 + 4) / 2)       # round 0 at 6 s, round 1 at 24 - 20
+    assert f["step_s"] == pytest.approx((12 + 10) / 2)               # to each round's last train call's end
+    assert f["pre_train_share"] == pytest.approx((6 / 12 + 4 / 10) / 2)
+    assert f["train_share"] == pytest.approx((4 / 12 + 6 / 10) / 2)
+
+
+def test_round_rollout_and_max_length_count_only_kept_responses():
+    ev = two_rounds()
+    assert figures.round_rollout(result(ev)) == {0: pytest.approx(9.0), 1: pytest.approx(3.0)}   # 3 dropped
+    assert round_max_len(result(ev)) == {0: 90, 1: 30}
+
+
+def test_throughputs():
+    r = result(two_rounds(), samples=4)
+    assert figures.throughput(r) == pytest.approx(4 / 30)
+    assert figures.after_warmup_throughput(r, 1) == pytest.approx(1 / (30 - 12))   # after the first step (t=12)
+    assert figures.after_warmup_throughput(r, 0) == pytest.approx(4 / 30)
+    with pytest.raises(RuntimeError, match="only 2 optimizer steps"):
+        figures.after_warmup_throughput(r, 2)
+
+
+def test_rollout_idle_ratio_and_generation_rate():
+    ev = log(("round_started", 0.0, {"data": {"round": 0}}), ("engine_busy", 0.0, {"engine": 0}),
+             ("engine_idle", 6.0, {"engine": 0}), ("engine_busy", 0.0, {"engine": 1}),
+             ("engine_idle", 8.0, {"engine": 1}), ("tokens_decoded", 8.0, {"engine": 0, "data": {"total": 300}}),
+             ("tokens_decoded", 8.0, {"engine": 1, "data": {"total": 500}}),
+             ("train_started", 8.0, {"data": {"groups": []}}), ("train_step_done", 10.0, {"data": {}}))
+    r = result(ev, engines=2)
+    assert figures.rollout_idle_ratio(r) == pytest.approx((2 + 0) / (2 * 10))   # engine 0 idle 6-8 of 0-8
+    assert figures.generation_tps(r) == pytest.approx(800 / 10)
+
+
+def test_the_recorded_rollpacker_training_speed_is_the_calibration():
+    """ROLLPACKER_TRAIN_MFU is what calibrate_train_mfu gives (Table 1's 22% training share for veRL 14B/16k)."""
+    from sim.profiles import ROLLPACKER_TRAIN_MFU
+    from sim.repro.rollpacker import calibrate_train_mfu
+    assert calibrate_train_mfu((0,)) == pytest.approx(ROLLPACKER_TRAIN_MFU, rel=0.05)
+
+
+# ------------------------------------------------------------------------------------- headline orderings
+def test_rolloutpipe_headline_cgp_trains_before_the_barrier_and_shortens_the_round():
+    from sim.repro import Runs, Setting
+    from sim.repro.rolloutpipe import CGP_ONLY
+    s = Setting("rolloutpipe", "rolloutpipe_qwen3_1p7b", 1, 8, 16, 8, 2)
+    runs = Runs(0)
+    slime, cgp = (figures.round_figures(runs.get(*x)) for x in (("slime", s), ("rolloutpipe", s, CGP_ONLY)))
+    assert cgp["first_dispatch_s"] < 0.5 * slime["first_dispatch_s"]
+    assert cgp["step_s"] < 0.9 * slime["step_s"]
+
+
+def test_rollpacker_headline_short_rounds_are_shorter_and_the_run_faster():
+    from sim.repro import Runs, Setting
+    from sim.repro.rollpacker import ROUND_END
+    base = dict(workload="rollpacker_7b_8k", cost="h800_7b", num_engines=4, train_gpus=4, prompts=32, group_size=8,
+                rounds=5, colocated=True)
+    verl = Setting(**base, sim=(("reward_workers", 64), ("reward_stage", True)))
+    packer = Setting(**base, sim=(("reward_workers", 64), ("adaptive_timeout", True)))
+    runs = Runs(0)
+    v, p = runs.get("sync", verl), runs.get("rollpacker", packer, ROUND_END)
+    kinds = {e.data["round"]: e.data["kind"] for e in p.events if e.kind == "round_started"}
+    short = [t for rd, t in figures.round_rollout(p).items() if kinds[rd] == "short"]
+    assert max(short) < min(figures.round_rollout(v).values())
+    assert figures.throughput(p) > 1.2 * figures.throughput(v)
