@@ -460,3 +460,17 @@ def test_adaptive_timeout():
     assert u.timeout_s("tc1") == 8.0 and u.timeout_s("tc2") == 10.0
     with pytest.raises(ValueError):
         AdaptiveTimeout.Params(min_s=5, max_s=1)
+
+
+def test_barrier_waits_for_held_back_requests_and_one_step_admits_them_under_the_round_s_version():
+    """A dispatch may hold requests back (StreamRL's small long-tail batches): the barrier loads no engine while one
+    waits, and one_step without overlap still admits it though a newer version is published."""
+    from sched.policies.one_step import OneStepOff
+    from sched.policies.sync import Barrier
+    v = views([["running", "pending"]])
+    v.trainer.published = 1                                        # version 1 published mid-round; engines at 0
+    assert Barrier().engines_to_load(v) == []                      # engine 1 is idle, but request 1 waits
+    assert [s.req_ids for s in OneStepOff().admit(v)] == [[1]]
+    assert OneStepOff(OneStepOff.Params(overlap=True)).admit(v) == []   # partial rollout resumes on new weights only
+    v.requests.set_state(v.requests[1], S.RUNNING)
+    assert [(c.engine, c.version) for c in Barrier().engines_to_load(v)] == [(1, 1)]
