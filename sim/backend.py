@@ -29,11 +29,13 @@ task's limit, or at the adaptive timeout (`reward_timeout`, RollPacker §4.3, fo
 The trainer runs one call at a time, in order, like the runtime's trainer thread: a call starts when the previous
 call and its publication are done.
 
-Elastic pool (`elastic`: the controller may send LendEngines / ReturnEngines, RollPacker §4.4's scale-down): a lent
-engine stops (it is empty: its requests were migrated away) and its GPUs join the trainer for the calls that start
-while it is lent. Colocated, a call made while engines are lent runs on their GPUs alone and pauses no other engine;
-a call with none lent runs on every GPU and pauses every engine, as before. `colocated=True` models engines and trainer time-sharing the same GPUs (veRL,
-our runtime's colocated mode): every engine stops decoding while the trainer works and publishes.
+Scale-out (AddEngines, StreamRL §4.2): new engines take GPUs from `spare_gpus`, start without weights, and load
+the latest version when the weight sync says. Elastic pool (LendEngines / ReturnEngines, RollPacker §4.4's
+scale-down): a lent engine stops (it is empty: its requests were migrated away) and its GPUs join the trainer for
+the calls that start while it is lent. Colocated, a call made while engines are lent runs on their GPUs alone and
+pauses no other engine; a call with none lent runs on every GPU and pauses every engine, as before.
+`colocated=True` models engines and trainer time-sharing the same GPUs (veRL, our runtime's colocated mode): every
+engine stops decoding while the trainer works and publishes.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import random
 from typing import Any
 
 from rl.types import Group, Trajectory
-from sched.base import Abort, Interrupt, LendEngines, LoadWeights, ReturnEngines, TrainCall
+from sched.base import AddEngines, Abort, Interrupt, LendEngines, LoadWeights, ReturnEngines, TrainCall
 from sched.controller import PromptItem
 from sched.events import Event
 from sched.metrics import rollout_stats
@@ -77,19 +79,22 @@ class StopSimulation(Exception):
 
 
 class SimBackend:
-    elastic = True                    # takes LendEngines / ReturnEngines
+    elastic = True                    # takes LendEngines / ReturnEngines / AddEngines
 
     def __init__(self, cost: CostModel, workload: Workload, num_engines: int, train_gpus: int, seed: int = 0, *,
                  colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
                  max_events: int | None = None, stop_after_samples: int | None = None,
-                 reward_timeout: Any = None, reward_workers: int = 0, reward_stage: bool = False):
+                 reward_timeout: Any = None, reward_workers: int = 0, reward_stage: bool = False,
+                 spare_gpus: int = 0):
         if num_engines < 1 or train_gpus < 1:
             raise ValueError(f"need at least one engine and one train GPU, got {num_engines} and {train_gpus}")
         self.cost, self.workload, self.train_gpus, self.colocated = cost, workload, train_gpus, colocated
         self.q = EventQueue()
         first_rank = 0 if colocated else train_gpus
+        self.first_rank, self.counters_every_s, self.progress = first_rank, counters_every_s, progress
         self.engines = [SimEngine(i, first_rank + i * cost.gpus_per_engine, cost, self, counters_every_s, progress)
                         for i in range(num_engines)]
+        self.spare_gpus = spare_gpus           # GPUs the pool may still scale out onto (AddEngines)
         self.rng = random.Random(f"sim-backend:{seed}")
         self.trainer_version = 0
         self.trainer_free = 0.0
@@ -201,8 +206,17 @@ class SimBackend:
             sims.append(s)
         self.engines[engine].add(sims, self.now())
 
-    def command(self, cmd: Abort | Interrupt | LoadWeights | LendEngines | ReturnEngines) -> None:
-        if isinstance(cmd, LendEngines):
+    def command(self, cmd: Abort | Interrupt | LoadWeights | LendEngines | ReturnEngines | AddEngines) -> None:
+        if isinstance(cmd, AddEngines):
+            need = cmd.count * self.cost.gpus_per_engine
+            if need > self.spare_gpus:
+                raise SimStalled(f"AddEngines({cmd.count}) needs {need} GPUs; {self.spare_gpus} spare")
+            self.spare_gpus -= need
+            for _ in range(cmd.count):
+                i = len(self.engines)
+                self.engines.append(SimEngine(i, self.first_rank + i * self.cost.gpus_per_engine, self.cost, self,
+                                              self.counters_every_s, self.progress))
+        elif isinstance(cmd, LendEngines):
             for i in cmd.engines:
                 self.engines[i].hold(self.now(), until=math.inf)
             self.lent.update(cmd.engines)

@@ -423,6 +423,7 @@ def test_scale_out_rule():
     assert should_scale_out(30, 10, gen, gen_gpus=4, unit=4)      # gap 20 >= 25 - 12.5 that one more unit saves
     assert not should_scale_out(20, 10, gen, gen_gpus=4, unit=4)
     assert not should_scale_out(10, 20, gen, gen_gpus=4, unit=4)
+    assert not should_scale_out(30, 10, lambda x: 50.0, gen_gpus=4, unit=4)   # a flat profile: a unit saves nothing
 
 
 def test_split_instances_gives_the_long_tail_its_own_instances():
