@@ -32,9 +32,10 @@ Partial trajectories (`interrupt`, `migrate`, for `sched.base.Interrupt` and `Mi
 - Migrate(src, dst): an Interrupt whose request is resubmitted to dst as soon as it lands, before any other
   admission (`due_migrations`; `trajectory_migrated`, data src/dst/tokens).
 
-Elastic pool (`lend` / `give_back` for LendEngines / ReturnEngines, `add_engines` for AddEngines; only on a backend
-that says `elastic`): a lent engine takes no request until it is back; an added engine joins with no weights and
-takes no request before its first `weights_loaded`.
+Elastic pool (`lend` / `give_back` for LendEngines / ReturnEngines, `add_engines` for AddEngines, `reshard` for
+Reshard; only on a backend that says `elastic`): a lent engine takes no request until it is back; an added or
+resharded engine joins with no weights and takes no request before its first `weights_loaded`; a reshard happens
+only with nothing in flight, waiting, lent or loading.
 
 Restored requests (after a resume, sched/resume.py) stay RESTORED, invisible to dispatch, until every engine holds
 the trainer's checkpointed version; `weights_loaded` then releases them to PENDING.
@@ -49,8 +50,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from rl.types import Group, Trajectory
-from sched.base import (AddEngines, Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, ReturnEngines,
-                        RoundPlan, Submit)
+from sched.base import (AddEngines, Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, Reshard,
+                        ReturnEngines, RoundPlan, Submit)
 from sched.events import Event
 from sched.views import EngineView, GroupState, Request, RequestState, Views
 
@@ -230,6 +231,20 @@ class Lifecycle:
         v.engines += [EngineView(engine=i) for i in new]
         self.emit(Event("engines_added", v.now, data={"engines": new}))
 
+    def reshard(self, cmd: Reshard) -> None:
+        """The pool rebuilt at TP cmd.tp on the same GPUs: new engines 0..n-1, without weights."""
+        v = self.v
+        gpus = len(v.engines) * v.tp
+        if not v.elastic or cmd.tp < 1 or gpus % cmd.tp:
+            raise InvariantError(f"Reshard(tp={cmd.tp}) of {gpus} rollout GPUs on a backend that cannot, or not a "
+                                 f"divisor")
+        if v.in_flight() or v.requests.count(S.PENDING) or any(e.lent or e.loading for e in v.engines):
+            raise InvariantError(f"Reshard(tp={cmd.tp}) with requests in flight or waiting, or engines lent or "
+                                 f"loading")
+        v.engines = [EngineView(engine=i) for i in range(gpus // cmd.tp)]
+        v.tp = cmd.tp
+        self.emit(Event("engines_resharded", v.now, data={"tp": cmd.tp, "engines": len(v.engines)}))
+
     def give_back(self, cmd: ReturnEngines) -> None:
         for i in cmd.engines:
             if not self.v.engines[i].lent:
@@ -297,6 +312,7 @@ class Lifecycle:
         elif k == "trajectory_finished":
             r = v.requests[ev.req_id]
             r.tokens, r.finished_seq = ev.data.get("tokens", r.tokens), v.seq
+            r.preemptions = ev.data.get("preemptions", r.preemptions)
             v.finishes.setdefault(r.round, []).append(r.req_id)
             v.engines[r.engine].assigned -= 1
             self._finished(r)
