@@ -100,8 +100,8 @@ class AddEngines:
 class Reshard:
     """Reconfigure the rollout pool to tensor-parallel size `tp` on the same GPUs (RollPacker §4.2's parallelism
     planner: "reconfigure TP sizes on a per-step basis"): the pool becomes (engines x current TP) / tp engines, which
-    start without weights. Only between rounds (nothing in flight or waiting, no engine lent or loading), on a
-    backend that can (`Views.elastic`)."""
+    start without weights. Only between rounds (nothing in flight or waiting, no engine lent or loading), to a size
+    the backend can reshard to (`Views.tp_sizes`)."""
     tp: int
 
 

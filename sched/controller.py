@@ -40,7 +40,7 @@ class Backend(Protocol):
     # optional attributes: `colocated` (engines and trainer share GPUs), `elastic` (it takes LendEngines /
     # ReturnEngines / AddEngines / Reshard: an engine's GPUs join the trainer, the pool scales out or changes TP; the
     # simulator can, our runtime's fixed process groups cannot), both False by default; `decode_profile`
-    # (sched.views.DecodeProfile); `tp` (GPUs per engine, default 1).
+    # (sched.views.DecodeProfile); `tp` (GPUs per engine, default 1) and `tp_sizes` (those it can reshard to).
     # optional: `has_pending() -> bool`, whether next_event would return at once with an event that arrived
     # together with the last one (the runtime's engines send one message per step); the controller applies such
     # a batch before deciding once. Backends without it (the simulator) are decided on after every event.
@@ -74,6 +74,7 @@ class Controller:
         self.v.elastic = bool(getattr(backend, "elastic", False))
         self.v.colocated = bool(getattr(backend, "colocated", False))
         self.v.tp = int(getattr(backend, "tp", 1))
+        self.v.tp_sizes = tuple(getattr(backend, "tp_sizes", ()))
         self.v.decode_profile = getattr(backend, "decode_profile", None)
         self.decide(backend)
         has_pending = getattr(backend, "has_pending", None)

@@ -235,9 +235,9 @@ class Lifecycle:
         """The pool rebuilt at TP cmd.tp on the same GPUs: new engines 0..n-1, without weights."""
         v = self.v
         gpus = len(v.engines) * v.tp
-        if not v.elastic or cmd.tp < 1 or gpus % cmd.tp:
-            raise InvariantError(f"Reshard(tp={cmd.tp}) of {gpus} rollout GPUs on a backend that cannot, or not a "
-                                 f"divisor")
+        if not v.elastic or cmd.tp not in v.tp_sizes or gpus % cmd.tp:
+            raise InvariantError(f"Reshard(tp={cmd.tp}) of {gpus} rollout GPUs: the backend reshards only to "
+                                 f"{v.tp_sizes}")
         if v.in_flight() or v.requests.count(S.PENDING) or any(e.lent or e.loading for e in v.engines):
             raise InvariantError(f"Reshard(tp={cmd.tp}) with requests in flight or waiting, or engines lent or "
                                  f"loading")

@@ -191,6 +191,7 @@ class Views:
     decode_profile: DecodeProfile | None = None   # the engines' profiled decode step, when the backend has one
     colocated: bool = False               # engines and trainer share the same GPUs (a train call pauses rollout)
     tp: int = 1                           # GPUs per rollout engine (tensor-parallel size), as the backend reports
+    tp_sizes: tuple[int, ...] = ()        # the TP sizes the backend can reshard the pool to (empty: none)
 
     # ------------------------------------------------------------------------------------------------ requests
     def pending(self) -> list[Request]:

@@ -55,7 +55,7 @@ from sched.views import DecodeProfile, Request
 from sim.clock import EventQueue
 from sim.cost import CostModel
 from sim.engine import SimEngine, SimRequest
-from sim.profiles import at_tp
+from sim.profiles import at_tp, tp_sizes
 from sim.tokens import RunList
 from sim.workload import Workload
 
@@ -99,6 +99,7 @@ class SimBackend:
                         for i in range(num_engines)]
         self.spare_gpus = spare_gpus           # GPUs the pool may still scale out onto (AddEngines)
         self.reshards: list[tuple[float, int]] = []   # (when, new TP) of every Reshard
+        self.tp_sizes = tp_sizes(cost, num_engines * cost.gpus_per_engine)   # what Reshard may ask for
         self.preemptions_gone = 0              # preemptions of engines replaced in a reshard
         self.rng = random.Random(f"sim-backend:{seed}")
         self.trainer_version = 0

@@ -303,17 +303,22 @@ def at_tp(c: CostModel, tp: int) -> CostModel:
     return replace(v, train_s_per_token=c.train_s_per_token, train_overhead_s=c.train_overhead_s)
 
 
-def min_tp(c: CostModel, max_tp: int = 8) -> int:
-    """The smallest power-of-two TP (up to max_tp) at which the profile's model fits on its engines."""
-    at_tp(c, c.gpus_per_engine)                  # a profile without TP variants raises here
+def tp_sizes(c: CostModel, gpus: int, max_tp: int = 8) -> tuple[int, ...]:
+    """The power-of-two TP sizes (up to max_tp, one server) dividing `gpus` at which the profile's model fits on its
+    engines; () for a profile without TP variants."""
+    if c.name.split("@")[0] not in TP_VARIANTS:
+        return ()
+    out = []
     tp = 1
-    while tp < max_tp:
-        try:
-            at_tp(c, tp)
-            return tp
-        except ValueError:
-            tp *= 2
-    return max_tp
+    while tp <= max_tp:
+        if gpus % tp == 0:
+            try:
+                at_tp(c, tp)
+                out.append(tp)
+            except ValueError:               # the model does not fit at this TP
+                pass
+        tp *= 2
+    return tuple(out)
 
 
 def describe(p: CostModel) -> str:

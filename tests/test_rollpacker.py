@@ -151,10 +151,10 @@ def test_planner_doubles_tp_on_a_rise_over_the_same_kind_and_halves_after_four_q
     from sched.events import Event
     from sched.lifecycle import Lifecycle
     from sched.policies.rollpacker.planner import PlannerParams, TPPlanner
-    v = Views(elastic=True, tp=2)
+    v = Views(elastic=True, tp=2, tp_sizes=(1, 2, 4, 8))
     v.engines = [EngineView(e, version=0) for e in range(4)]         # 8 rollout GPUs at TP 2
     events: list[Event] = []
-    life, p = Lifecycle(v, events.append), TPPlanner(PlannerParams(min_tp=1, max_tp=4))
+    life, p = Lifecycle(v, events.append), TPPlanner(PlannerParams(max_tp=4))
     assert planner_step(p, v, life, "short", 100) == []               # no reference yet
     assert planner_step(p, v, life, "long", 50) == []                 # long's own reference
     assert planner_step(p, v, life, "short", 105) == []               # 105 <= 1.05 x 100
@@ -171,7 +171,13 @@ def test_planner_doubles_tp_on_a_rise_over_the_same_kind_and_halves_after_four_q
         planner_step(p, v, life, "short", 0)
     assert v.tp == 1 and len(v.engines) == 8
     for _ in range(4):
-        assert planner_step(p, v, life, "short", 0) == []             # min_tp
+        assert planner_step(p, v, life, "short", 0) == []             # TP 1 is the least
+    big = Views(elastic=True, tp=2, tp_sizes=(2, 4))                 # the model does not fit at TP 1
+    big.engines = [EngineView(e, version=0) for e in range(4)]
+    q, life2 = TPPlanner(), Lifecycle(big, events.append)
+    for _ in range(4):
+        assert planner_step(q, big, life2, "short", 0) == []
+    assert big.tp == 2
     fixed = Views(elastic=False, tp=2)
     fixed.engines = [EngineView(e, version=0) for e in range(4)]
     q = TPPlanner()
@@ -179,17 +185,19 @@ def test_planner_doubles_tp_on_a_rise_over_the_same_kind_and_halves_after_four_q
     assert planner_step(q, fixed, Lifecycle(fixed, events.append), "short", 20) == []   # a backend that cannot
 
 
-def test_reshard_is_refused_with_work_in_flight_or_a_tp_that_does_not_divide():
+def test_reshard_is_refused_with_work_in_flight_or_to_a_size_the_backend_cannot_take():
     from sched.base import InvariantError, Reshard
     from sched.lifecycle import Lifecycle
     v = round_views(running=2, finished=0)
-    v.tp = 2
+    v.tp, v.tp_sizes = 2, (1, 2, 4)
     with pytest.raises(InvariantError, match="in flight"):
         Lifecycle(v, lambda e: None).reshard(Reshard(4))
-    idle = Views(elastic=True, tp=1)
+    idle = Views(elastic=True, tp=1, tp_sizes=(1, 2))
     idle.engines = [EngineView(e, version=0) for e in range(3)]
-    with pytest.raises(InvariantError, match="divisor"):
-        Lifecycle(idle, lambda e: None).reshard(Reshard(2))
+    with pytest.raises(InvariantError, match="reshards only to"):
+        Lifecycle(idle, lambda e: None).reshard(Reshard(2))             # 3 GPUs: TP 2 does not divide them
+    with pytest.raises(InvariantError, match="reshards only to"):
+        Lifecycle(idle, lambda e: None).reshard(Reshard(4))
 
 
 def test_planner_in_the_simulator_reshards_on_preemptions_between_steps_and_stays_on_policy():
@@ -204,6 +212,7 @@ def test_planner_in_the_simulator_reshards_on_preemptions_between_steps_and_stay
     cost = replace(at_tp(get_profile("h800_14b"), 1), kv_capacity_tokens=40_000)
     r = simulate(sched.load_preset("rollpacker"), "rollpacker_14b_16k", cost, 2, 2, steps=4, group_size=8,
                  prompts_per_step=16, seed=0, colocated=True)
+    assert r.backend.tp_sizes == (1, 2)                               # 2 GPUs; 14B fits at TP 1
     assert r.backend.reshards and r.backend.reshards[0][1] == 2 and r.backend.tp == 2 and r.num_engines == 1
     assert r.backend.cost.kv_capacity_tokens == at_tp(get_profile("h800_14b"), 2).kv_capacity_tokens
     t, _ = r.backend.reshards[0]
@@ -214,3 +223,11 @@ def test_planner_in_the_simulator_reshards_on_preemptions_between_steps_and_stay
     assert r.metrics["preemptions"] >= sum(n for _, _, n, _ in hist)
     rep = on_policy_report(r.events)
     assert rep["off_policy"] == [] and rep["trained_twice"] == [] and rep["finished_not_trained"] == []
+
+
+def test_sim_tp_sizes_are_those_the_model_fits_at_and_that_divide_the_gpus():
+    from sim.profiles import get_profile, tp_sizes
+    assert tp_sizes(get_profile("h800_14b"), 16) == (1, 2, 4, 8)
+    assert tp_sizes(get_profile("h800_32b"), 64) == (2, 4, 8)        # 32B's weights do not fit one GPU's share
+    assert tp_sizes(get_profile("h800_14b"), 6) == (1, 2)
+    assert tp_sizes(get_profile("h800_streamrl_7b"), 16) == ()       # a profile without TP variants

@@ -22,7 +22,7 @@ import statistics
 from typing import Callable
 
 import sched
-from sim.profiles import ROLLPACKER_CALIBRATION_SHARE, ROLLPACKER_TRAIN_MFU, at_tp, get_profile, min_tp
+from sim.profiles import ROLLPACKER_CALIBRATION_SHARE, ROLLPACKER_TRAIN_MFU, at_tp, get_profile
 from sim.repro.core import SPEEDUP, Paper, Row, Runs, Setting, sim_kwargs
 from sim.repro.figures import round_figures, round_rollout, speedup, throughput
 from sim.run import SimResult, simulate
@@ -49,10 +49,8 @@ ROUND_END = (("handoff", (("name", "whole_round"),)), ("update", (("name", "step
 
 
 def elastic(model: str) -> tuple:
-    """The shipped preset with the engines' KV pool (what vLLM reports at start-up) for the scale-down's check, and
-    the smallest TP the model fits at for the planner (what its offline profile knows)."""
-    c = get_profile(f"h800_{model}")
-    return (("rebalance", (("kv_tokens", c.kv_capacity_tokens), ("min_tp", min_tp(c)))),)
+    """The shipped preset with the engines' KV pool (what vLLM reports at start-up) for the scale-down's check."""
+    return (("rebalance", (("kv_tokens", get_profile(f"h800_{model}").kv_capacity_tokens),)),)
 
 
 def system(name: str, model: str) -> tuple:
@@ -213,7 +211,7 @@ def planner_run(runs: Runs, planner: bool) -> SimResult:
         s = RK("14b")
         w = RampedWorkload(get_workload("rollpacker_32b_32k"), 0.25, 1.0, RAMP_STEPS * 160)
         c = at_tp(get_profile("h800_14b"), 1)
-        over = {"rebalance": {"kv_tokens": c.kv_capacity_tokens, "planner": planner, "min_tp": 1}}
+        over = {"rebalance": {"kv_tokens": c.kv_capacity_tokens, "planner": planner}}
         return simulate(sched.load_preset("rollpacker", over), w, c, 16, 16, steps=RAMP_STEPS, group_size=8,
                         prompts_per_step=128, seed=runs.seed, colocated=True, **sim_kwargs(s))
     return runs.memo(("fig12a", planner), go)

@@ -14,7 +14,6 @@ S = RequestState
 class PlannerParams:
     rise: float = 1.05           # a step's preemptions above rise x the reference: TP doubles
     zero_steps: int = 4          # this many consecutive steps without a preemption: TP halves
-    min_tp: int = 1              # the smallest TP the model fits at (the offline profile knows it)
     max_tp: int = 8              # "TP groups are constrained within a single GPU server"
 
 
@@ -27,8 +26,8 @@ class TPPlanner:
     "rise" is the previous step of the same round kind (our reading: the paper does not say, and short rounds have up
     to 1.79x the preemptions of long ones, so the previous step would fire at every long -> short switch). The new TP
     is applied between steps (`Reshard`): once the round's rollout is over and trained, the trainer idle, nothing in
-    flight, waiting, lent or loading, and only on a backend that can (`Views.elastic`); a TP that does not divide the
-    rollout GPUs is skipped.
+    flight, waiting, lent or loading, and only to a size the backend can reshard to (`Views.tp_sizes`: the model
+    fits, the size divides the rollout GPUs); otherwise TP stays.
 
     Invariant kept: never touches a request; the resharded engines adopt the latest weights before they take work."""
 
@@ -64,19 +63,18 @@ class TPPlanner:
         tp = v.tp
         ref = self.prev.get(kind)
         if ref is not None and n > self.p.rise * ref:
-            tp, self.zero = min(2 * v.tp, self.p.max_tp), 0
+            tp, self.zero = 2 * v.tp, 0
         elif n == 0:
             self.zero += 1
             if self.zero >= self.p.zero_steps:
-                tp, self.zero = max(v.tp // 2, self.p.min_tp), 0
+                tp, self.zero = v.tp // 2, 0
         else:
             self.zero = 0
         self.prev[kind] = n
-        gpus = len(v.engines) * v.tp
-        if tp != v.tp and gpus % tp:
+        if tp not in v.tp_sizes or tp > self.p.max_tp or not v.elastic:
             tp = v.tp
         self.history.append((r, kind, n, tp))
-        return [Reshard(tp)] if tp != v.tp and v.elastic else []
+        return [Reshard(tp)] if tp != v.tp else []
 
     @staticmethod
     def _between_steps(v: Views) -> bool:

@@ -128,7 +128,6 @@ class RollPackerRebalance(Rebalance):
         planner: bool = F(True, help="adapt the engines' TP to preemptions between steps (§4.2)")
         rise: float = F(1.05, gt=1, help="planner: preemptions above rise x the last step of the same kind: TP x 2")
         zero_steps: int = F(4, ge=1, help="planner: steps without a preemption before TP / 2")
-        min_tp: int = F(1, ge=1, help="planner: the smallest TP the model fits at")
         max_tp: int = F(8, ge=1, help="planner: the largest TP (one GPU server)")
 
     def __init__(self, params: "RollPackerRebalance.Params | None" = None):
@@ -138,9 +137,7 @@ class RollPackerRebalance(Rebalance):
         self.aborts = TailAbort()
         self.scale = ScaleDown(ScaleDownParams(self.p.first, self.p.last, self.p.step, self.p.fraction,
                                                self.p.kv_tokens))
-        if self.p.min_tp > self.p.max_tp:
-            raise ValueError(f"sched.rebalance rollpacker: min_tp = {self.p.min_tp} > max_tp = {self.p.max_tp}")
-        self.planner = TPPlanner(PlannerParams(self.p.rise, self.p.zero_steps, self.p.min_tp, self.p.max_tp))
+        self.planner = TPPlanner(PlannerParams(self.p.rise, self.p.zero_steps, self.p.max_tp))
 
     def plan(self, v: Views) -> list[Abort | Migrate | LendEngines | ReturnEngines | Reshard]:
         out: list[Any] = self.aborts.plan(v)
