@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         y = args.gpus - x
         print(f"{x:8d} {t:9.1f} {y:10d} {c.train_s(prof.round_tokens, y):9.1f}" + ("   <- Algorithm 1"
                                                                                      if x == best.gen else ""))
-    print(f"split: {best.gen} generation GPUs ({best.gen // c.gpus_per_engine} engines) + {best.train} training GPUs, "
+    rest = args.gpus - best.gen
+    note = f"; {best.train} would reach the same iteration time" if best.train < rest else ""
+    print(f"split: {best.gen} generation GPUs ({best.gen // c.gpus_per_engine} engines) + {rest} training GPUs{note}; "
           f"iteration {best.time:.1f} s (max of the two stages)")
     return 0
