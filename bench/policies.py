@@ -11,8 +11,9 @@ Each preset trains on the same number of samples (`--rounds` rounds of P prompts
 the same length for a whole group: the synchronous baseline's trainer then waits ~45% of the time, the regime the
 RolloutPipe paper measures, 47-52% for Slime), from the same random init and seed, with the same optimizer batch
 where the preset has one: `--batch-groups U` groups (U x G samples) per optimizer step, so sync takes P/U
-minibatch steps per round (Slime's logical updates, the RolloutPipe paper's baseline) and the every-U presets
-(rolloutpipe, fgd_tailbatch) step every U complete groups; the stream-trainer presets (rollpacker, streamrl) take
+minibatch steps per round in one train call, `slime` takes them as P/U train calls after the barrier (Slime's
+update schedule, the RolloutPipe paper's baseline) and the every-U presets (rolloutpipe, fgd_tailbatch) step every
+U complete groups; the stream-trainer presets (rollpacker, streamrl) take
 their one accumulated step per round by design (RollPacker §4.4, StreamRL §4). Runs alternate between presets
 (`--repeats` rounds of the whole list) so that machine load hits them alike. Per preset: the training loop's wall
 time (first round start to last event, from the run's event log; process start-up excluded and printed apart),
@@ -43,7 +44,7 @@ from sched.metrics import summarize  # noqa: E402
 
 # Every preset of configs/sched/: on-policy first, then the off-policy ones (one optimizer step per batch of
 # prompts_per_step groups, each at its preset's default staleness bound).
-PRESETS: list[str] = ["sync", "rolloutpipe", "rollpacker", "streamrl", "fgd_tailbatch",
+PRESETS: list[str] = ["sync", "slime", "rolloutpipe", "rollpacker", "streamrl", "fgd_tailbatch",
                       "one_step", "streamrl_async", "partial_rollout", "areal", "staleflow", "laminar"]
 
 # The long-tail length workload (rl/tasks.py `repeat` + per-prompt caps): identical for every preset.
@@ -72,10 +73,11 @@ class Run:
 def batch_overrides(preset: str, prompts: int, u: int) -> tuple[list[str], int]:
     """The overrides that give `preset` U groups per optimizer step where it has that knob, and the number of
     `train.steps` per round that follows: sync -> P/U minibatches in one call (one `train.steps` per round);
-    every-U update -> U groups per handoff and per step (P/U `train.steps` per round); stream update -> one."""
+    every-U update (slime, rolloutpipe, fgd_tailbatch) -> U groups per handoff and per step (P/U `train.steps` per
+    round); stream update -> one."""
     p = load_preset(preset)
     if p.update.name == "every_u":
-        handoff = [f"--sched.handoff.groups={u}"] if p.handoff.name == "cgp" else []
+        handoff = [f"--sched.handoff.groups={u}"] if p.handoff.name in ("cgp", "round_minibatches") else []
         return [f"--sched.update.groups={u}", *handoff], math.ceil(prompts / u)
     if p.update.name == "step_publish":
         return [f"--train.minibatches={math.ceil(prompts / u)}"], 1

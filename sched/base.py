@@ -6,7 +6,8 @@ A scheduling policy is five small objects, one per mechanism kind:
     handoff      when materialised groups become a training batch
     update       whether the trainer steps the optimizer on that batch, and whether it then publishes weights
     weight_sync  when an engine adopts a published version
-    rebalance    abort / interrupt / migrate running trajectories; lend engines to the trainer and take them back
+    rebalance    abort / interrupt / migrate running trajectories; lend engines to the trainer and take them back;
+                 scale the rollout pool out, or reshard it to another tensor-parallel size
 
 Each reads `Views` (the controller's picture of requests, groups, engines and trainer, sched/views.py) and returns
 plain decisions (the dataclasses below). The controller (sched/controller.py) is the only caller. A `Preset` names
@@ -85,6 +86,23 @@ class LendEngines:
 class ReturnEngines:
     """Give lent engines back to rollout (their GPUs leave the trainer)."""
     engines: list[int]
+
+
+@dataclass
+class AddEngines:
+    """Scale the rollout pool out by `count` engines from the backend's spare capacity (StreamRL §4.2's dynamic
+    adjustment: "SGS automatically scales out by increasing its DP size"). New engines start without weights and
+    adopt the latest version through the weight sync. Only on a backend that can (`Views.elastic`)."""
+    count: int
+
+
+@dataclass
+class Reshard:
+    """Reconfigure the rollout pool to tensor-parallel size `tp` on the same GPUs (RollPacker §4.2's parallelism
+    planner: "reconfigure TP sizes on a per-step basis"): the pool becomes (engines x current TP) / tp engines, which
+    start without weights. Only between rounds (nothing in flight or waiting, no engine lent or loading), to a size
+    the backend can reshard to (`Views.tp_sizes`)."""
+    tp: int
 
 
 @dataclass
@@ -179,7 +197,7 @@ class WeightSync(Policy):
 class Rebalance(Policy):
     kind = "rebalance"
 
-    def plan(self, v: Views) -> list[Abort | Interrupt | Migrate | LendEngines | ReturnEngines]:
+    def plan(self, v: Views) -> list[Abort | Interrupt | Migrate | LendEngines | ReturnEngines | AddEngines | Reshard]:
         return []
 
 

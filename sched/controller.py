@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from rl.types import Group
-from sched.base import (Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, Preset, ReturnEngines,
-                        RoundPlan, Submit, TrainCall)
+from sched.base import (AddEngines, Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, Preset,
+                        Reshard, ReturnEngines, RoundPlan, Submit, TrainCall)
 from sched.events import Event, EventLog
 from sched.lifecycle import Lifecycle
 from sched.resume import load_views, save_views
@@ -38,8 +38,9 @@ class Backend(Protocol):
     def train(self, call: TrainCall, groups: list[Group]) -> None: ...
     def next_event(self) -> Event: ...  # blocks until one is available (the backend enforces its own deadline)
     # optional attributes: `colocated` (engines and trainer share GPUs), `elastic` (it takes LendEngines /
-    # ReturnEngines commands: an engine's GPUs join the trainer; the simulator can, our runtime's fixed process
-    # groups cannot), both False by default; `decode_profile` (sched.views.DecodeProfile, default None).
+    # ReturnEngines / AddEngines / Reshard: an engine's GPUs join the trainer, the pool scales out or changes TP; the
+    # simulator can, our runtime's fixed process groups cannot), both False by default; `decode_profile`
+    # (sched.views.DecodeProfile); `tp` (GPUs per engine, default 1) and `tp_sizes` (those it can reshard to).
     # optional: `has_pending() -> bool`, whether next_event would return at once with an event that arrived
     # together with the last one (the runtime's engines send one message per step); the controller applies such
     # a batch before deciding once. Backends without it (the simulator) are decided on after every event.
@@ -72,6 +73,8 @@ class Controller:
             self.v.engines = [EngineView(engine=i) for i in range(backend.num_engines)]
         self.v.elastic = bool(getattr(backend, "elastic", False))
         self.v.colocated = bool(getattr(backend, "colocated", False))
+        self.v.tp = int(getattr(backend, "tp", 1))
+        self.v.tp_sizes = tuple(getattr(backend, "tp_sizes", ()))
         self.v.decode_profile = getattr(backend, "decode_profile", None)
         self.decide(backend)
         has_pending = getattr(backend, "has_pending", None)
@@ -128,9 +131,11 @@ class Controller:
         backend.submit(sub.engine, reqs, {r.group_id: self.v.groups[r.group_id].prompt for r in reqs})
 
     def command(self, backend: Backend,
-                cmd: Abort | Interrupt | Migrate | LoadWeights | LendEngines | ReturnEngines) -> None:
-        if isinstance(cmd, (LendEngines, ReturnEngines)):
-            (self.life.lend if isinstance(cmd, LendEngines) else self.life.give_back)(cmd)
+                cmd: Abort | Interrupt | Migrate | LoadWeights | LendEngines | ReturnEngines | AddEngines | Reshard
+                ) -> None:
+        if isinstance(cmd, (LendEngines, ReturnEngines, AddEngines, Reshard)):
+            {LendEngines: self.life.lend, ReturnEngines: self.life.give_back, AddEngines: self.life.add_engines,
+             Reshard: self.life.reshard}[type(cmd)](cmd)
             backend.command(cmd)
             return
         if isinstance(cmd, Abort):

@@ -25,6 +25,8 @@ KINDS = frozenset({
     "trajectory_aborted", "trajectory_interrupted", "trajectory_migrated",
     "engine_busy", "engine_idle",  # engine activity spans (for the bubble ratio and the timeline)
     "engines_lent",           # engines lent to the trainer or back to rollout (data: engines, lent)
+    "engines_added",          # the rollout pool scaled out (data: engines: the new ids)
+    "engines_resharded",      # the rollout pool rebuilt at another TP size (data: tp, engines: how many now)
     "rank_failed",
 })
 

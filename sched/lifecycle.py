@@ -32,6 +32,11 @@ Partial trajectories (`interrupt`, `migrate`, for `sched.base.Interrupt` and `Mi
 - Migrate(src, dst): an Interrupt whose request is resubmitted to dst as soon as it lands, before any other
   admission (`due_migrations`; `trajectory_migrated`, data src/dst/tokens).
 
+Elastic pool (`lend` / `give_back` for LendEngines / ReturnEngines, `add_engines` for AddEngines, `reshard` for
+Reshard; only on a backend that says `elastic`): a lent engine takes no request until it is back; an added or
+resharded engine joins with no weights and takes no request before its first `weights_loaded`; a reshard happens
+only with nothing in flight, waiting, lent or loading.
+
 Restored requests (after a resume, sched/resume.py) stay RESTORED, invisible to dispatch, until every engine holds
 the trainer's checkpointed version; `weights_loaded` then releases them to PENDING.
 
@@ -45,10 +50,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from rl.types import Group, Trajectory
-from sched.base import (Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, ReturnEngines, RoundPlan,
-                        Submit)
+from sched.base import (AddEngines, Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, Reshard,
+                        ReturnEngines, RoundPlan, Submit)
 from sched.events import Event
-from sched.views import GroupState, Request, RequestState, Views
+from sched.views import EngineView, GroupState, Request, RequestState, Views
 
 S = RequestState
 
@@ -95,6 +100,8 @@ class Lifecycle:
         e = v.engines[sub.engine]
         if e.lent:
             raise InvariantError(f"requests {sub.req_ids[:4]} submitted to engine {sub.engine}, lent to the trainer")
+        if e.version < 0:
+            raise InvariantError(f"requests {sub.req_ids[:4]} submitted to engine {sub.engine}, which has no weights")
         reqs = [v.requests[i] for i in sub.req_ids]
         for r in reqs:
             if r.state != S.PENDING:
@@ -215,6 +222,29 @@ class Lifecycle:
             v.engines[i].lent = True
         self.emit(Event("engines_lent", v.now, data={"engines": sorted(out), "lent": True}))
 
+    def add_engines(self, cmd: AddEngines) -> None:
+        """New engines join rollout (ids after the last), without weights yet."""
+        v = self.v
+        if not v.elastic or cmd.count < 1:
+            raise InvariantError(f"AddEngines({cmd.count}) on a backend that cannot scale out, or nothing to add")
+        new = list(range(len(v.engines), len(v.engines) + cmd.count))
+        v.engines += [EngineView(engine=i) for i in new]
+        self.emit(Event("engines_added", v.now, data={"engines": new}))
+
+    def reshard(self, cmd: Reshard) -> None:
+        """The pool rebuilt at TP cmd.tp on the same GPUs: new engines 0..n-1, without weights."""
+        v = self.v
+        gpus = len(v.engines) * v.tp
+        if not v.elastic or cmd.tp not in v.tp_sizes or gpus % cmd.tp:
+            raise InvariantError(f"Reshard(tp={cmd.tp}) of {gpus} rollout GPUs: the backend reshards only to "
+                                 f"{v.tp_sizes}")
+        if v.in_flight() or v.requests.count(S.PENDING) or any(e.lent or e.loading for e in v.engines):
+            raise InvariantError(f"Reshard(tp={cmd.tp}) with requests in flight or waiting, or engines lent or "
+                                 f"loading")
+        v.engines = [EngineView(engine=i) for i in range(gpus // cmd.tp)]
+        v.tp = cmd.tp
+        self.emit(Event("engines_resharded", v.now, data={"tp": cmd.tp, "engines": len(v.engines)}))
+
     def give_back(self, cmd: ReturnEngines) -> None:
         for i in cmd.engines:
             if not self.v.engines[i].lent:
@@ -282,6 +312,7 @@ class Lifecycle:
         elif k == "trajectory_finished":
             r = v.requests[ev.req_id]
             r.tokens, r.finished_seq = ev.data.get("tokens", r.tokens), v.seq
+            r.preemptions = ev.data.get("preemptions", r.preemptions)
             v.finishes.setdefault(r.round, []).append(r.req_id)
             v.engines[r.engine].assigned -= 1
             self._finished(r)

@@ -67,6 +67,7 @@ class Request:
     version: int = -1            # weight version it was admitted under
     t_created: float = 0.0
     finished_seq: int = -1       # Views.seq when its trajectory_finished arrived (finish order; -1: not finished)
+    preemptions: int = 0         # KV preemptions it went through (reported with its trajectory_finished, if at all)
     partial: Trajectory | None = None  # all tokens so far of an interrupted request; resumed from there on submit
     v_traj: int = -1             # version of the engine it was FIRST admitted to (StaleFlow's V_traj; never changes)
     migrate_to: int = -1         # engine a pending Migrate will resubmit it to once the interrupt lands
@@ -189,6 +190,8 @@ class Views:
     elastic: bool = False                 # the backend can lend an engine's GPUs to the trainer (LendEngines)
     decode_profile: DecodeProfile | None = None   # the engines' profiled decode step, when the backend has one
     colocated: bool = False               # engines and trainer share the same GPUs (a train call pauses rollout)
+    tp: int = 1                           # GPUs per rollout engine (tensor-parallel size), as the backend reports
+    tp_sizes: tuple[int, ...] = ()        # the TP sizes the backend can reshard the pool to (empty: none)
 
     # ------------------------------------------------------------------------------------------------ requests
     def pending(self) -> list[Request]:

@@ -1,5 +1,7 @@
 """python -m sim profiles [NAME ...]   every cost constant with its source
-   python -m sim workloads             each workload's length statistics (one 128 x 8 step, seed 0) and source"""
+   python -m sim workloads             each workload's length statistics (one 128 x 8 step, seed 0) and source
+   python -m sim split --workload W --cost C --gpus N [--prompts P --group-size G]
+                                       StreamRL's Algorithm 1: the generation / training split for a workload"""
 from __future__ import annotations
 
 import statistics
@@ -24,6 +26,9 @@ def main(argv: list[str]) -> int:
         print("\n\n".join(describe(get_profile(n)) for n in (argv[1:] or sorted(PROFILES))))
     elif argv[:1] == ["workloads"]:
         print(workloads())
+    elif argv[:1] == ["split"]:
+        from sim.split import main as split
+        return split(argv[1:])
     else:
         print(__doc__)
         return 2

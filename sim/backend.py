@@ -29,11 +29,15 @@ task's limit, or at the adaptive timeout (`reward_timeout`, RollPacker §4.3, fo
 The trainer runs one call at a time, in order, like the runtime's trainer thread: a call starts when the previous
 call and its publication are done.
 
-Elastic pool (`elastic`: the controller may send LendEngines / ReturnEngines, RollPacker §4.4's scale-down): a lent
-engine stops (it is empty: its requests were migrated away) and its GPUs join the trainer for the calls that start
-while it is lent. Colocated, a call made while engines are lent runs on their GPUs alone and pauses no other engine;
-a call with none lent runs on every GPU and pauses every engine, as before. `colocated=True` models engines and trainer time-sharing the same GPUs (veRL,
-our runtime's colocated mode): every engine stops decoding while the trainer works and publishes.
+Scale-out (AddEngines, StreamRL §4.2): new engines take GPUs from `spare_gpus`, start without weights, and load
+the latest version when the weight sync says. Reshard (RollPacker §4.2's planner): between rounds, every engine is
+rebuilt at the new TP on the same GPUs (the cost profile's roofline at that TP, sim/profiles.py `at_tp`), without
+weights; stale wake-ups of the old engines are ignored. Elastic pool (LendEngines / ReturnEngines, RollPacker §4.4's
+scale-down): a lent engine stops (it is empty: its requests were migrated away) and its GPUs join the trainer for
+the calls that start while it is lent. Colocated, a call made while engines are lent runs on their GPUs alone and
+pauses no other engine; a call with none lent runs on every GPU and pauses every engine, as before.
+`colocated=True` models engines and trainer time-sharing the same GPUs (veRL, our runtime's colocated mode): every
+engine stops decoding while the trainer works and publishes.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ import random
 from typing import Any
 
 from rl.types import Group, Trajectory
-from sched.base import Abort, Interrupt, LendEngines, LoadWeights, ReturnEngines, TrainCall
+from sched.base import AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Reshard, ReturnEngines, TrainCall
 from sched.controller import PromptItem
 from sched.events import Event
 from sched.metrics import rollout_stats
@@ -51,6 +55,7 @@ from sched.views import DecodeProfile, Request
 from sim.clock import EventQueue
 from sim.cost import CostModel
 from sim.engine import SimEngine, SimRequest
+from sim.profiles import at_tp, tp_sizes
 from sim.tokens import RunList
 from sim.workload import Workload
 
@@ -77,19 +82,25 @@ class StopSimulation(Exception):
 
 
 class SimBackend:
-    elastic = True                    # takes LendEngines / ReturnEngines
+    elastic = True                    # takes LendEngines / ReturnEngines / AddEngines
 
     def __init__(self, cost: CostModel, workload: Workload, num_engines: int, train_gpus: int, seed: int = 0, *,
                  colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
                  max_events: int | None = None, stop_after_samples: int | None = None,
-                 reward_timeout: Any = None, reward_workers: int = 0, reward_stage: bool = False):
+                 reward_timeout: Any = None, reward_workers: int = 0, reward_stage: bool = False,
+                 spare_gpus: int = 0):
         if num_engines < 1 or train_gpus < 1:
             raise ValueError(f"need at least one engine and one train GPU, got {num_engines} and {train_gpus}")
         self.cost, self.workload, self.train_gpus, self.colocated = cost, workload, train_gpus, colocated
         self.q = EventQueue()
         first_rank = 0 if colocated else train_gpus
+        self.first_rank, self.counters_every_s, self.progress = first_rank, counters_every_s, progress
         self.engines = [SimEngine(i, first_rank + i * cost.gpus_per_engine, cost, self, counters_every_s, progress)
                         for i in range(num_engines)]
+        self.spare_gpus = spare_gpus           # GPUs the pool may still scale out onto (AddEngines)
+        self.reshards: list[tuple[float, int]] = []   # (when, new TP) of every Reshard
+        self.tp_sizes = tp_sizes(cost, num_engines * cost.gpus_per_engine)   # what Reshard may ask for
+        self.preemptions_gone = 0              # preemptions of engines replaced in a reshard
         self.rng = random.Random(f"sim-backend:{seed}")
         self.trainer_version = 0
         self.trainer_free = 0.0
@@ -121,7 +132,7 @@ class SimBackend:
 
     @property
     def preemptions(self) -> int:
-        return sum(e.preemptions for e in self.engines)
+        return self.preemptions_gone + sum(e.preemptions for e in self.engines)
 
     # ------------------------------------------------------------------------------------------ engine host
     def emit(self, ev: Event) -> None:
@@ -140,7 +151,8 @@ class SimBackend:
         reason = "length" if r.done >= self.workload.max_len else "stop"
         version = min(v for v, _ in r.runs)
         self.emit(Event("trajectory_finished", t, rank=self.engines[engine].rank, engine=engine, req_id=r.req_id,
-                        group_id=r.group_id, version=version, data={"tokens": r.done, "finish_reason": reason}))
+                        group_id=r.group_id, version=version,
+                        data={"tokens": r.done, "finish_reason": reason, "preemptions": r.preemptions}))
         if self.reward_stage:
             self.held.setdefault(r.round, []).append((engine, r))
         else:
@@ -201,8 +213,34 @@ class SimBackend:
             sims.append(s)
         self.engines[engine].add(sims, self.now())
 
-    def command(self, cmd: Abort | Interrupt | LoadWeights | LendEngines | ReturnEngines) -> None:
-        if isinstance(cmd, LendEngines):
+    @property
+    def tp(self) -> int:
+        return self.cost.gpus_per_engine
+
+    def command(self, cmd: Abort | Interrupt | LoadWeights | LendEngines | ReturnEngines | AddEngines | Reshard
+                ) -> None:
+        if isinstance(cmd, Reshard):
+            if self.lent or any(e.running or e.waiting for e in self.engines):
+                raise SimStalled(f"Reshard(tp={cmd.tp}) while engines hold requests or are lent")
+            gpus = len(self.engines) * self.cost.gpus_per_engine
+            self.cost = at_tp(self.cost, cmd.tp)
+            gen = max(e.gen for e in self.engines) + 1
+            self.preemptions_gone += sum(e.preemptions for e in self.engines)
+            self.engines = [SimEngine(i, self.first_rank + i * cmd.tp, self.cost, self, self.counters_every_s,
+                                      self.progress) for i in range(gpus // cmd.tp)]
+            for e in self.engines:
+                e.gen = gen                    # the old engines' wake-ups in the queue are stale
+            self.reshards.append((self.now(), cmd.tp))
+        elif isinstance(cmd, AddEngines):
+            need = cmd.count * self.cost.gpus_per_engine
+            if need > self.spare_gpus:
+                raise SimStalled(f"AddEngines({cmd.count}) needs {need} GPUs; {self.spare_gpus} spare")
+            self.spare_gpus -= need
+            for _ in range(cmd.count):
+                i = len(self.engines)
+                self.engines.append(SimEngine(i, self.first_rank + i * self.cost.gpus_per_engine, self.cost, self,
+                                              self.counters_every_s, self.progress))
+        elif isinstance(cmd, LendEngines):
             for i in cmd.engines:
                 self.engines[i].hold(self.now(), until=math.inf)
             self.lent.update(cmd.engines)
@@ -284,4 +322,5 @@ class SimBackend:
                     self.samples_trained += int(item.data.get("samples", 0))
                 return item
             engine, gen = item
-            self.engines[engine].on_wake(t, gen)
+            if engine < len(self.engines):     # else: a wake-up of an engine gone in a reshard
+                self.engines[engine].on_wake(t, gen)

@@ -16,6 +16,7 @@ Roofline-derived profiles (`roofline`), per engine of `tp` GPUs:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from sim.cost import CostModel, RewardLatency, RewardTask
 
@@ -273,6 +274,13 @@ PROFILES: dict[str, CostModel] = {p.name: p for p in [
     _laminar(QWEN25_32B, 4, "h800_laminar_32b_colocated", rollout_machines=16, colocated=True)]}
 PROFILES["h800_streamrl"] = PROFILES["h800_streamrl_7b"]  # StreamRL's 7B (its dynamic-adjustment and cross-DC runs)
 
+# The same engines at another TP size (RollPacker §4.2's planner reshards the rollout pool between steps): the
+# roofline rebuilt at that TP; training constants stay the profile's.
+TP_VARIANTS: dict[str, Callable[[int, str], CostModel]] = {
+    "h800_7b": lambda tp, name: _rollpacker(QWEN25_7B, tp, name),
+    "h800_14b": lambda tp, name: _rollpacker(QWEN25_14B, tp, name),
+    "h800_32b": lambda tp, name: _rollpacker(QWEN25_32B, tp, name)}
+
 
 def get_profile(name: str | CostModel) -> CostModel:
     if isinstance(name, CostModel):
@@ -280,6 +288,37 @@ def get_profile(name: str | CostModel) -> CostModel:
     if name not in PROFILES:
         raise ValueError(f"unknown cost profile {name!r}; profiles: {sorted(PROFILES)}")
     return PROFILES[name]
+
+
+def at_tp(c: CostModel, tp: int) -> CostModel:
+    """Profile `c` with its engines at TP `tp` (named base@tpN); ValueError where the profile has no TP variants or
+    the model does not fit at that TP."""
+    base = c.name.split("@")[0]
+    if base not in TP_VARIANTS:
+        raise ValueError(f"cost profile {c.name!r} has no TP variants (sim/profiles.py TP_VARIANTS)")
+    if tp == PROFILES[base].gpus_per_engine:
+        v = PROFILES[base]
+    else:
+        v = TP_VARIANTS[base](tp, f"{base}@tp{tp}")
+    return replace(v, train_s_per_token=c.train_s_per_token, train_overhead_s=c.train_overhead_s)
+
+
+def tp_sizes(c: CostModel, gpus: int, max_tp: int = 8) -> tuple[int, ...]:
+    """The power-of-two TP sizes (up to max_tp, one server) dividing `gpus` at which the profile's model fits on its
+    engines; () for a profile without TP variants."""
+    if c.name.split("@")[0] not in TP_VARIANTS:
+        return ()
+    out = []
+    tp = 1
+    while tp <= max_tp:
+        if gpus % tp == 0:
+            try:
+                at_tp(c, tp)
+                out.append(tp)
+            except ValueError:               # the model does not fit at this TP
+                pass
+        tp *= 2
+    return tuple(out)
 
 
 def describe(p: CostModel) -> str:

@@ -44,6 +44,7 @@ class SimResult:
     gpus: int                     # GPUs simulated (engines x TP + train GPUs, or train GPUs when colocated)
     backend: SimBackend = field(repr=False)
     views: Any = field(default=None, repr=False)  # the controller's views at the end (what is still in flight)
+    policy: Any = field(default=None, repr=False)  # the Preset as it ended (its mechanisms' own state)
 
     def write(self, out_dir: str | Path, timeline: bool = True) -> Path:
         """events.jsonl + summary.json (+ timeline.png) like a real run directory."""
@@ -101,7 +102,7 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
              colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
              log_path: str | Path | None = None, max_events: int | None = 50_000_000,
              samples: int | None = None, reward_timeout: Any = None, reward_workers: int = 0,
-             reward_stage: bool = False) -> SimResult:
+             reward_stage: bool = False, spare_gpus: int = 0) -> SimResult:
     """Run `steps` optimizer steps of `preset` (a configs/sched/*.toml name or a Preset) on simulated engines.
 
     num_engines engines of cost.gpus_per_engine GPUs each, and a train partition of train_gpus GPUs (with
@@ -109,7 +110,8 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     have been trained (train calls done) — the same amount of work for presets whose optimizer steps differ in
     size; `steps` is then only an upper bound. `reward_timeout`: an AdaptiveTimeout (rl/reward_timeout.py) applied
     to every sandboxed reward call (RollPacker §4.3); `reward_workers` scorers (0: unlimited) and `reward_stage`
-    (score a round only once all of it has left the engines: veRL's synchronous reward stage), sim/backend.py."""
+    (score a round only once all of it has left the engines: veRL's synchronous reward stage), sim/backend.py;
+    `spare_gpus` the rollout pool may scale out onto (StreamRL §4.2)."""
     name = preset if isinstance(preset, str) else "custom"
     policy = sched.load_preset(preset) if isinstance(preset, str) else preset
     w = get_workload(workload, seed)
@@ -117,7 +119,7 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     backend = SimBackend(c, w, num_engines, train_gpus, seed, colocated=colocated,
                          counters_every_s=counters_every_s, progress=progress, max_events=max_events,
                          stop_after_samples=samples, reward_timeout=reward_timeout,
-                         reward_workers=reward_workers, reward_stage=reward_stage)
+                         reward_workers=reward_workers, reward_stage=reward_stage, spare_gpus=spare_gpus)
     log = EventLog(log_path)
     ctl = Controller(policy, prompt_source(w), group_size, prompts_per_step, steps, log=log)
     t0 = time.perf_counter()
@@ -128,10 +130,10 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     finally:
         log.close()
     wall = time.perf_counter() - t0
-    metrics = summarize(log.events, num_engines)
-    gpus = train_gpus if colocated else train_gpus + num_engines * c.gpus_per_engine
+    metrics = summarize(log.events, backend.num_engines)
+    gpus = train_gpus if colocated else train_gpus + backend.num_engines * c.gpus_per_engine
     metrics.update({"samples_trained": backend.samples_trained, "preemptions": backend.preemptions,
                     "reward_killed": backend.reward_killed, "reward_busy_s": backend.reward_busy_s,
                     "events": len(log.events), "wall_s": wall,
                     "gpus": gpus, "cost_profile": c.name, "workload": w.name, "preset": name})
-    return SimResult(name, log.events, metrics, wall, num_engines, train_gpus, gpus, backend, ctl.v)
+    return SimResult(name, log.events, metrics, wall, backend.num_engines, train_gpus, gpus, backend, ctl.v, policy)

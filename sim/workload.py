@@ -225,6 +225,35 @@ def get_workload(name: str | Workload, seed: int = 0) -> Workload:
     return WORKLOADS[name].with_seed(seed)
 
 
+@dataclass(frozen=True)
+class RampedWorkload(Workload):
+    """A workload whose response lengths scale linearly with the prompt index, from `start` x to `end` x over the
+    first `prompts` prompts (StreamRL §7.4 Fig. 11: "linearly scale the output length of the dataset to adjust the
+    maximum output length from 10K to 20K", as lengths grow during RL training); the cap is the base's."""
+    base: Workload
+    start: float
+    end: float
+    prompts: int
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"{self.base.name}@{self.start:g}-{self.end:g}x/{self.prompts}"
+
+    @property
+    def max_len(self) -> int:  # type: ignore[override]
+        return self.base.max_len
+
+    def with_seed(self, seed: int) -> "RampedWorkload":
+        return replace(self, base=self.base.with_seed(seed))
+
+    def prompt(self, index: int) -> PromptSpec:
+        return self.base.prompt(index)
+
+    def response_len(self, prompt_index: int, sample_index: int) -> int:
+        scale = self.start + (self.end - self.start) * min(1.0, prompt_index / max(1, self.prompts))
+        return max(1, min(self.max_len, round(self.base.response_len(prompt_index, sample_index) * scale)))
+
+
 # ---------------------------------------------------------------------------------------------------- traces
 class TraceError(ValueError):
     """A malformed trace row; the message names the file, line and field."""

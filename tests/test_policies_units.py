@@ -423,6 +423,7 @@ def test_scale_out_rule():
     assert should_scale_out(30, 10, gen, gen_gpus=4, unit=4)      # gap 20 >= 25 - 12.5 that one more unit saves
     assert not should_scale_out(20, 10, gen, gen_gpus=4, unit=4)
     assert not should_scale_out(10, 20, gen, gen_gpus=4, unit=4)
+    assert not should_scale_out(30, 10, lambda x: 50.0, gen_gpus=4, unit=4)   # a flat profile: a unit saves nothing
 
 
 def test_split_instances_gives_the_long_tail_its_own_instances():
@@ -460,3 +461,17 @@ def test_adaptive_timeout():
     assert u.timeout_s("tc1") == 8.0 and u.timeout_s("tc2") == 10.0
     with pytest.raises(ValueError):
         AdaptiveTimeout.Params(min_s=5, max_s=1)
+
+
+def test_barrier_waits_for_held_back_requests_and_one_step_admits_them_under_the_round_s_version():
+    """A dispatch may hold requests back (StreamRL's small long-tail batches): the barrier loads no engine while one
+    waits, and one_step without overlap still admits it though a newer version is published."""
+    from sched.policies.one_step import OneStepOff
+    from sched.policies.sync import Barrier
+    v = views([["running", "pending"]])
+    v.trainer.published = 1                                        # version 1 published mid-round; engines at 0
+    assert Barrier().engines_to_load(v) == []                      # engine 1 is idle, but request 1 waits
+    assert [s.req_ids for s in OneStepOff().admit(v)] == [[1]]
+    assert OneStepOff(OneStepOff.Params(overlap=True)).admit(v) == []   # partial rollout resumes on new weights only
+    v.requests.set_state(v.requests[1], S.RUNNING)
+    assert [(c.engine, c.version) for c in Barrier().engines_to_load(v)] == [(1, 1)]

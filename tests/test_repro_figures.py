@@ -107,3 +107,24 @@ def test_rollpacker_headline_short_rounds_are_shorter_and_the_run_faster():
     short = [t for rd, t in figures.round_rollout(p).items() if kinds[rd] == "short"]
     assert max(short) < min(figures.round_rollout(v).values())
     assert figures.throughput(p) > 1.2 * figures.throughput(v)
+
+
+def test_streamrl_ranker_recall_and_scale_out_iterations():
+    from sim.repro import Runs
+    from sim.repro.streamrl import first_scale_out, recall_by_round, scale_outs
+    # round 1: prompts 10..14 with true lengths 50, 40, 30, 20, 10; the ranker put 12 first, then 10
+    ranked = {10: 5.0, 11: 1.0, 12: 9.0, 13: 2.0, 14: 0.0}
+    lens = {10: 50, 11: 40, 12: 30, 13: 20, 14: 10}
+    ev = [Event("group_materialized", 0.0, group_id=p, data={"round": 1 if p >= 10 else 0}) for p in (3, *lens)]
+    ev += [Event("reward_scored", 1.0, group_id=p, payload=SimpleNamespace(prompt_index=p, response_ids=[0] * n))
+           for p, n in [(3, 99), *lens.items()]]                  # round 0 (prompt 3) is the ranker's warm-up
+    r = SimpleNamespace(events=ev, policy=SimpleNamespace(dispatch=SimpleNamespace(ranked={3: 0.0, **ranked})))
+    assert recall_by_round(r, 0.2) == [0.0]                       # top 1 of 5: predicted 12, true 10
+    assert recall_by_round(r, 0.4) == [0.5]                       # top 2: {12, 10} vs {10, 11}
+    steps = [Event("train_step_done", t, data={"stepped": True}) for t in (10.0, 20.0, 30.0)]
+    added = [Event("engines_added", t, data={"engines": [9]}) for t in (20.0, 25.0)]
+    runs = Runs(0)
+    runs.cache["fig11"] = SimpleNamespace(events=sorted(steps + added, key=lambda e: e.t))
+    assert scale_outs(runs) == 2.0 and first_scale_out(runs) == 2.0   # after the step at t=20 (same instant) and t=25
+    runs.cache["fig11"] = SimpleNamespace(events=steps)
+    assert scale_outs(runs) == 0.0 and first_scale_out(runs) != first_scale_out(runs)   # none: nan, a miss

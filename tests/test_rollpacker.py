@@ -1,5 +1,8 @@
 """RollPacker's stream trainer (§4.4, Algorithm 1): the scale-down decision on hand-built views, and the elastic pool
-end to end in the simulator (lent engines' GPUs join the trainer; nothing runs on a lent engine; on-policy)."""
+end to end in the simulator (lent engines' GPUs join the trainer; nothing runs on a lent engine; on-policy); the
+parallelism planner (§4.2): its TP decisions on hand-built views, and a reshard between steps in the simulator."""
+import pytest
+
 from sched.base import LendEngines, Migrate, ReturnEngines, RoundPlan
 from sched.policies.rollpacker import ScaleDown, StreamTrainerHandoff
 from sched.policies.rollpacker.stream_trainer import ScaleDownParams
@@ -117,3 +120,114 @@ def test_elastic_stream_trainer_in_the_simulator_keeps_every_rule_and_speeds_up_
         return any(p < y and x < q for p, q in lent.get(i, []))
     assert any(a < y and x < b for x, y in mid for i in spans if not lent_during(i, x, y)
                for a, b in spans[i])                  # ... while the engines still in rollout decode
+
+
+# ------------------------------------------------------------------------------- the parallelism planner (§4.2)
+def planner_step(planner, v, life, kind: str, preemptions: int):
+    """One more round of `kind` whose one response went through `preemptions` preemptions, trained and published;
+    the planner decides, and its Reshard (if any) is applied by the lifecycle."""
+    from sched.base import Reshard
+    r = v.round = v.round + 1
+    v.round_groups[r], v.plans[r] = [r], RoundPlan(fresh=1, kind=kind)
+    g = v.groups[r] = GroupState(r, r, r, 1)
+    v.requests[r] = Request(r, r, 0, r, r, 5, state=S.FINISHED, engine=0, preemptions=preemptions)
+    g.req_ids.append(r)
+    v.finishes[r] = [r]
+    g.scored, g.materialized_seq = 1, r
+    v.groups.track(g)
+    v.trainer.busy = True
+    assert planner.plan(v) == []                      # mid-step: nothing
+    v.trainer.busy = False
+    v.trainer.steps_done += 1
+    v.trainer.version = v.trainer.published = v.trainer.steps_done
+    out = planner.plan(v)
+    for cmd in out:
+        assert isinstance(cmd, Reshard)
+        life.reshard(cmd)
+    return out
+
+
+def test_planner_doubles_tp_on_a_rise_over_the_same_kind_and_halves_after_four_quiet_steps():
+    from sched.events import Event
+    from sched.lifecycle import Lifecycle
+    from sched.policies.rollpacker.planner import PlannerParams, TPPlanner
+    v = Views(elastic=True, tp=2, tp_sizes=(1, 2, 4, 8))
+    v.engines = [EngineView(e, version=0) for e in range(4)]         # 8 rollout GPUs at TP 2
+    events: list[Event] = []
+    life, p = Lifecycle(v, events.append), TPPlanner(PlannerParams(max_tp=4))
+    assert planner_step(p, v, life, "short", 100) == []               # no reference yet
+    assert planner_step(p, v, life, "long", 50) == []                 # long's own reference
+    assert planner_step(p, v, life, "short", 105) == []               # 105 <= 1.05 x 100
+    assert [c.tp for c in planner_step(p, v, life, "short", 111)] == [4]   # a rise: doubled
+    assert v.tp == 4 and len(v.engines) == 2 and all(e.version == -1 for e in v.engines)
+    assert events[-1].kind == "engines_resharded" and events[-1].data == {"tp": 4, "engines": 2}
+    assert planner_step(p, v, life, "short", 200) == []               # a rise, but TP 4 is the most
+    assert planner_step(p, v, life, "long", 40) == []                 # fewer: no change
+    for _ in range(3):
+        assert planner_step(p, v, life, "short", 0) == []
+    assert [c.tp for c in planner_step(p, v, life, "long", 0)] == [2]   # the fourth quiet step: halved
+    assert v.tp == 2 and len(v.engines) == 4
+    for _ in range(4):
+        planner_step(p, v, life, "short", 0)
+    assert v.tp == 1 and len(v.engines) == 8
+    for _ in range(4):
+        assert planner_step(p, v, life, "short", 0) == []             # TP 1 is the least
+    big = Views(elastic=True, tp=2, tp_sizes=(2, 4))                 # the model does not fit at TP 1
+    big.engines = [EngineView(e, version=0) for e in range(4)]
+    q, life2 = TPPlanner(), Lifecycle(big, events.append)
+    for _ in range(4):
+        assert planner_step(q, big, life2, "short", 0) == []
+    assert big.tp == 2
+    fixed = Views(elastic=False, tp=2)
+    fixed.engines = [EngineView(e, version=0) for e in range(4)]
+    q = TPPlanner()
+    planner_step(q, fixed, Lifecycle(fixed, events.append), "short", 10)
+    assert planner_step(q, fixed, Lifecycle(fixed, events.append), "short", 20) == []   # a backend that cannot
+
+
+def test_reshard_is_refused_with_work_in_flight_or_to_a_size_the_backend_cannot_take():
+    from sched.base import InvariantError, Reshard
+    from sched.lifecycle import Lifecycle
+    v = round_views(running=2, finished=0)
+    v.tp, v.tp_sizes = 2, (1, 2, 4)
+    with pytest.raises(InvariantError, match="in flight"):
+        Lifecycle(v, lambda e: None).reshard(Reshard(4))
+    idle = Views(elastic=True, tp=1, tp_sizes=(1, 2))
+    idle.engines = [EngineView(e, version=0) for e in range(3)]
+    with pytest.raises(InvariantError, match="reshards only to"):
+        Lifecycle(idle, lambda e: None).reshard(Reshard(2))             # 3 GPUs: TP 2 does not divide them
+    with pytest.raises(InvariantError, match="reshards only to"):
+        Lifecycle(idle, lambda e: None).reshard(Reshard(4))
+
+
+def test_planner_in_the_simulator_reshards_on_preemptions_between_steps_and_stays_on_policy():
+    """14B at TP 1 on 2 GPUs with a small KV pool (40k tokens: preemptions from the start): the planner doubles TP
+    between two steps, the backend rebuilds its engines at TP 2 (the profile's roofline there), and the run stays
+    on-policy and loses nothing."""
+    from dataclasses import replace
+    import sched
+    from sim import simulate
+    from sim.check import on_policy_report
+    from sim.profiles import at_tp, get_profile
+    cost = replace(at_tp(get_profile("h800_14b"), 1), kv_capacity_tokens=40_000)
+    r = simulate(sched.load_preset("rollpacker"), "rollpacker_14b_16k", cost, 2, 2, steps=4, group_size=8,
+                 prompts_per_step=16, seed=0, colocated=True)
+    assert r.backend.tp_sizes == (1, 2)                               # 2 GPUs; 14B fits at TP 1
+    assert r.backend.reshards and r.backend.reshards[0][1] == 2 and r.backend.tp == 2 and r.num_engines == 1
+    assert r.backend.cost.kv_capacity_tokens == at_tp(get_profile("h800_14b"), 2).kv_capacity_tokens
+    t, _ = r.backend.reshards[0]
+    rounds = [e.t for e in r.events if e.kind == "round_started"]
+    assert any(a < t for a in rounds) and any(a > t for a in rounds)  # between two steps
+    hist = r.policy.rebalance.planner.history
+    assert hist[-1][3] == 2 and any(n > 0 for _, _, n, _ in hist)
+    assert r.metrics["preemptions"] >= sum(n for _, _, n, _ in hist)
+    rep = on_policy_report(r.events)
+    assert rep["off_policy"] == [] and rep["trained_twice"] == [] and rep["finished_not_trained"] == []
+
+
+def test_sim_tp_sizes_are_those_the_model_fits_at_and_that_divide_the_gpus():
+    from sim.profiles import get_profile, tp_sizes
+    assert tp_sizes(get_profile("h800_14b"), 16) == (1, 2, 4, 8)
+    assert tp_sizes(get_profile("h800_32b"), 64) == (2, 4, 8)        # 32B's weights do not fit one GPU's share
+    assert tp_sizes(get_profile("h800_14b"), 6) == (1, 2)
+    assert tp_sizes(get_profile("h800_streamrl_7b"), 16) == ()       # a profile without TP variants

@@ -26,8 +26,11 @@ class OneStepOff(Dispatch):
     `overlap = false` a round also waits until the previous one is generated and scored: one round in generation
     at a time, as in VeRL's one-step pipeline and StreamRL-Async. With `overlap = true` rounds start as soon as the
     lag allows (up to k + 1 rounds in generation), which partial rollout needs. Placement is delegated to any
-    registered dispatch module (`admit`, default "fifo"), except that nothing is admitted while an engine lags the
-    latest published version (a resumed partial trajectory always continues under the newest weights).
+    registered dispatch module (`admit`, default "fifo"). With `overlap`, nothing is admitted while an engine lags the
+    latest published version (a resumed partial trajectory always continues under the newest weights); without,
+    the round's remaining requests (a dispatch may hold some back, e.g. StreamRL's small long-tail batches) are
+    admitted under the version the round started on, which the `barrier` weight sync keeps on every engine until
+    none is left waiting.
 
     Invariant kept (overlap = false, one optimizer step per round): every sample is consumed at most k versions
     after the version that generated it; `staleness_bound()` declares k and the controller enforces it."""
@@ -59,7 +62,7 @@ class OneStepOff(Dispatch):
         return v.prompts_per_step
 
     def admit(self, v: Views) -> list[Submit]:
-        if not self.synced(v):
+        if self.p.overlap and not self.synced(v):
             return []
         return self.inner.admit(v)
 

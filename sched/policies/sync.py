@@ -94,13 +94,17 @@ class StepAndPublish(Update):
 
 @register
 class Barrier(WeightSync):
-    """An engine adopts the latest published version as soon as it has nothing in flight (with synchronous intake
-    no round starts before every engine has adopted it); an engine lent to the trainer, once it is back."""
+    """An engine adopts the latest published version as soon as it has nothing in flight and no request waits to be
+    admitted (a dispatch that holds requests back places them under the version their round started on); with
+    synchronous intake no round starts before every engine has adopted it; an engine lent to the trainer, once it
+    is back."""
     name = "barrier"
     paper = "baseline: global weight sync between rounds"
 
     def engines_to_load(self, v: Views) -> list[LoadWeights]:
         latest = v.trainer.published
+        if v.requests.count(RequestState.PENDING):
+            return []
         return [LoadWeights(e.engine, latest) for e in v.engines
                 if e.version < latest and not e.loading and e.assigned == 0 and not e.lent]
 

@@ -7,10 +7,13 @@ The systems, as the simulator runs them (Table 2's cumulative rows):
     +Tail Batch.  `rollpacker` with round-end training (TAIL_ONLY) and veRL's synchronous reward stage
     +Reward       the same with RollPacker's reward scheduler: asynchronous per-sample scoring and the adaptive
                   sandbox timeout (§4.3)
-    +Trainer      `rollpacker` as shipped: the stream trainer's elastic scale-down (§4.4) on top = RollPacker
+    +Trainer      `rollpacker` as shipped: the parallelism planner (§4.2) and the stream trainer's elastic scale-down
+                  (§4.4) on top = RollPacker
 Both reward modes use the same scorer pool, REWARD_WORKERS per GPU (assumption: the paper gives no pool size; veRL's
-reward stage and RollPacker's ray.remote workers run on the GPU nodes' CPUs). Not simulated: the parallelism planner
-(§4.2: Table 2's +Parallelism row, 0-1.5% there), the judge's MPS colocation and layer-wise offload (§4.3), RLHFuse.
+reward stage and RollPacker's ray.remote workers run on the GPU nodes' CPUs). Not simulated: the judge's MPS
+colocation and layer-wise offload (§4.3), RLHFuse. The planner runs in RollPacker (Table 2's +Parallelism row,
+0-1.5% there, is not isolated from +Trainer) and in Fig. 12a's length ramp (a note: one seed; its runs are the
+slowest here).
 Training speed: calibrated from Table 1 (profiles.py ROLLPACKER_TRAIN_MFU), so Table 1's shares are not rows.
 """
 from __future__ import annotations
@@ -19,10 +22,11 @@ import statistics
 from typing import Callable
 
 import sched
-from sim.profiles import ROLLPACKER_CALIBRATION_SHARE, ROLLPACKER_TRAIN_MFU, get_profile
-from sim.repro.core import SPEEDUP, Paper, Row, Runs, Setting
+from sim.profiles import ROLLPACKER_CALIBRATION_SHARE, ROLLPACKER_TRAIN_MFU, at_tp, get_profile
+from sim.repro.core import SPEEDUP, Paper, Row, Runs, Setting, sim_kwargs
 from sim.repro.figures import round_figures, round_rollout, speedup, throughput
 from sim.run import SimResult, simulate
+from sim.workload import RampedWorkload, get_workload
 
 REWARD_WORKERS = 16  # scorers per GPU (assumption, module docstring)
 MODELS = {"7b": (16, 1, "8k"), "14b": (32, 2, "16k"), "32b": (64, 2, "32k")}
@@ -141,7 +145,7 @@ def reward_share(r: SimResult) -> float:
 
 ROWS = [
     *[Row(f"E2E speedup vs veRL, {m} (§6.1)", (x, x), f"{x:.2f}x", gain("rollpacker", m), "{:.2f}x", SPEEDUP,
-          "RollPacker: tail batching + async reward + adaptive timeout + elastic stream trainer; no planner")
+          "RollPacker: tail batching + async reward + adaptive timeout + planner + elastic stream trainer")
       for m, x in (("7b", 2.03), ("14b", 2.22), ("32b", 2.56))],
     *[Row(f"+Tail Batching vs veRL, {m} (Table 2)", (x, x), f"{x:.2f}x", gain("tail", m), "{:.2f}x", SPEEDUP,
           "tail batching, round-end training, veRL's reward stage")
@@ -193,6 +197,42 @@ def stream_trainer_note(runs: Runs) -> str:
             + "; ".join(parts) + ".")
 
 
+# ------------------------------------------------------------------------ §6.4 Fig. 12a: the parallelism planner
+RAMP_STEPS = 12
+
+
+def planner_run(runs: Runs, planner: bool) -> SimResult:
+    """Fig. 12a's setting: 14B on 16 GPUs, engines from TP 1, P0 = 128, R0 = 8, the response lengths ramping so the
+    cap goes 8k -> 32k over 12 steps (the caption's 2k per step; the text says 1k). The 32k length distribution is
+    rollpacker_32b_32k's (assumption: the paper's ramp data are not described), scaled from 1/4 to 1 over the prompts
+    that 12 short rounds draw (ceil(1.25 P0) each). RollPacker as shipped (async reward, adaptive timeout, stream
+    trainer) with the planner on or off (TP stays 1)."""
+    def go() -> SimResult:
+        s = RK("14b")
+        w = RampedWorkload(get_workload("rollpacker_32b_32k"), 0.25, 1.0, RAMP_STEPS * 160)
+        c = at_tp(get_profile("h800_14b"), 1)
+        over = {"rebalance": {"kv_tokens": c.kv_capacity_tokens, "planner": planner}}
+        return simulate(sched.load_preset("rollpacker", over), w, c, 16, 16, steps=RAMP_STEPS, group_size=8,
+                        prompts_per_step=128, seed=runs.seed, colocated=True, **sim_kwargs(s))
+    return runs.memo(("fig12a", planner), go)
+
+
+def planner_note(runs: Runs) -> str:
+    """Fig. 12a: the TP by step, the preemptions by step and round kind, and the rollout time against a fixed TP 1;
+    and what the planner did in the E2E runs."""
+    on, off = planner_run(runs, True), planner_run(runs, False)
+    hist = on.policy.rebalance.planner.history
+    ups = [i + 1 for i, (_, _, _, tp) in enumerate(hist) if tp > (hist[i - 1][3] if i else 1)]
+    pre = " ".join(f"{k[0]}{n}" for _, k, n, _ in hist)
+    gain = statistics.fmean(round_rollout(off).values()) / statistics.fmean(round_rollout(on).values())
+    e2e = "; ".join(f"{m} TP " + "/".join(str(h[3]) for h in runs.get(*system("rollpacker", m)).policy.rebalance
+                                          .planner.history) for m in MODELS)
+    return (f"Fig. 12a planner, 14B on 16 GPUs from TP 1, cap 8k -> 32k over {RAMP_STEPS} steps, seed {runs.seed}: "
+            f"preemptions by step (s short, l long) {pre}; TP raised after steps {ups or 'none'} to "
+            f"{[hist[i - 1][3] for i in ups]} (paper: steps 3 and 8, to 2 and 4); mean rollout time, fixed TP 1 / "
+            f"planner: {gain:.2f}x (paper: 1.9x). TP after each step in the E2E runs: {e2e}.")
+
+
 def calibrate_train_mfu(seeds: tuple[int, ...] = (0, 1, 2)) -> float:
     """The training MFU that gives the simulated veRL 14B/16k step Table 1's training share (22%, the mean of its
     math / code / judge rows): in veRL's synchronous colocated step, rollout and reward do not depend on the
@@ -214,7 +254,7 @@ def calibrate_train_mfu(seeds: tuple[int, ...] = (0, 1, 2)) -> float:
 COMPONENTS = ("simulated: colocated engines (H800 roofline: continuous batching, paged KV, preemption), the "
               "trainer (speed calibrated from Table 1), weight resharding, the multi-task reward (one task per prompt; "
               f"{REWARD_WORKERS} scorer per GPU; veRL: a synchronous stage after the rollout; RollPacker: asynchronous, "
-              "adaptive sandbox timeout), tail batching, the stream trainer's elastic scale-down. Not simulated: the "
-              "parallelism planner (Table 2's +Parallelism), the judge's MPS colocation and layer-wise offload, "
-              "RLHFuse.")
-PAPER = Paper(ROWS, components=COMPONENTS, notes=[reward_note, stream_trainer_note, eta_table])
+              "adaptive sandbox timeout), tail batching, the parallelism planner (TP resharded between steps on "
+              "preemptions), the stream trainer's elastic scale-down. Not simulated: the judge's MPS colocation and "
+              "layer-wise offload, RLHFuse.")
+PAPER = Paper(ROWS, components=COMPONENTS, notes=[reward_note, stream_trainer_note, eta_table, planner_note])

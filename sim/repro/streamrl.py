@@ -1,39 +1,265 @@
-"""StreamRL (§7): disaggregated stream generation and skewness-aware dispatch against colocated baselines."""
+"""StreamRL (§7): disaggregated stream generation and skewness-aware dispatch against its like-for-like baseline.
+
+Setting (§7): H800 cluster, PPO with a global batch of 1024 (one sample per prompt), the 20K dataset (its length
+distribution is not in the text: sim/workload.py `streamrl_20k` assumes p99/p50 = 10). Throughput is the paper's
+(§7 Metrics: samples per second over the iterations after warm-up): 3 iterations here, the first the warm-up.
+The systems, as presets on the same engines and trainer:
+    ColocationRL  `sync`, colocated on every GPU ("shares the same inference and training backend implementations
+                  as StreamRL", §7.1; verl differs from it by framework optimisations the simulator does not have, so
+                  the paper's verl ranges are not rows)
+    StreamRL      `streamrl` / `streamrl_async` on the GPU split Algorithm 1 picks from the simulated generation
+                  profile and the cost model's training time (sim/split.py; the GPUs it leaves go to training)
+GPU counts: 32 for 7B (Fig. 11's "32 GPUs"); 64 for 72B (Table 3 and Fig. 10 give none: assumption). TP 1 / 8
+(assumption, sim/profiles.py). Not simulated: heterogeneous H20 + H800 and cross-datacenter deployment (Fig. 12),
+the network-aware broadcast trees (§6), an LLM ranker (ours is an online regression on the prompt's tokens, which
+carry its difficulty: sim/run.py `prompt_ids`).
+"""
 from __future__ import annotations
 
+import statistics
+from dataclasses import dataclass, replace
 from typing import Callable
 
-from sim.profiles import BYTES_PER_PARAM, QWEN25_72B
-from sim.repro.core import Paper, Row, Runs, Setting
+import sched
+from sim.profiles import BYTES_PER_PARAM, QWEN25_72B, get_profile
+from sim.repro.core import ARITHMETIC, LEVEL, SPEEDUP, Paper, Row, Runs, Setting
 from sim.repro.figures import after_warmup_throughput
+from sim.cost import CostModel
+from sim.run import SimResult, simulate
+from sim.split import GenProfile, plan, profile
+from sim.workload import RampedWorkload, Workload, get_workload
 
-# StreamRL §7: H800 cluster, global batch 1024 (PPO: one sample per prompt), 7B on the 20K dataset; verl colocated
-# on all 32 GPUs vs StreamRL disaggregated 16 + 16 (its GPU split is in Fig. 10 only: an even split is assumed).
-# Throughput is the paper's (§7 Metrics): "the sample throughput over 20 consecutive training iterations after
-# warm-up", i.e. samples trained per second from the end of the first iteration to the end of the last (3
-# iterations here, the first one the warm-up: the asynchronous mode cannot overlap anything in it, and counting it
-# would measure pipeline fill, not the steady state the paper reports). The same definition for every row of this
-# paper, baseline included.
-SR_VERL = Setting("streamrl_20k", "h800_streamrl_7b", 32, 32, 1024, 1, 3, colocated=True)
-SR_DIS = Setting("streamrl_20k", "h800_streamrl_7b", 16, 16, 1024, 1, 3)
-SR_WARMUP = 1
+# Generation profiles step by an 8-GPU node (the paper's unit: Fig. 11 adds "one node with 8 GPUs"; TP groups stay
+# inside a node), which keeps each profile to a few simulations.
+ROUNDS, STEP = 3, {"7b": 8, "72b": 8}
+MODELS = {"7b": (32, "h800_streamrl_7b"), "72b": (64, "h800_streamrl_72b")}
 
 
+def gen_profile(runs: Runs, model: str, workload: str = "streamrl_20k") -> GenProfile:
+    gpus, cost = MODELS[model]
+    return runs.memo(("gen-profile", model, workload), lambda: profile(
+        "streamrl", workload, cost, gpus, 1024, 1, runs.seed, STEP[model]))
 
-def sr_speedup(new: tuple, base: tuple) -> Callable[[Runs], float | None]:
+
+def split_of(runs: Runs, model: str) -> tuple[int, int]:
+    """Algorithm 1's (generation GPUs, training GPUs) for the model's GPUs; leftover GPUs go to training."""
+    gpus, cost = MODELS[model]
+    s = plan(gen_profile(runs, model), cost, gpus)
+    return s.gen, gpus - s.gen
+
+
+def colocated(model: str) -> Setting:
+    gpus, cost = MODELS[model]
+    return Setting("streamrl_20k", cost, gpus // get_profile(cost).gpus_per_engine, gpus, 1024, 1, ROUNDS, True)
+
+
+def disaggregated(model: str, gen: int, train: int) -> Setting:
+    _, cost = MODELS[model]
+    return Setting("streamrl_20k", cost, gen // get_profile(cost).gpus_per_engine, train, 1024, 1, ROUNDS)
+
+
+def run(runs: Runs, preset: str, model: str, split: str = "alg1", overrides: tuple = ()) -> SimResult | None:
+    """A disaggregated StreamRL run on Algorithm 1's split ("alg1") or an even one ("even")."""
+    gpus, _ = MODELS[model]
+    gen, train = split_of(runs, model) if split == "alg1" else (gpus // 2, gpus - gpus // 2)
+    return runs.get(preset, disaggregated(model, gen, train), overrides)
+
+
+def vs_colocation(preset: str | None, model: str, overrides: tuple = ()) -> Callable[[Runs], float | None]:
+    """Throughput after warm-up over ColocationRL's; preset None: ColocationRL with the skewness-aware dispatch."""
     def f(runs: Runs) -> float | None:
-        a, b = runs.get(*new), runs.get(*base)
-        return None if a is None or b is None else after_warmup_throughput(a) / after_warmup_throughput(b)
+        base = runs.get("sync", colocated(model))
+        new = (runs.get("sync", colocated(model), SKEW_COLOCATED) if preset is None
+               else run(runs, preset, model, overrides=overrides))
+        return None if base is None or new is None else after_warmup_throughput(new) / after_warmup_throughput(base)
     return f
 
 
-STREAMRL = [
+SKEW_COLOCATED = (("dispatch", (("name", "skewness"),)),)
+
+
+def alg1_over_even(runs: Runs) -> float | None:
+    a, b = run(runs, "streamrl_async", "72b"), run(runs, "streamrl_async", "72b", "even")
+    return None if a is None or b is None else after_warmup_throughput(a) / after_warmup_throughput(b)
+
+
+# ------------------------------------------------------------------------------------ Fig. 9: random, ranker, oracle
+@dataclass
+class Oracle:
+    """The true lengths as predictions (Fig. 9's "oracle")."""
+    workload: Workload
+
+    def predict(self, prompt_index: int, prompt_len: int, prompt_ids=None) -> float:
+        return float(self.workload.response_len(prompt_index, 0))
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def generation_s(runs: Runs, how: str, model: str, cost: CostModel | None = None) -> float:
+    """Round 1's generation time (round start -> its last response) on the model's Algorithm 1 generation engines,
+    20K, with random (FIFO by count), ranker (skewness, learned) or oracle (skewness, true lengths) dispatch; `cost`
+    replaces the model's cost profile (a sensitivity)."""
+    _, name = MODELS[model]
+    c = cost or get_profile(name)
+
+    def go() -> float:
+        preset = sched.load_preset("sync" if how == "random" else "streamrl")
+        if how == "oracle":
+            preset.dispatch.ranker = Oracle(get_workload("streamrl_20k", runs.seed))
+        engines = split_of(runs, model)[0] // c.gpus_per_engine
+        r = simulate(preset, "streamrl_20k", c, engines, 10**4, steps=2, group_size=1, prompts_per_step=1024,
+                     seed=runs.seed)
+        start = {e.data["round"]: e.t for e in r.events if e.kind == "round_started"}
+        g_round = {e.group_id: e.data["round"] for e in r.events if e.kind == "group_materialized"}
+        return max(e.t for e in r.events if e.kind == "trajectory_finished" and g_round.get(e.group_id) == 1) - start[1]
+    return runs.memo(("fig9", how, model, cost is not None), go)
+
+
+def ranker_share(model: str) -> Callable[[Runs], float]:
+    """The share of the oracle's generation-time gain over random dispatch that the ranker gets."""
+    def f(runs: Runs) -> float:
+        rnd, rk, orc = (generation_s(runs, h, model) for h in ("random", "ranker", "oracle"))
+        return (rnd - rk) / (rnd - orc)
+    return f
+
+
+def fig9_order(model: str) -> Callable[[Runs], float]:
+    def f(runs: Runs) -> float:
+        rnd, rk, orc = (generation_s(runs, h, model) for h in ("random", "ranker", "oracle"))
+        return float(orc <= rk * 1.001 and rk < rnd)
+    return f
+
+
+def fig9_note(runs: Runs) -> str:
+    """Fig. 9 per model, and with the decode step's KV-read term removed (Eq. 1's context-free latency)."""
+    parts = []
+    for m in MODELS:
+        times = [generation_s(runs, h, m) for h in ("random", "ranker", "oracle")]
+        flat = replace(get_profile(MODELS[m][1]), k1=0.0)
+        no_kv = [generation_s(runs, h, m, flat) for h in ("random", "ranker", "oracle")]
+        parts.append(f"{m} {split_of(runs, m)[0]} GPUs: " + " / ".join(f"{t:.0f}" for t in times)
+                     + " s (no KV-read term: " + " / ".join(f"{t:.0f}" for t in no_kv) + " s)")
+    return f"Fig. 9 generation time random / ranker / oracle, seed {runs.seed}: " + "; ".join(parts) + "."
+
+
+# ----------------------------------------------------------------------------------- Fig. 11: dynamic scale-out
+SCALE_ITERS, SCALE_SPARE, SCALE_UNIT = 20, 32, 8
+
+
+def scale_out_run(runs: Runs) -> SimResult:
+    """StreamRL-Async on 32 GPUs for 7B while lengths ramp from the 10K to the 20K dataset over 20 iterations
+    (assumption: Fig. 11 gives no iteration count), the split from Algorithm 1 on the 10K workload, an 8-GPU node
+    at a time from 32 spare GPUs, delta' from the generation profile over 8..56 GPUs (a node at a time)."""
+    def go() -> SimResult:
+        prof = profile("streamrl", "streamrl_10k", "h800_streamrl_7b", 32 + SCALE_SPARE, 1024, 1, runs.seed,
+                       SCALE_UNIT)
+        s = plan(GenProfile(prof.gpus_per_engine, {x: t for x, t in prof.seconds.items() if x < 32},
+                            prof.round_tokens), "h800_streamrl_7b", 32)
+        xs = sorted(prof.seconds)
+        over = {"rebalance": {"unit": SCALE_UNIT, "max_engines": s.gen + SCALE_SPARE, "gen_engines": xs,
+                              "gen_seconds": [prof.seconds[x] for x in xs]}}
+        w = RampedWorkload(get_workload("streamrl_20k"), 0.5, 1.0, 20 * 1024)
+        r = simulate(sched.load_preset("streamrl_async", over), w, "h800_streamrl_7b", s.gen, 32 - s.gen,
+                     steps=SCALE_ITERS, group_size=1, prompts_per_step=1024, seed=runs.seed, spare_gpus=SCALE_SPARE)
+        r.preset = "streamrl_async"
+        r.split = (s.gen, 32 - s.gen)
+        return r
+    return runs.memo("fig11", go)
+
+
+def scale_out_iterations(runs: Runs) -> list[int]:
+    """The optimizer steps completed before each scale-out (Fig. 11's "after iteration 10 and 16")."""
+    r = scale_out_run(runs)
+    steps = [e.t for e in r.events if e.kind == "train_step_done" and e.data.get("stepped")]
+    return [sum(s <= e.t for s in steps) for e in r.events if e.kind == "engines_added"]
+
+
+def scale_outs(runs: Runs) -> float:
+    return float(len(scale_out_iterations(runs)))
+
+
+def first_scale_out(runs: Runs) -> float:
+    """The iteration of the first scale-out; NaN (a miss) when there is none."""
+    its = scale_out_iterations(runs)
+    return float(its[0]) if its else float("nan")
+
+
+# --------------------------------------------------------------------------------------------------------- rows
+ROWS = [
     Row("72B weight transfer over 80 Gb/s, bf16 (§7.3)", (0.0, 10.0), "< 10 s",
-        lambda runs: QWEN25_72B.params * BYTES_PER_PARAM / (80e9 / 8), "{:.1f} s"),
-    Row("StreamRL-Sync vs verl, 7B/20K (§7.1; range over 9 settings)", (1.12, 2.12), "1.12–2.12x",
-        sr_speedup(("streamrl", SR_DIS), ("sync", SR_VERL)), "{:.2f}x"),
-    Row("StreamRL-Async vs verl (§7.1)", (1.30, 2.66), "1.30–2.66x",
-        sr_speedup(("streamrl_async", SR_DIS), ("sync", SR_VERL)), "{:.2f}x"),
+        lambda runs: QWEN25_72B.params * BYTES_PER_PARAM / (80e9 / 8), "{:.1f} s", ARITHMETIC),
+    Row("StreamRL-Sync vs ColocationRL, 7B/20K (§7.1; range over 9 settings)", (1.06, 1.41), "1.06–1.41x",
+        vs_colocation("streamrl", "7b"), "{:.2f}x", SPEEDUP, "32 GPUs; StreamRL on Algorithm 1's split"),
+    Row("Table 3 (72B/20K): ColocationRL + skewness-aware scheduling", (1.08, 1.08), "1.08x",
+        vs_colocation(None, "72b"), "{:.2f}x", SPEEDUP, "64 GPUs colocated, Algorithm 2 + LPT + ranker"),
+    Row("Table 3 (72B/20K): + disaggregation + streaming (StreamRL-Sync)", (1.23, 1.23), "1.23x",
+        vs_colocation("streamrl", "72b"), "{:.2f}x", SPEEDUP, "64 GPUs on Algorithm 1's split"),
+    Row("Table 3 (72B/20K): + asynchronous (StreamRL-Async)", (1.48, 1.48), "1.48x",
+        vs_colocation("streamrl_async", "72b"), "{:.2f}x", SPEEDUP, "64 GPUs on Algorithm 1's split"),
+    Row("Fig. 10: Algorithm 1's split vs an even split, Async 72B/20K", (1.25, 1.25), "1.25x", alg1_over_even,
+        "{:.2f}x", SPEEDUP, "64 GPUs"),
+    *[Row(f"Fig. 9: generation time oracle <= ranker < random, {m}/20K (1 = yes)", (1, 1), "yes", fig9_order(m),
+          "{:.0f}", LEVEL, "one round on Algorithm 1's generation GPUs") for m in MODELS],
+    Row("Fig. 9: the ranker's share of the oracle's gain over random, 72B ('most')", (0.5, 1.0), "most (> 50%)",
+        ranker_share("72b"), setting="one round on Algorithm 1's generation GPUs"),
+    Row("Fig. 11: scale-out events as lengths ramp 10K -> 20K", (2, 2), "2",
+        scale_outs, "{:.1f}", LEVEL, "StreamRL-Async, 7B, 32 GPUs + an 8-GPU node at a time"),
+    Row("Fig. 11: the first scale-out, after iteration", (10, 10), "10", first_scale_out, "{:.1f}", LEVEL,
+        "the same run"),
 ]
 
-PAPER = Paper(STREAMRL)
+
+# -------------------------------------------------------------------------------------------------------- notes
+def recall_by_round(r: SimResult, q: float) -> list[float]:
+    """Per round after the first: |predicted top q ∩ true top q| / |true top q| of the ranker as run (Table 4's
+    "recall rate", our reading), from the dispatch's predictions and the lengths generated."""
+    ranked = r.policy.dispatch.ranked
+    g_round = {e.group_id: e.data["round"] for e in r.events if e.kind == "group_materialized"}
+    rounds: dict[int, list[tuple[float, int]]] = {}
+    for e in r.events:
+        if e.kind == "reward_scored" and g_round.get(e.group_id, 0) >= 1 and e.payload.prompt_index in ranked:
+            rounds.setdefault(g_round[e.group_id], []).append((ranked[e.payload.prompt_index],
+                                                               len(e.payload.response_ids)))
+    out = []
+    for pairs in rounds.values():
+        k = max(1, round(q * len(pairs)))
+        top_p = set(sorted(range(len(pairs)), key=lambda i: -pairs[i][0])[:k])
+        top_t = set(sorted(range(len(pairs)), key=lambda i: -pairs[i][1])[:k])
+        out.append(len(top_p & top_t) / k)
+    return out
+
+
+def ranker_note(runs: Runs) -> str:
+    r = run(runs, "streamrl", "7b")
+    rec = ", ".join(f"{q:.0%} {statistics.fmean(recall_by_round(r, q)):.2f}" for q in (0.2, 0.1, 0.05))
+    return (f"ranker recall (StreamRL-Sync 7B/20K, rounds after the first, seed {runs.seed}): {rec} (Table 4, LLM "
+            f"rankers: 0.81-0.87 / 0.75-0.82 / 0.68-0.76; ours reads the prompt's difficulty octile from its "
+            f"tokens; the spread of lengths within a prompt is beyond any ranker).")
+
+
+def split_note(runs: Runs) -> str:
+    parts = []
+    for m in MODELS:
+        gen, train = split_of(runs, m)
+        prof = gen_profile(runs, m)
+        table = ", ".join(f"{x}: {t:.0f} s" for x, t in sorted(prof.seconds.items()))
+        parts.append(f"{m}: {gen} generation + {train} training GPUs (P_gen by GPUs: {table})")
+    return f"Algorithm 1's splits, seed {runs.seed}: " + "; ".join(parts) + "."
+
+
+def scale_note(runs: Runs) -> str:
+    r = scale_out_run(runs)
+    at = scale_out_iterations(runs)
+    gaps = ", ".join(f"{d:.0f} >= {d1:.0f} s" for _, d, d1 in r.policy.rebalance.events)
+    return (f"Fig. 11, seed {runs.seed}: split {r.split[0]} + {r.split[1]} GPUs at 10K; scale-outs after iterations "
+            f"{at or 'none'} (delta >= delta': {gaps or '-'}); engines at the end {r.num_engines}.")
+
+
+COMPONENTS = ("simulated: disaggregated generation (H800 roofline engines: continuous batching, paged KV) and "
+              "trainer (PPO FLOPs, MFU 0.25 assumed), streaming, Algorithm 2 every round with the learned ranker "
+              "and LPT, Algorithm 1 from simulated generation profiles, one-step asynchrony with overlapped weight "
+              "transfer, scale-out onto spare GPUs; ColocationRL = sync colocated on the same engines and trainer. "
+              "Not simulated: verl's framework differences, H20 / cross-datacenter deployment, broadcast trees, an "
+              "LLM ranker.")
+PAPER = Paper(ROWS, components=COMPONENTS, notes=[split_note, ranker_note, fig9_note, scale_note])

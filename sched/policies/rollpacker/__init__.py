@@ -2,7 +2,10 @@
 
     dispatch.py        tail_batching   dispatch   round composition: speculative short rounds, a long-prompt queue
     rebalance.py       tail_abort      rebalance  "race-to-completion": the aborts of a speculative round
-                       rollpacker      rebalance  those aborts plus the stream trainer's elastic scale-down
+                       rollpacker      rebalance  those aborts plus the stream trainer's elastic scale-down and the
+                                                  parallelism planner
+    planner.py         TPPlanner                  §4.2: the engines' TP doubled on a preemption rise, halved after
+                                                  steps without any (a Reshard between steps)
     stream_trainer.py  stream_trainer  handoff    finished groups stream to the trainer while it has GPUs of its own;
                        ScaleDown                  Algorithm 1: half the rollout engines lent to the trainer mid-round
 
@@ -20,8 +23,9 @@ keep_per_group = R0, or kind "long"); the controller records it in `Views.plans`
 prompts they voided are collected by `tail_batching` from the views into its long queue.
 
 The stream trainer's optimizer semantics are StreamRL's `stream` update (one step per round; the preset pairs
-them). The adaptive reward timeout of §4.3 is a reward-side mechanism (rl/reward_timeout.py); the parallelism
-planner (§4.2) and the judge's GPU sharing (§4.3) are not implemented.
+them). The adaptive reward timeout of §4.3 is a reward-side mechanism (rl/reward_timeout.py); the judge's GPU sharing
+(§4.3) is not implemented. Lending engines and resharding them need a backend that can (the simulator); our runtime's
+fixed process groups cannot.
 """
 from sched.policies.rollpacker.dispatch import TailBatching
 from sched.policies.rollpacker.rebalance import RollPackerRebalance, TailAbort

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from config import F
-from sched.base import Abort, LendEngines, Migrate, Rebalance, ReturnEngines, register
+from sched.base import Abort, LendEngines, Migrate, Rebalance, Reshard, ReturnEngines, register
+from sched.policies.rollpacker.planner import PlannerParams, TPPlanner
 from sched.policies.rollpacker.stream_trainer import ScaleDown, ScaleDownParams
 from sched.views import RequestState, Views
 
@@ -104,14 +105,17 @@ class _Race:
 @register
 class RollPackerRebalance(Rebalance):
     """RollPacker's running-trajectory control: the race-to-completion aborts of speculative rounds (`tail_abort`,
-    §3) and the stream trainer's elastic scale-down (§4.4, Algorithm 1; stream_trainer.ScaleDown): half the
+    §3), the stream trainer's elastic scale-down (§4.4, Algorithm 1; stream_trainer.ScaleDown): half the
     rollout engines lent to the trainer once 20-50% of a round's responses are done and the projected KV demand
-    fits the rest, back at the round's end. `scale_down = false` leaves the aborts alone.
+    fits the rest, back at the round's end; and the parallelism planner (§4.2, planner.TPPlanner): the engines' TP
+    doubled on a rise in preemptions, halved after steps without any, between steps. `scale_down = false` /
+    `planner = false` leave them out. Both act only on a backend that can (the simulator).
 
-    Invariants kept: tail_abort's, and ScaleDown's (an engine is lent only empty of running work; at least one
-    engine stays in rollout; every lent engine is back before the next round starts)."""
+    Invariants kept: tail_abort's, ScaleDown's (an engine is lent only empty of running work; at least one engine
+    stays in rollout; every lent engine is back before the next round starts) and TPPlanner's (a reshard happens
+    only with nothing in flight)."""
     name = "rollpacker"
-    paper = "RollPacker §3 (race-to-completion aborts) and §4.4 (stream trainer scale-down, Algorithm 1)"
+    paper = "RollPacker §3 (race-to-completion aborts), §4.2 (parallelism planner), §4.4 (stream trainer scale-down)"
 
     @dataclass
     class Params:
@@ -121,6 +125,10 @@ class RollPackerRebalance(Rebalance):
         step: float = F(0.05, gt=0, le=1, help="more responses done since the last attempt before another")
         fraction: float = F(0.5, gt=0, lt=1, help="share of the rollout engines lent")
         kv_tokens: int = F(0, ge=0, help="each engine's KV pool in tokens (0: read the engines' counters)")
+        planner: bool = F(True, help="adapt the engines' TP to preemptions between steps (§4.2)")
+        rise: float = F(1.05, gt=1, help="planner: preemptions above rise x the last step of the same kind: TP x 2")
+        zero_steps: int = F(4, ge=1, help="planner: steps without a preemption before TP / 2")
+        max_tp: int = F(8, ge=1, help="planner: the largest TP (one GPU server)")
 
     def __init__(self, params: "RollPackerRebalance.Params | None" = None):
         super().__init__(params)
@@ -129,15 +137,19 @@ class RollPackerRebalance(Rebalance):
         self.aborts = TailAbort()
         self.scale = ScaleDown(ScaleDownParams(self.p.first, self.p.last, self.p.step, self.p.fraction,
                                                self.p.kv_tokens))
+        self.planner = TPPlanner(PlannerParams(self.p.rise, self.p.zero_steps, self.p.max_tp))
 
-    def plan(self, v: Views) -> list[Abort | Migrate | LendEngines | ReturnEngines]:
+    def plan(self, v: Views) -> list[Abort | Migrate | LendEngines | ReturnEngines | Reshard]:
         out: list[Any] = self.aborts.plan(v)
         if self.p.scale_down:
             out += self.scale.plan(v)
+        if self.p.planner and not out:
+            out += self.planner.plan(v)
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale.state_dict()}
+        return {"scale": self.scale.state_dict(), "planner": self.planner.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale.load_state_dict(state.get("scale", {}))
+        self.planner.load_state_dict(state.get("planner", {}))

@@ -9,7 +9,7 @@ Algorithm 1 over generation times it simulates and scale-out over the same profi
   as printed; `safe=True` takes the smallest size that is not slower than the other stage, which never raises
   the iteration time).
 - `should_scale_out`: §4.2 dynamic adjustment: add a generation unit when the measured gap t_gen - t_train is
-  at least what one more unit would save.
+  at least what one more unit would save (and it saves something).
 - `split_instances`: §5.3 Algorithm 2: how many of N generation instances serve the predicted long tail (the top
   alpha of prompts, at length L_a = P90 of recent lengths) vs the rest (at L_r = P50), minimising the sum of the
   two classes' latencies (as printed; `objective="max"` for the makespan), each by Eq. 2:
@@ -69,7 +69,11 @@ def split_cross_dc(m_gen: int, n_train: int, gen_time: Curve, train_time: Curve,
 
 
 def should_scale_out(t_gen: float, t_train: float, gen_time: Curve, gen_gpus: int, unit: int) -> bool:
-    return t_gen - t_train >= gen_time(gen_gpus) - gen_time(gen_gpus + unit) and t_gen > t_train
+    """delta = t_gen - t_train >= delta' = gen_time(x) - gen_time(x + unit), with generation the slower stage and
+    the unit actually saving time (our reading: where the profile is flat, delta' = 0 and the printed rule would
+    add units that change nothing)."""
+    saved = gen_time(gen_gpus) - gen_time(gen_gpus + unit)
+    return t_gen > t_train and saved > 0 and t_gen - t_train >= saved
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
