@@ -60,3 +60,23 @@ def test_summary_ratio_line():
           vs_trl.Result("disagg", "tiny", 40.0, 50.0, 1000, [0.1, 0.6], 1 << 30)]
     out = vs_trl.summary(rs, ["tiny"], ["trl", "colocated", "disagg"])
     assert out.splitlines()[-1] == "TRL wall / ours: tiny colocated 3.00x, tiny disagg 0.75x"
+
+
+def test_role_profile_buckets_samples_per_process():
+    from bench import roles
+    lines = [
+        'process 1:"torchrun";process 2:"train.py";<module> (train.py:1);_find_and_load (<frozen>:1) 30',
+        'process 1:"torchrun";process 2:"train.py";main (train.py:9);run_leader (train.py:2);'
+        'TrainerThread._publish (runtime/train_worker.py:3);WeightPublisher.publish (trainer/publish.py:4) 7',
+        'process 1:"torchrun";process 2:"train.py";run_leader (train.py:2);Queue.get (queue.py:1) 50',
+        'process 1:"torchrun";process 3:"train.py";run_rollout (train.py:5);RolloutWorker.step (r.py:1) 20',
+        'process 1:"torchrun";process 3:"train.py";run_rollout (train.py:5);WeightReceiver.receive (p.py:1);'
+        'recv (c10d.py:1) 9',
+    ]
+    per, role = roles.profile(lines)
+    assert role == {"2": "leader", "3": "rollout"}
+    assert per["2"]["imports (start-up)"] == 30 and per["2"]["blocked (waiting)"] == 50
+    assert per["2"]["weight publication (gather, pack, checksum, broadcast, relay)"] == 7
+    assert per["3"]["engine steps (decode, sampling, inline rewards)"] == 20 and per["3"]["blocked (waiting)"] == 9
+    out = roles.table(per, role, rate=10.0)
+    assert "leader (pid 2): busy 3.7 s" in out and "rollout (pid 3): busy 2.0 s" in out
