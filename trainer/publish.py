@@ -9,7 +9,7 @@ on CPU). Receivers call `WeightReceiver.receive(loader)` and get `loader(iterabl
 engine's `load_weights`), streamed bucket by bucket.
 
 Wire format: one int64 pair per publication, [version, header bytes]; the header {names, shapes, dtypes, buckets,
-offsets, sizes, tied, verify} (pickled) follows only on the first publication, which the receiver keeps, since the
+offsets, sizes, tied, verify} (JSON: no unpickling outside the control channel) follows only on the first publication, which the receiver keeps, since the
 layout never changes. Then per bucket one uint8 buffer: each tensor's bytes at a 16-byte aligned offset and, with
 `verify`, after them one int64 checksum per tensor (`checksum`: a positional hash of its bytes, taken from the
 gathered tensor before packing). So a publication is two broadcasts plus one per bucket, whatever the number of
@@ -22,7 +22,7 @@ it (runtime/watchdog.py).
 """
 from __future__ import annotations
 
-import pickle
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -160,8 +160,8 @@ class WeightPublisher:
                 "tied": tied_names(self.model), "verify": self.verify}
 
     def _send_header(self, version: int) -> None:
-        """[version, n] then, on the first publication only, the n bytes of the pickled layout."""
-        raw = b"" if self.header_sent else pickle.dumps(self._header(), protocol=pickle.HIGHEST_PROTOCOL)
+        """[version, n] then, on the first publication only, the n bytes of the layout as JSON."""
+        raw = b"" if self.header_sent else json.dumps(self._header()).encode()
         device = _object_device(self.pub_group) or torch.device("cpu")
         dist.broadcast(torch.tensor([int(version), len(raw)], dtype=torch.int64, device=device), src=self.src,
                        group=self.pub_group)
@@ -249,8 +249,7 @@ class WeightReceiver:
         if n:
             raw = torch.empty(n, dtype=torch.uint8, device=device)
             dist.broadcast(raw, src=self.src, group=self.group)
-            # safe for the same reason as the control channel's: the sender is a rank of this job
-            self.header = pickle.loads(raw.cpu().numpy().tobytes())
+            self.header = json.loads(raw.cpu().numpy().tobytes().decode())
         if self.header is None:
             raise RuntimeError(f"weights v{version} arrived without their layout (the first publication was missed)")
         self.progress(f"v{version}: header received")
