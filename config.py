@@ -107,6 +107,7 @@ class RolloutConfig:
     max_num_seqs: int = F(256, ge=1, help="most sequences in one engine batch")
     max_batch_tokens: int = F(16384, ge=1, help="most tokens (prefill + decode) in one engine step")
     cuda_graphs: bool = F(True, help="capture decode steps as CUDA graphs (GPU only; ignored on CPU)")
+    ignore_eos: bool = F(False, help="benchmarks: every response runs to max_new_tokens, EOS sampled as any token")
 
 
 @dataclass

@@ -69,6 +69,7 @@ class SamplingConfig:
     max_new_tokens: int
     seed: int
     counters_every: int = 8  # send a tokens_decoded event every N engine steps
+    ignore_eos: bool = False
 
 
 def request_seed(run_seed: int, group_id: int, sample_index: int) -> int:
@@ -97,7 +98,7 @@ class RolloutWorker:
         self.answers: dict[int, str | None] = {}               # req_id -> its reference answer
         self.relay: dict[str, torch.Tensor] = {}
         self.relay_version = -1
-        self.relay_sums: dict[str, tuple[float, int]] = {}
+        self.relay_sums: dict[str, int] = {}
         self.verify_weights = verify_weights
         self.scorer = scorer                                   # None: score inline in `step`
         self.scoring: dict[int, tuple[int, int, Trajectory]] = {}   # scorer key -> (req_id, version, trajectory)
@@ -113,7 +114,8 @@ class RolloutWorker:
         r = cfg.rollout
         return cls(engine, channel, engine_index=topo.engine_of(topo.rank), rank=topo.rank, reward_fn=parts.reward_fn,
                    decode=response_decoder(parts.tokenizer, engine.eos_ids), receiver=receiver,
-                   sampling=SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed), t0=t0,
+                   sampling=SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed,
+                                           ignore_eos=r.ignore_eos), t0=t0,
                    verify_weights=cfg.cluster.verify_weights,
                    scorer=reward_scorer(cfg, parts.reward_fn), **kw)
 
@@ -175,7 +177,7 @@ class RolloutWorker:
         s = self.sampling
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
                               max_new_tokens=min(s.max_new_tokens, req.max_new_tokens or s.max_new_tokens),
-                              seed=request_seed(s.seed, req.group_id, req.sample_index))
+                              seed=request_seed(s.seed, req.group_id, req.sample_index), ignore_eos=s.ignore_eos)
 
     def _add(self, req: StartRequest) -> None:
         """Queue one request: fresh, or resumed from its partial trajectory (its tokens so far re-prefilled, its
@@ -220,9 +222,11 @@ class RolloutWorker:
             self.event("engine_idle", version=self.engine.version)
 
     def _into_relay(self, tensors, version: int) -> None:
-        self.relay = {name: t.detach().to("cpu", copy=True) for name, t in tensors}
-        if self.verify_weights:  # the receiver already checked these against the trainer's checksums
-            self.relay_sums = {name: checksum(t) for name, t in self.relay.items()}
+        """The relay holds the received tensors themselves (views of buffers each publication allocates anew)."""
+        self.relay = {name: t.detach().to("cpu") for name, t in tensors}
+        if self.verify_weights:  # the receiver's, checked against the trainer's checksums (else taken here)
+            known = self.receiver.hashes if self.receiver is not None else {}
+            self.relay_sums = {n: known[n] if n in known else checksum(t) for n, t in self.relay.items()}
 
     def check_engine_weights(self) -> None:
         """The engine's tensors after a load equal the relay's (hence the trainer's) bit for bit, or the run stops
@@ -230,7 +234,7 @@ class RolloutWorker:
         params = self.engine.runner.model.state_dict()
         for name, want in self.relay_sums.items():
             got = checksum(params[name])
-            if got[1] != want[1]:
+            if got != want:
                 raise WeightMismatchError(f"rank {self.rank}: engine tensor {name} differs from the published "
                                           f"version {self.relay_version} after loading (checksum {got} != {want})")
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"))   # one encoder: json.dumps with options builds one per call
+
 # Every event kind, and what its fields carry.
 KINDS = frozenset({
     "round_started",          # controller pulled a round of prompts (data: prompts, requests)
@@ -48,10 +50,15 @@ class Event:
             raise ValueError(f"unknown event kind {self.kind!r}")
 
     def to_json(self) -> str:
-        d = {k: getattr(self, k) for k in ("rank", "engine", "req_id", "group_id", "version", "data")}
-        d = {k: v for k, v in d.items() if not (v == -1 or v == {})}
+        d: dict[str, Any] = {}
+        for k in ("rank", "engine", "req_id", "group_id", "version"):
+            v = getattr(self, k)
+            if v != -1:
+                d[k] = v
+        if self.data:
+            d["data"] = self.data
         d["kind"], d["t"] = self.kind, round(self.t, 6)
-        return json.dumps(d, separators=(",", ":"))
+        return _ENCODER.encode(d)
 
     @classmethod
     def from_json(cls, line: str) -> "Event":
@@ -83,8 +90,10 @@ class EventLog:
             self._f = None
 
 
-def read_events(path: str | Path) -> Iterator[Event]:
+def read_events(path: str | Path, skip: tuple[str, ...] = ()) -> Iterator[Event]:
+    """The events of a JSONL log, in order; kinds in `skip` are passed over without being parsed."""
+    marks = tuple(f'"kind":"{k}"' for k in skip)
     with open(path) as f:
         for line in f:
-            if line.strip():
+            if line.strip() and not any(m in line for m in marks):
                 yield Event.from_json(line)

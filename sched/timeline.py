@@ -13,7 +13,8 @@ from sched.events import Event, read_events
 from sched.metrics import engine_spans, summarize, trainer_spans
 
 
-def draw(events: list[Event], out: str | Path, title: str = "") -> Path:
+def draw(events: list[Event], out: str | Path, title: str = "", summary: dict | None = None) -> Path:
+    """The timeline of `events` to `out`; `summary`: their `summarize` if the caller has it already."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -39,7 +40,7 @@ def draw(events: list[Event], out: str | Path, title: str = "") -> Path:
     ax.broken_barh(pubs, (tr - 0.35, 0.7), facecolors="#e45756")
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_xlabel("seconds")
-    m = summarize(events, n_eng)
+    m = summary if summary is not None else summarize(events, n_eng)
     ax.set_title(f"{title}  trainer wait {m.get('trainer_wait_ratio', 0):.0%}  "
                  f"engine idle {m.get('engine_idle_ratio', 0):.0%}  "
                  "(blue: decoding, orange: training, red: weight sync)".strip())

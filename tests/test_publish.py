@@ -31,17 +31,21 @@ def test_pack_unpack_round_trip_with_mixed_dtypes_and_odd_sizes():
 
 
 def test_checksum_sees_a_flipped_bit_and_swapped_elements():
-    t = torch.randn(1000, generator=torch.Generator().manual_seed(1))
-    s, h = checksum(t)
-    assert s == float(t.double().sum())
-    flipped = t.clone()
-    flipped.view(torch.int32)[123] ^= 1
+    t = torch.randn(1001, generator=torch.Generator().manual_seed(1))   # 4004 bytes: a zero-padded last word
+    h = checksum(t)
+    assert -(1 << 63) <= h < 1 << 63
+    for i in (0, 123, 1000):
+        for bit in (0, 31):
+            flipped = t.clone()
+            flipped.view(torch.int32)[i] ^= 1 << bit
+            assert checksum(flipped) != h, (i, bit)
     swapped = t.clone()
-    swapped[[3, 4]] = swapped[[4, 3]]
-    assert checksum(flipped)[1] != h and checksum(swapped)[1] != h
-    assert checksum(swapped)[0] == s or abs(checksum(swapped)[0] - s) < 1e-9  # the sum alone would miss it
-    assert checksum(t.clone())[1] == h
-    assert checksum(t, chunk=7) == (s, h)  # chunking does not change the hash
+    swapped[[3, 5]] = swapped[[5, 3]]   # words 1 and 2: the same bytes in other places
+    assert checksum(swapped) != h and float(swapped.double().sum()) == float(t.double().sum())
+    assert checksum(t.clone()) == h
+    assert checksum(t, chunk=7) == h  # chunking does not change the hash
+    assert checksum(t[1:]) != checksum(t[:-1])
+    assert checksum(t.view(7, 143).t()) == checksum(t.view(7, 143).t().contiguous())  # bytes in logical order
 
 
 def test_tied_names():

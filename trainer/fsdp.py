@@ -6,13 +6,16 @@
   shared weight lives in the root unit). Mixed precision: bf16 params / fp32 gradient reduction on GPU, fp32 on CPU.
 - Activation checkpointing wraps each block's forward (non-reentrant `torch.utils.checkpoint`) before sharding,
   keeping the parameter names exactly the HF ones (no `_checkpoint_wrapped_module.` prefix).
-- `full_tensors` gathers each parameter with `DTensor.full_tensor()` inside the train group, because
+- `gather_full` gathers many parameters with one all-gather (not one `DTensor.full_tensor()` each: on gloo every
+  collective is a fixed cost of about a millisecond, which dominated publishing a small model), inside the train
+  group, because
   `get_model_state_dict` with `StateDictOptions(full_state_dict=True, cpu_offload=True)` gives the values to global
   rank 0 only (every other rank gets an empty dict; PyTorch's `StateDictOptions`), which may be a rollout rank.
 """
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 
 import torch
@@ -20,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 
@@ -78,10 +81,59 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for every unique parameter. Every train rank must iterate it in step."""
-    for name, p in unique_parameters(model):
-        yield name, full_tensor(p.detach())
+def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The whole tensors, with one all-gather for all the DTensors among them when they share FSDP2's layout (a
+    1-D mesh, Shard(0), one dtype: rank r holds rows [r*c, min((r+1)*c, n)) of n, c = ceil(n / world), as
+    `torch.chunk` splits them); one `full_tensor()` each otherwise. Collective over the mesh: every rank of it
+    calls this with the same list. Plain tensors come back as they are."""
+    dts = [t for t in tensors if isinstance(t, DTensor)]
+    if not dts:
+        return list(tensors)
+    mesh = dts[0].device_mesh
+    if mesh.ndim != 1 or any(t.device_mesh != mesh or tuple(t.placements) != (Shard(0),) or t.dtype != dts[0].dtype
+                             for t in dts):
+        return [full_tensor(t) for t in tensors]
+    world = mesh.size()
+    if world == 1:
+        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    chunks = [-(-t.shape[0] // world) for t in dts]
+    segs = [c * math.prod(t.shape[1:]) for c, t in zip(chunks, dts)]
+    local = dts[0].to_local()
+    send = torch.zeros(sum(segs), dtype=local.dtype, device=local.device)
+    off = 0
+    for t, n in zip(dts, segs):
+        flat = t.to_local().reshape(-1)
+        send[off:off + flat.numel()].copy_(flat)
+        off += n
+    out = torch.empty(world, send.numel(), dtype=send.dtype, device=send.device)
+    dist.all_gather_into_tensor(out.view(-1), send, group=mesh.get_group())
+    full, off = {}, 0
+    for t, c, n in zip(dts, chunks, segs):
+        rows = t.shape[0]
+        parts = [out[r, off:off + n].view(c, *t.shape[1:])[:max(0, min(c, rows - r * c))] for r in range(world)]
+        full[id(t)] = torch.cat(parts)
+        off += n
+    return [full[id(t)] if isinstance(t, DTensor) else t for t in tensors]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()   # a DTensor's global size
+
+
+@torch.no_grad()
+def full_tensors(model: nn.Module, bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for every unique parameter, one all-gather per `bucket_bytes` of full
+    tensors (peak memory: one bucket). Every train rank must iterate it in step."""
+    params = unique_parameters(model)
+    start = 0
+    while start < len(params):
+        end, size = start, 0
+        while end < len(params) and (end == start or size + _nbytes(params[end][1]) <= bucket_bytes):
+            size += _nbytes(params[end][1])
+            end += 1
+        names = [n for n, _ in params[start:end]]
+        yield from zip(names, gather_full([p.detach() for _, p in params[start:end]]))
+        start = end
 
 
 def full_state_dict(model: nn.Module, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

@@ -8,16 +8,22 @@ into one byte buffer and broadcasts it over the publication group (train leader 
 on CPU). Receivers call `WeightReceiver.receive(loader)` and get `loader(iterable of (name, tensor), version)` (the
 engine's `load_weights`), streamed bucket by bucket.
 
-Wire format: one header object {version, names, shapes, dtypes, buckets, offsets, tied, verify}, then per bucket
-one uint8 buffer (each tensor's bytes at a 16-byte aligned offset) and, with `verify`, one int64 [2, n] tensor of
-per-tensor checksums (float64 sum bit-cast, and a positional hash of the bytes). The receiver checks each tensor
-before handing its bucket to the loader, keeps receiving to the end (so the collectives stay matched) and raises
-`WeightChecksumError` naming the first mismatching tensor. A tied weight is sent once, under its first name
-(`model.embed_tokens.weight`); the header's `tied` maps the other names to it. Both sides tell `progress` (when
-given) of the header and of each bucket: the runtime's deadlines are renewed by it (runtime/watchdog.py).
+Wire format: one int64 pair per publication, [version, header bytes]; the header {names, shapes, dtypes, buckets,
+offsets, sizes, tied, verify} (JSON: no unpickling outside the control channel) follows only on the first publication, which the receiver keeps, since the
+layout never changes. Then per bucket one uint8 buffer: each tensor's bytes at a 16-byte aligned offset and, with
+`verify`, after them one int64 checksum per tensor (`checksum`: a positional hash of its bytes, taken from the
+gathered tensor before packing). So a publication is two broadcasts plus one per bucket, whatever the number of
+tensors. The receiver checks each tensor before handing its bucket to the loader, keeps receiving to the end (so the
+collectives stay matched) and raises `WeightChecksumError` naming the first mismatching tensor; `hashes` keeps the
+verified checksums of the last publication (the rollout worker checks its engine against them after a load). A tied
+weight is sent once, under its first name (`model.embed_tokens.weight`); the header's `tied` maps the other names to
+it. Both sides tell `progress` (when given) of the header and of each bucket: the runtime's deadlines are renewed by
+it (runtime/watchdog.py).
 """
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -27,11 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.fsdp import full_tensor, unique_parameters
+from trainer.fsdp import gather_full, unique_parameters
 
 ALIGN = 16
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 _HASH_MUL = 0x1E3779B97F4A7C15  # < 2**63 so it is an int64; products wrap mod 2**64 identically on every device
+_MASK = (1 << 64) - 1
 
 
 class WeightChecksumError(RuntimeError):
@@ -67,19 +74,45 @@ def plan_buckets(nbytes: list[int], bucket_bytes: int) -> tuple[list[list[int]],
     return ([b for b in buckets if b], offsets, [s for s, b in zip(sizes, buckets) if b])
 
 
-def checksum(t: torch.Tensor, chunk: int = 1 << 22) -> tuple[float, int]:
-    """(float64 sum of the values, a positional hash of the bytes mod 2**64 as a signed int64)."""
-    total = float(t.detach().double().sum()) if t.numel() else 0.0
+_weights: dict[torch.device, torch.Tensor] = {}
+_weights_lock = threading.Lock()
+
+
+def _hash_weights(n: int, device: torch.device) -> torch.Tensor:
+    """(2i + 1) * _HASH_MUL mod 2**64 for i < n: odd, so a change of any one word always changes the hash; cached
+    per device and grown on demand."""
+    with _weights_lock:
+        w = _weights.get(device)
+        if w is None or w.numel() < n:
+            m = max(n, 2 * (w.numel() if w is not None else 0), 1 << 12)
+            w = (torch.arange(m, dtype=torch.int64, device=device) * 2 + 1) * _HASH_MUL
+            _weights[device] = w
+        return w[:n]
+
+
+def checksum(t: torch.Tensor, chunk: int = 1 << 20) -> int:
+    """A positional hash of the tensor's bytes: sum over its 8-byte words (the last zero-padded) of word_i *
+    (2i + 1) * _HASH_MUL, mod 2**64, as a signed int64. Two fused ops per `chunk` words over a cached weight
+    vector: word i of a chunk starting at word s weighs w_i + 2s * _HASH_MUL, so chunks need only the first
+    `chunk` weights. Any single changed word changes it; swapped words change it (positional)."""
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    h = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, raw.numel(), chunk):
-        b = raw[start:start + chunk].to(torch.int64)
-        pos = torch.arange(start, start + b.numel(), dtype=torch.int64, device=t.device)
-        h += (b * ((pos * _HASH_MUL) | 1)).sum()
-    return total, int(h)
+    if raw.numel() % 8:
+        raw = torch.cat([raw, raw.new_zeros(8 - raw.numel() % 8)])
+    elif raw.storage_offset() % 8:   # a view into the middle of a word: int64 needs aligned storage
+        raw = raw.clone()
+    words = raw.view(torch.int64)
+    h = 0
+    for s in range(0, words.numel(), chunk):
+        w = words[s:s + chunk]
+        h += int((w * _hash_weights(w.numel(), w.device)).sum())
+        if s:
+            h += 2 * s * _HASH_MUL * int(w.sum())
+    h &= _MASK
+    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 def pack_bucket(tensors: list[torch.Tensor], offsets: list[int], size: int, device: torch.device) -> torch.Tensor:
+    """One byte buffer of `size` (zero padding; room after the tensors stays zero)."""
     buf = torch.zeros(size, dtype=torch.uint8, device=device)
     for t, off in zip(tensors, offsets):
         raw = t.contiguous().reshape(-1).view(torch.uint8)
@@ -118,44 +151,49 @@ class WeightPublisher:
         self.dtypes = [dtype or p.dtype for _, p in self.params]
         nbytes = [p.numel() * d.itemsize for (_, p), d in zip(self.params, self.dtypes)]
         self.buckets, self.offsets, self.sizes = plan_buckets(nbytes, bucket_bytes)
+        self.header_sent = False   # the layout goes with the first publication only
 
-    def _header(self, version: int) -> dict[str, Any]:
-        return {"version": int(version), "names": [n for n, _ in self.params],
+    def _header(self) -> dict[str, Any]:
+        return {"names": [n for n, _ in self.params],
                 "shapes": [tuple(p.shape) for _, p in self.params], "dtypes": [str(d) for d in self.dtypes],
                 "buckets": self.buckets, "offsets": self.offsets, "sizes": self.sizes,
                 "tied": tied_names(self.model), "verify": self.verify}
 
-    def _send_bucket(self, buf: torch.Tensor, check: torch.Tensor | None) -> None:
-        dist.broadcast(buf, src=self.src, group=self.pub_group)
-        if check is not None:
-            dist.broadcast(check, src=self.src, group=self.pub_group)
+    def _send_header(self, version: int) -> None:
+        """[version, n] then, on the first publication only, the n bytes of the layout as JSON."""
+        raw = b"" if self.header_sent else json.dumps(self._header()).encode()
+        device = _object_device(self.pub_group) or torch.device("cpu")
+        dist.broadcast(torch.tensor([int(version), len(raw)], dtype=torch.int64, device=device), src=self.src,
+                       group=self.pub_group)
+        if raw:
+            dist.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device), src=self.src,
+                           group=self.pub_group)
+        self.header_sent = True
+        self.progress(f"v{version}: header sent")
 
-    def _gather_bucket(self, bucket: list[int], size: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Full tensors of one bucket (a collective on the train group); on the leader, packed into one new byte
-        buffer plus its checksums: a copy, so training may go on while it is sent."""
-        tensors = [full_tensor(self.params[i][1].detach()).to(self.dtypes[i]) for i in bucket]
+    def _gather_bucket(self, bucket: list[int], size: int) -> torch.Tensor | None:
+        """Full tensors of one bucket (one all-gather on the train group); on the leader, packed into one new byte
+        buffer with their checksums after them: a copy, so training may go on while it is sent."""
+        tensors = [t.to(self.dtypes[i]) for i, t in zip(bucket, gather_full([self.params[i][1].detach()
+                                                                                for i in bucket]))]
         if not self.leader:
             return None
-        buf = pack_bucket(tensors, [self.offsets[i] for i in bucket], size, tensors[0].device)
-        check = None
-        if self.verify:
-            sums = [checksum(t) for t in tensors]
-            check = torch.stack([torch.tensor([s for s, _ in sums], dtype=torch.float64).view(torch.int64),
-                                 torch.tensor([h for _, h in sums], dtype=torch.int64)]).to(buf.device)
-        return buf, check
+        total = size + (8 * len(bucket) if self.verify else 0)
+        buf = pack_bucket(tensors, [self.offsets[i] for i in bucket], total, tensors[0].device)
+        if self.verify:  # of the gathered tensors, not of the packed bytes: a bad pack is caught too
+            buf[size:].view(torch.int64).copy_(torch.tensor([checksum(t) for t in tensors], dtype=torch.int64))
+        return buf
 
     @torch.no_grad()
     def publish(self, version: int) -> dict[str, float]:
         """Gather and broadcast bucket by bucket (peak memory: one bucket)."""
         t0 = time.perf_counter()
         if self.leader:
-            dist.broadcast_object_list([self._header(version)], src=self.src, group=self.pub_group,
-                                       device=_object_device(self.pub_group))
-            self.progress(f"v{version}: header sent")
+            self._send_header(version)
         for i, (bucket, size) in enumerate(zip(self.buckets, self.sizes)):
             packed = self._gather_bucket(bucket, size)
             if packed is not None:
-                self._send_bucket(*packed)
+                dist.broadcast(packed, src=self.src, group=self.pub_group)
             self.progress(f"v{version}: bucket {i + 1}/{len(self.buckets)} {'sent' if self.leader else 'gathered'}")
         return {"version": float(version), "bytes": float(sum(self.sizes)) if self.leader else 0.0,
                 "buckets": float(len(self.buckets)), "seconds": time.perf_counter() - t0}
@@ -177,11 +215,9 @@ class WeightPublisher:
     def send(self, weights: PackedWeights) -> dict[str, float]:
         """The sending half (leader + rollout ranks, on the publication group only): safe beside a train step."""
         t0 = time.perf_counter()
-        dist.broadcast_object_list([self._header(weights.version)], src=self.src, group=self.pub_group,
-                                   device=_object_device(self.pub_group))
-        self.progress(f"v{weights.version}: header sent")
-        for i, (buf, check) in enumerate(weights.buckets):
-            self._send_bucket(buf, check)
+        self._send_header(weights.version)
+        for i, buf in enumerate(weights.buckets):
+            dist.broadcast(buf, src=self.src, group=self.pub_group)
             self.progress(f"v{weights.version}: bucket {i + 1}/{len(weights.buckets)} sent")
         return {"version": float(weights.version), "bytes": float(sum(self.sizes)),
                 "buckets": float(len(self.buckets)), "seconds": time.perf_counter() - t0, "gather_s": weights.gather_s}
@@ -191,7 +227,7 @@ class WeightPublisher:
 class PackedWeights:
     """Packed buckets of one version's weights, held by the leader until they are sent."""
     version: int
-    buckets: list[tuple[torch.Tensor, torch.Tensor | None]]
+    buckets: list[torch.Tensor]     # packed bytes, checksums after them when verified
     gather_s: float
 
 
@@ -201,38 +237,47 @@ class WeightReceiver:
         """src: the global rank of the train leader."""
         self.group, self.src, self.device = pub_group, src, torch.device(device)
         self.progress = progress or (lambda note: None)
+        self.header: dict[str, Any] | None = None    # the layout, from the first publication
+        self.hashes: dict[str, int] = {}             # verified checksums of the last publication (when verified)
 
     def receive(self, loader: Callable[[Iterable[tuple[str, torch.Tensor]], int], Any]) -> int:
         """Receive one publication and hand it to `loader`; returns its version."""
-        holder: list[Any] = [None]
-        dist.broadcast_object_list(holder, src=self.src, group=self.group, device=_object_device(self.group))
-        header = holder[0]
-        self.progress(f"v{header['version']}: header received")
-        stream = self._stream(header)
+        device = _object_device(self.group) or torch.device("cpu")
+        head = torch.empty(2, dtype=torch.int64, device=device)
+        dist.broadcast(head, src=self.src, group=self.group)
+        version, n = (int(x) for x in head.tolist())
+        if n:
+            raw = torch.empty(n, dtype=torch.uint8, device=device)
+            dist.broadcast(raw, src=self.src, group=self.group)
+            self.header = json.loads(raw.cpu().numpy().tobytes().decode())
+        if self.header is None:
+            raise RuntimeError(f"weights v{version} arrived without their layout (the first publication was missed)")
+        self.progress(f"v{version}: header received")
+        self.hashes = {}
+        stream = self._stream(self.header, version)
         try:
-            loader(stream, header["version"])
+            loader(stream, version)
         finally:
             for _ in stream:  # whatever the loader did not consume, so every broadcast is matched
                 pass
-        return header["version"]
+        return version
 
-    def _stream(self, h: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _stream(self, h: dict[str, Any], version: int) -> Iterator[tuple[str, torch.Tensor]]:
         bad = None
         for i, (bucket, size) in enumerate(zip(h["buckets"], h["sizes"])):
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            buf = torch.empty(size + (8 * len(bucket) if h["verify"] else 0), dtype=torch.uint8, device=self.device)
             dist.broadcast(buf, src=self.src, group=self.group)
-            self.progress(f"v{h['version']}: bucket {i + 1}/{len(h['buckets'])} received")
+            self.progress(f"v{version}: bucket {i + 1}/{len(h['buckets'])} received")
             tensors = unpack_bucket(buf, bucket, h)
             if h["verify"]:
-                check = torch.empty(2, len(bucket), dtype=torch.int64, device=self.device)
-                dist.broadcast(check, src=self.src, group=self.group)
-                sums, hashes = check[0].view(torch.float64).tolist(), check[1].tolist()
-                for j, (i, t) in enumerate(zip(bucket, tensors)):
-                    got_sum, got_hash = checksum(t)
-                    if bad is None and (got_hash != hashes[j] or abs(got_sum - sums[j]) > 1e-6 * (1 + abs(sums[j]))):
-                        bad = (f"published weights v{h['version']}: tensor {h['names'][i]!r} arrived corrupted "
-                               f"(sum {got_sum!r} vs sent {sums[j]!r}, hash {got_hash} vs sent {hashes[j]})")
+                sent = buf[size:].view(torch.int64).tolist()
+                for j, (k, t) in enumerate(zip(bucket, tensors)):
+                    got = checksum(t)
+                    if bad is None and got != sent[j]:
+                        bad = (f"published weights v{version}: tensor {h['names'][k]!r} arrived corrupted "
+                               f"(hash {got} vs sent {sent[j]})")
+                    self.hashes[h["names"][k]] = got
             if bad is None:
-                yield from ((h["names"][i], t) for i, t in zip(bucket, tensors))
+                yield from ((h["names"][k], t) for k, t in zip(bucket, tensors))
         if bad is not None:
             raise WeightChecksumError(bad)
