@@ -9,13 +9,14 @@ The staleness bound eta is the dispatch's parameter; the hand-off takes it from 
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from config import F
 from sched.base import Dispatch, Handoff, LoadWeights, Preset, Submit, WeightSync, register
-from sched.views import ON_ENGINE, GroupState, Views, least_loaded
+from sched.views import ON_ENGINE, GroupState, S, Views, least_loaded
 
 
 @register
@@ -53,6 +54,9 @@ class ArealDispatch(Dispatch):
         super().__init__(params)
         self.admitted = 0      # groups started, cumulative
         self.pulled = 0        # groups pulled into the pipeline, cumulative
+        self.placed: dict[int, dict[int, list[int]]] = {}   # `_live_groups`' books
+        self.synced = False
+        self.own_placement = False
 
     def staleness_bound(self) -> int | None:
         return self.p.eta
@@ -64,36 +68,70 @@ class ArealDispatch(Dispatch):
         self.pulled += B
         return B
 
+    def bind(self, preset: Preset) -> None:
+        # only this dispatch puts requests on engines unless the rebalance can migrate them (`_live_groups`)
+        self.own_placement = preset.rebalance.name == "none"
+
     def admit(self, v: Views) -> list[Submit]:
         B = v.prompts_per_step
         ready = [e for e in v.engines if e.version >= 0 and not e.loading]
         if not ready or self.admitted >= (self.p.eta + max(e.version for e in ready) + 1) * B:
             return []
-        load = {e.engine: e.assigned for e in ready}
+        if not v.requests.count(S.PENDING):
+            return []
         cap = max(1, (self.p.max_concurrent_rollouts or B) // max(1, len(v.engines)))
-        live: dict[int, set[int]] = {e.engine: set() for e in v.engines}
-        for r in v.requests.in_state(*ON_ENGINE):
-            if r.engine in live:
-                live[r.engine].add(r.group_id)
-        groups = {e: len(gs) for e, gs in live.items()}
+        groups = self._live_groups(v)
+        if all(groups[e.engine] >= cap for e in ready):
+            return []
+        load = {e.engine: e.assigned for e in ready}
         out: dict[int, list[int]] = {}
-        for ids in v.pending_by_group().values():
+        for gid, members in itertools.groupby(v.requests.iter_pending(), key=lambda r: r.group_id):
             ok = {e.engine: load[e.engine] for e in ready
                   if self.admitted < (self.p.eta + e.version + 1) * B and groups[e.engine] < cap}
             if not ok:
                 break
+            ids = [r.req_id for r in members]
             eng = least_loaded(ok)
             out.setdefault(eng, []).extend(ids)
+            self.placed.setdefault(eng, {}).setdefault(gid, []).extend(ids)
             load[eng] += len(ids)
             groups[eng] += 1
             self.admitted += 1
         return [Submit(e, ids) for e, ids in sorted(out.items())]
+
+    def _live_groups(self, v: Views) -> dict[int, int]:
+        """Per engine, the groups with a request on it (AReaL's running rollouts). Kept incrementally from this
+        dispatch's own Submits (`placed`: engine -> group -> its ids that may still be there, the last checked
+        first, so each request is passed over once after it leaves); rebuilt from the running index after a
+        resume, and on every call when a rebalance may migrate requests onto other engines."""
+        if not self.synced or not self.own_placement:
+            self.placed = {}
+            for r in v.requests.in_state(*ON_ENGINE):
+                self.placed.setdefault(r.engine, {}).setdefault(r.group_id, []).append(r.req_id)
+            self.synced = True
+        out = {e.engine: 0 for e in v.engines}
+        for eng, groups in self.placed.items():
+            for gid in list(groups):
+                ids = groups[gid]
+                while ids and not _on(v, ids[-1], eng):
+                    ids.pop()
+                if ids:
+                    out[eng] += 1
+                else:
+                    del groups[gid]
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"admitted": self.admitted, "pulled": self.pulled}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.admitted, self.pulled = int(state.get("admitted", 0)), int(state.get("pulled", 0))
+        self.synced = False
+
+
+def _on(v: Views, req_id: int, engine: int) -> bool:
+    r = v.requests.get(req_id)
+    return r is not None and r.state in ON_ENGINE and r.engine == engine
 
 
 def group_version(v: Views, g: GroupState) -> int:
@@ -117,6 +155,10 @@ class ArealHandoff(Handoff):
     name = "areal"
     paper = "AReaL / VeRL-Async strict staleness control, as StaleFlow §2.2, §6.1 describe it"
 
+    def __init__(self, params: Any = None):
+        super().__init__(params)
+        self.versions: dict[int, int] = {}   # open started group -> its version (fixed once every member started)
+
     def bind(self, preset: Preset) -> None:
         if not isinstance(preset.dispatch, ArealDispatch):
             raise ValueError(f"the areal handoff takes its staleness bound from the areal dispatch; this preset's "
@@ -125,12 +167,16 @@ class ArealHandoff(Handoff):
 
     def ready(self, v: Views) -> list[int] | None:
         B, w, eta = v.prompts_per_step, v.trainer.version, self.dispatch.p.eta
+        if v.groups.count_ready() < B:
+            return None                                    # no batch can form (a shortcut: decisions unchanged)
         count: Counter[int] = Counter()
         done = []
         for g in v.open_groups():
-            if any(v.requests[i].v_traj < 0 for i in g.req_ids if i in v.requests):
-                continue                                   # not started yet
-            ver = group_version(v, g)
+            ver = self.versions.get(g.group_id)
+            if ver is None:
+                if any(v.requests[i].v_traj < 0 for i in g.req_ids if i in v.requests):
+                    continue                               # not started yet
+                ver = self.versions[g.group_id] = group_version(v, g)
             count[ver] += 1
             if g.materialized:
                 done.append((ver, g.materialized_seq, g.group_id))
@@ -144,7 +190,12 @@ class ArealHandoff(Handoff):
             left += count[u] - taken[u]
             if left > (u + eta - w) * B:
                 return None                                # would strand version-u groups: wait for them
+        for *_, gid in batch:
+            del self.versions[gid]
         return [gid for *_, gid in batch]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.versions.clear()                              # resumed requests are first admitted again
 
 
 @register
