@@ -262,15 +262,13 @@ PROFILES: dict[str, CostModel] = {p.name: p for p in [
     _rolloutpipe(),
     _rollpacker(QWEN25_7B, 1, "h800_7b"), _rollpacker(QWEN25_14B, 2, "h800_14b"),
     _rollpacker(QWEN25_32B, 2, "h800_32b"),
-    # Laminar's verl at its largest scale (sim/repro/laminar.py) borrows this colocated shape at the H800 profiles'
-    # assumed MFU (RollPacker's calibration is for its own 7B-32B settings)
-    _rollpacker(QWEN25_72B, 8, "h800_72b", 0.25, "flops_factor 10 = actor fwd+bwd (6) + old-logprob fwd (2) + "
-                "reference fwd (2); MFU 0.25: assumption (as the other H800 profiles)"),
     _streamrl(QWEN25_7B, 1, "h800_streamrl_7b"), _streamrl(QWEN25_32B, 4, "h800_streamrl_32b"),
     _streamrl(QWEN25_72B, 8, "h800_streamrl_72b"),
     _staleflow(), _cpu_tiny(),
     _laminar(QWEN25_32B, 4, "h800_laminar_32b", rollout_machines=8),
-    _laminar(QWEN25_32B, 4, "h800_laminar_32b_colocated", rollout_machines=16, colocated=True)]}
+    _laminar(QWEN25_32B, 4, "h800_laminar_32b_colocated", rollout_machines=16, colocated=True),
+    # verl at Laminar's largest scale (§2.3: 72B on 1024 H800, math GRPO): colocated on 128 machines
+    _laminar(QWEN25_72B, 8, "h800_laminar_72b_colocated", rollout_machines=128, colocated=True)]}
 PROFILES["h800_streamrl"] = PROFILES["h800_streamrl_7b"]  # StreamRL's 7B (its dynamic-adjustment and cross-DC runs)
 
 

@@ -37,10 +37,12 @@ class ArealDispatch(Dispatch):
     `max(1, max_concurrent_rollouts // world_size)` run per shard. A rollout there is one prompt's workflow (one
     GROUP) and consumer_batch_size is the training batch in groups, so the cap counts groups and 0 means AReaL's
     default, one training batch. Without it the (eta + 1) x batch bound alone lands every admitted group on the
-    engines at once, a thrash no AReaL deployment runs. The StaleFlow paper does not report the baselines' value.
+    engines at once, a thrash no AReaL deployment runs. verl's fully async rollouter caps per server instead
+    (`per_engine`, configs/sched/verl_async.toml). The StaleFlow paper does not report the baselines' value.
 
     Invariants kept: admitted groups never outnumber (eta + u + 1) x batch for the engine version u they start
-    under; no engine is given a group while `max(1, max_concurrent_rollouts // engines)` groups are live on it."""
+    under; no engine is given a group while `per_engine` (or `max(1, max_concurrent_rollouts // engines)`) groups
+    are live on it."""
     name = "areal"
     paper = "AReaL / VeRL-Async strict staleness control, as StaleFlow §2.2, §6.1 describe it"
 
@@ -49,12 +51,15 @@ class ArealDispatch(Dispatch):
         eta: int = F(3, ge=0, help="staleness bound: trainer version - generating version at consumption")
         max_concurrent_rollouts: int = F(0, ge=0, help="groups generating at once over all engines, spread "
                                          "evenly per engine (AReaL's knob; 0: its default, one training batch)")
+        per_engine: int = F(0, ge=0, help="groups generating at once per engine, instead of max_concurrent_rollouts "
+                            "(verl's fully async rollouter: 16 per server; 0: use max_concurrent_rollouts)")
 
     def __init__(self, params: "ArealDispatch.Params | None" = None):
         super().__init__(params)
         self.admitted = 0      # groups started, cumulative
         self.pulled = 0        # groups pulled into the pipeline, cumulative
         self.placed: dict[int, dict[int, list[int]]] = {}   # `_live_groups`' books
+        self.counted: dict[int, tuple[int, int]] = {}        # engine -> (its `assigned`, live groups) when counted
         self.synced = False
         self.own_placement = False
 
@@ -79,7 +84,7 @@ class ArealDispatch(Dispatch):
             return []
         if not v.requests.count(S.PENDING):
             return []
-        cap = max(1, (self.p.max_concurrent_rollouts or B) // max(1, len(v.engines)))
+        cap = self.p.per_engine or max(1, (self.p.max_concurrent_rollouts or B) // max(1, len(v.engines)))
         groups = self._live_groups(v)
         if all(groups[e.engine] >= cap for e in ready):
             return []
@@ -94,6 +99,7 @@ class ArealDispatch(Dispatch):
             eng = least_loaded(ok)
             out.setdefault(eng, []).extend(ids)
             self.placed.setdefault(eng, {}).setdefault(gid, []).extend(ids)
+            self.counted.pop(eng, None)
             load[eng] += len(ids)
             groups[eng] += 1
             self.admitted += 1
@@ -102,23 +108,30 @@ class ArealDispatch(Dispatch):
     def _live_groups(self, v: Views) -> dict[int, int]:
         """Per engine, the groups with a request on it (AReaL's running rollouts). Kept incrementally from this
         dispatch's own Submits (`placed`: engine -> group -> its ids that may still be there, the last checked
-        first, so each request is passed over once after it leaves); rebuilt from the running index after a
-        resume, and on every call when a rebalance may migrate requests onto other engines."""
+        first, so each request is passed over once after it leaves) and re-counted only on an engine whose
+        `assigned` moved since (a request left, or this dispatch placed one); rebuilt from the running index
+        after a resume, and on every call when a rebalance may migrate requests onto other engines."""
         if not self.synced or not self.own_placement:
-            self.placed = {}
+            self.placed, self.counted = {}, {}
             for r in v.requests.in_state(*ON_ENGINE):
                 self.placed.setdefault(r.engine, {}).setdefault(r.group_id, []).append(r.req_id)
             self.synced = True
-        out = {e.engine: 0 for e in v.engines}
-        for eng, groups in self.placed.items():
+        out = {}
+        for e in v.engines:
+            eng = e.engine
+            seen = self.counted.get(eng)
+            if seen is not None and seen[0] == e.assigned:
+                out[eng] = seen[1]
+                continue
+            groups = self.placed.get(eng, {})
             for gid in list(groups):
                 ids = groups[gid]
                 while ids and not _on(v, ids[-1], eng):
                     ids.pop()
-                if ids:
-                    out[eng] += 1
-                else:
+                if not ids:
                     del groups[gid]
+            out[eng] = len(groups)
+            self.counted[eng] = (e.assigned, len(groups))
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -158,6 +171,7 @@ class ArealHandoff(Handoff):
     def __init__(self, params: Any = None):
         super().__init__(params)
         self.versions: dict[int, int] = {}   # open started group -> its version (fixed once every member started)
+        self.waited: tuple | None = None     # `ready`'s inputs when it last answered "wait for stragglers"
 
     def bind(self, preset: Preset) -> None:
         if not isinstance(preset.dispatch, ArealDispatch):
@@ -169,6 +183,10 @@ class ArealHandoff(Handoff):
         B, w, eta = v.prompts_per_step, v.trainer.version, self.dispatch.p.eta
         if v.groups.count_ready() < B:
             return None                                    # no batch can form (a shortcut: decisions unchanged)
+        # what the answer depends on: materialised / dropped / consumed groups, started groups, the trainer version
+        key = (v.materialized, v.dropped, v.trainer.groups_consumed, self.dispatch.admitted, w)
+        if key == self.waited:
+            return None                                    # nothing changed since it last said wait
         count: Counter[int] = Counter()
         done = []
         for g in v.open_groups():
@@ -189,6 +207,7 @@ class ArealHandoff(Handoff):
         for u in sorted(count):
             left += count[u] - taken[u]
             if left > (u + eta - w) * B:
+                self.waited = key
                 return None                                # would strand version-u groups: wait for them
         for *_, gid in batch:
             del self.versions[gid]
@@ -196,6 +215,7 @@ class ArealHandoff(Handoff):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.versions.clear()                              # resumed requests are first admitted again
+        self.waited = None
 
 
 @register
