@@ -121,7 +121,8 @@ class StaleFlowRouting(Dispatch):
             return []
         st.sync_buffers(v)
         buffers = st.buffers(v)
-        routes = self.route(st.snapshots(v, self.kv_budget()), TSQueue(v, buffers), buffers)
+        snaps = st.coordinate(v, st.snapshots(v, self.kv_budget()))     # Alg. 1: sync, migrate, then route
+        routes = self.route(snaps, TSQueue(v, buffers), buffers)
         out: dict[int, list[int]] = {}
         for eng, it in routes:
             out.setdefault(eng, []).append(it.req.req_id)
