@@ -215,6 +215,11 @@ class Preset:
     def policies(self) -> dict[str, Policy]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def staleness_bound(self) -> int | None:
+        """The tightest staleness bound its mechanisms declare (None: unbounded or on-policy by construction)."""
+        bounds = [b for p in self.policies().values() if (b := p.staleness_bound()) is not None]
+        return min(bounds) if bounds else None
+
 
 def build_policy(kind: str, table: Mapping[str, Any], source: str = "config", prefix: str = "",
                  key_sources: Mapping[str, str] | None = None) -> Policy:
