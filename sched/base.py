@@ -64,6 +64,7 @@ class Abort:
 class Interrupt:                 # stop, hand back tokens so far (resumable under another version/engine)
     engine: int
     req_ids: list[int]
+    dst: int = -1                # a Migrate's destination (its KV may travel there); -1: back to the pending queue
 
 
 @dataclass

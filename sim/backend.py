@@ -29,6 +29,10 @@ task's limit, or at the adaptive timeout (`reward_timeout`, RollPacker §4.3, fo
 The trainer runs one call at a time, in order, like the runtime's trainer thread: a call starts when the previous
 call and its publication are done.
 
+Migration (an Interrupt with a destination, the controller's Migrate): the trajectory's tokens reach its new engine
+as KV over the interconnect at `cost.kv_move_s` when the profile gives a rate (`kv_move_s_per_token`, Laminar's
+repack), else they are re-prefilled there like an interrupted trajectory's.
+
 Elastic pool (`elastic`: the controller may send LendEngines / ReturnEngines, RollPacker §4.4's scale-down): a lent
 engine stops (it is empty: its requests were migrated away) and its GPUs join the trainer for the calls that start
 while it is lent. Colocated, a call made while engines are lent runs on their GPUs alone and pauses no other engine;
@@ -104,6 +108,7 @@ class SimBackend:
         self.on_engine: dict[int, int] = {}    # round -> its requests on an engine (reward_stage: when to score)
         self.held: dict[int, list[tuple[int, SimRequest]]] = {}   # round -> finished samples awaiting its stage
         self.reward_busy_s = 0.0               # scorer-seconds spent
+        self.moving: dict[int, int] = {}       # req_id -> destination of a migration whose KV travels there
         self.lent: set[int] = set()            # engines lent to the trainer
         self.lent_gpu_s = 0.0                  # GPU-seconds of train calls run on lent engines
         self.samples_trained = 0   # samples of train calls whose train_step_done has been delivered
@@ -198,6 +203,7 @@ class SimBackend:
                 vs = r.partial.versions
                 s.runs = [[v, c] for v, c in (vs.runs if isinstance(vs, RunList) else _runs_of(vs))]
                 s.preemptions = int(r.partial.meta.get("preemptions", 0))
+                s.moved = self.moving.pop(r.req_id, -1) == engine   # a migration: its KV arrives, not recomputed
             sims.append(s)
         self.engines[engine].add(sims, self.now())
 
@@ -223,6 +229,8 @@ class SimBackend:
         elif isinstance(cmd, Interrupt):
             e = self.engines[cmd.engine]
             for r in e.remove(cmd.req_ids, self.now()):
+                if cmd.dst >= 0 and self.cost.kv_move_s_per_token:
+                    self.moving[r.req_id] = cmd.dst
                 self.emit(Event("trajectory_interrupted", e.t, rank=e.rank, engine=e.index, req_id=r.req_id,
                                 group_id=r.group_id, version=e.version, data={"tokens": r.done},
                                 payload=self.trajectory(e.index, r, "interrupted")))
