@@ -124,8 +124,8 @@ def note_bias(runs: Runs) -> str:
 
 PAPER = Paper(LAMINAR, notes=[note_bias], seeds=1,
               components="Simulated: Laminar's per-engine batches, pull-latest weight sync from the relays (the App. C "
-                         "broadcast time), FIFO experience buffer and repack (Alg. 1, moves re-prefill on the "
-                         "destination); verl colocated, one-step, stream generation (FIFO + streamed hand-off) and "
+                         "broadcast time), FIFO experience buffer and repack (Alg. 1, a move sends the KV over the "
+                         "NIC); verl colocated, one-step, stream generation (FIFO + streamed hand-off) and "
                          "AReaL (unbounded, 1024 trajectories per replica). Not simulated: fault isolation, the "
                          "partial response pool, relays' decode-path isolation (the runtime's concern), 7B/72B and "
                          "the other 4 scales of Fig. 11.")
