@@ -88,6 +88,11 @@ def test_routing_withholds_when_no_instance_gains_enough_and_blocks_what_follows
     sb = StalenessBuffers(eta=0, batch=3)
     routes = fewest_routes(snaps, [item(i, i) for i in range(5)], sb)
     assert [e for e, _ in routes] == [1, 1, 1] and sb.live() == 3     # 3 slots for version 0 with eta 0
+    # a Route to an instance mid-Pull waits for it: the store does not pile onto the first instance that pulled
+    snaps = {0: InstanceSnap(0, 1, running=0), 1: InstanceSnap(1, 0, running=0, loading=True),
+             2: InstanceSnap(2, 0, running=0, loading=True)}
+    routes = fewest_routes(snaps, [item(i, i) for i in range(5)], StalenessBuffers(eta=1, batch=8, v_next=1))
+    assert [e for e, _ in routes] == [0]          # one, then its load exceeds the pulling instances' (0)
 
 
 # ---- snapshots (Eq. 1) -----------------------------------------------------------------------------------------
