@@ -137,8 +137,11 @@ class TrainConfig:
     minibatches: int = F(1, ge=1, help="optimizer steps per pass, each on 1/minibatches of the batch")
     off_policy: str = F("behaviour", choices=("behaviour", "decoupled"),
                         help="ratio vs the behaviour logprobs (PPO), or decoupled PPO (AReaL): clip vs the weights "
-                             "at the call's start, times a truncated importance weight exp(prox - behaviour)")
+                             "at the call's start, times a truncated importance weight exp(prox - behaviour); "
+                             "left unset, decoupled under a preset with a staleness bound >= 1 (train.py)")
     is_cap: float = F(2.0, ge=0, help="decoupled: importance weight truncated at this value; 0 = no truncation")
+    is_mode: str = F("clamp", choices=("clamp", "mask"), help="decoupled: a weight above is_cap is clamped to it, "
+                     "or masked to 0 (AReaL's rejection of the token)")
 
 
 @dataclass

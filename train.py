@@ -64,6 +64,14 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+def default_off_policy(cfg: Config, preset: Preset) -> None:
+    """Decoupled PPO (AReaL's, rl/loss.py) by default under a preset that lets trained tokens be stale (a staleness
+    bound >= 1: staleflow, areal, verl_async, one_step, ...); `train.off_policy` set in the file or on the command
+    line is kept as given."""
+    if "train.off_policy" not in cfg.sources and (preset.staleness_bound() or 0) >= 1:
+        cfg.train.off_policy = "decoupled"
+
+
 def main(argv: list[str]) -> int:
     # 1. configuration: every mistake is reported here, before any process group or model exists
     path, overrides = parse_args(argv)
@@ -73,6 +81,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(path, overrides)
         preset = sched.load_preset(cfg.sched.preset, cfg.sched.overrides(), cfg.sources)
+        default_off_policy(cfg, preset)
         c = cfg.cluster
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         train_ranks, _ = split_ranks(world, c.rollout_ranks, c.rollout_fraction, c.colocate)

@@ -19,8 +19,10 @@ gap is corrected by a per-token truncated importance weight:
     r_t            = exp(logp_t - prox_t)            (in place of old_logp_t above, at either ratio level)
     w_t            = sg[min(exp(prox_t - old_logp_t), is_cap)]      (is_cap = 0: no truncation)
     pg_t           = w_t * max(-A_i r_t, -A_i clip(r_t, 1 - clip_low, 1 + clip_high))
-The KL penalty is not weighted. AReaL drops tokens whose weight exceeds the cap; here the weight is clamped to the
-cap instead (truncated IS, as in TIS and verl's rollout correction), so no token is silently removed.
+The KL penalty is not weighted. Two treatments of a token whose weight exceeds the cap (`is_mode`): "clamp" (the
+default: truncated IS, as in TIS and verl's rollout correction; no token is silently removed) or "mask" (AReaL's:
+the token's weight is 0, so it adds nothing to the gradient; it still counts in the normaliser, which is fixed per
+optimizer step; AReaL's `rejection_sampling` with action "mask", areal/api/cli_args.py).
 Aggregation (`normaliser` is for the whole optimizer step, so micro-batching never changes loss or gradients):
     token_mean     sum_t l_t / N_tokens                         DAPO token-level loss (section 3.3)
     seq_mean       sum_i (sum_{t in i} l_t / |i|) / N_seqs       GRPO's original sample-level mean
@@ -59,14 +61,21 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def importance_weight(prox_logp: torch.Tensor, old_logp: torch.Tensor, is_cap: float
+IS_MODES = ("clamp", "mask")
+
+
+def importance_weight(prox_logp: torch.Tensor, old_logp: torch.Tensor, is_cap: float, mode: str = "clamp"
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoupled PPO's per-token weight pi_prox / pi_behaviour, detached and clamped at is_cap (0: no cap).
-    Returns (weight, truncated) where truncated marks the tokens whose raw weight exceeded the cap."""
+    """Decoupled PPO's per-token weight pi_prox / pi_behaviour, detached; above is_cap (0: no cap) clamped to it
+    (mode "clamp") or 0 (mode "mask", AReaL's). Returns (weight, truncated) where truncated marks the tokens whose
+    raw weight exceeded the cap."""
+    if mode not in IS_MODES:
+        raise ValueError(f"is_mode {mode!r} is not one of {IS_MODES}")
     raw = torch.exp(prox_logp.detach() - old_logp.detach())
     if not is_cap:
         return raw, torch.zeros_like(raw, dtype=torch.bool)
-    return raw.clamp(max=is_cap), raw > is_cap
+    over = raw > is_cap
+    return (raw.clamp(max=is_cap) if mode == "clamp" else raw.masked_fill(over, 0.0)), over
 
 
 def default_normaliser(loss_agg: str, mask: torch.Tensor, seq_idx: torch.Tensor, num_seqs: int) -> float:
@@ -81,14 +90,15 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 clip_low: float = 0.2, clip_high: float = 0.2, loss_agg: str = "token_mean",
                 ratio_level: str = "token", kl_coef: float = 0.0, max_len: int | None = None,
                 normaliser: float | None = None, num_seqs: int | None = None,
-                prox_logp: torch.Tensor | None = None, is_cap: float = 0.0) -> LossOutput:
+                prox_logp: torch.Tensor | None = None, is_cap: float = 0.0, is_mode: str = "clamp") -> LossOutput:
     """The GRPO loss of one (micro-)batch of packed tokens; see the module docstring for the formulas.
 
     logp: [N] current policy log-probs (with grad); old_logp: [N] behaviour log-probs; advantages: [N] (the
     sequence's advantage on each of its tokens); seq_idx: [N] int64 in [0, num_seqs); mask: [N] 1 where the token
     is trained on; ref_logp: [N] or None. normaliser: tokens (token_mean) or sequences (seq_*) of the whole step;
     None means this batch alone. prox_logp: [N] proximal log-probs (no grad) for decoupled PPO, None for plain PPO
-    against the behaviour policy; is_cap: truncation of the decoupled importance weight (0: none).
+    against the behaviour policy; is_cap: truncation of the decoupled importance weight (0: none); is_mode: what
+    happens above it (IS_MODES).
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg {loss_agg!r} is not one of {LOSS_AGGS}")
@@ -120,7 +130,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     pg = torch.maximum(-advantages * ratio, -advantages * clipped)
     is_weight = truncated = None
     if prox_logp is not None:
-        is_weight, truncated = importance_weight(anchor, old_logp, is_cap)
+        is_weight, truncated = importance_weight(anchor, old_logp, is_cap, is_mode)
         pg = pg * is_weight
     per_token = pg
     kl_ref = None

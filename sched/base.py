@@ -65,6 +65,7 @@ class Abort:
 class Interrupt:                 # stop, hand back tokens so far (resumable under another version/engine)
     engine: int
     req_ids: list[int]
+    dst: int = -1                # a Migrate's destination (its KV may travel there); -1: back to the pending queue
 
 
 @dataclass
@@ -232,6 +233,11 @@ class Preset:
 
     def policies(self) -> dict[str, Policy]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def staleness_bound(self) -> int | None:
+        """The tightest staleness bound its mechanisms declare (None: unbounded or on-policy by construction)."""
+        bounds = [b for p in self.policies().values() if (b := p.staleness_bound()) is not None]
+        return min(bounds) if bounds else None
 
 
 def build_policy(kind: str, table: Mapping[str, Any], source: str = "config", prefix: str = "",

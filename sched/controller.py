@@ -58,8 +58,7 @@ class Controller:
         self.log = log or EventLog()
         self.v = Views(group_size=group_size, prompts_per_step=prompts_per_step)
         self.life = Lifecycle(self.v, self.emit)
-        bounds = [b for p in preset.policies().values() if (b := p.staleness_bound()) is not None]
-        self.max_staleness: int | None = min(bounds) if bounds else None
+        self.max_staleness: int | None = preset.staleness_bound()
 
     # ---------------------------------------------------------------------------------------------- main loop
     @property

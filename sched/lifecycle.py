@@ -181,7 +181,7 @@ class Lifecycle:
             self._set(r, S.INTERRUPTING)
             r.migrate_to = migrate_to
             send.setdefault(r.engine, []).append(rid)
-        return [Interrupt(engine, ids) for engine, ids in sorted(send.items())]
+        return [Interrupt(engine, ids, migrate_to) for engine, ids in sorted(send.items())]
 
     def migrate(self, cmd: Migrate) -> list[Interrupt]:
         if not 0 <= cmd.dst < len(self.v.engines) or self.v.engines[cmd.dst].lent:

@@ -167,3 +167,6 @@ class GroupTable(_Table):
 
     def ready(self) -> list["GroupState"]:
         return [self._ready[k] for k in sorted(self._ready)]
+
+    def count_ready(self) -> int:
+        return len(self._ready)

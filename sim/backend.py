@@ -29,6 +29,10 @@ task's limit, or at the adaptive timeout (`reward_timeout`, RollPacker §4.3, fo
 The trainer runs one call at a time, in order, like the runtime's trainer thread: a call starts when the previous
 call and its publication are done.
 
+Migration (an Interrupt with a destination, the controller's Migrate): the trajectory's tokens reach its new engine
+as KV over the interconnect at `cost.kv_move_s` when the profile gives a rate (`kv_move_s_per_token`, Laminar's
+repack), else they are re-prefilled there like an interrupted trajectory's.
+
 Scale-out (AddEngines, StreamRL §4.2): new engines take GPUs from `spare_gpus`, start without weights, and load
 the latest version when the weight sync says. Reshard (RollPacker §4.2's planner): between rounds, every engine is
 rebuilt at the new TP on the same GPUs (the cost profile's roofline at that TP, sim/profiles.py `at_tp`), without
@@ -115,6 +119,7 @@ class SimBackend:
         self.on_engine: dict[int, int] = {}    # round -> its requests on an engine (reward_stage: when to score)
         self.held: dict[int, list[tuple[int, SimRequest]]] = {}   # round -> finished samples awaiting its stage
         self.reward_busy_s = 0.0               # scorer-seconds spent
+        self.moving: dict[int, int] = {}       # req_id -> destination of a migration whose KV travels there
         self.lent: set[int] = set()            # engines lent to the trainer
         self.lent_gpu_s = 0.0                  # GPU-seconds of train calls run on lent engines
         self.samples_trained = 0   # samples of train calls whose train_step_done has been delivered
@@ -210,6 +215,7 @@ class SimBackend:
                 vs = r.partial.versions
                 s.runs = [[v, c] for v, c in (vs.runs if isinstance(vs, RunList) else _runs_of(vs))]
                 s.preemptions = int(r.partial.meta.get("preemptions", 0))
+                s.moved = self.moving.pop(r.req_id, -1) == engine   # a migration: its KV arrives, not recomputed
             sims.append(s)
         self.engines[engine].add(sims, self.now())
 
@@ -261,6 +267,8 @@ class SimBackend:
         elif isinstance(cmd, Interrupt):
             e = self.engines[cmd.engine]
             for r in e.remove(cmd.req_ids, self.now()):
+                if cmd.dst >= 0 and self.cost.kv_move_s_per_token:
+                    self.moving[r.req_id] = cmd.dst
                 self.emit(Event("trajectory_interrupted", e.t, rank=e.rank, engine=e.index, req_id=r.req_id,
                                 group_id=r.group_id, version=e.version, data={"tokens": r.done},
                                 payload=self.trajectory(e.index, r, "interrupted")))

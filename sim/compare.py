@@ -8,6 +8,9 @@ until it has trained `--rounds` rounds' worth of samples (the same work for pres
 the default 5 covers a whole tail-batching period, so deferred long prompts are paid for).
 Columns:
     throughput              trained samples / seconds from the first round start to the last train call's end
+    tokens_per_s            trained tokens (prompt + response) over the same window (StaleFlow's and Laminar's
+                            throughput; samples/s favours a design that trains a short-biased subset)
+    trained_len_ratio       mean trained response length / mean generated (finished) one: below 1, that bias
     rollout_to_train_end_s  RolloutPipe's "main time", mean over rounds (sched/metrics.py)
     trainer_wait_ratio      RolloutPipe §5.1: trainer wait / (wait + compute)
     engine_idle_ratio       1 - decode busy time / (engines x makespan)
@@ -26,7 +29,8 @@ import sched
 from sim.run import draw_timeline, simulate
 from sim.workload import get_workload, load_trace, TraceError
 
-KEYS = ("preset", "throughput", "rollout_to_train_end_s", "trainer_wait_ratio", "engine_idle_ratio")
+KEYS = ("preset", "throughput", "tokens_per_s", "trained_len_ratio", "rollout_to_train_end_s", "trainer_wait_ratio",
+        "engine_idle_ratio")
 
 
 def presets() -> list[str]:
@@ -39,6 +43,16 @@ def throughput(events: list, samples: int) -> float:
     return samples / (max(ends) - min(starts)) if starts and ends and max(ends) > min(starts) else 0.0
 
 
+def trained_tokens(events: list) -> tuple[float, float]:
+    """(tokens trained, mean trained response length / mean finished response length) of a run's event log."""
+    done = [e.data for e in events if e.kind == "train_step_done" and e.data.get("samples")]
+    n = sum(d["samples"] for d in done)
+    trained = sum(d["samples"] * d.get("response_len_mean", 0.0) for d in done) / n if n else 0.0
+    fin = [e.data.get("tokens", 0) for e in events if e.kind == "trajectory_finished"]
+    generated = sum(fin) / len(fin) if fin else 0.0
+    return sum(d.get("tokens", 0.0) for d in done), (trained / generated if generated else 0.0)
+
+
 def run_one(name: str, args: argparse.Namespace, workload: Any, out: Path | None) -> dict[str, Any]:
     try:
         engines, train = max(1, args.gpus // 2), max(1, args.gpus - args.gpus // 2)
@@ -46,7 +60,9 @@ def run_one(name: str, args: argparse.Namespace, workload: Any, out: Path | None
         r = simulate(name, workload, args.cost, engines, train, steps=10**9, group_size=args.group_size,
                      prompts_per_step=args.prompts, seed=args.seed, samples=samples)
         m = r.metrics
+        tokens, ratio = trained_tokens(r.events)
         row = {"preset": name, "throughput": throughput(r.events, m["samples_trained"]),
+               "tokens_per_s": throughput(r.events, tokens), "trained_len_ratio": ratio,
                "rollout_to_train_end_s": m.get("rollout_to_train_end_s"),
                "trainer_wait_ratio": m.get("trainer_wait_ratio"), "engine_idle_ratio": m.get("engine_idle_ratio")}
         if out is not None:
@@ -61,15 +77,16 @@ def run_one(name: str, args: argparse.Namespace, workload: Any, out: Path | None
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'preset':16s} {'samples/s':>10s} {'rollout_to_train_end_s':>23s} {'trainer_wait':>13s} "
-            f"{'engine_idle':>12s}")
+    head = (f"{'preset':17s} {'samples/s':>10s} {'tokens/s':>10s} {'trained/gen len':>16s} "
+            f"{'rollout_to_train_end_s':>23s} {'trainer_wait':>13s} {'engine_idle':>12s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['preset']:16s} FAILED: {r['error']}")
+            lines.append(f"{r['preset']:17s} FAILED: {r['error']}")
             continue
         r2t = r["rollout_to_train_end_s"]
-        lines.append(f"{r['preset']:16s} {r['throughput']:10.2f} {('%.1f' % r2t) if r2t is not None else '-':>23s} "
+        lines.append(f"{r['preset']:17s} {r['throughput']:10.2f} {r['tokens_per_s']:10.0f} "
+                     f"{r['trained_len_ratio']:16.2f} {('%.1f' % r2t) if r2t is not None else '-':>23s} "
                      f"{r['trainer_wait_ratio']:13.1%} {r['engine_idle_ratio']:12.1%}")
     return "\n".join(lines)
 

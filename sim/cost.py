@@ -93,11 +93,13 @@ class CostModel:
     max_num_seqs: int = 256         # most sequences in one engine batch
     gpus_per_engine: int = 1        # tensor-parallel size of one engine
     train_overhead_s: float = 0.0   # fixed per train call (launch, optimizer step)
+    kv_move_s_per_token: float = 0.0  # a migrated trajectory's KV sent to its new engine, per token (0: it is
+    #                                 re-prefilled there at prefill_s_per_token, as an interrupted one always is)
     sources: Mapping[str, str] = field(default_factory=dict)  # constant -> where its value comes from
 
     def __post_init__(self) -> None:
         for k in ("k1", "k2", "k3", "k4", "prefill_s_per_token", "train_s_per_token", "publish_s", "load_s",
-                  "train_overhead_s"):
+                  "train_overhead_s", "kv_move_s_per_token"):
             if getattr(self, k) < 0:
                 raise ValueError(f"cost profile {self.name!r}: {k} must be >= 0, got {getattr(self, k)}")
         if self.k2 + self.k4 <= 0:
@@ -139,6 +141,11 @@ class CostModel:
 
     def prefill_s(self, tokens: int) -> float:
         return self.prefill_s_per_token * tokens
+
+    def kv_move_s(self, tokens: int) -> float:
+        """A migrated trajectory's tokens arriving on its new engine: KV moved over the interconnect, or (no rate
+        given) recomputed."""
+        return (self.kv_move_s_per_token or self.prefill_s_per_token) * tokens
 
     # ------------------------------------------------------------------------------------------------- train
     def train_s(self, tokens: int, train_gpus: int) -> float:

@@ -52,6 +52,7 @@ class SimRequest:
     runs: list[list[int]] = field(default_factory=list)  # [[version, tokens], ...] in generation order
     preemptions: int = 0
     prefill: int = 0                # tokens its next step must prefill (set on admission, 0 once computed)
+    moved: bool = False             # its KV arrives over the interconnect (a migration) instead of a re-prefill
     mark: int = 0                   # engine step count when `done` was last written (while running)
     slot: int = -1                  # admission number on its engine (running order; -1: not running)
 
@@ -96,6 +97,7 @@ class SimEngine:
         self._m_count = [0] * cost.block_size  # (b_r = prompt_len % bs + done - mark = Q_r * bs + M_r)
         self._kv_base = 0             # kv_tokens = _kv_base + len(running) * steps
         self._prefill = 0             # prefill tokens of the requests admitted since the last step
+        self._moved = 0               # of which moved in (KV transferred, cost.kv_move_s), not recomputed
         self.waiting: deque[SimRequest] = deque()
         self.version = -1
         self.t = 0.0                  # the state is exact at this instant
@@ -174,6 +176,9 @@ class SimEngine:
         del self._running[r.slot]
         if r.prefill and self._prefill:
             self._prefill -= r.prefill
+            if r.moved:
+                self._moved -= r.prefill
+        r.moved = False
         r.slot = -1
         left = self.group_ref[r.group_id] - 1
         if left == 0:
@@ -214,7 +219,7 @@ class SimEngine:
             return
         self.tokens_total += len(self._running) * j
         self.steps += j
-        self._prefill = 0
+        self._prefill = self._moved = 0
 
     def _finish_done(self) -> None:
         heap, done = self._heap, []
@@ -272,7 +277,8 @@ class SimEngine:
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if self.need(mid) <= self.cap else (lo, mid)
             m = lo + 1
-        prefill_s = self.cost.prefill_s(self._prefill)  # admitted since the last step
+        # admitted since the last step: recomputed, or (a migrated trajectory's) KV moved over the interconnect
+        prefill_s = self.cost.prefill_s(self._prefill - self._moved) + self.cost.kv_move_s(self._moved)
         self.prefill_s_total += prefill_s
         if self.counters_every_s is not None:
             m = min(m, max(1, self.cost.steps_reaching(n, self.kv_tokens, self.counters_every_s - prefill_s)))
@@ -306,6 +312,8 @@ class SimEngine:
             need0 += extra
             r.prefill = (r.prompt_len % self.bs if resident else r.prompt_len) + r.done
             self._prefill += r.prefill
+            if r.moved:
+                self._moved += r.prefill
 
     def _set_busy(self, busy: bool) -> None:
         if busy != self.busy:

@@ -216,10 +216,15 @@ def _laminar(model: Model, tp: int, name: str, rollout_machines: int, colocated:
     src["publish_s"] = (f"relay model: weight bytes / NIC bw (trainer -> master) + chained broadcast over "
                         f"{rollout_machines - 1} relays (sim.cost.relay_broadcast_s, Laminar App. C; 32 MB chunks, "
                         "5 us start-up); NIC bw = 8 x 400 Gb/s (Laminar §8) at 50% (assumption)")
+    src["kv_move_s_per_token"] = (f"repack moves a trajectory's KV, not its tokens: KV bytes/token "
+                                  f"({model.kv_bytes_per_token / 1024:.0f} KiB, {model.source}) over the NIC, "
+                                  "8 x 400 Gb/s (Laminar §8) at 50% (assumption, as publish_s); a move inside one "
+                                  "machine (NVLink) would be faster")
     base = roofline(name, model, H800, tp, train_gpu=H800, train_mfu=0.25, flops_factor=8.0, publish_bw=1.0,
                     publish_fixed_s=0.0, load_bw=25e9, reward=MATH_REWARD, mem_fraction=0.9, max_num_seqs=1024,
                     sources=src)
-    return replace(base, publish_s=laminar_publish_s(model, rollout_machines))
+    return replace(base, publish_s=laminar_publish_s(model, rollout_machines),
+                   kv_move_s_per_token=model.kv_bytes_per_token / LAMINAR_NIC_BW)
 
 
 def _staleflow() -> CostModel:
@@ -263,15 +268,13 @@ PROFILES: dict[str, CostModel] = {p.name: p for p in [
     _rolloutpipe(),
     _rollpacker(QWEN25_7B, 1, "h800_7b"), _rollpacker(QWEN25_14B, 2, "h800_14b"),
     _rollpacker(QWEN25_32B, 2, "h800_32b"),
-    # Laminar's verl at its largest scale (sim/repro/laminar.py) borrows this colocated shape at the H800 profiles'
-    # assumed MFU (RollPacker's calibration is for its own 7B-32B settings)
-    _rollpacker(QWEN25_72B, 8, "h800_72b", 0.25, "flops_factor 10 = actor fwd+bwd (6) + old-logprob fwd (2) + "
-                "reference fwd (2); MFU 0.25: assumption (as the other H800 profiles)"),
     _streamrl(QWEN25_7B, 1, "h800_streamrl_7b"), _streamrl(QWEN25_32B, 4, "h800_streamrl_32b"),
     _streamrl(QWEN25_72B, 8, "h800_streamrl_72b"),
     _staleflow(), _cpu_tiny(),
     _laminar(QWEN25_32B, 4, "h800_laminar_32b", rollout_machines=8),
-    _laminar(QWEN25_32B, 4, "h800_laminar_32b_colocated", rollout_machines=16, colocated=True)]}
+    _laminar(QWEN25_32B, 4, "h800_laminar_32b_colocated", rollout_machines=16, colocated=True),
+    # verl at Laminar's largest scale (§2.3: 72B on 1024 H800, math GRPO): colocated on 128 machines
+    _laminar(QWEN25_72B, 8, "h800_laminar_72b_colocated", rollout_machines=128, colocated=True)]}
 PROFILES["h800_streamrl"] = PROFILES["h800_streamrl_7b"]  # StreamRL's 7B (its dynamic-adjustment and cross-DC runs)
 
 # The same engines at another TP size (RollPacker §4.2's planner reshards the rollout pool between steps): the
@@ -327,6 +330,9 @@ def describe(p: CostModel) -> str:
     for k in ("k1", "k2", "k3", "k4", "prefill_s_per_token", "kv_capacity_tokens", "max_num_seqs", "gpus_per_engine",
               "train_s_per_token", "publish_s", "load_s"):
         lines.append(f"  {k:20s} {getattr(p, k):<12.4g} {p.sources.get(k, '')}")
+    if p.kv_move_s_per_token:
+        k = "kv_move_s_per_token"
+        lines.append(f"  {k:20s} {p.kv_move_s_per_token:<12.4g} {p.sources.get(k, '')}")
     lines.append(f"  {'reward':20s} mean {p.reward.mean():<7.3g} {p.sources.get('reward', '')}")
     return "\n".join(lines)
 

@@ -414,3 +414,18 @@ def test_resolve_run_dir():
     cfg = load_config(None, ["--name=exp"])
     assert resolve_run_dir(cfg, datetime.datetime(2025, 1, 2, 3, 4, 5)) == "runs/exp-20250102-030405"
     assert resolve_run_dir(load_config(None, ["--log.dir=out/here"])) == "out/here"
+
+
+def test_decoupled_ppo_is_the_default_under_a_staleness_bound_unless_the_config_names_a_correction(tmp_path):
+    import sched
+    from train import default_off_policy
+    for preset, overrides, want in (("staleflow", [], "decoupled"), ("areal", [], "decoupled"),
+                                    ("one_step", [], "decoupled"), ("sync", [], "behaviour"),
+                                    ("laminar", [], "behaviour"),                   # no bound declared
+                                    ("staleflow", ["--train.off_policy=behaviour"], "behaviour"),
+                                    ("staleflow", ["--dispatch.eta=0"], "behaviour")):
+        sched_over = [o for o in overrides if o.startswith("--dispatch")]
+        cfg = load_config(None, [f"--sched.preset={preset}"] + [o for o in overrides if o not in sched_over])
+        p = sched.load_preset(preset, {"dispatch": {"eta": 0}} if sched_over else None)
+        default_off_policy(cfg, p)
+        assert cfg.train.off_policy == want, (preset, overrides)

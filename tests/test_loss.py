@@ -221,8 +221,9 @@ def test_importance_weight_is_truncated_at_the_cap():
     prox = old + w_raw.log()
     new = prox.clone().requires_grad_()  # r = 1: unclipped, the gradient is -A * w / N per token
     adv, seq_idx = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
-    for cap, w in ((2.0, [0.5, 1.5, 2.0, 2.0]), (0.0, w_raw.tolist())):
-        out = policy_loss(new, old, adv, seq_idx, prox_logp=prox, is_cap=cap)
+    for cap, mode, w in ((2.0, "clamp", [0.5, 1.5, 2.0, 2.0]), (0.0, "clamp", w_raw.tolist()),
+                         (2.0, "mask", [0.5, 1.5, 0.0, 0.0]), (0.0, "mask", w_raw.tolist())):   # mask: AReaL's
+        out = policy_loss(new, old, adv, seq_idx, prox_logp=prox, is_cap=cap, is_mode=mode)
         (g,) = torch.autograd.grad(out.loss, new)
         assert torch.allclose(g, -torch.tensor(w, dtype=torch.float64) / 4, atol=1e-12)
         m = out.metrics()
@@ -230,6 +231,8 @@ def test_importance_weight_is_truncated_at_the_cap():
         assert m["is_truncated_frac"] == (0.5 if cap else 0.0)
     with pytest.raises(ValueError, match="is_cap"):
         policy_loss(new, old, adv, seq_idx, prox_logp=prox, is_cap=-1.0)
+    with pytest.raises(ValueError, match="is_mode 'drop'"):
+        policy_loss(new, old, adv, seq_idx, prox_logp=prox, is_cap=2.0, is_mode="drop")
 
 
 def test_decoupled_weight_carries_no_gradient_to_the_proximal_logprobs():

@@ -65,6 +65,35 @@ def test_throughputs():
         figures.after_warmup_throughput(r, 2)
 
 
+def with_tokens(events):
+    """two_rounds() with each train call's tokens and mean response length (prompt 10 tokens per sample)."""
+    lens = iter([(2, 45.0), (1, 90.0), (1, 30.0)])
+    for e in events:
+        if e.kind == "train_step_done":
+            n, mean = next(lens)
+            e.data.update(tokens=n * (10 + mean), response_len_mean=mean)
+    return events
+
+
+def test_token_throughputs_count_trained_tokens_not_samples():
+    r = result(with_tokens(two_rounds()), samples=4)
+    assert figures.throughput(r, "tokens") == pytest.approx((110 + 100 + 40) / 30)
+    assert figures.after_warmup_throughput(r, 1, "tokens") == pytest.approx(40 / (30 - 12))
+    with pytest.raises(ValueError, match="unit must be one of"):
+        figures.throughput(r, "requests")
+
+
+def test_length_bias_compares_trained_with_generated_lengths_and_reports_the_backlog():
+    r = result(with_tokens(two_rounds()), samples=4)
+    r.views = SimpleNamespace(ready_groups=lambda: [1, 2], in_flight=lambda: 7)
+    b = figures.length_bias(r)
+    assert b["trained_len"] == pytest.approx((90 + 90 + 30) / 4)         # 2 x 45, 90, 30 over 4 samples
+    assert b["generated_len"] == pytest.approx((40 + 50 + 90 + 95 + 30) / 5)   # the dropped one was generated too
+    assert b["bias"] == pytest.approx(b["trained_len"] / b["generated_len"])
+    assert b["overgeneration"] == pytest.approx(5 / 4)
+    assert (b["backlog_groups"], b["in_flight"]) == (2, 7)
+
+
 def test_rollout_idle_ratio_and_generation_rate():
     ev = log(("round_started", 0.0, {"data": {"round": 0}}), ("engine_busy", 0.0, {"engine": 0}),
              ("engine_idle", 6.0, {"engine": 0}), ("engine_busy", 0.0, {"engine": 1}),

@@ -224,6 +224,27 @@ def test_a_resumed_request_pays_the_re_prefill_of_its_tokens():
     assert times[500] > 0.5
 
 
+def test_a_migrated_trajectory_moves_its_kv_and_an_interrupted_one_re_prefills():
+    """An Interrupt with a destination (the controller's Migrate) resubmitted there: its prompt + tokens arrive at
+    kv_move_s_per_token; without a rate, or back to the pending queue (dst -1), they are re-prefilled."""
+    def resume_prefill(c: CostModel, dst: int, to: int) -> float:
+        b = backend(c, [[5000]], engines=2)
+        b.engines[1].version = 0
+        submit(b, [[5000]])
+        b.run_until(0.5)
+        b.command(Interrupt(0, [0], dst))
+        part = next(x for x in drain(b) if x.kind == "trajectory_interrupted").payload
+        before = b.engines[to].prefill_s_total
+        b.submit(to, [Request(0, 0, 0, 0, 0, 16, partial=part)], {0: PromptItem(0, RunList.of(1, 16), None)})
+        b.run_until(b.now() + 1e-9)
+        return (b.engines[to].prefill_s_total - before) / (16 + len(part.response_ids))
+    fast = cost(prefill_s_per_token=1e-4, kv_move_s_per_token=1e-6)
+    assert resume_prefill(fast, 1, 1) == pytest.approx(1e-6)       # migrated to engine 1: KV over the wire
+    assert resume_prefill(fast, -1, 1) == pytest.approx(1e-4)      # interrupted, routed there later: recompute
+    assert resume_prefill(fast, 1, 0) == pytest.approx(1e-4)       # resubmitted elsewhere than the migration said
+    assert resume_prefill(cost(prefill_s_per_token=1e-4), 1, 1) == pytest.approx(1e-4)   # no rate: recompute
+
+
 def _sim_req(done: int):
     from sim.engine import SimRequest
     return SimRequest(0, 0, 0, 0, 16, 600, 600, RunList.of(1, 16), done=done)

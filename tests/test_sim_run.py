@@ -82,7 +82,7 @@ def test_compare_shows_a_failing_preset_as_a_row(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(compare, "presets", lambda: ["sync", "no_such_preset"])
     assert compare.main(["--gpus", "4", "--rounds", "1", "--prompts", "4", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "no_such_preset   FAILED: ValueError" in out and (tmp_path / "sync.png").is_file()
+    assert "no_such_preset    FAILED: ValueError" in out and (tmp_path / "sync.png").is_file()
 
 
 def test_compare_replays_a_trace(capsys, tmp_path):

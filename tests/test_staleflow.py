@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -87,6 +88,11 @@ def test_routing_withholds_when_no_instance_gains_enough_and_blocks_what_follows
     sb = StalenessBuffers(eta=0, batch=3)
     routes = fewest_routes(snaps, [item(i, i) for i in range(5)], sb)
     assert [e for e, _ in routes] == [1, 1, 1] and sb.live() == 3     # 3 slots for version 0 with eta 0
+    # a Route to an instance mid-Pull waits for it: the store does not pile onto the first instance that pulled
+    snaps = {0: InstanceSnap(0, 1, running=0), 1: InstanceSnap(1, 0, running=0, loading=True),
+             2: InstanceSnap(2, 0, running=0, loading=True)}
+    routes = fewest_routes(snaps, [item(i, i) for i in range(5)], StalenessBuffers(eta=1, batch=8, v_next=1))
+    assert [e for e, _ in routes] == [0]          # one, then its load exceeds the pulling instances' (0)
 
 
 # ---- snapshots (Eq. 1) -----------------------------------------------------------------------------------------
@@ -121,10 +127,129 @@ def test_migration_trims_long_wait_queues_and_drains_the_fastest_instance_on_imb
     routing.state.routed = set(range(rid))
     m = StaleFlowMigration()
     m.bind(SimpleNamespace(dispatch=routing))
-    out = {c.engine: c.req_ids for c in m.plan(v)}
+    out = {c.engine: c.req_ids for c in m.migrate(v, routing.state.snapshots(v, float("inf")))}
     assert out[2] == [11, 12]                         # 5 waiting > phi_wait 3: the 2 latest
     assert out[0] == [0, 1, 2, 3, 4, 5]               # T(6) / T(1) > 5: everything on the fastest
     assert 1 not in out and 3 not in out
+    assert m.plan(v) == []                            # the controller's ask: only what a pass issued
+
+
+# ---- Algorithm 1: one pass, sync -> migrate -> route -------------------------------------------------------------
+def one_engine_views(pending: int, engines: list[EngineView], published: int) -> Views:
+    v = Views(group_size=1, prompts_per_step=4)
+    v.engines = engines
+    v.trainer.published = v.trainer.version = published
+    for rid in range(pending):
+        v.requests[rid] = Request(rid, rid, 0, rid, 0, 100)
+    return v
+
+
+def test_algorithm_1_syncs_then_migrates_then_routes_on_one_snapshot():
+    """Engine 0 lags (version 0, published 1) with one trajectory on it; the buffers (eta 0, v_next 1) admit new
+    groups only at version 1, so no TS trajectory is routable to it at its version: Alg. 4 selects it. Routing in
+    the same pass must see it mid-Pull and empty: nothing is routed onto it, and the Interrupt names only what ran
+    there before the pass (never a trajectory routed a moment earlier, the order the paper rules out)."""
+    engines = [EngineView(0, version=0, running=1, kv_used=1, kv_free=10**6, assigned=1),
+               EngineView(1, version=1, running=0, kv_used=0, kv_free=10**6)]
+    v = one_engine_views(3, engines, published=1)
+    v.requests[10] = Request(10, 10, 0, 10, 0, 100, state="running", engine=0, v_traj=0)
+    preset = sched.load_preset("staleflow", {"dispatch": {"eta": 0, "period_s": 0.0}})
+    preset.dispatch.state.routed = {10}
+    preset.dispatch.state._buffers = StalenessBuffers(eta=0, batch=4, v_next=1)
+    subs = preset.dispatch.admit(v)
+    assert [s.engine for s in subs] == [1] and sorted(subs[0].req_ids) == [0, 1, 2]
+    cmds = preset.weight_sync.engines_to_load(v)
+    assert [(type(c).__name__, c.engine) for c in cmds] == [("Interrupt", 0), ("LoadWeights", 0)]
+    assert cmds[0].req_ids == [10] and cmds[1].version == 1
+    assert preset.rebalance.plan(v) == [] and preset.weight_sync.engines_to_load(v) == []   # handed out once
+
+
+def test_after_commands_empties_a_pulling_instance_and_takes_interrupted_trajectories_off_waiting_first():
+    from sched.base import Interrupt, LoadWeights
+    from sched.policies.staleflow.state import after_commands
+    snaps = {0: InstanceSnap(0, 0, running=4, waiting=2, kv=400.0, requests=(1, 2, 3, 4, 5, 6)),
+             1: InstanceSnap(1, 0, running=2, kv=200.0, requests=(7, 8))}
+    out = after_commands(snaps, [Interrupt(0, [5, 6, 4]), Interrupt(1, [7, 8]), LoadWeights(1, 3)])
+    assert (out[0].running, out[0].waiting, out[0].kv, out[0].requests) == (3, 0, 300.0, (1, 2, 3))
+    assert (out[1].running, out[1].kv, out[1].requests, out[1].version, out[1].loading) == (0, 0.0, (), 3, True)
+    assert snaps[0].running == 4                                           # the input is not changed
+
+
+# ---- Algorithm 4, vanilla sync, the TS summary and intake -------------------------------------------------------
+def sync_case(ts_version: int | None) -> tuple[Views, Any]:
+    """Two lagging engines at version 0 (published 2, eta 1, v_next 2): engine 0 idle, engine 1 busy. TS: fresh
+    groups, or (ts_version) one partial trajectory whose newest token is that version."""
+    engines = [EngineView(0, version=0, kv_free=10**6), EngineView(1, version=0, running=1, kv_used=1,
+                                                                   kv_free=10**6, assigned=1)]
+    v = one_engine_views(0 if ts_version is not None else 2, engines, published=2)
+    v.requests[9] = Request(9, 9, 0, 9, 0, 100, state="running", engine=1, v_traj=0)
+    if ts_version is not None:
+        r = v.requests[5] = Request(5, 5, 0, 5, 0, 100, v_traj=ts_version)
+        r.partial = Trajectory(5, 0, [1] * 100, [5], [-1.0], [ts_version], "interrupted")
+    preset = sched.load_preset("staleflow", {"dispatch": {"eta": 1, "period_s": 0.0}})
+    preset.dispatch.state.routed = {9}
+    preset.dispatch.state._buffers = StalenessBuffers(eta=1, batch=4, v_next=2)
+    return v, preset
+
+
+def test_algorithm_4_syncs_only_lagging_instances_nothing_routable_can_use_and_a_tentative_plan_would_fill():
+    v, p = sync_case(None)                     # fresh groups: version 0 + eta 1 < v_next 2, so none is routable
+    snaps = p.dispatch.state.snapshots(v, float("inf"))
+    got = [(type(c).__name__, c.engine) for c in p.weight_sync.plan(v, snaps)]
+    assert got == [("LoadWeights", 0), ("Interrupt", 1), ("LoadWeights", 1)]      # the busy one interrupted first
+    v, p = sync_case(0)                        # a partial trajectory of version 0: routable at version 0
+    assert p.weight_sync.plan(v, p.dispatch.state.snapshots(v, float("inf"))) == []   # still useful as it is
+    v, p = sync_case(2)                        # needs version 2: eligible; each instance's own tentative plan
+    assert [c.engine for c in p.weight_sync.plan(v, p.dispatch.state.snapshots(v, float("inf")))   # places it
+            if type(c).__name__ == "LoadWeights"] == [0, 1]
+    v, p = sync_case(None)
+    p.dispatch.state._buffers = StalenessBuffers(eta=1, batch=1, v_next=2)
+    p.dispatch.state._buffers.reserve(77, 2)   # both version-2 slots (buffers 3 and 2) taken: a sync would not
+    p.dispatch.state._buffers.reserve(78, 2)   # be used
+    assert p.weight_sync.plan(v, p.dispatch.state.snapshots(v, float("inf"))) == []
+
+
+def test_vanilla_sync_pulls_every_lagging_instance_at_once_interrupting_what_runs():
+    v, _ = sync_case(None)
+    p = sched.load_preset("staleflow_vanilla", {"dispatch": {"eta": 1, "period_s": 1e9}})
+    p.dispatch.state.routed = {9}
+    p.dispatch.state.last_pass = v.now = 0.0     # mid-period: event-driven, not part of a pass
+    cmds = p.weight_sync.engines_to_load(v)
+    assert [(type(c).__name__, c.engine) for c in cmds] == [("LoadWeights", 0), ("Interrupt", 1),
+                                                            ("LoadWeights", 1)]
+    assert cmds[1].req_ids == [9] and all(c.version == 2 for c in cmds if type(c).__name__ == "LoadWeights")
+
+
+@given(prios=st.lists(st.tuples(st.sampled_from(["fresh", "reserved", "partial"]), st.integers(0, 4)), max_size=8),
+       v_next=st.integers(0, 3), eta=st.integers(0, 2), u=st.integers(-1, 6), loading=st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_ts_summary_answers_what_trying_every_trajectory_answers(prios, v_next, eta, u, loading):
+    sb = StalenessBuffers(eta=eta, batch=2, v_next=v_next)
+    items = []
+    for i, (kind, ver) in enumerate(prios):
+        if kind == "partial":
+            items.append(item(i, 100 + i, v_traj=min(ver, 3), versions=[ver]))
+        else:
+            if kind == "reserved" and sb.can_assign(ver):
+                sb.reserve(100 + i, ver)
+            items.append(item(i, 100 + i))
+    snap = InstanceSnap(0, u, 0, loading=loading)
+    from sched.policies.staleflow.store import TSSummary, routable
+    assert TSSummary(sb, items).any_routable(snap) == any(routable(sb, it, snap) for it in items)
+
+
+def test_ts_intake_keeps_eta_plus_one_batches_of_unreserved_groups_waiting():
+    from sched.policies.staleflow.store import ts_intake
+    v = Views(group_size=2, prompts_per_step=2)
+    sb = StalenessBuffers(eta=1, batch=2)
+    assert ts_intake(v, sb, 0) == 2                       # empty: pull a round
+    for rid in range(6):                                  # 3 groups of 2 waiting, unreserved
+        v.requests[rid] = Request(rid, rid // 2, rid % 2, rid // 2, 0, 10)
+    assert ts_intake(v, sb, 0) == 0                       # 3 + 2 > (1 + 1) x 2
+    sb.reserve(0, 0)                                      # group 0 reserved: no longer counted
+    assert ts_intake(v, sb, 0) == 2 and ts_intake(v, sb, 3) == 0    # 2 + 2 <= 4; an explicit capacity of 3
+    v.requests[2].v_traj = v.requests[3].v_traj = 0       # group 1 started (routed once): not waiting fresh
+    assert ts_intake(v, sb, 3) == 2
 
 
 # ---- whole runs on the simulator --------------------------------------------------------------------------------
@@ -225,6 +350,7 @@ def test_areal_hand_off_waits_rather_than_strand_an_old_group():
     g0.scored, g0.materialized_seq = 1, 9
     g0.trajectories = [Trajectory(0, 0, [1], [2], [-1.0], [0], "stop")]
     v.groups.track(g0)
+    v.materialized += 1                           # as the lifecycle counts it (the hand-off's "anything new?")
     assert h.ready(v) == [0, 1]                   # oldest first
 
 

@@ -191,7 +191,8 @@ class Trainer:
             out = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.seq_idx, batch.mask, ref,
                               clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
                               ratio_level=cfg.ratio_level, kl_coef=cfg.kl_coef, max_len=self.max_len,
-                              normaliser=normaliser, num_seqs=batch.num_seqs, prox_logp=prox, is_cap=self.is_cap)
+                              normaliser=normaliser, num_seqs=batch.num_seqs, prox_logp=prox, is_cap=self.is_cap,
+                              is_mode=cfg.is_mode)
             # FSDP averages gradients over the ranks; every rank's loss is already a share of the global sum.
             (out.loss * self.world).backward()
             sums = dict(out.sums, entropy=(entropy.detach().float() * batch.mask).sum())

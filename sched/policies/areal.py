@@ -9,13 +9,14 @@ The staleness bound eta is the dispatch's parameter; the hand-off takes it from 
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from config import F
 from sched.base import Dispatch, Handoff, LoadWeights, Preset, Submit, WeightSync, register
-from sched.views import ON_ENGINE, GroupState, Views, least_loaded
+from sched.views import ON_ENGINE, GroupState, S, Views, least_loaded
 
 
 @register
@@ -36,10 +37,12 @@ class ArealDispatch(Dispatch):
     `max(1, max_concurrent_rollouts // world_size)` run per shard. A rollout there is one prompt's workflow (one
     GROUP) and consumer_batch_size is the training batch in groups, so the cap counts groups and 0 means AReaL's
     default, one training batch. Without it the (eta + 1) x batch bound alone lands every admitted group on the
-    engines at once, a thrash no AReaL deployment runs. The StaleFlow paper does not report the baselines' value.
+    engines at once, a thrash no AReaL deployment runs. verl's fully async rollouter caps per server instead
+    (`per_engine`, configs/sched/verl_async.toml). The StaleFlow paper does not report the baselines' value.
 
     Invariants kept: admitted groups never outnumber (eta + u + 1) x batch for the engine version u they start
-    under; no engine is given a group while `max(1, max_concurrent_rollouts // engines)` groups are live on it."""
+    under; no engine is given a group while `per_engine` (or `max(1, max_concurrent_rollouts // engines)`) groups
+    are live on it."""
     name = "areal"
     paper = "AReaL / VeRL-Async strict staleness control, as StaleFlow §2.2, §6.1 describe it"
 
@@ -48,11 +51,17 @@ class ArealDispatch(Dispatch):
         eta: int = F(3, ge=0, help="staleness bound: trainer version - generating version at consumption")
         max_concurrent_rollouts: int = F(0, ge=0, help="groups generating at once over all engines, spread "
                                          "evenly per engine (AReaL's knob; 0: its default, one training batch)")
+        per_engine: int = F(0, ge=0, help="groups generating at once per engine, instead of max_concurrent_rollouts "
+                            "(verl's fully async rollouter: 16 per server; 0: use max_concurrent_rollouts)")
 
     def __init__(self, params: "ArealDispatch.Params | None" = None):
         super().__init__(params)
         self.admitted = 0      # groups started, cumulative
         self.pulled = 0        # groups pulled into the pipeline, cumulative
+        self.placed: dict[int, dict[int, list[int]]] = {}   # `_live_groups`' books
+        self.counted: dict[int, tuple[int, int]] = {}        # engine -> (its `assigned`, live groups) when counted
+        self.synced = False
+        self.own_placement = False
 
     def staleness_bound(self) -> int | None:
         return self.p.eta
@@ -64,36 +73,78 @@ class ArealDispatch(Dispatch):
         self.pulled += B
         return B
 
+    def bind(self, preset: Preset) -> None:
+        # only this dispatch puts requests on engines unless the rebalance can migrate them (`_live_groups`)
+        self.own_placement = preset.rebalance.name == "none"
+
     def admit(self, v: Views) -> list[Submit]:
         B = v.prompts_per_step
         ready = [e for e in v.engines if e.version >= 0 and not e.loading]
         if not ready or self.admitted >= (self.p.eta + max(e.version for e in ready) + 1) * B:
             return []
+        if not v.requests.count(S.PENDING):
+            return []
+        cap = self.p.per_engine or max(1, (self.p.max_concurrent_rollouts or B) // max(1, len(v.engines)))
+        groups = self._live_groups(v)
+        if all(groups[e.engine] >= cap for e in ready):
+            return []
         load = {e.engine: e.assigned for e in ready}
-        cap = max(1, (self.p.max_concurrent_rollouts or B) // max(1, len(v.engines)))
-        live: dict[int, set[int]] = {e.engine: set() for e in v.engines}
-        for r in v.requests.in_state(*ON_ENGINE):
-            if r.engine in live:
-                live[r.engine].add(r.group_id)
-        groups = {e: len(gs) for e, gs in live.items()}
         out: dict[int, list[int]] = {}
-        for ids in v.pending_by_group().values():
+        for gid, members in itertools.groupby(v.requests.iter_pending(), key=lambda r: r.group_id):
             ok = {e.engine: load[e.engine] for e in ready
                   if self.admitted < (self.p.eta + e.version + 1) * B and groups[e.engine] < cap}
             if not ok:
                 break
+            ids = [r.req_id for r in members]
             eng = least_loaded(ok)
             out.setdefault(eng, []).extend(ids)
+            self.placed.setdefault(eng, {}).setdefault(gid, []).extend(ids)
+            self.counted.pop(eng, None)
             load[eng] += len(ids)
             groups[eng] += 1
             self.admitted += 1
         return [Submit(e, ids) for e, ids in sorted(out.items())]
+
+    def _live_groups(self, v: Views) -> dict[int, int]:
+        """Per engine, the groups with a request on it (AReaL's running rollouts). Kept incrementally from this
+        dispatch's own Submits (`placed`: engine -> group -> its ids that may still be there, the last checked
+        first, so each request is passed over once after it leaves) and re-counted only on an engine whose
+        `assigned` moved since (a request left, or this dispatch placed one); rebuilt from the running index
+        after a resume, and on every call when a rebalance may migrate requests onto other engines."""
+        if not self.synced or not self.own_placement:
+            self.placed, self.counted = {}, {}
+            for r in v.requests.in_state(*ON_ENGINE):
+                self.placed.setdefault(r.engine, {}).setdefault(r.group_id, []).append(r.req_id)
+            self.synced = True
+        out = {}
+        for e in v.engines:
+            eng = e.engine
+            seen = self.counted.get(eng)
+            if seen is not None and seen[0] == e.assigned:
+                out[eng] = seen[1]
+                continue
+            groups = self.placed.get(eng, {})
+            for gid in list(groups):
+                ids = groups[gid]
+                while ids and not _on(v, ids[-1], eng):
+                    ids.pop()
+                if not ids:
+                    del groups[gid]
+            out[eng] = len(groups)
+            self.counted[eng] = (e.assigned, len(groups))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"admitted": self.admitted, "pulled": self.pulled}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.admitted, self.pulled = int(state.get("admitted", 0)), int(state.get("pulled", 0))
+        self.synced = False
+
+
+def _on(v: Views, req_id: int, engine: int) -> bool:
+    r = v.requests.get(req_id)
+    return r is not None and r.state in ON_ENGINE and r.engine == engine
 
 
 def group_version(v: Views, g: GroupState) -> int:
@@ -117,6 +168,11 @@ class ArealHandoff(Handoff):
     name = "areal"
     paper = "AReaL / VeRL-Async strict staleness control, as StaleFlow §2.2, §6.1 describe it"
 
+    def __init__(self, params: Any = None):
+        super().__init__(params)
+        self.versions: dict[int, int] = {}   # open started group -> its version (fixed once every member started)
+        self.waited: tuple | None = None     # `ready`'s inputs when it last answered "wait for stragglers"
+
     def bind(self, preset: Preset) -> None:
         if not isinstance(preset.dispatch, ArealDispatch):
             raise ValueError(f"the areal handoff takes its staleness bound from the areal dispatch; this preset's "
@@ -125,12 +181,20 @@ class ArealHandoff(Handoff):
 
     def ready(self, v: Views) -> list[int] | None:
         B, w, eta = v.prompts_per_step, v.trainer.version, self.dispatch.p.eta
+        if v.groups.count_ready() < B:
+            return None                                    # no batch can form (a shortcut: decisions unchanged)
+        # what the answer depends on: materialised / dropped / consumed groups, started groups, the trainer version
+        key = (v.materialized, v.dropped, v.trainer.groups_consumed, self.dispatch.admitted, w)
+        if key == self.waited:
+            return None                                    # nothing changed since it last said wait
         count: Counter[int] = Counter()
         done = []
         for g in v.open_groups():
-            if any(v.requests[i].v_traj < 0 for i in g.req_ids if i in v.requests):
-                continue                                   # not started yet
-            ver = group_version(v, g)
+            ver = self.versions.get(g.group_id)
+            if ver is None:
+                if any(v.requests[i].v_traj < 0 for i in g.req_ids if i in v.requests):
+                    continue                               # not started yet
+                ver = self.versions[g.group_id] = group_version(v, g)
             count[ver] += 1
             if g.materialized:
                 done.append((ver, g.materialized_seq, g.group_id))
@@ -143,8 +207,15 @@ class ArealHandoff(Handoff):
         for u in sorted(count):
             left += count[u] - taken[u]
             if left > (u + eta - w) * B:
+                self.waited = key
                 return None                                # would strand version-u groups: wait for them
+        for *_, gid in batch:
+            del self.versions[gid]
         return [gid for *_, gid in batch]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.versions.clear()                              # resumed requests are first admitted again
+        self.waited = None
 
 
 @register

@@ -53,25 +53,57 @@ def rollout_idle_ratio(r: SimResult) -> float:
     return idle / (r.num_engines * (end - starts[0]))
 
 
-def throughput(r: SimResult) -> float:
-    """Samples trained per second from the first round's start to the last train call's end."""
-    ends = [e.t for e in r.events if e.kind == "train_step_done"]
-    t0 = min(e.t for e in r.events if e.kind == "round_started")
-    return r.metrics["samples_trained"] / (max(ends) - t0)
+UNITS = ("samples", "tokens")   # what a throughput counts: trained samples, or trained tokens (prompt + response)
 
 
-def after_warmup_throughput(r: SimResult, warmup: int = 1) -> float:
-    """Samples trained per second between the end of optimizer step `warmup` and the end of the last one."""
-    cum, pts = 0.0, []
+def _trained(r: SimResult, unit: str) -> list[tuple[float, float, bool]]:
+    """(end time, cumulative samples or tokens trained, whether the call stepped) per train call, in order."""
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
+    cum, out = 0.0, []
     for e in r.events:
         if e.kind == "train_step_done":
-            cum += e.data.get("samples", 0)
-            if e.data.get("stepped", True):
-                pts.append((e.t, cum))
+            cum += e.data.get(unit, 0)
+            out.append((e.t, cum, e.data.get("stepped", True)))
+    return out
+
+
+def throughput(r: SimResult, unit: str = "samples") -> float:
+    """Samples (or tokens: StaleFlow §6.1's and Laminar §8's "tokens processed") trained per second from the first
+    round's start to the last train call's end."""
+    pts = _trained(r, unit)
+    t0 = min(e.t for e in r.events if e.kind == "round_started")
+    return pts[-1][1] / (pts[-1][0] - t0)
+
+
+def after_warmup_throughput(r: SimResult, warmup: int = 1, unit: str = "samples") -> float:
+    """Samples (or tokens) trained per second between the end of optimizer step `warmup` and the end of the last."""
+    pts = [(t, c) for t, c, stepped in _trained(r, unit) if stepped]
     if len(pts) <= warmup:
         raise RuntimeError(f"{r.preset}: only {len(pts)} optimizer steps")
     (t0, c0), (t1, c1) = pts[warmup - 1] if warmup else (0.0, 0.0), pts[-1]
     return (c1 - c0) / (t1 - t0)
+
+
+def length_bias(r: SimResult) -> dict[str, float]:
+    """What a run trained against what it generated: the mean response length of the trained samples and of every
+    finished one, their ratio (below 1: the run trains a short-biased subset, which a samples/s throughput rewards),
+    finished samples per trained one (over-generation), and the backlog left when the run stopped (materialised
+    groups not trained, requests still in flight)."""
+    n = tok = 0.0
+    for e in r.events:
+        if e.kind == "train_step_done" and e.data.get("samples"):
+            n += e.data["samples"]
+            tok += e.data["samples"] * e.data.get("response_len_mean", 0.0)
+    fin = [e.data.get("tokens", 0) for e in r.events if e.kind == "trajectory_finished"]
+    if not n or not fin:
+        raise RuntimeError(f"{r.preset}: nothing trained or finished")
+    trained, generated = tok / n, sum(fin) / len(fin)
+    v = r.views
+    return {"trained_len": trained, "generated_len": generated, "bias": trained / generated,
+            "overgeneration": len(fin) / n,
+            "backlog_groups": float(len(v.ready_groups())) if v is not None else float("nan"),
+            "in_flight": float(v.in_flight()) if v is not None else float("nan")}
 
 
 def generation_tps(r: SimResult) -> float:

@@ -57,7 +57,10 @@ def marginal_routes(snaps: dict[int, InstanceSnap], items: Iterable[Item], buffe
 
 def fewest_routes(snaps: dict[int, InstanceSnap], items: Iterable[Item], buffers: StalenessBuffers,
                   until: int | None = None) -> list[tuple[int, Item]]:
-    """The vanilla routing: each TS trajectory to the routable instance with the fewest trajectories."""
+    """The vanilla routing: each TS trajectory to the instance with the fewest trajectories. When that instance is
+    mid-Pull, the Route waits for the Pull to land (§5.2), so the trajectory and the queue behind it wait for a
+    later pass instead of piling onto the instances that already pulled (after a vanilla sync every instance pulls
+    at once, and the first to land would otherwise take the whole store)."""
     load = {e: s.running + s.waiting for e, s in snaps.items()}
     out: list[tuple[int, Item]] = []
     for it in items:
@@ -65,6 +68,8 @@ def fewest_routes(snaps: dict[int, InstanceSnap], items: Iterable[Item], buffers
         if not cands:
             break                                   # MLQ head-of-line, as in Alg. 3
         chosen = min(cands, key=lambda s: (load[s.engine], s.engine))
+        if any(s.loading and s.version >= 0 and load[s.engine] < load[chosen.engine] for s in snaps.values()):
+            break                                   # the least-loaded instance is mid-Pull: wait for it
         commit(buffers, it, chosen.version)
         load[chosen.engine] += 1
         out.append((chosen.engine, it))
@@ -121,7 +126,8 @@ class StaleFlowRouting(Dispatch):
             return []
         st.sync_buffers(v)
         buffers = st.buffers(v)
-        routes = self.route(st.snapshots(v, self.kv_budget()), TSQueue(v, buffers), buffers)
+        snaps = st.coordinate(v, st.snapshots(v, self.kv_budget()))     # Alg. 1: sync, migrate, then route
+        routes = self.route(snaps, TSQueue(v, buffers), buffers)
         out: dict[int, list[int]] = {}
         for eng, it in routes:
             out.setdefault(eng, []).append(it.req.req_id)

@@ -6,6 +6,7 @@ from typing import Any
 
 from config import F
 from sched.base import Abort, Interrupt, Migrate, Preset, Rebalance, register
+from sched.policies.staleflow.state import Snaps
 from sched.policies.staleflow.weight_sync import staleflow_routing
 from sched.views import Views
 
@@ -39,12 +40,14 @@ class StaleFlowMigration(Rebalance):
 
     def bind(self, preset: Preset) -> None:
         self.routing = staleflow_routing(preset, f"the {self.name!r} rebalance")
+        self.routing.state.steps["migrate"] = self.migrate
 
     def plan(self, v: Views) -> list[Abort | Interrupt | Migrate]:
+        return self.routing.state.take(v, "migrate")
+
+    def migrate(self, v: Views, snaps: Snaps) -> list[Interrupt]:
+        """Algorithm 5 on the pass's snapshot, after sync (Algorithm 1's second step)."""
         st = self.routing.state
-        if not st.coordinating(v):
-            return []
-        snaps = st.snapshots(v, st.p.cost.kv_budget_tokens or float("inf"))
         out: dict[int, list[int]] = {}
         for e, s in snaps.items():                                    # Case 1
             excess = s.waiting - self.p.phi_wait

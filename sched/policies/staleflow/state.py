@@ -21,19 +21,30 @@ How the paper's pieces map onto ours:
   prompt + tokens so far.
 - Coordination period: Algorithm 1 runs at most once per `period_s` (the paper's snapshot period, unreported), on
   the first event after it elapsed, or at once whenever nothing is in flight (else no event would ever come).
+- Algorithm 1's order: one pass on one snapshot, sync (Alg. 4), then migration (Alg. 5), then routing (Alg. 2-3).
+  The weight sync and the rebalance register their step here at bind time (`steps`); the routing dispatch, which
+  the controller asks first, runs the pass (`coordinate`): each step's commands are applied to the snapshot before
+  the next step plans (`after_commands`: a synced instance is mid-Pull and empty, interrupted trajectories are off
+  their instance), and the weight sync and the rebalance hand this pass's commands to the controller when it asks
+  them (`take`). Interrupted trajectories come back to the TS when their interrupt lands ("Route is pending until
+  the Interrupt lands", §5.2), so routing re-places them on a later pass.
 - Staleness protocol from the views (`sync_buffers`): a reserved group is completed (Occupy, after the reward of
   every member, §4.3) once the controller reports it materialised, and removed if it became void.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from config import F
 from sched.policies.staleflow.buffers import StalenessBuffers
+from sched.base import Interrupt, LoadWeights
 from sched.policies.staleflow.cost import CostParams, InstanceSnap, ThroughputModel
 from sched.views import ON_ENGINE, Request, RequestState, Views
+
+Snaps = dict[int, InstanceSnap]
+PASS_STEPS = ("sync", "migrate")   # Algorithm 1's order before routing
 
 
 @dataclass
@@ -59,6 +70,9 @@ class StaleFlowState:
         self.pass_seq = -1
         self.passing = False
         self.synced: tuple[int, int] | None = None  # (v.materialized, v.dropped) at the last buffer sync
+        self.steps: dict[str, Callable[[Views, Snaps], list[Any]]] = {}  # Alg. 1's sync / migrate (bind time)
+        self.issued: dict[str, list[Any]] = {}   # this pass's commands by step, until the controller takes them
+        self.issued_seq = -1                     # Views.seq of the pass that issued them
 
     def buffers(self, v: Views) -> StalenessBuffers:
         """The staleness buffers, made at their first use: `prompts_per_step` entries each, starting at the
@@ -79,6 +93,21 @@ class StaleFlowState:
             if self.passing:
                 self.last_pass = v.now
         return self.passing
+
+    def coordinate(self, v: Views, snaps: Snaps) -> Snaps:
+        """Algorithm 1 up to routing: each registered step (sync, then migration) plans on the snapshot its
+        predecessors' commands left; returns the snapshot routing plans on."""
+        self.issued, self.issued_seq = {}, v.seq
+        for name in PASS_STEPS:
+            step = self.steps.get(name)
+            if step is not None:
+                cmds = self.issued[name] = step(v, snaps)
+                snaps = after_commands(snaps, cmds)
+        return snaps
+
+    def take(self, v: Views, name: str) -> list[Any]:
+        """The commands step `name` issued in this event's pass (once; [] on any other event)."""
+        return self.issued.pop(name, []) if self.issued_seq == v.seq else []
 
     def sync_buffers(self, v: Views) -> None:
         """Occupy groups that materialised, remove groups that became void (§4.2-4.3)."""
@@ -135,6 +164,26 @@ class StaleFlowState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._buffers, self._restore = None, state.get("buffers") or None
+
+
+def after_commands(snaps: Snaps, cmds: list[Any]) -> Snaps:
+    """The snapshot once `cmds` (a pass step's Interrupts and LoadWeights) took effect: an instance pulling a new
+    version is mid-Pull (routing skips it); interrupted trajectories leave their instance, waiting ones first (Alg. 5
+    Case 1 takes the excess of the wait queue), the KV of those that were running in proportion."""
+    out = dict(snaps)
+    for c in cmds:
+        s = out[c.engine]
+        if isinstance(c, LoadWeights):
+            out[c.engine] = replace(s, version=c.version, loading=True)
+        elif isinstance(c, Interrupt):
+            gone = set(c.req_ids)
+            n = sum(1 for i in s.requests if i in gone)
+            from_wait = min(s.waiting, n)
+            running = max(0, s.running - (n - from_wait))
+            kv = s.kv * running / s.running if s.running else 0.0
+            out[c.engine] = replace(s, running=running, waiting=s.waiting - from_wait, kv=kv,
+                                    requests=tuple(i for i in s.requests if i not in gone))
+    return out
 
 
 def _req_id(r: Request) -> int:

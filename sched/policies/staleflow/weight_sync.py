@@ -2,11 +2,11 @@
 ablation (§6.5)."""
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from sched.base import Interrupt, LoadWeights, Preset, WeightSync, register
 from sched.policies.staleflow.dispatch import StaleFlowRouting
+from sched.policies.staleflow.state import Snaps
 from sched.policies.staleflow.store import TSQueue, TSSummary
 from sched.views import RequestState, Views
 
@@ -38,22 +38,25 @@ class StaleFlowSync(WeightSync):
 
     def bind(self, preset: Preset) -> None:
         self.routing = staleflow_routing(preset, f"the {self.name!r} weight sync")
+        self.routing.state.steps["sync"] = self.plan
 
     def engines_to_load(self, v: Views) -> list[LoadWeights | Interrupt]:
+        ps = v.trainer.published
+        out: list[LoadWeights | Interrupt] = [LoadWeights(e.engine, ps) for e in v.engines
+                                              if e.version < 0 and not e.loading and ps >= 0]
+        return out + self.routing.state.take(v, "sync")
+
+    def plan(self, v: Views, snaps: Snaps) -> list[LoadWeights | Interrupt]:
+        """Algorithm 4 on the pass's snapshot (Algorithm 1's first step)."""
         st = self.routing.state
         ps = v.trainer.published
-        if ps < 0:
-            return []
-        out: list[LoadWeights | Interrupt] = [LoadWeights(e.engine, ps) for e in v.engines
-                                              if e.version < 0 and not e.loading]
         lagging = [e for e in v.engines if 0 <= e.version < ps and not e.loading]
-        if not lagging or not st.coordinating(v):
-            return out
-        st.sync_buffers(v)
+        if not lagging:
+            return []
         buffers = st.buffers(v)
-        snaps = st.snapshots(v, math.inf)
         items = TSQueue(v, buffers)
         ts = TSSummary(buffers, items)
+        out: list[LoadWeights | Interrupt] = []
         for e in lagging:
             if ts.any_routable(snaps[e.engine]):
                 continue                                    # it can still take load at its version
@@ -75,6 +78,12 @@ class VanillaSync(StaleFlowSync):
     paper = "StaleFlow §6.5 ablation: vanilla synchronization (immediate)"
 
     def engines_to_load(self, v: Views) -> list[LoadWeights | Interrupt]:
+        st = self.routing.state
+        return st.take(v, "sync") if st.coordinating(v) else self.plan(v, {})
+
+    def plan(self, v: Views, snaps: Snaps) -> list[LoadWeights | Interrupt]:
+        """Every lagging instance: Interrupt what runs on it, then Pull (also Algorithm 1's first step on a pass,
+        so routing never places a trajectory on an instance this sync empties)."""
         ps = v.trainer.published
         lagging = [e.engine for e in v.engines if e.version < ps and not e.loading]
         if not lagging:
