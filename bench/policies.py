@@ -17,8 +17,9 @@ U complete groups; the stream-trainer presets (rollpacker, streamrl) take
 their one accumulated step per round by design (RollPacker §4.4, StreamRL §4). Runs alternate between presets
 (`--repeats` rounds of the whole list) so that machine load hits them alike. Per preset: the training loop's wall
 time (first round start to last event, from the run's event log; process start-up excluded and printed apart),
-trained samples per second, and the trainer waiting ratio (RolloutPipe §5.1, `sched.metrics.summarize`). The last line is
-the wall-clock ratio of each preset against sync (median over repeats): `speedup vs sync: rolloutpipe 1.31x, ...`.
+trained samples per second, and the trainer waiting ratio (RolloutPipe §5.1, `sched.metrics.summarize`). The last
+line is the wall-clock ratio of each preset against sync (median over repeats): `speedup vs sync: rolloutpipe 1.31x,
+...`.
 The machine's load average is printed beside every run: on shared cores, read the ratios with it.
 """
 from __future__ import annotations

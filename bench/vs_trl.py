@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             order = modes[rep % len(modes):] + modes[:rep % len(modes)]
             for m in order:
                 load = load_avg()
-                r = run_trl(s, work, a.trl_python, a.threads) if m == "trl" else run_ours(s, m, work, str(rep), a.threads)
+                r = (run_trl(s, work, a.trl_python, a.threads) if m == "trl"
+                     else run_ours(s, m, work, str(rep), a.threads))
                 results.append(r)
                 print(f"{r.line()}  load {load:.1f}->{load_avg():.1f}", flush=True)
     print(f"runs in {work}")
@@ -344,7 +345,8 @@ def summary(results: list[Result], settings: list[str], modes: list[str]) -> str
             spans = [r.reward_span() for r in rs]
             lines.append(f"| {s} | {m} | {med[s, m]:.2f} | {statistics.median(r.total_s for r in rs):.2f} | "
                          f"{statistics.median(r.tok_s for r in rs) / 1e3:.2f}k | "
-                         f"{statistics.fmean(a for a, _ in spans):.2f} -> {statistics.fmean(b for _, b in spans):.2f} | "
+                         f"{statistics.fmean(a for a, _ in spans):.2f} -> "
+                         f"{statistics.fmean(b for _, b in spans):.2f} | "
                          f"{max(r.peak_rss for r in rs) / 2**30:.2f} GiB |")
     ratios = [f"{s} {m} {med[s, 'trl'] / med[s, m]:.2f}x" for s in settings for m in modes
               if m != "trl" and (s, m) in med and (s, "trl") in med]

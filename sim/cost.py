@@ -17,7 +17,8 @@ jump from one event to the next instead of stepping (sim/engine.py).
 Other costs: prefill is linear in tokens (compute-bound); training is seconds per trained token (prompt +
 response) for one GPU, divided by the train partition's GPUs, plus a per-call overhead; publishing weights is one
 broadcast from the trainer to every engine's relay; loading is relay -> engine; reward latency is a per-sample
-distribution per task (a prompt's task fixed by the prompt). The named calibrations, each constant with its source, are in sim/profiles.py.
+distribution per task (a prompt's task fixed by the prompt). The named calibrations, each constant with its
+source, are in sim/profiles.py.
 """
 from __future__ import annotations
 

@@ -172,8 +172,8 @@ def _split(sigma: float, icc: float = 0.6) -> tuple[float, float]:
 # the hardest RP_RUNAWAY_PROMPTS = 3 / 128 of the prompts are prone, so a step of P0 = 128 prompts holds 3 of them on
 # average and 95% of steps reach the cap (the paper's max = cap per step); each of their samples runs away with
 # probability RP_RUNAWAY_RHO = 1/2 (our reading of "consistently": as likely as not; no number in the paper), so
-# RP_RUNAWAY = 3/128 x 1/2 = 1.2% of samples run to the cap. The paper gives these statistics only for 14B/16k;
-# for 7B/8k and 32B/32k we assume the same shape (same ratios to the cap).
+# RP_RUNAWAY = 3/128 x 1/2 = 1.2% of samples run to the cap. The paper gives these statistics only for 14B/16k; for
+# 7B/8k and 32B/32k we assume the same shape (same ratios to the cap).
 RP_RATIO, RP_P75_OVER_MEDIAN = 28.5, 930 / (16384 / 28.5)
 RP_RUNAWAY_PROMPTS, RP_RUNAWAY_RHO = 3 / 128, 0.5
 RP_RUNAWAY = RP_RUNAWAY_PROMPTS * RP_RUNAWAY_RHO

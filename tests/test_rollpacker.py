@@ -43,7 +43,7 @@ def test_scale_down_lends_half_the_least_loaded_engines_at_a_milestone_and_migra
     lend = [c for c in out if isinstance(c, LendEngines)]
     moves = [c for c in out if isinstance(c, Migrate)]
     assert len(lend) == 1 and len(lend[0].engines) == 2 and out[-1] is lend[0]
-    loads = v.engine_loads()                          # groups 0..5 round-robin: engines 0, 1 hold 4, engines 2, 3 hold 2
+    loads = v.engine_loads()   # groups 0..5 round-robin: engines 0, 1 hold 4, engines 2, 3 hold 2
     assert sorted(lend[0].engines) == [2, 3] and loads[2] == loads[3] == 2 < loads[0]
     for m in moves:                                   # every running request of a lent engine moves, group by group
         assert m.src in lend[0].engines and m.dst not in lend[0].engines

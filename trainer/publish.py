@@ -9,16 +9,16 @@ on CPU). Receivers call `WeightReceiver.receive(loader)` and get `loader(iterabl
 engine's `load_weights`), streamed bucket by bucket.
 
 Wire format: one int64 pair per publication, [version, header bytes]; the header {names, shapes, dtypes, buckets,
-offsets, sizes, tied, verify} (JSON: no unpickling outside the control channel) follows only on the first publication, which the receiver keeps, since the
-layout never changes. Then per bucket one uint8 buffer: each tensor's bytes at a 16-byte aligned offset and, with
-`verify`, after them one int64 checksum per tensor (`checksum`: a positional hash of its bytes, taken from the
-gathered tensor before packing). So a publication is two broadcasts plus one per bucket, whatever the number of
-tensors. The receiver checks each tensor before handing its bucket to the loader, keeps receiving to the end (so the
-collectives stay matched) and raises `WeightChecksumError` naming the first mismatching tensor; `hashes` keeps the
-verified checksums of the last publication (the rollout worker checks its engine against them after a load). A tied
-weight is sent once, under its first name (`model.embed_tokens.weight`); the header's `tied` maps the other names to
-it. Both sides tell `progress` (when given) of the header and of each bucket: the runtime's deadlines are renewed by
-it (runtime/watchdog.py).
+offsets, sizes, tied, verify} (JSON: no unpickling outside the control channel) follows only on the first
+publication, which the receiver keeps, since the layout never changes. Then per bucket one uint8 buffer: each
+tensor's bytes at a 16-byte aligned offset and, with `verify`, after them one int64 checksum per tensor (`checksum`:
+a positional hash of its bytes, taken from the gathered tensor before packing). So a publication is two broadcasts
+plus one per bucket, whatever the number of tensors. The receiver checks each tensor before handing its bucket to
+the loader, keeps receiving to the end (so the collectives stay matched) and raises `WeightChecksumError` naming the
+first mismatching tensor; `hashes` keeps the verified checksums of the last publication (the rollout worker checks
+its engine against them after a load). A tied weight is sent once, under its first name
+(`model.embed_tokens.weight`); the header's `tied` maps the other names to it. Both sides tell `progress` (when
+given) of the header and of each bucket: the runtime's deadlines are renewed by it (runtime/watchdog.py).
 """
 from __future__ import annotations
 

@@ -84,8 +84,10 @@ ROWS = [
     Row("CGP+FGD first legal dispatch, R=96 (§5.2)", (52, 61), "52–61 s",
         metric(("rolloutpipe", RP(96)), lambda r: round_figures(r)["first_dispatch_s"]), "{:.0f} s",
         setting="CGP+FGD"),
-    Row("CGP share of the reduction, R=32 (§5.2)", (0.71, 0.79), "71–79%", cgp_share(32), setting="Slime, CGP, CGP+FGD"),
-    Row("CGP share of the reduction, R=96 (§5.2)", (0.92, 0.96), "92–96%", cgp_share(96), setting="Slime, CGP, CGP+FGD"),
+    Row("CGP share of the reduction, R=32 (§5.2)", (0.71, 0.79), "71–79%", cgp_share(32),
+        setting="Slime, CGP, CGP+FGD"),
+    Row("CGP share of the reduction, R=96 (§5.2)", (0.92, 0.96), "92–96%", cgp_share(96),
+        setting="Slime, CGP, CGP+FGD"),
 ]
 
 

@@ -253,8 +253,8 @@ def calibrate_train_mfu(seeds: tuple[int, ...] = (0, 1, 2)) -> float:
 
 COMPONENTS = ("simulated: colocated engines (H800 roofline: continuous batching, paged KV, preemption), the "
               "trainer (speed calibrated from Table 1), weight resharding, the multi-task reward (one task per prompt; "
-              f"{REWARD_WORKERS} scorer per GPU; veRL: a synchronous stage after the rollout; RollPacker: asynchronous, "
-              "adaptive sandbox timeout), tail batching, the parallelism planner (TP resharded between steps on "
-              "preemptions), the stream trainer's elastic scale-down. Not simulated: the judge's MPS colocation and "
-              "layer-wise offload, RLHFuse.")
+              f"{REWARD_WORKERS} scorer per GPU; veRL: a synchronous stage after the rollout; RollPacker: "
+              "asynchronous, adaptive sandbox timeout), tail batching, the parallelism planner (TP resharded between "
+              "steps on preemptions), the stream trainer's elastic scale-down. Not simulated: the judge's MPS "
+              "colocation and layer-wise offload, RLHFuse.")
 PAPER = Paper(ROWS, components=COMPONENTS, notes=[reward_note, stream_trainer_note, eta_table, planner_note])
