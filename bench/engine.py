@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true", help="skip transformers continuous batching")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--phases", action="store_true", help="also print ms per engine step in each phase")
+    p.add_argument("--hf-cb-deadline", type=float, default=600.0, help="seconds before continuous batching gives up")
     p.add_argument("--threads", type=int, help="torch CPU threads for both (default: torch's)")
     p.add_argument("--repeats", type=int, default=2, help="alternate engine and hf generate runs; keep each's best")
     a = p.parse_args(argv)
@@ -133,8 +135,9 @@ def run_hf_generate(hf, prompts, outs, args):
     return time.perf_counter() - t0
 
 
-def run_hf_continuous(hf, prompts, outs, args):
-    """transformers' continuous batching (what generate_batch runs), with each request's own max_new_tokens."""
+def run_hf_continuous(hf, prompts, outs, args, deadline_s: float = 600.0):
+    """transformers' continuous batching (what generate_batch runs), with each request's own max_new_tokens. Raises
+    TimeoutError naming how far it got when the workload is not done within `deadline_s`."""
     from transformers import GenerationConfig
     if not hasattr(hf, "continuous_batching_context_manager"):
         return None
@@ -145,8 +148,11 @@ def run_hf_continuous(hf, prompts, outs, args):
         t0 = time.perf_counter()
         for i, (p, o) in enumerate(zip(prompts, outs)):
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=o)
-        done = 0
+        done, deadline = 0, time.perf_counter() + deadline_s
         while done < len(prompts):
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"transformers continuous batching finished {done} of {len(prompts)} requests "
+                                   f"in {deadline_s:.0f} s")
             r = manager.get_result(timeout=1)
             if r is not None and r.is_finished():
                 done += 1
@@ -156,6 +162,55 @@ def run_hf_continuous(hf, prompts, outs, args):
         secs = time.perf_counter() - t0
     hf.set_attn_implementation("sdpa")
     return secs
+
+
+def engine_phases(model, prompts, outs, args, steps: int = 60) -> dict[str, float]:
+    """Milliseconds per engine step in each phase (schedule, runner = batch tensors + forward, sample, postprocess),
+    over `steps` decode steps after the prompts' prefill (whose mixed steps are timed apart: prefill_step), with a device sync closing the runner and sampler phases so each
+    phase's device work is charged to it. Where the time of a decode step goes, beside its roofline."""
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=max(2048, args.max_num_seqs),
+                                        memory_fraction=0.5, num_kv_tokens=None if args.device == "cuda" else
+                                        args.max_num_seqs * 2 * args.max_len))
+    spent: dict[str, float] = {"schedule": 0.0, "runner": 0.0, "sample": 0.0, "postprocess": 0.0}
+
+    def timed(name, fn, synced):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            if synced:
+                sync(args.device)
+            spent[name] += time.perf_counter() - t0
+            return out
+        return wrapper
+    eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule, False)
+    eng.runner.run = timed("runner", eng.runner.run, True)
+    eng.sampler = timed("sample", eng.sampler, True)
+    eng.scheduler.postprocess = timed("postprocess", eng.scheduler.postprocess, False)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        eng.add_request(GenRequest(p, SamplingParams(temperature=1.0, max_new_tokens=o, ignore_eos=True, seed=i)))
+    prefill_s = prefill_steps = 0
+    while eng.has_unfinished():  # the prompts' prefill chunks (mixed steps), timed apart from the decode steps
+        eng.step()
+        if eng.last_step.num_decode == eng.last_step.num_seqs:
+            break
+        prefill_s, prefill_steps = prefill_s + eng.last_step.seconds, prefill_steps + 1
+    for k in spent:
+        spent[k] = 0.0
+    total, decode_steps, batch = 0.0, 0, 0
+    for _ in range(steps):
+        eng.step()
+        total += eng.last_step.seconds
+        decode_steps += eng.last_step.num_decode == eng.last_step.num_seqs
+        batch += eng.last_step.num_seqs
+    out = {k: 1e3 * v / steps for k, v in spent.items()}
+    out.update(step=1e3 * total / steps, other=1e3 * total / steps - sum(out.values()), mean_batch=batch / steps,
+               decode_share=decode_steps / steps, prefill_step=1e3 * prefill_s / max(prefill_steps, 1),
+               prefill_steps=prefill_steps)
+    del eng
+    if args.device == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
 
 
 def copy_bandwidth(device: str) -> float:
@@ -199,13 +254,17 @@ def main(argv=None):
         bw = copy_bandwidth("cuda")
         print(f"engine decode: {decode_bw / 1e9:.0f} GB/s of weights + KV read, copy bandwidth {bw / 1e9:.0f} GB/s, "
               f"roofline fraction {decode_bw / bw:.2f}")
+    if args.phases:
+        with torch.inference_mode():
+            ph = engine_phases(ours, prompts, outs, args)
+        print("engine step phases (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
     del ours
     if args.skip_hf:
         return
     peers = {"hf_generate": hf_secs}
     print(f"hf generate (static batches of {args.hf_batch_size}): {total / hf_secs:.1f} tok/s ({hf_secs:.2f} s)")
     if not args.skip_hf_cb:
-        cb = run_hf_continuous(hf, prompts, outs, args)
+        cb = run_hf_continuous(hf, prompts, outs, args, args.hf_cb_deadline)
         if cb is not None:
             peers["hf_continuous_batching"] = cb
             print(f"hf continuous batching: {total / cb:.1f} tok/s ({cb:.2f} s)")

@@ -163,35 +163,45 @@ def section_kernels(s: Sizes, dry: bool) -> dict[str, Any]:
 
 
 def section_engine(s: Sizes, dry: bool) -> dict[str, Any]:
+    """Ours, then transformers' static `generate`, then its continuous batching under what is left of the section's
+    limit; each figure printed as it lands, so a section cut off still shows what it measured."""
     import torch
 
     from bench import engine as be
     from bench.kernels import copy_bandwidth
+    t_start = time.perf_counter()
     shape, n, lo, hi = s.engine
     args = be.parse_args(["--device", device(dry), "--shape", shape, "--num-prompts", str(n), "--min-len", str(lo),
-                          "--max-len", str(hi), "--max-num-seqs", str(n), "--hf-batch-size", str(n), "--repeats", "1"])
+                          "--max-len", str(hi), "--max-num-seqs", str(n),
+                          "--hf-batch-size", str(min(n, 64)), "--repeats", "1"])  # 256 at once: SDPA's mask OOMs
     with tempfile.TemporaryDirectory() as tmp:
         hf, ours = be.make_models(args.device, args.shape, Path(tmp))
     prompts, outs = be.workload(n, lo, hi, be.SHAPES[shape]["vocab_size"] - 1, args.seed)
     total = sum(outs)
     with torch.inference_mode():
         secs, decode_bw, stats = be.run_engine(ours, prompts, outs, args)
+        print(f"engine: {total / secs:.0f} tok/s ({secs:.1f} s, {stats.num_steps} steps)", flush=True)
+        phases = be.engine_phases(ours, prompts, outs, args, steps=60 if not dry else 8)
+        print("engine step phases (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
     del ours
     free_cuda(args.device)
     out: dict[str, Any] = {"ok": True, "shape": shape, "prompts": n, "lengths": [lo, hi], "output_tokens": total,
                            "engine_s": secs, "engine_tok_s": total / secs,
-                           "preemptions": stats.num_preemptions}
+                           "preemptions": stats.num_preemptions, "phases_ms": phases}
+    bw = copy_bandwidth(s.copy_bytes)
+    out.update(decode_gbs=decode_bw / 1e9, copy_gbs=bw / 1e9, roofline=decode_bw / bw)
+    with torch.inference_mode():
+        static = be.run_hf_generate(hf, prompts, outs, args)
+    out.update(hf_generate_s=static, vs_hf_generate=static / secs)
+    print(f"hf generate: {total / static:.0f} tok/s ({static:.1f} s)", flush=True)
+    left = (DRY_LIMIT_S if dry else LIMIT_S["engine"]) - (time.perf_counter() - t_start) - 15
     try:  # transformers' continuous batching API moves between releases: its failure costs only its own rows
-        cb = be.run_hf_continuous(hf, prompts, outs, args)
+        cb = be.run_hf_continuous(hf, prompts, outs, args, deadline_s=max(left, 1.0))
     except Exception as e:  # noqa: BLE001
         cb, out["hf_cb_error"] = None, f"{type(e).__name__}: {e}"[:500]
     if cb is not None:
         out.update(hf_cb_s=cb, hf_cb_tok_s=total / cb, vs_hf_cb=cb / secs)
-    with torch.inference_mode():
-        static = be.run_hf_generate(hf, prompts, outs, args)
-    out.update(hf_generate_s=static, vs_hf_generate=static / secs)
-    bw = copy_bandwidth(s.copy_bytes)
-    out.update(decode_gbs=decode_bw / 1e9, copy_gbs=bw / 1e9, roofline=decode_bw / bw)
+        print(f"hf continuous batching: {total / cb:.0f} tok/s ({cb:.1f} s)", flush=True)
     return out
 
 
@@ -373,7 +383,9 @@ def run_child(name: str, dry: bool, out: Path) -> None:
     out.write_text(json.dumps(rec, indent=1, default=str))
 
 
-def run_sections(names: list[str], dry: bool, results: dict[str, Any]) -> None:
+def run_sections(names: list[str], dry: bool, results: dict[str, Any],
+                 save: Callable[[], None] = lambda: None) -> None:
+    """Each section in its own process under its limit; `save` after each, so a call cut off keeps what finished."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if dry:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -395,6 +407,7 @@ def run_sections(names: list[str], dry: bool, results: dict[str, Any]) -> None:
         results["sections"][name] = rec
         print(f"== {name}: {rec['status']} in {rec['seconds']} s" + (f": {rec['error']}" if "error" in rec else ""),
               flush=True)
+        save()
 
 
 # ------------------------------------------------------------------------------------------------------ reporting
@@ -553,12 +566,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.out.is_file() and load(a.out).get("meta", {}).get("dry_run") == a.dry_run:
         results["sections"] = load(a.out)["sections"]
     t0 = time.perf_counter()
-    run_sections(names, a.dry_run, results)
-    results["meta"]["campaign_s"] = round(time.perf_counter() - t0, 1)
-    results["meta"]["device"] = next((r["device"] for r in results["sections"].values() if "device" in r),
-                                     results["meta"]["device"])
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=1, default=str))
+
+    def save() -> None:
+        results["meta"]["campaign_s"] = round(time.perf_counter() - t0, 1)
+        results["meta"]["device"] = next((r["device"] for r in results["sections"].values() if "device" in r),
+                                         results["meta"]["device"])
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(results, indent=1, default=str))
+
+    run_sections(names, a.dry_run, results, save)
+    save()
     print(f"\nresults: {a.out} ({results['meta']['campaign_s']} s)")
     report(results)
     return 0 if all(results["sections"][n]["status"] == "ok" for n in names) else 1
