@@ -63,7 +63,7 @@ class LLMEngine:
         """Queue a request (or a prompt, as token ids or text when the engine has a tokenizer). Returns its id."""
         if not isinstance(request, GenRequest):
             request = GenRequest(self._encode(request), params or SamplingParams())
-        return self._add(Sequence(request, self.clock(), self.device))
+        return self._add(Sequence(request, self.clock()))
 
     def _add(self, seq: Sequence) -> RequestId:
         if seq.request_id in self.seqs:
@@ -98,7 +98,7 @@ class LLMEngine:
         if batch.sample_seqs:
             rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=logits.device)
             tokens, logprobs, sampling_logprobs = self.sampler(
-                logits[rows], [s.params for s in batch.sample_seqs], [s.generator for s in batch.sample_seqs])
+                logits[rows], [s.params for s in batch.sample_seqs], [s.num_generated for s in batch.sample_seqs])
         self.scheduler.postprocess(batch)
         now, finished = self.clock(), []
         for seq, tok, lp, slp in zip(batch.sample_seqs, tokens, logprobs, sampling_logprobs):
@@ -161,7 +161,7 @@ class LLMEngine:
 
     def import_request(self, unfinished: UnfinishedRequest) -> RequestId:
         """Resume a request exported from another engine: prompt + its generated tokens are re-prefilled here."""
-        return self._add(Sequence.resume(unfinished, self.device))
+        return self._add(Sequence.resume(unfinished))
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> int:

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 class SamplingParams:
     """temperature 0 means greedy. top_k 0 and top_p 1 switch those truncations off (top-k is applied first).
 
-    `seed`: a per-request torch.Generator is seeded with it, so the request's tokens do not depend on what else
-    is in the batch; None draws from the engine's own generator (reproducible per engine seed, but batch-dependent).
+    `seed`: the request's n-th token is drawn with a uniform hashed from (seed, n) (engine/sampler.py), so its
+    tokens depend on nothing else in the batch nor on where it runs or resumes; None draws from the engine's own
+    generator (reproducible per engine seed, but batch-dependent). Taken modulo 2**64.
     `ignore_eos`: keep going past the model's EOS (benchmarks); `stop_token_ids` still stop.
     """
     temperature: float = 1.0

@@ -3,15 +3,13 @@
 A `GenRequest` is what a caller submits (prompt tokens, sampling params, GRPO group id and sample index). The engine
 turns it into a `Sequence` (token ids, KV block table, generated logprobs and versions) and, when it finishes or is
 aborted, into a `RequestOutput`. An unfinished sequence can leave one engine as an `UnfinishedRequest` and resume
-in another. None of these hold tensors except the sequence's own torch.Generator.
+in another. None of these hold tensors.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
-
-import torch
 
 from engine.sampling import SamplingParams
 
@@ -66,8 +64,8 @@ class RequestOutput:
 @dataclass
 class UnfinishedRequest:
     """A request taken out of one engine mid-generation, to be resumed by another (`LLMEngine.import_request`),
-    which re-prefills prompt + generated tokens and carries on. `rng_state` is the request's seeded generator
-    state, so a seeded sampled continuation is the one the first engine would have produced."""
+    which re-prefills prompt + generated tokens and carries on. A seeded request's draws are a function of (seed,
+    token index) (engine/sampler.py), so its continuation is the one the first engine would have produced."""
     request: GenRequest
     token_ids: list[int]
     logprobs: list[float]
@@ -75,7 +73,6 @@ class UnfinishedRequest:
     versions: list[int]
     arrival_time: float
     first_token_time: float | None = None
-    rng_state: bytes | None = None
     num_preemptions: int = 0
 
 
@@ -90,7 +87,7 @@ class Sequence:
     have their K/V in the pool (in the blocks of `block_table`). Each step computes some of the rest; when it
     reaches the end, the step samples the next token. Decode is the case of exactly one token left to compute."""
 
-    def __init__(self, request: GenRequest, arrival_time: float, device: torch.device):
+    def __init__(self, request: GenRequest, arrival_time: float):
         self.request = request
         self.request_id: RequestId = request.request_id  # type: ignore[assignment]
         self.params = request.params
@@ -111,9 +108,6 @@ class Sequence:
         self.num_preemptions = 0
         self.leader: Sequence | None = None  # a group sibling being prefilled that this one will fork from
         self.forks: list[Sequence] = []  # siblings waiting to fork from this one once its prompt is prefilled
-        self.generator: torch.Generator | None = None
-        if self.params.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.name}, tokens={len(self.token_ids)}, "
@@ -159,26 +153,18 @@ class Sequence:
             finish_time=self.finish_time, num_preemptions=self.num_preemptions)
 
     def unfinished(self) -> UnfinishedRequest:
-        state = None
-        if self.generator is not None:
-            state = self.generator.get_state().numpy().tobytes()
         return UnfinishedRequest(
             request=self.request, token_ids=self.token_ids[self.num_prompt_tokens:], logprobs=list(self.logprobs),
             sampling_logprobs=list(self.sampling_logprobs), versions=list(self.versions),
-            arrival_time=self.arrival_time, first_token_time=self.first_token_time, rng_state=state,
+            arrival_time=self.arrival_time, first_token_time=self.first_token_time,
             num_preemptions=self.num_preemptions)
 
     @classmethod
-    def resume(cls, u: UnfinishedRequest, device: torch.device) -> Sequence:
-        seq = cls(u.request, u.arrival_time, device)
+    def resume(cls, u: UnfinishedRequest) -> Sequence:
+        seq = cls(u.request, u.arrival_time)
         seq.token_ids += list(u.token_ids)
         seq.logprobs, seq.sampling_logprobs = list(u.logprobs), list(u.sampling_logprobs)
         seq.versions = list(u.versions)
         seq.first_token_time = u.first_token_time
         seq.num_preemptions = u.num_preemptions
-        if seq.generator is not None and u.rng_state is not None:
-            try:
-                seq.generator.set_state(torch.frombuffer(bytearray(u.rng_state), dtype=torch.uint8))
-            except RuntimeError:  # a state from another device type: reseed deterministically instead
-                seq.generator.manual_seed(seq.params.seed + len(u.token_ids))  # type: ignore[operator]
         return seq

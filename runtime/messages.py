@@ -28,8 +28,8 @@ from sched.base import TrainCall
 
 @dataclass
 class StartRequest:
-    """One request a rollout worker starts (or resumes: `partial` holds its tokens so far, its log-probs and
-    per-token versions, and the sampler's generator state in `partial.meta["rng_state"]`)."""
+    """One request a rollout worker starts (or resumes: `partial` holds its tokens so far, their log-probs and
+    per-token versions; its seeded draws need no state, engine/sampler.py)."""
     req_id: int
     group_id: int
     sample_index: int

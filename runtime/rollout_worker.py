@@ -180,9 +180,9 @@ class RolloutWorker:
                               seed=request_seed(s.seed, req.group_id, req.sample_index), ignore_eos=s.ignore_eos)
 
     def _add(self, req: StartRequest) -> None:
-        """Queue one request: fresh, or resumed from its partial trajectory (its tokens so far re-prefilled, its
-        generator restored from the partial's rng_state, so a seeded continuation is the one the first engine would
-        have produced under the same weights; max_new_tokens counts the carried tokens too)."""
+        """Queue one request: fresh, or resumed from its partial trajectory (its tokens so far re-prefilled; its seed
+        is the same and its draws are a function of (seed, token index), so the continuation is the one the first
+        engine would have produced under the same weights; max_new_tokens counts the carried tokens too)."""
         request = GenRequest(req.prompt_ids, self._params(req), request_id=req.req_id, group_id=req.group_id,
                              sample_index=req.sample_index, prompt_index=req.prompt_index)
         part = req.partial
@@ -199,7 +199,7 @@ class RolloutWorker:
             # The sampled-distribution logprobs of earlier parts are not carried (nothing downstream reads them).
             self.engine.import_request(UnfinishedRequest(
                 request, token_ids=ids, logprobs=lps, sampling_logprobs=[float("nan")] * len(ids),
-                versions=versions, arrival_time=self.engine.clock(), rng_state=part.meta.get("rng_state")))
+                versions=versions, arrival_time=self.engine.clock()))
         self.answers[req.req_id] = req.answer
 
     def _interrupt(self, req_id: int) -> None:
@@ -211,7 +211,7 @@ class RolloutWorker:
         r = u.request
         traj = Trajectory(group_id=r.group_id, sample_index=r.sample_index, prompt_ids=list(r.prompt_ids),
                           response_ids=list(u.token_ids), logprobs=list(u.logprobs), versions=list(u.versions),
-                          finish_reason="interrupted", prompt_index=r.prompt_index, meta={"rng_state": u.rng_state})
+                          finish_reason="interrupted", prompt_index=r.prompt_index)
         self.event("trajectory_interrupted", req_id=req_id, group_id=r.group_id, version=self.engine.version,
                    data={"tokens": len(u.token_ids)}, payload=traj)
 

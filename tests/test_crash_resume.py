@@ -132,7 +132,7 @@ def _views_with(states: dict[int, str]):
         elif st == "partial":
             ctl.v.requests.set_state(r, S.INTERRUPTING)
             r.partial = Trajectory(0, r.sample_index, [1], [9], [-0.1], [0], "interrupted",
-                                   meta={"rng_state": torch.tensor([1, 2, 3], dtype=torch.uint8)})
+                                   meta={"tag": torch.tensor([1, 2, 3], dtype=torch.uint8)})
         elif st == "aborting":
             ctl.command(backend, sched.base.Abort(0, [rid]))   # RUNNING -> ABORTING, counted dropped
         else:
@@ -149,7 +149,7 @@ def test_each_request_state_is_settled_on_restore():
     assert got == {0: "finished", 1: "restored", 2: "aborted", 3: "restored", 4: "restored", 5: "restored"}
     assert fresh.v.pending() == []                              # restored: held back until the engines have weights
     part = fresh.v.requests[3].partial
-    assert part.response_ids == [9] and torch.equal(part.meta["rng_state"], torch.tensor([1, 2, 3],
+    assert part.response_ids == [9] and torch.equal(part.meta["tag"], torch.tensor([1, 2, 3],
                                                                                           dtype=torch.uint8))
     assert fresh.v.requests[3].tokens == 1 and fresh.v.requests[5].tokens == 0
     g0 = fresh.v.groups[0]

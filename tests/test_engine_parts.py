@@ -7,7 +7,7 @@ import torch
 
 from engine.attention import batched_decode, batched_prefill
 from engine.block_manager import BlockManager
-from engine.sampler import Sampler
+from engine.sampler import Sampler, counter_uniform
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import GenRequest, Sequence
@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 
 
 def seq(n_prompt: int, group: int = -1, **params) -> Sequence:
-    return Sequence(GenRequest(list(range(3, 3 + n_prompt)), SamplingParams(**params), group_id=group), 0.0, CPU)
+    return Sequence(GenRequest(list(range(3, 3 + n_prompt)), SamplingParams(**params), group_id=group), 0.0)
 
 
 def full(bm: BlockManager) -> bool:
@@ -162,7 +162,7 @@ def test_greedy_top_k_1_and_tiny_top_p_all_pick_the_argmax():
     s = Sampler(CPU)
     want = logits.argmax(-1).tolist()
     for p in (SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(top_p=1e-6)):
-        toks, lps, slps = s(logits, [p] * 6, [None] * 6)
+        toks, lps, slps = s(logits, [p] * 6, [0] * 6)
         assert toks == want
         assert slps == pytest.approx([0.0] * 6, abs=1e-6)
         t = 1.0
@@ -172,14 +172,44 @@ def test_greedy_top_k_1_and_tiny_top_p_all_pick_the_argmax():
 
 def test_seeded_rows_reproduce_independently_of_the_batch():
     logits = logits_batch()
-    p = SamplingParams(temperature=1.0)
-    gens = lambda: [torch.Generator().manual_seed(i) for i in range(6)]  # noqa: E731
-    a = Sampler(CPU, seed=1)(logits, [p] * 6, gens())[0]
-    b = Sampler(CPU, seed=2)(logits, [p] * 6, gens())[0]
-    assert a == b
-    # row 3 alone, with the same generator seed, draws the same token
-    c = Sampler(CPU)(logits[3:4], [p], [torch.Generator().manual_seed(3)])[0]
-    assert c == [a[3]]
+    ps = [SamplingParams(temperature=1.0, seed=100 + i) for i in range(6)]
+    a = Sampler(CPU, seed=1)(logits, ps, [5] * 6)[0]
+    b = Sampler(CPU, seed=2)(logits, ps, [5] * 6)[0]
+    assert a == b  # the engine's own generator plays no part
+    # row 3 alone, with the same seed and token index, draws the same token
+    assert Sampler(CPU)(logits[3:4], [ps[3]], [5])[0] == [a[3]]
+    # rows mixed with unseeded ones keep their draws
+    mixed = [ps[0], SamplingParams(temperature=1.0), ps[2]]
+    got = Sampler(CPU)(logits[[0, 1, 2]], mixed, [5, 0, 5])[0]
+    assert got[0] == a[0] and got[2] == a[2]
+    # another token index or another seed is another draw
+    many = torch.zeros(64, 1000)  # uniform over 1000 tokens: 64 independent draws repeat few of them
+    by_index = Sampler(CPU)(many, [ps[0]] * 64, list(range(64)))[0]
+    by_seed = Sampler(CPU)(many, [SamplingParams(temperature=1.0, seed=s) for s in range(64)], [0] * 64)[0]
+    assert len(set(by_index)) > 55 and len(set(by_seed)) > 55
+
+
+def test_counter_uniforms_are_uniform_independent_and_pure():
+    n = 1 << 16
+    seeds = [i // 256 * 7919 + (1 << 40) for i in range(n)]  # 256 seeds, large ones too
+    counters = [i % 256 for i in range(n)]
+    u = torch.from_numpy(counter_uniform(seeds, counters))
+    assert u.dtype == torch.float32 and 0 <= float(u.min()) and float(u.max()) < 1
+    hist = torch.histc(u, bins=64, min=0, max=1)
+    chi2 = float(((hist - n / 64) ** 2 / (n / 64)).sum())
+    assert chi2 < 120, chi2  # 63 dof: p < 1e-5 beyond ~120
+    grid = u.view(256, 256)  # seed x counter: no correlation along either axis
+    for a, b in ((grid[:, :-1], grid[:, 1:]), (grid[:-1], grid[1:])):
+        corr = float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])
+        assert abs(corr) < 0.02, corr
+    # a pure function of (seed, counter), whatever else is asked alongside; any Python int is a seed
+    assert counter_uniform(seeds[300:301], counters[300:301])[0] == u[300]
+    assert counter_uniform([-3, 2**70], [0, 0]).tolist() == counter_uniform([2**64 - 3, 2**70 % 2**64], [0, 0]).tolist()
+    # seeded rows sample the softmax: 20k requests, one draw each
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    toks = Sampler(CPU)(base.repeat(20000, 1), [SamplingParams(seed=s) for s in range(20000)], [0] * 20000)[0]
+    freq = torch.bincount(torch.tensor(toks), minlength=5).float() / 20000
+    assert (freq - torch.softmax(base, -1)).abs().max() < 0.015
 
 
 def test_sampling_distribution_matches_softmax_with_truncation():
@@ -192,7 +222,7 @@ def test_sampling_distribution_matches_softmax_with_truncation():
              (SamplingParams(top_k=2), torch.softmax(base[:2], -1)),
              (SamplingParams(top_p=0.8), None)]
     for p, want in cases:
-        toks, lps, slps = s(logits, [p] * N, [None] * N)
+        toks, lps, slps = s(logits, [p] * N, [0] * N)
         freq = torch.bincount(torch.tensor(toks), minlength=5).float() / N
         if want is None:  # top-p 0.8: probabilities .61 .22 .14 ... -> nucleus is the first three tokens
             probs = torch.softmax(base, -1)
