@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import random
 import sys
 import tempfile
@@ -135,39 +136,61 @@ def run_hf_generate(hf, prompts, outs, args):
     return time.perf_counter() - t0
 
 
-def run_hf_continuous(hf, prompts, outs, args, deadline_s: float = 600.0):
-    """transformers' continuous batching (what generate_batch runs), with each request's own max_new_tokens. Raises
-    TimeoutError naming how far it got when the workload is not done within `deadline_s`."""
+class _Errors(logging.Handler):
+    """ERROR records of a logger, kept: transformers' continuous batching reports a failed step only in its log."""
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def run_hf_continuous(hf, prompts, outs, args, deadline_s: float = 600.0, stall_s: float = 15.0):
+    """transformers' continuous batching (what generate_batch runs), with each request's own max_new_tokens.
+    Raises RuntimeError with transformers' logged error when one is followed by `stall_s` without a result (its
+    generation thread can live on without making progress; some logged errors are harmless), and TimeoutError
+    naming how far it got when not done within `deadline_s`."""
     from transformers import GenerationConfig
     if not hasattr(hf, "continuous_batching_context_manager"):
         return None
-    hf.set_attn_implementation("sdpa")
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(outs))
-    with hf.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5) as manager:
-        sync(args.device)
-        t0 = time.perf_counter()
-        for i, (p, o) in enumerate(zip(prompts, outs)):
-            manager.add_request(p, request_id=f"r{i}", max_new_tokens=o)
-        done, deadline = 0, time.perf_counter() + deadline_s
-        while done < len(prompts):
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"transformers continuous batching finished {done} of {len(prompts)} requests "
-                                   f"in {deadline_s:.0f} s")
-            r = manager.get_result(timeout=1)
-            if r is not None and r.is_finished():
-                done += 1
-            elif r is None and not manager.is_running():
-                raise RuntimeError("transformers continuous batching stopped early")
-        sync(args.device)
-        secs = time.perf_counter() - t0
-    hf.set_attn_implementation("sdpa")
+    errors, log = _Errors(), logging.getLogger("ContinuousBatchingLogger")
+    log.addHandler(errors)
+    try:
+        with hf.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5) as manager:
+            sync(args.device)
+            t0 = time.perf_counter()
+            for i, (p, o) in enumerate(zip(prompts, outs)):
+                manager.add_request(p, request_id=f"r{i}", max_new_tokens=o)
+            done, deadline = 0, time.perf_counter() + deadline_s
+            last = time.perf_counter()
+            while done < len(prompts):
+                if errors.messages and time.perf_counter() - last > stall_s:
+                    raise RuntimeError(f"transformers continuous batching failed after {done} of {len(prompts)} "
+                                       f"requests: {errors.messages[0]}")
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"transformers continuous batching finished {done} of {len(prompts)} "
+                                       f"requests in {deadline_s:.0f} s")
+                r = manager.get_result(timeout=1)
+                if r is not None:
+                    last = time.perf_counter()
+                if r is not None and r.is_finished():
+                    done += 1
+                elif r is None and not manager.is_running():
+                    raise RuntimeError("transformers continuous batching stopped early")
+            sync(args.device)
+            secs = time.perf_counter() - t0
+    finally:
+        log.removeHandler(errors)
     return secs
 
 
 def engine_phases(model, prompts, outs, args, steps: int = 60) -> dict[str, float]:
     """Milliseconds per engine step in each phase (schedule, runner = batch tensors + forward, sample, postprocess),
-    over `steps` decode steps after the prompts' prefill (whose mixed steps are timed apart: prefill_step), with a device sync closing the runner and sampler phases so each
-    phase's device work is charged to it. Where the time of a decode step goes, beside its roofline."""
+    over `steps` decode steps after the prompts' prefill (whose mixed steps are timed apart: prefill_step), with a
+    device sync closing the runner and sampler phases so each phase's device work is charged to it. Where the time
+    of a decode step goes, beside its roofline."""
     eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=max(2048, args.max_num_seqs),
                                         memory_fraction=0.5, num_kv_tokens=None if args.device == "cuda" else
                                         args.max_num_seqs * 2 * args.max_len))

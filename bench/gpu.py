@@ -186,7 +186,7 @@ def section_engine(s: Sizes, dry: bool) -> dict[str, Any]:
     del ours
     free_cuda(args.device)
     out: dict[str, Any] = {"ok": True, "shape": shape, "prompts": n, "lengths": [lo, hi], "output_tokens": total,
-                           "engine_s": secs, "engine_tok_s": total / secs,
+                           "engine_s": secs, "engine_tok_s": total / secs, "hf_batch": args.hf_batch_size,
                            "preemptions": stats.num_preemptions, "phases_ms": phases}
     bw = copy_bandwidth(s.copy_bytes)
     out.update(decode_gbs=decode_bw / 1e9, copy_gbs=bw / 1e9, roofline=decode_bw / bw)
@@ -458,15 +458,22 @@ def rows(results: dict[str, Any]) -> list[str]:
                    f"| <= 1.2x | {_met(lp['time_vs_naive'] <= 1.2)} |")
     if (r := res("engine")) is not None:
         peer = r.get("vs_hf_cb")
+        cb = (f"{r['engine_tok_s']:.0f} vs {r['hf_cb_tok_s']:.0f} tok/s" if peer is not None else
+              f"{r['engine_tok_s']:.0f} tok/s; continuous batching failed: {r.get('hf_cb_error', 'not available')}")
         out.append(f"| engine vs transformers continuous batching, {r['shape']} shape, {r['prompts']} sequences, "
-                   f"lengths in {r['lengths']}, EOS ignored | {_f(peer, '.1f')}x ({r['engine_tok_s']:.0f} vs "
-                   f"{_f(r.get('hf_cb_tok_s'), '.0f')} tok/s; static `generate` {_f(r['vs_hf_generate'], '.1f')}x) | "
-                   f">= 10x | {_met(None if peer is None else peer >= 10)} |")
+                   f"lengths in {r['lengths']}, EOS ignored | {_f(peer, '.1f')}x ({cb}; static `generate` in "
+                   f"batches of {r.get('hf_batch', r['prompts'])}: {_f(r['vs_hf_generate'], '.1f')}x) | >= 10x | "
+                   f"{_met(None if peer is None else peer >= 10)} |")
         out.append(f"| engine decode steps: weights + KV read per second vs copy bandwidth | {_f(r['roofline'])} "
                    f"({r['decode_gbs']:.0f} of {r['copy_gbs']:.0f} GB/s) | >= 0.5 | {_met(r['roofline'] >= 0.5)} |")
+        if (ph := r.get("phases_ms")) is not None:
+            out.append(f"| engine decode step at batch {ph['mean_batch']:.0f}: schedule / runner (batch tensors + "
+                       f"forward) / sample / postprocess / other (ms) | {ph['schedule']:.2f} / {ph['runner']:.2f} / "
+                       f"{ph['sample']:.2f} / {ph['postprocess']:.2f} / {ph['other']:.2f} = {ph['step']:.2f}; a "
+                       f"prefill (mixed) step {ph['prefill_step']:.1f} | - | - |")
     if (r := res("train")) is not None:
         modes = {"on" if x["checkpointing"] else "off": x for x in r["modes"]}
-        mfu = " / ".join(f"{_f(x['mfu'])} ({k})" for k, x in modes.items())
+        mfu = " / ".join(f"{_f(x['mfu'], '.3f')} ({k})" for k, x in modes.items())
         mem = "; ".join(f"peak {x['peak_gib']:.1f} GiB vs --check {x['plan_gib']:.1f} ({k})"
                         for k, x in modes.items() if "peak_gib" in x)
         out.append(f"| FSDP2 trainer MFU, {r['shape']} shape, checkpointing off / on, vs {r['matmul_tflops']:.4g} "
@@ -498,7 +505,7 @@ def profile_hint(results: dict[str, Any]) -> str | None:
     if not eng or not tr:
         return None
     mfu = max(x["mfu"] for x in tr["modes"])
-    return (f"sim/profiles.py: roofline(..., bw_eff={eng['roofline']:.2f}, train_mfu={mfu:.2f}) replaces the "
+    return (f"sim/profiles.py: roofline(..., bw_eff={eng['roofline']:.2f}, train_mfu={mfu:.3f}) replaces the "
             f"assumed 0.7 and the paper MFU for this device (sources: this file); the e2e row's k3/k4 give a "
             f"measured decode line for a one-GPU 0.6B engine")
 
@@ -514,7 +521,7 @@ def headline(results: dict[str, Any]) -> str:
         parts.append(f"paged decode {d.get('4096', list(d.values())[-1]):.2f}x copy bw")
         parts.append(f"logprob {sec['kernels']['logprob']['memory_vs_naive']:.2f}x naive memory")
     if sec.get("train"):
-        parts.append("trainer MFU " + "/".join(f"{x['mfu']:.2f}" for x in sec["train"]["modes"]))
+        parts.append("trainer MFU " + "/".join(f"{x['mfu']:.3f}" for x in sec["train"]["modes"]))
     failed = [k for k, v in results["sections"].items() if v["status"] != "ok"]
     return "gpu_campaign: " + (", ".join(parts) or "no ratio measured") + (f"; FAILED: {', '.join(failed)}"
                                                                           if failed else "")

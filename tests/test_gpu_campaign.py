@@ -46,3 +46,72 @@ def test_gpu_campaign_dry_run_runs_every_section_and_reports(tmp_path):
     again = subprocess.run([sys.executable, "bench/gpu.py", "--report", str(out)], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
     assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == lines[-1]
+
+
+# ---- what the first GPU campaign (2026-11-24, H100) found: each would have been caught by one of these ----------
+def test_transformers_continuous_batching_fails_fast_and_named(monkeypatch):
+    """On the H100, transformers 5.17's continuous batching logged an error in its generation thread and made no
+    more progress; the bench waited on it with no deadline until the section's 420 s limit killed it, and nothing
+    the section had measured came back. Now a logged error followed by a stall ends the wait, named by the error
+    (a logged error with progress after it is let be), and a deadline bounds it."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from bench import engine as be
+
+    class Manager:
+        def __init__(self, fail: bool):
+            self.fail, self.added, self.calls = fail, 0, 0
+
+        def add_request(self, *a, **k):
+            self.added += 1
+
+        def get_result(self, timeout):
+            self.calls += 1
+            if self.fail == "harmless" and self.calls == 1:
+                logging.getLogger("ContinuousBatchingLogger").error("no psutil: no memory breakdown")
+            if self.fail == "harmless":
+                return SimpleNamespace(is_finished=lambda: True)
+            if self.fail and self.calls == 1:
+                logging.getLogger("ContinuousBatchingLogger").error("Error in generation loop: size mismatch")
+            time.sleep(0.01)
+            return None
+
+        def is_running(self):
+            return True
+
+    class HF:
+        def __init__(self, fail):
+            self.manager = Manager(fail)
+
+        def continuous_batching_context_manager(self, **k):
+            from contextlib import nullcontext
+            return nullcontext(self.manager)
+
+    args = SimpleNamespace(device="cpu")
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="failed after 0 of 3 requests: Error in generation loop: size mismatch"):
+        be.run_hf_continuous(HF(True), [[1], [2], [3]], [1, 1, 1], args, deadline_s=30, stall_s=0.2)
+    assert be.run_hf_continuous(HF("harmless"), [[1], [2], [3]], [1, 1, 1], args, stall_s=0.2) > 0
+    with pytest.raises(TimeoutError, match="finished 0 of 3 requests in 0 s"):
+        be.run_hf_continuous(HF(False), [[1], [2], [3]], [1, 1, 1], args, deadline_s=0.2)
+    assert time.perf_counter() - t0 < 5
+    assert not logging.getLogger("ContinuousBatchingLogger").handlers  # the bench's handler is gone again
+
+
+def test_each_section_is_saved_as_it_ends(monkeypatch, tmp_path):
+    """A device call cut off at its limit returns only what was written: the campaign used to write its results
+    file once, at the end. Now it is written after every section, so finished sections survive a later one's kill."""
+    import bench.gpu as gpu
+
+    def fake_run(cmd, **k):
+        name = cmd[cmd.index("--section") + 1]
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"status": "ok", "results": {"name": name}}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(gpu.subprocess, "run", fake_run)
+    seen: list[list[str]] = []
+    results: dict = {"sections": {}}
+    gpu.run_sections(["kernels", "train", "engine"], False, results, lambda: seen.append(list(results["sections"])))
+    assert seen == [["kernels"], ["kernels", "train"], ["kernels", "train", "engine"]]
