@@ -15,7 +15,9 @@ Roofline-derived profiles (`roofline`), per engine of `tp` GPUs:
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 from sim.cost import CostModel, RewardLatency, RewardTask
@@ -44,6 +46,8 @@ H800 = GPU("H800-80GB", 989.5e12, 3.35e12, 80e9, "StreamRL Table 1")
 H20 = GPU("H20-96GB", 148e12, 4.0e12, 96e9, "StreamRL Table 1")
 A100_40G_PCIE = GPU("A100-40GB-PCIe", 312e12, 1.555e12, 40e9, "NVIDIA A100 datasheet")
 
+QWEN3_0P6B = Model("Qwen3-0.6B", 0.596e9, 0.596e9, 28, 2 * 28 * 8 * 128 * 2,
+                   "Qwen3-0.6B config.json (28 layers, 8 KV heads, tied embeddings: weights read once)")
 QWEN3_1P7B = Model("Qwen3-1.7B", 1.72e9, 1.72e9, 28, 2 * 28 * 8 * 128 * 2,
                    "Qwen3-1.7B config.json (28 layers, 8 KV heads)")
 QWEN25_7B = Model("Qwen2.5-7B", 7.61e9, 7.61e9, 28, 2 * 28 * 4 * 128 * 2, "Qwen2.5-7B config.json (4 KV heads)")
@@ -264,13 +268,49 @@ def _cpu_tiny() -> CostModel:
                  "kv_capacity_tokens": "run config rollout.kv_cache_tokens", "max_num_seqs": "run config"})
 
 
+H100_CAMPAIGN = Path(__file__).resolve().parents[1] / "bench" / "results" / "h100-2026-11-24.json"
+
+
+def h100_measured(path: Path = H100_CAMPAIGN) -> CostModel:
+    """Our engine and trainer on one H100 with a Qwen3-0.6B shape, every constant read from a `bench/gpu.py`
+    results file (the first GPU campaign's; a new campaign's file gives a new calibration). The decode line is the
+    engine section's whole decode steps as one effective bandwidth: k1 and k2 are KV and weight bytes over the
+    measured bytes/time of every pure-decode step of its 256-sequence run (scheduling, sampling and launches folded
+    in, so k3 = k4 = 0); that run's separately timed 60 steps at batch 255 are the check (tests/test_sim_engine.py).
+    Prefill is an upper bound: a whole mixed step charged to its 2048 batch tokens. Training, publication, load and
+    reward latency are `sim.calibrate` on the campaign's colocated `train.py` run; the KV pool is the colocated GRPO
+    step's engine's."""
+    data = json.loads(path.read_text())
+    sec = {k: v["results"] for k, v in data["sections"].items() if v.get("status") == "ok"}
+    eng, cal, grpo = sec["engine"], sec["e2e"]["calibration"], sec["grpo_step"]
+    bw = eng["decode_gbs"] * 1e9
+    weight_bytes = QWEN3_0P6B.params * BYTES_PER_PARAM
+    ph = eng["phases_ms"]
+    src = f"measured ({path.name}, {data['meta']['device']}, {data['meta']['date']})"
+    return CostModel(
+        name="h100_qwen3_0p6b", k1=QWEN3_0P6B.kv_bytes_per_token / bw, k2=weight_bytes / bw, k3=0.0, k4=0.0,
+        prefill_s_per_token=ph["prefill_step"] / 1e3 / 2048, kv_capacity_tokens=int(grpo["kv_tokens"]),
+        train_s_per_token=cal["train_s_per_token_one_rank"], publish_s=cal["publish_s"], load_s=cal["load_s"],
+        max_num_seqs=int(eng["prompts"]),
+        reward=RewardLatency((RewardTask("math", 1.0, cal["reward_s_median"], 0.5, 5.0),)),
+        sources={"k1": f"{src}: KV bytes/token ({QWEN3_0P6B.source}) / {bw / 1e9:.0f} GB/s, the engine section's "
+                       "decode bytes per second", "k2": f"{src}: weight bytes / the same bandwidth",
+                 "k3": "0: compute and per-step overheads are folded into the measured bandwidth",
+                 "k4": "0: as k3", "prefill_s_per_token": f"{src}: a mixed prefill step / its 2048 batch tokens "
+                 "(an upper bound)", "kv_capacity_tokens": f"{src}: the colocated GRPO step's engine pool",
+                 "train_s_per_token": f"{src}: sim.calibrate on the colocated train.py run (one GPU)",
+                 "publish_s": f"{src}: sim.calibrate weight_sync_s", "load_s": f"{src}: sim.calibrate load",
+                 "reward": f"{src}: median reward latency; sigma 0.5 and the 5 s limit are assumptions",
+                 "max_num_seqs": "the engine section's max_num_seqs"})
+
+
 PROFILES: dict[str, CostModel] = {p.name: p for p in [
     _rolloutpipe(),
     _rollpacker(QWEN25_7B, 1, "h800_7b"), _rollpacker(QWEN25_14B, 2, "h800_14b"),
     _rollpacker(QWEN25_32B, 2, "h800_32b"),
     _streamrl(QWEN25_7B, 1, "h800_streamrl_7b"), _streamrl(QWEN25_32B, 4, "h800_streamrl_32b"),
     _streamrl(QWEN25_72B, 8, "h800_streamrl_72b"),
-    _staleflow(), _cpu_tiny(),
+    _staleflow(), _cpu_tiny(), h100_measured(),
     _laminar(QWEN25_32B, 4, "h800_laminar_32b", rollout_machines=8),
     _laminar(QWEN25_32B, 4, "h800_laminar_32b_colocated", rollout_machines=16, colocated=True),
     # verl at Laminar's largest scale (§2.3: 72B on 1024 H800, math GRPO): colocated on 128 machines

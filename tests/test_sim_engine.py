@@ -301,3 +301,26 @@ def test_an_overlapped_publication_frees_the_trainer_and_transfers_go_out_one_at
             assert done[1] == pytest.approx(2 * step) and pub == pytest.approx([step + 5.0, step + 10.0])
         else:         # the trainer waits for each transfer
             assert done[1] == pytest.approx(2 * step + 5.0) and pub == pytest.approx([step + 5.0, 2 * step + 10.0])
+
+
+def test_h100_profile_comes_from_the_campaign_file_and_predicts_its_timed_decode_steps():
+    """The measured H100 profile's decode line (the whole engine run's decode bytes per second) must predict the
+    60 decode steps the same campaign timed separately at batch 255 right after the prompts' prefill: their context
+    lies between the prompts alone and every token processed by then."""
+    import json
+
+    from bench import engine as be
+    from sim.profiles import H100_CAMPAIGN, QWEN3_0P6B
+
+    p = PROFILES["h100_qwen3_0p6b"]
+    data = json.loads(H100_CAMPAIGN.read_text())
+    eng = data["sections"]["engine"]["results"]
+    assert p.k1 == pytest.approx(QWEN3_0P6B.kv_bytes_per_token / (eng["decode_gbs"] * 1e9))
+    assert p.kv_capacity_tokens == data["sections"]["grpo_step"]["results"]["kv_tokens"]
+    assert all(v.startswith(("measured", "0:")) for k, v in p.sources.items() if k in ("k1", "k2", "k3", "k4"))
+    ph = eng["phases_ms"]
+    prompts, _ = be.workload(eng["prompts"], *eng["lengths"], be.SHAPES[eng["shape"]]["vocab_size"] - 1, 0)
+    lo = sum(map(len, prompts))
+    hi = ph["prefill_steps"] * 2048 + 60 * eng["prompts"]
+    n = round(ph["mean_batch"])
+    assert 0.9 * p.step_s(n, lo) <= ph["step"] / 1e3 <= 1.1 * p.step_s(n, hi), (p.step_s(n, lo), p.step_s(n, hi))
