@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from rl.types import Group
-from sched.base import (AddEngines, Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, Preset,
-                        Reshard, ReturnEngines, RoundPlan, Submit, TrainCall)
+from sched.base import InvariantError, Preset
+from sched.decisions import (AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Migrate, Reshard, ReturnEngines,
+                             RoundPlan, Submit, TrainCall)
 from sched.events import Event, EventLog
 from sched.lifecycle import Lifecycle
 from sched.resume import load_views, save_views

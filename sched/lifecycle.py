@@ -5,7 +5,7 @@ performs and each event it receives, and sends the backend commands it returns. 
 Rounds: `start_round` makes a round's groups and their requests (PENDING); `admit` sends pending requests to an
 engine (RUNNING; `request_admitted`). Events are folded in by `apply`, in arrival order, each logged first.
 
-Aborts (`abort`, for `sched.base.Abort`), so every policy and both backends see the same rules:
+Aborts (`abort`, for `sched.decisions.Abort`), so every policy and both backends see the same rules:
 - requeue=False drops a request for good, counted in its group's `dropped` the moment the abort is decided, so
   the group can materialise (or become void) at once:
     RUNNING  -> ABORTING, sent to its engine; the engine's `trajectory_aborted` closes it (ABORTED), or, if it
@@ -23,7 +23,7 @@ Every dropped request gets exactly one `trajectory_aborted` event in the log: th
 (data `local`: never sent; `discarded`: it had finished). Backends report `trajectory_aborted` only for requests
 they actually stopped.
 
-Partial trajectories (`interrupt`, `migrate`, for `sched.base.Interrupt` and `Migrate`):
+Partial trajectories (`interrupt`, `migrate`, for `sched.decisions.Interrupt` and `Migrate`):
 - Interrupt: a RUNNING request becomes INTERRUPTING and its engine is asked to hand it back; requests in any other
   state are skipped (one that finished first simply finished). The engine's `trajectory_interrupted` carries
   every token so far (ids, behaviour log-probs, per-token versions; the seeded generator state on real engines);
@@ -50,8 +50,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from rl.types import Group, Trajectory
-from sched.base import (AddEngines, Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, Reshard,
-                        ReturnEngines, RoundPlan, Submit)
+from sched.base import InvariantError
+from sched.decisions import (AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Migrate, Reshard, ReturnEngines,
+                             RoundPlan, Submit)
 from sched.events import Event
 from sched.views import EngineView, GroupState, Request, RequestState, Views
 

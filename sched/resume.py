@@ -38,8 +38,8 @@ _TAG = "__dataclass__"
 
 
 def _types() -> dict[str, type]:
-    from sched.base import RoundPlan
     from sched.controller import PromptItem
+    from sched.decisions import RoundPlan
     return {c.__name__: c for c in (Request, GroupState, Trajectory, PromptItem, RoundPlan)}
 
 

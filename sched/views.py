@@ -24,7 +24,7 @@ from rl.types import Trajectory
 from sched.tables import GroupTable, RequestTable
 
 if TYPE_CHECKING:
-    from sched.base import RoundPlan
+    from sched.decisions import RoundPlan
 
 
 class RequestState(str, enum.Enum):

@@ -51,8 +51,8 @@ import random
 from typing import Any
 
 from rl.types import Group, Trajectory
-from sched.base import AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Reshard, ReturnEngines, TrainCall
 from sched.controller import PromptItem
+from sched.decisions import AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Reshard, ReturnEngines, TrainCall
 from sched.events import Event
 from sched.metrics import rollout_stats
 from sched.views import DecodeProfile, Request

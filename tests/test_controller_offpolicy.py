@@ -6,8 +6,9 @@ import pytest
 
 import sched
 from rl.types import Trajectory
-from sched.base import Abort, Interrupt, Migrate, Rebalance, Submit
+from sched.base import Rebalance
 from sched.controller import Controller, InvariantError, PromptItem
+from sched.decisions import Abort, Interrupt, Migrate, Submit
 from sched.events import EventLog
 from sched.views import EngineView, Request, RequestState
 from sim.backend import SimBackend

@@ -5,7 +5,7 @@ import pytest
 import sched
 from config import ConfigError
 from rl.types import Trajectory
-from sched.base import Abort, RoundPlan, Submit
+from sched.decisions import Abort, RoundPlan, Submit
 from sched.views import EngineView, GroupState, Request, RequestState, Views
 from sched.policies.rolloutpipe import CompleteGroupPipelining, EveryU, FrontierDispatch
 from sched.controller import Controller, InvariantError, PromptItem

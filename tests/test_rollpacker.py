@@ -3,7 +3,7 @@ end to end in the simulator (lent engines' GPUs join the trainer; nothing runs o
 parallelism planner (§4.2): its TP decisions on hand-built views, and a reshard between steps in the simulator."""
 import pytest
 
-from sched.base import LendEngines, Migrate, ReturnEngines, RoundPlan
+from sched.decisions import LendEngines, Migrate, ReturnEngines, RoundPlan
 from sched.policies.rollpacker import ScaleDown, StreamTrainerHandoff
 from sched.policies.rollpacker.stream_trainer import ScaleDownParams
 from sched.views import EngineView, GroupState, Request, RequestState, Views
@@ -126,7 +126,7 @@ def test_elastic_stream_trainer_in_the_simulator_keeps_every_rule_and_speeds_up_
 def planner_step(planner, v, life, kind: str, preemptions: int):
     """One more round of `kind` whose one response went through `preemptions` preemptions, trained and published;
     the planner decides, and its Reshard (if any) is applied by the lifecycle."""
-    from sched.base import Reshard
+    from sched.decisions import Reshard
     r = v.round = v.round + 1
     v.round_groups[r], v.plans[r] = [r], RoundPlan(fresh=1, kind=kind)
     g = v.groups[r] = GroupState(r, r, r, 1)
@@ -186,7 +186,8 @@ def test_planner_doubles_tp_on_a_rise_over_the_same_kind_and_halves_after_four_q
 
 
 def test_reshard_is_refused_with_work_in_flight_or_to_a_size_the_backend_cannot_take():
-    from sched.base import InvariantError, Reshard
+    from sched.base import InvariantError
+    from sched.decisions import Reshard
     from sched.lifecycle import Lifecycle
     v = round_views(running=2, finished=0)
     v.tp, v.tp_sizes = 2, (1, 2, 4)

@@ -4,7 +4,8 @@ reproduction's headline ordering (StreamRL ahead of ColocationRL) at a small sca
 import pytest
 
 import sched
-from sched.base import AddEngines, InvariantError, RoundPlan
+from sched.base import InvariantError
+from sched.decisions import AddEngines, RoundPlan
 from sched.events import Event
 from sched.lifecycle import Lifecycle
 from sched.policies.streamrl.scale_out import ScaleOut

@@ -5,7 +5,8 @@ import math
 from dataclasses import dataclass
 
 from config import F
-from sched.base import Dispatch, Submit, register
+from sched.base import Dispatch, register
+from sched.decisions import Submit
 from sched.views import EngineView, Views, least_loaded
 
 
