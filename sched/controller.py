@@ -18,8 +18,9 @@ from sched.decisions import (AddEngines, Abort, Interrupt, LendEngines, LoadWeig
                              RoundPlan, Submit, TrainCall)
 from sched.events import Event, EventLog
 from sched.lifecycle import Lifecycle
+from sched.resources import EngineView
 from sched.resume import load_views, save_views
-from sched.views import EngineView, Request, Views
+from sched.views import Request, Views
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Backend(Protocol):
     # optional attributes: `colocated` (engines and trainer share GPUs), `elastic` (it takes LendEngines /
     # ReturnEngines / AddEngines / Reshard: an engine's GPUs join the trainer, the pool scales out or changes TP; the
     # simulator can, our runtime's fixed process groups cannot), both False by default; `decode_profile`
-    # (sched.views.DecodeProfile); `tp` (GPUs per engine, default 1) and `tp_sizes` (those it can reshard to).
+    # (sched.resources.DecodeProfile); `tp` (GPUs per engine, default 1) and `tp_sizes` (those it can reshard to).
     # optional: `has_pending() -> bool`, whether next_event would return at once with an event that arrived
     # together with the last one (the runtime's engines send one message per step); the controller applies such
     # a batch before deciding once. Backends without it (the simulator) are decided on after every event.

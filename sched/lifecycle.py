@@ -54,7 +54,8 @@ from sched.base import InvariantError
 from sched.decisions import (AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Migrate, Reshard, ReturnEngines,
                              RoundPlan, Submit)
 from sched.events import Event
-from sched.views import EngineView, GroupState, Request, RequestState, Views
+from sched.resources import EngineView
+from sched.views import GroupState, Request, RequestState, Views
 
 S = RequestState
 

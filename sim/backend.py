@@ -55,7 +55,8 @@ from sched.controller import PromptItem
 from sched.decisions import AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Reshard, ReturnEngines, TrainCall
 from sched.events import Event
 from sched.metrics import rollout_stats
-from sched.views import DecodeProfile, Request
+from sched.resources import DecodeProfile
+from sched.views import Request
 from sim.clock import EventQueue
 from sim.cost import CostModel
 from sim.engine import SimEngine, SimRequest

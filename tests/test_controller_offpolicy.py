@@ -10,7 +10,8 @@ from sched.base import Rebalance
 from sched.controller import Controller, InvariantError, PromptItem
 from sched.decisions import Abort, Interrupt, Migrate, Submit
 from sched.events import EventLog
-from sched.views import EngineView, Request, RequestState
+from sched.resources import EngineView
+from sched.views import Request, RequestState
 from sim.backend import SimBackend
 from sim.cost import CostModel, RewardLatency, RewardTask
 from sim.tokens import RunList

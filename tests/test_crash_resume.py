@@ -115,7 +115,7 @@ def _views_with(states: dict[int, str]):
     ctl = RecordingController(sched.load_preset("sync"), Source(), group_size=3, prompts_per_step=2, total_steps=3)
     backend = FakeBackend(1, 0)
     ctl.v.engines = []
-    from sched.views import EngineView
+    from sched.resources import EngineView
     ctl.v.engines = [EngineView(0)]
     ctl.apply(backend.next_event())                    # version 0 published
     ctl.decide(backend)                                # engine told to load
@@ -161,7 +161,7 @@ def test_each_request_state_is_settled_on_restore():
     # weights arrive: the restored requests become pending, oldest first, and fifo submits them
     backend = restarted_backend(1, 5, fresh.v.trainer.version)
     fresh.v.engines = []
-    from sched.views import EngineView
+    from sched.resources import EngineView
     fresh.v.engines = [EngineView(0)]
     fresh.apply(backend.next_event())
     fresh.decide(backend)

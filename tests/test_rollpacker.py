@@ -6,7 +6,8 @@ import pytest
 from sched.decisions import LendEngines, Migrate, ReturnEngines, RoundPlan
 from sched.policies.rollpacker import ScaleDown, StreamTrainerHandoff
 from sched.policies.rollpacker.stream_trainer import ScaleDownParams
-from sched.views import EngineView, GroupState, Request, RequestState, Views
+from sched.resources import EngineView
+from sched.views import GroupState, Request, RequestState, Views
 
 S = RequestState
 

@@ -21,7 +21,8 @@ from sched.policies.staleflow.dispatch import StaleFlowRouting, fewest_routes, m
 from sched.policies.staleflow.rebalance import StaleFlowMigration
 from sched.policies.staleflow.state import StaleFlowParams, StaleFlowState
 from sched.policies.staleflow.store import Item
-from sched.views import EngineView, GroupState, Request, RequestState, Views
+from sched.resources import EngineView
+from sched.views import GroupState, Request, RequestState, Views
 from sim.backend import SimBackend
 from sim.cost import CostModel as SimCost
 from sim.cost import RewardLatency, RewardTask

@@ -9,7 +9,8 @@ from sched.decisions import AddEngines, RoundPlan
 from sched.events import Event
 from sched.lifecycle import Lifecycle
 from sched.policies.streamrl.scale_out import ScaleOut
-from sched.views import EngineView, GroupState, Request, RequestState, Views
+from sched.resources import EngineView
+from sched.views import GroupState, Request, RequestState, Views
 from sim import simulate
 from sim.backend import SimBackend, SimStalled
 from sim.check import on_policy_report
