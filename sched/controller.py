@@ -135,8 +135,9 @@ class Controller:
                 cmd: Abort | Interrupt | Migrate | LoadWeights | LendEngines | ReturnEngines | AddEngines | Reshard
                 ) -> None:
         if isinstance(cmd, (LendEngines, ReturnEngines, AddEngines, Reshard)):
-            {LendEngines: self.life.lend, ReturnEngines: self.life.give_back, AddEngines: self.life.add_engines,
-             Reshard: self.life.reshard}[type(cmd)](cmd)
+            pool = self.life.pool
+            {LendEngines: pool.lend, ReturnEngines: pool.give_back, AddEngines: pool.add_engines,
+             Reshard: pool.reshard}[type(cmd)](cmd)
             backend.command(cmd)
             return
         if isinstance(cmd, Abort):

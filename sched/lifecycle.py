@@ -32,10 +32,7 @@ Partial trajectories (`interrupt`, `migrate`, for `sched.decisions.Interrupt` an
 - Migrate(src, dst): an Interrupt whose request is resubmitted to dst as soon as it lands, before any other
   admission (`due_migrations`; `trajectory_migrated`, data src/dst/tokens).
 
-Elastic pool (`lend` / `give_back` for LendEngines / ReturnEngines, `add_engines` for AddEngines, `reshard` for
-Reshard; only on a backend that says `elastic`): a lent engine takes no request until it is back; an added or
-resharded engine joins with no weights and takes no request before its first `weights_loaded`; a reshard happens
-only with nothing in flight, waiting, lent or loading.
+Elastic pool (LendEngines / ReturnEngines / AddEngines / Reshard): `pool`, an `EnginePool` (sched/engine_pool.py).
 
 Restored requests (after a resume, sched/resume.py) stay RESTORED, invisible to dispatch, until every engine holds
 the trainer's checkpointed version; `weights_loaded` then releases them to PENDING.
@@ -51,10 +48,9 @@ from typing import Any, Callable
 
 from rl.types import Group, Trajectory
 from sched.base import InvariantError
-from sched.decisions import (AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Migrate, Reshard, ReturnEngines,
-                             RoundPlan, Submit)
+from sched.decisions import Abort, Interrupt, LoadWeights, Migrate, RoundPlan, Submit
+from sched.engine_pool import EnginePool
 from sched.events import Event
-from sched.resources import EngineView
 from sched.views import GroupState, Request, RequestState, Views
 
 S = RequestState
@@ -68,6 +64,7 @@ class Lifecycle:
         self.trained: set[tuple[int, int]] = set()   # (group_id, sample_index) handed to the trainer
         self.interrupted = 0                          # interrupts that landed (a request may be interrupted often)
         self.restore_floor: int | None = None         # after a resume: the version every engine must hold first
+        self.pool = EnginePool(v, emit)
 
     def _set(self, r: Request, state: RequestState) -> None:
         self.v.requests.set_state(r, state)
@@ -206,53 +203,6 @@ class Lifecycle:
         self.emit(Event("trajectory_migrated", v.now, engine=sub.engine, req_id=r.req_id, group_id=r.group_id,
                         version=v.engines[sub.engine].version,
                         data={"src": src, "dst": sub.engine, "tokens": r.tokens}))
-
-    # ------------------------------------------------------------------------------------------ elastic pool
-    def lend(self, cmd: LendEngines) -> None:
-        """Engines leave rollout for the trainer: each must hold nothing but requests on their way out (being
-        interrupted or migrated away, or aborted), and at least one engine stays in rollout."""
-        v = self.v
-        if not v.elastic:
-            raise InvariantError("LendEngines on a backend that cannot lend engines to the trainer")
-        out = set(cmd.engines)
-        if any(not 0 <= i < len(v.engines) or v.engines[i].lent for i in out) or len(out) >= len(v.rollout_engines()):
-            raise InvariantError(f"LendEngines {sorted(out)}: unknown or lent already, or no engine left in rollout")
-        for r in v.requests.in_state(S.RUNNING, S.REQUEUEING):
-            if r.engine in out:
-                raise InvariantError(f"engine {r.engine} lent to the trainer while request {r.req_id} runs there")
-        for i in out:
-            v.engines[i].lent = True
-        self.emit(Event("engines_lent", v.now, data={"engines": sorted(out), "lent": True}))
-
-    def add_engines(self, cmd: AddEngines) -> None:
-        """New engines join rollout (ids after the last), without weights yet."""
-        v = self.v
-        if not v.elastic or cmd.count < 1:
-            raise InvariantError(f"AddEngines({cmd.count}) on a backend that cannot scale out, or nothing to add")
-        new = list(range(len(v.engines), len(v.engines) + cmd.count))
-        v.engines += [EngineView(engine=i) for i in new]
-        self.emit(Event("engines_added", v.now, data={"engines": new}))
-
-    def reshard(self, cmd: Reshard) -> None:
-        """The pool rebuilt at TP cmd.tp on the same GPUs: new engines 0..n-1, without weights."""
-        v = self.v
-        gpus = len(v.engines) * v.tp
-        if not v.elastic or cmd.tp not in v.tp_sizes or gpus % cmd.tp:
-            raise InvariantError(f"Reshard(tp={cmd.tp}) of {gpus} rollout GPUs: the backend reshards only to "
-                                 f"{v.tp_sizes}")
-        if v.in_flight() or v.requests.count(S.PENDING) or any(e.lent or e.loading for e in v.engines):
-            raise InvariantError(f"Reshard(tp={cmd.tp}) with requests in flight or waiting, or engines lent or "
-                                 f"loading")
-        v.engines = [EngineView(engine=i) for i in range(gpus // cmd.tp)]
-        v.tp = cmd.tp
-        self.emit(Event("engines_resharded", v.now, data={"tp": cmd.tp, "engines": len(v.engines)}))
-
-    def give_back(self, cmd: ReturnEngines) -> None:
-        for i in cmd.engines:
-            if not self.v.engines[i].lent:
-                raise InvariantError(f"ReturnEngines: engine {i} is not lent")
-            self.v.engines[i].lent = False
-        self.emit(Event("engines_lent", self.v.now, data={"engines": sorted(cmd.engines), "lent": False}))
 
     # ---------------------------------------------------------------------------------------------- training
     def consume(self, gids: list[int], max_staleness: int | None) -> list[Group]:

@@ -1,7 +1,8 @@
 """The compute the controller schedules onto, as it sees it: each rollout engine (`EngineView`: its weights, the
 counters it last reported, the controller's own `assigned`, `loading` and `lent`), the engines' profiled decode step
 (`DecodeProfile`, from a backend that has one) and the trainer (`TrainerView`: its version, what is published, its
-progress). Part of `Views` (sched/views.py); written only by the request lifecycle (sched/lifecycle.py).
+progress). Part of `Views` (sched/views.py); written only by the request lifecycle (sched/lifecycle.py) and its
+elastic pool (sched/engine_pool.py).
 """
 from __future__ import annotations
 
