@@ -93,7 +93,7 @@ class Controller:
         return self.v
 
     def apply(self, ev: Event) -> None:
-        self.life.apply(ev)
+        self.life.fold.apply(ev)
 
     def emit(self, ev: Event) -> None:
         self.log.write(ev)
