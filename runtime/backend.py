@@ -24,8 +24,8 @@ from runtime import watchdog
 from runtime.channel import WORKER, Channel
 from runtime.messages import ExportHF, ReceiveWeights, SaveCheckpoint, Start, StartRequest, Stop, Train, WorkDone
 from runtime.topology import Topology
-from sched.base import Abort, Interrupt, LoadWeights, TrainCall
 from sched.controller import PromptItem
+from sched.decisions import Abort, Interrupt, LoadWeights, TrainCall
 from sched.events import Event
 from sched.views import Request
 

@@ -21,8 +21,8 @@ from runtime.messages import ExportHF, Publish, SaveCheckpoint, Stop, Train, Wor
 from runtime.rollout_worker import RolloutWorker
 from runtime.train_worker import run_work
 from runtime.watchdog import Phase, waiting
-from sched.base import LoadWeights
 from sched.controller import Controller
+from sched.decisions import LoadWeights
 from trainer.fsdp import full_tensors
 from trainer.trainer import Trainer
 

@@ -3,10 +3,10 @@ dispatches on the type. Events (sched.events.Event) flow the other way, to the c
 
 To a rollout rank, from the leader's backend (runtime/backend.py) only:
     Start                 start requests, or resume interrupted ones from their tokens so far
-    sched.base.Abort      stop requests; report them aborted (requeued or dropped)
-    sched.base.Interrupt  take running requests out and hand back their tokens so far
-    ReceiveWeights        join the publication broadcast and keep the weights in this rank's relay
-    sched.base.LoadWeights  adopt the relay's weights in the engine (the weight-sync policy says when)
+    sched.decisions.Abort      stop requests; report them aborted (requeued or dropped)
+    sched.decisions.Interrupt  take running requests out and hand back their tokens so far
+    ReceiveWeights             join the publication broadcast and keep the weights in this rank's relay
+    sched.decisions.LoadWeights  adopt the relay's weights in the engine (the weight-sync policy says when)
     Stop                  leave the loop
 
 To the trainer (the leader's trainer thread, broadcast to the other train ranks; in colocated mode, every rank):
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rl.types import Group, Trajectory
-from sched.base import TrainCall
+from sched.decisions import TrainCall
 
 
 @dataclass

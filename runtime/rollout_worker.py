@@ -52,7 +52,7 @@ from runtime.messages import ReceiveWeights, Start, StartRequest, Stop
 from runtime.reward_scorer import AsyncRewardScorer
 from runtime.topology import Topology
 from runtime.watchdog import Phase, doing, progress, waiting
-from sched.base import Abort, Interrupt, LoadWeights
+from sched.decisions import Abort, Interrupt, LoadWeights
 from sched.events import Event
 from trainer.publish import WeightReceiver, checksum
 

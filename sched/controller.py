@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from rl.types import Group
-from sched.base import (AddEngines, Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, Preset,
-                        Reshard, ReturnEngines, RoundPlan, Submit, TrainCall)
+from sched.base import InvariantError, Preset
+from sched.decisions import (AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Migrate, Reshard, ReturnEngines,
+                             RoundPlan, Submit, TrainCall)
 from sched.events import Event, EventLog
 from sched.lifecycle import Lifecycle
+from sched.resources import EngineView
 from sched.resume import load_views, save_views
-from sched.views import EngineView, Request, Views
+from sched.views import Request, Views
 
 
 @dataclass
@@ -40,7 +42,7 @@ class Backend(Protocol):
     # optional attributes: `colocated` (engines and trainer share GPUs), `elastic` (it takes LendEngines /
     # ReturnEngines / AddEngines / Reshard: an engine's GPUs join the trainer, the pool scales out or changes TP; the
     # simulator can, our runtime's fixed process groups cannot), both False by default; `decode_profile`
-    # (sched.views.DecodeProfile); `tp` (GPUs per engine, default 1) and `tp_sizes` (those it can reshard to).
+    # (sched.resources.DecodeProfile); `tp` (GPUs per engine, default 1) and `tp_sizes` (those it can reshard to).
     # optional: `has_pending() -> bool`, whether next_event would return at once with an event that arrived
     # together with the last one (the runtime's engines send one message per step); the controller applies such
     # a batch before deciding once. Backends without it (the simulator) are decided on after every event.
@@ -91,7 +93,7 @@ class Controller:
         return self.v
 
     def apply(self, ev: Event) -> None:
-        self.life.apply(ev)
+        self.life.fold.apply(ev)
 
     def emit(self, ev: Event) -> None:
         self.log.write(ev)
@@ -133,8 +135,9 @@ class Controller:
                 cmd: Abort | Interrupt | Migrate | LoadWeights | LendEngines | ReturnEngines | AddEngines | Reshard
                 ) -> None:
         if isinstance(cmd, (LendEngines, ReturnEngines, AddEngines, Reshard)):
-            {LendEngines: self.life.lend, ReturnEngines: self.life.give_back, AddEngines: self.life.add_engines,
-             Reshard: self.life.reshard}[type(cmd)](cmd)
+            pool = self.life.pool
+            {LendEngines: pool.lend, ReturnEngines: pool.give_back, AddEngines: pool.add_engines,
+             Reshard: pool.reshard}[type(cmd)](cmd)
             backend.command(cmd)
             return
         if isinstance(cmd, Abort):

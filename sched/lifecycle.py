@@ -2,10 +2,18 @@
 rules that settle races. The controller (sched/controller.py) owns one `Lifecycle`, calls it for each decision it
 performs and each event it receives, and sends the backend commands it returns. Nothing else writes the views.
 
-Rounds: `start_round` makes a round's groups and their requests (PENDING); `admit` sends pending requests to an
-engine (RUNNING; `request_admitted`). Events are folded in by `apply`, in arrival order, each logged first.
+It is three objects: this one owns the decisions on requests and groups (rounds, admissions, aborts, interrupts and
+migrations, hand-off to the trainer, forgetting closed rounds) and the counters they need (`next_req`,
+`next_group`, `trained`); it holds the other two as attributes:
+    fold   an `EventFold` (sched/fold.py): every backend event into the views (`fold.apply`, in arrival order, each
+           logged first), the group accounting (`drop`, `materialize`) and the release of restored requests
+    pool   an `EnginePool` (sched/engine_pool.py): the elastic pool's decisions (LendEngines / ReturnEngines /
+           AddEngines / Reshard)
 
-Aborts (`abort`, for `sched.base.Abort`), so every policy and both backends see the same rules:
+Rounds: `start_round` makes a round's groups and their requests (PENDING); `admit` sends pending requests to an
+engine (RUNNING; `request_admitted`).
+
+Aborts (`abort`, for `sched.decisions.Abort`), so every policy and both backends see the same rules:
 - requeue=False drops a request for good, counted in its group's `dropped` the moment the abort is decided, so
   the group can materialise (or become void) at once:
     RUNNING  -> ABORTING, sent to its engine; the engine's `trajectory_aborted` closes it (ABORTED), or, if it
@@ -23,7 +31,7 @@ Every dropped request gets exactly one `trajectory_aborted` event in the log: th
 (data `local`: never sent; `discarded`: it had finished). Backends report `trajectory_aborted` only for requests
 they actually stopped.
 
-Partial trajectories (`interrupt`, `migrate`, for `sched.base.Interrupt` and `Migrate`):
+Partial trajectories (`interrupt`, `migrate`, for `sched.decisions.Interrupt` and `Migrate`):
 - Interrupt: a RUNNING request becomes INTERRUPTING and its engine is asked to hand it back; requests in any other
   state are skipped (one that finished first simply finished). The engine's `trajectory_interrupted` carries
   every token so far (ids, behaviour log-probs, per-token versions; the seeded generator state on real engines);
@@ -32,28 +40,25 @@ Partial trajectories (`interrupt`, `migrate`, for `sched.base.Interrupt` and `Mi
 - Migrate(src, dst): an Interrupt whose request is resubmitted to dst as soon as it lands, before any other
   admission (`due_migrations`; `trajectory_migrated`, data src/dst/tokens).
 
-Elastic pool (`lend` / `give_back` for LendEngines / ReturnEngines, `add_engines` for AddEngines, `reshard` for
-Reshard; only on a backend that says `elastic`): a lent engine takes no request until it is back; an added or
-resharded engine joins with no weights and takes no request before its first `weights_loaded`; a reshard happens
-only with nothing in flight, waiting, lent or loading.
-
 Restored requests (after a resume, sched/resume.py) stay RESTORED, invisible to dispatch, until every engine holds
-the trainer's checkpointed version; `weights_loaded` then releases them to PENDING.
+the trainer's checkpointed version; `weights_loaded` then releases them to PENDING (`fold.release_restored`).
 
-Invariants kept here: every event is logged before it is applied; a reward for a discarded sample is never added
-to its group; a group is handed to the trainer whole, once, only after it materialised, and no trajectory staler
-than the preset's bound; a partial only grows and its three per-token lists have one entry per token; a resumed
-trajectory never goes back in version; a trainer version only moves on a step that stepped.
+Invariants kept here: a group is handed to the trainer whole, once, only after it materialised, and no trajectory
+staler than the preset's bound; a resumed trajectory never goes back in version; engines load only published
+versions; no request is placed on a lent engine or one without weights. The fold keeps the events' own
+(sched/fold.py).
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from rl.types import Group, Trajectory
-from sched.base import (AddEngines, Abort, Interrupt, InvariantError, LendEngines, LoadWeights, Migrate, Reshard,
-                        ReturnEngines, RoundPlan, Submit)
+from rl.types import Group
+from sched.base import InvariantError
+from sched.decisions import Abort, Interrupt, LoadWeights, Migrate, RoundPlan, Submit
+from sched.engine_pool import EnginePool
 from sched.events import Event
-from sched.views import EngineView, GroupState, Request, RequestState, Views
+from sched.fold import EventFold
+from sched.views import GroupState, Request, RequestState, Views
 
 S = RequestState
 
@@ -64,11 +69,8 @@ class Lifecycle:
         self.next_req = 0
         self.next_group = 0
         self.trained: set[tuple[int, int]] = set()   # (group_id, sample_index) handed to the trainer
-        self.interrupted = 0                          # interrupts that landed (a request may be interrupted often)
-        self.restore_floor: int | None = None         # after a resume: the version every engine must hold first
-
-    def _set(self, r: Request, state: RequestState) -> None:
-        self.v.requests.set_state(r, state)
+        self.fold = EventFold(v, emit)                # backend events into the views; group accounting
+        self.pool = EnginePool(v, emit)               # the elastic pool's decisions
 
     # ----------------------------------------------------------------------------------------------- rounds
     def start_round(self, plan: RoundPlan, items: list[Any]) -> None:
@@ -111,7 +113,7 @@ class Lifecycle:
                                      f"older than its tokens so far (version {max(r.partial.versions)})")
             if r.v_traj < 0:
                 r.v_traj = e.version
-            self._set(r, S.RUNNING)
+            v.requests.set_state(r, S.RUNNING)
             r.engine, r.version = sub.engine, e.version
             self.emit(Event("request_admitted", v.now, engine=sub.engine, req_id=r.req_id, group_id=r.group_id,
                             version=e.version))
@@ -131,43 +133,20 @@ class Lifecycle:
         for rid in cmd.req_ids:
             r = v.requests[rid]
             if r.state == S.RUNNING:
-                self._set(r, S.REQUEUEING if cmd.requeue else S.ABORTING)
+                v.requests.set_state(r, S.REQUEUEING if cmd.requeue else S.ABORTING)
                 send.setdefault(r.engine, []).append(rid)
                 if not cmd.requeue:
-                    self._drop(r)
+                    self.fold.drop(r)
             elif r.state in (S.PENDING, S.FINISHED) and not cmd.requeue:
                 how = "local" if r.state == S.PENDING else "discarded"
-                self._drop(r)
-                self._set(r, S.ABORTED)
+                self.fold.drop(r)
+                v.requests.set_state(r, S.ABORTED)
                 self.emit(Event("trajectory_aborted", v.now, engine=r.engine, req_id=rid, group_id=r.group_id,
                                 data={"requeue": False, how: True}))
             elif r.state == S.INTERRUPTING and not cmd.requeue:
-                self._set(r, S.ABORTING)   # its trajectory_interrupted will close it (the engine no longer holds it)
-                self._drop(r)
+                v.requests.set_state(r, S.ABORTING)  # its trajectory_interrupted closes it (the engine lets it go)
+                self.fold.drop(r)
         return [Abort(engine, ids, cmd.requeue) for engine, ids in sorted(send.items())]
-
-    def _drop(self, r: Request) -> None:
-        """Count request r dropped in its group (taking its trajectory back out if it was already scored)."""
-        v = self.v
-        g = v.groups[r.group_id]
-        if g.consumed:
-            raise InvariantError(f"request {r.req_id} dropped after its group {g.group_id} was trained")
-        kept = [t for t in g.trajectories if t.sample_index != r.sample_index]
-        g.scored -= len(g.trajectories) - len(kept)
-        g.trajectories = kept
-        g.dropped += 1
-        v.groups.track(g)
-        v.dropped += 1
-        if r.state == S.RUNNING:
-            self._set(r, S.ABORTED)
-        self._materialize(g)
-
-    def _materialize(self, g: GroupState) -> None:
-        if g.materialized and g.materialized_seq < 0:
-            g.materialized_seq = self.v.seq
-            self.v.materialized += 1
-            self.emit(Event("group_materialized", self.v.now, group_id=g.group_id, version=g.version,
-                            data={"round": g.round}))
 
     # --------------------------------------------------------------------------------- partial trajectories
     def interrupt(self, req_ids: list[int], migrate_to: int = -1) -> list[Interrupt]:
@@ -178,7 +157,7 @@ class Lifecycle:
             r = v.requests.get(rid)
             if r is None or r.state != S.RUNNING or r.engine == migrate_to:
                 continue
-            self._set(r, S.INTERRUPTING)
+            v.requests.set_state(r, S.INTERRUPTING)
             r.migrate_to = migrate_to
             send.setdefault(r.engine, []).append(rid)
         return [Interrupt(engine, ids, migrate_to) for engine, ids in sorted(send.items())]
@@ -204,53 +183,6 @@ class Lifecycle:
         self.emit(Event("trajectory_migrated", v.now, engine=sub.engine, req_id=r.req_id, group_id=r.group_id,
                         version=v.engines[sub.engine].version,
                         data={"src": src, "dst": sub.engine, "tokens": r.tokens}))
-
-    # ------------------------------------------------------------------------------------------ elastic pool
-    def lend(self, cmd: LendEngines) -> None:
-        """Engines leave rollout for the trainer: each must hold nothing but requests on their way out (being
-        interrupted or migrated away, or aborted), and at least one engine stays in rollout."""
-        v = self.v
-        if not v.elastic:
-            raise InvariantError("LendEngines on a backend that cannot lend engines to the trainer")
-        out = set(cmd.engines)
-        if any(not 0 <= i < len(v.engines) or v.engines[i].lent for i in out) or len(out) >= len(v.rollout_engines()):
-            raise InvariantError(f"LendEngines {sorted(out)}: unknown or lent already, or no engine left in rollout")
-        for r in v.requests.in_state(S.RUNNING, S.REQUEUEING):
-            if r.engine in out:
-                raise InvariantError(f"engine {r.engine} lent to the trainer while request {r.req_id} runs there")
-        for i in out:
-            v.engines[i].lent = True
-        self.emit(Event("engines_lent", v.now, data={"engines": sorted(out), "lent": True}))
-
-    def add_engines(self, cmd: AddEngines) -> None:
-        """New engines join rollout (ids after the last), without weights yet."""
-        v = self.v
-        if not v.elastic or cmd.count < 1:
-            raise InvariantError(f"AddEngines({cmd.count}) on a backend that cannot scale out, or nothing to add")
-        new = list(range(len(v.engines), len(v.engines) + cmd.count))
-        v.engines += [EngineView(engine=i) for i in new]
-        self.emit(Event("engines_added", v.now, data={"engines": new}))
-
-    def reshard(self, cmd: Reshard) -> None:
-        """The pool rebuilt at TP cmd.tp on the same GPUs: new engines 0..n-1, without weights."""
-        v = self.v
-        gpus = len(v.engines) * v.tp
-        if not v.elastic or cmd.tp not in v.tp_sizes or gpus % cmd.tp:
-            raise InvariantError(f"Reshard(tp={cmd.tp}) of {gpus} rollout GPUs: the backend reshards only to "
-                                 f"{v.tp_sizes}")
-        if v.in_flight() or v.requests.count(S.PENDING) or any(e.lent or e.loading for e in v.engines):
-            raise InvariantError(f"Reshard(tp={cmd.tp}) with requests in flight or waiting, or engines lent or "
-                                 f"loading")
-        v.engines = [EngineView(engine=i) for i in range(gpus // cmd.tp)]
-        v.tp = cmd.tp
-        self.emit(Event("engines_resharded", v.now, data={"tp": cmd.tp, "engines": len(v.engines)}))
-
-    def give_back(self, cmd: ReturnEngines) -> None:
-        for i in cmd.engines:
-            if not self.v.engines[i].lent:
-                raise InvariantError(f"ReturnEngines: engine {i} is not lent")
-            self.v.engines[i].lent = False
-        self.emit(Event("engines_lent", self.v.now, data={"engines": sorted(cmd.engines), "lent": False}))
 
     # ---------------------------------------------------------------------------------------------- training
     def consume(self, gids: list[int], max_staleness: int | None) -> list[Group]:
@@ -290,125 +222,3 @@ class Lifecycle:
                     del v.groups[g]
                 for rid in [i for i, q in v.requests.items() if q.round == r]:
                     del v.requests[rid]
-
-    # ------------------------------------------------------------------------------------------------ events
-    def apply(self, ev: Event) -> None:
-        """Fold one backend event into the views (logged first)."""
-        v = self.v
-        v.now = ev.t
-        v.seq += 1
-        self.emit(ev)
-        k = ev.kind
-        if k == "tokens_decoded":
-            e = v.engines[ev.engine]
-            d = ev.data
-            e.running, e.waiting = d.get("running", e.running), d.get("waiting", e.waiting)
-            e.preemptions = d.get("preemptions", e.preemptions)
-            e.kv_used, e.kv_free = d.get("kv_used", e.kv_used), d.get("kv_free", e.kv_free)
-            e.tokens_decoded = d.get("total", e.tokens_decoded)
-            for rid, n in d.get("progress", {}).items():
-                if int(rid) in v.requests:
-                    v.requests[int(rid)].tokens = n
-        elif k == "trajectory_finished":
-            r = v.requests[ev.req_id]
-            r.tokens, r.finished_seq = ev.data.get("tokens", r.tokens), v.seq
-            r.preemptions = ev.data.get("preemptions", r.preemptions)
-            v.finishes.setdefault(r.round, []).append(r.req_id)
-            v.engines[r.engine].assigned -= 1
-            self._finished(r)
-        elif k == "reward_scored":
-            self._scored(ev)
-        elif k == "trajectory_interrupted":
-            if ev.req_id in v.requests:
-                self._interrupted(v.requests[ev.req_id], ev)
-        elif k == "trajectory_aborted":
-            if ev.req_id in v.requests:  # else its round was already consumed and forgotten
-                self._aborted(v.requests[ev.req_id], bool(ev.data.get("requeue")))
-        elif k == "train_step_done":
-            t = v.trainer
-            t.busy = False
-            if ev.data.get("stepped", True):
-                t.version, t.steps_done, t.groups_since_step = ev.version, t.steps_done + 1, 0
-        elif k == "version_published":
-            v.trainer.published = max(v.trainer.published, ev.version)
-        elif k == "weights_loaded":
-            e = v.engines[ev.engine]
-            e.version, e.loading = ev.version, False
-            self.release_restored()
-        elif k == "rank_failed":
-            raise RuntimeError(f"rank {ev.rank} failed: {ev.data.get('error', 'unknown error')}")
-
-    def _finished(self, r: Request) -> None:
-        if r.state == S.ABORTING:      # finished before the abort landed: discarded (already counted dropped)
-            self._set(r, S.ABORTED)
-            self.emit(Event("trajectory_aborted", self.v.now, engine=r.engine, req_id=r.req_id, group_id=r.group_id,
-                            data={"requeue": False, "discarded": True}))
-        else:                          # a REQUEUEING or INTERRUPTING one that finished first simply finished
-            self._set(r, S.FINISHED)
-
-    def _scored(self, ev: Event) -> None:
-        v = self.v
-        traj: Trajectory = ev.payload
-        g = v.groups.get(ev.group_id)
-        if g is None:  # its round was consumed and forgotten: a discarded sample's late reward
-            return
-        if traj is None or traj.group_id != g.group_id:
-            raise InvariantError(f"reward_scored event without its trajectory for group {ev.group_id}")
-        r = v.requests.get(ev.req_id) if ev.req_id >= 0 else v.requests.get(g.req_ids[traj.sample_index])
-        if r is None or r.state != S.ABORTED:  # a discarded trajectory is never trained
-            g.trajectories.append(traj)
-            g.scored += 1
-            v.groups.track(g)
-            self._materialize(g)
-
-    def _aborted(self, r: Request, requeue: bool) -> None:
-        if r.state not in (S.RUNNING, S.ABORTING, S.REQUEUEING):
-            raise InvariantError(f"trajectory_aborted for request {r.req_id} in state {r.state}")
-        self.v.engines[r.engine].assigned -= 1
-        if r.state == S.ABORTING:
-            self._set(r, S.ABORTED)
-        elif r.state == S.REQUEUEING or requeue:
-            self._set(r, S.PENDING)
-            r.engine = -1
-        else:                          # stopped by the backend on its own
-            self._drop(r)
-
-    def _interrupted(self, r: Request, ev: Event) -> None:
-        v = self.v
-        part = ev.payload
-        if r.state not in (S.INTERRUPTING, S.ABORTING, S.REQUEUEING):
-            raise InvariantError(f"trajectory_interrupted for request {r.req_id} in state {r.state}")
-        if part is None or len(part.response_ids) < r.resumed_tokens or \
-                len(part.logprobs) != len(part.response_ids) or len(part.versions) != len(part.response_ids):
-            raise InvariantError(f"trajectory_interrupted for request {r.req_id} without a consistent partial "
-                                 f"trajectory (it had {r.resumed_tokens} tokens before)")
-        v.engines[r.engine].assigned -= 1
-        self.interrupted += 1
-        src = r.engine
-        r.partial, r.tokens = part, len(part.response_ids)
-        if r.state == S.ABORTING:      # dropped while its interrupt was in flight: discarded
-            self._set(r, S.ABORTED)
-            self.emit(Event("trajectory_aborted", v.now, engine=src, req_id=r.req_id, group_id=r.group_id,
-                            data={"requeue": False, "interrupted": True}))
-            return
-        self._set(r, S.PENDING)
-        r.engine = -1
-        if r.migrate_to >= 0:
-            v.migrations.append((r.req_id, src, r.migrate_to))
-        r.migrate_to = -1
-
-    # ------------------------------------------------------------------------------------------------ resume
-    def release_restored(self) -> int:
-        """Once every engine holds at least the checkpointed trainer version (and is not loading), make the
-        restored requests pending again; how many were released."""
-        floor = self.restore_floor
-        if floor is None:
-            return 0
-        engines = self.v.engines
-        if not engines or any(e.version < floor or e.loading for e in engines):
-            return 0
-        out = [r for r in self.v.requests.values() if r.state == S.RESTORED]
-        for r in out:
-            self._set(r, S.PENDING)
-        self.restore_floor = None
-        return len(out)

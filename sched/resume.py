@@ -17,7 +17,7 @@ and the set of trajectories already handed to the trainer.
     aborted               kept
 
 Requests to be generated again are RESTORED (invisible to dispatch) until every engine has loaded the version the
-trainer had at the checkpoint, then released as PENDING (`Lifecycle.release_restored`, on each `weights_loaded`):
+trainer had at the checkpoint, then released as PENDING (`EventFold.release_restored`, on each `weights_loaded`):
 fresh engines start with no weights, and a barrier weight sync never loads an engine with requests assigned.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ _TAG = "__dataclass__"
 
 
 def _types() -> dict[str, type]:
-    from sched.base import RoundPlan
     from sched.controller import PromptItem
+    from sched.decisions import RoundPlan
     return {c.__name__: c for c in (Request, GroupState, Trajectory, PromptItem, RoundPlan)}
 
 
@@ -90,7 +90,7 @@ def save_views(life: "Lifecycle") -> dict[str, Any]:
         "materialized": v.materialized,
         "dropped": v.dropped,
         "now": v.now,
-        "interrupted": life.interrupted,
+        "interrupted": life.fold.interrupted,
         "floor": v.trainer.version,
     }
 
@@ -106,13 +106,13 @@ def load_views(life: "Lifecycle", state: dict[str, Any]) -> None:
     life.trained = {(int(g), int(s)) for g, s in state["trained"]}
     life.next_req, life.next_group = state["next_req"], state["next_group"]
     v.seq, v.now, v.materialized, v.dropped = state["seq"], state["now"], state["materialized"], state["dropped"]
-    life.interrupted = state["interrupted"]
+    life.fold.interrupted = state["interrupted"]
     v.migrations = []
     v.requests.clear()
     for r in map(decode, state["requests"]):
         _settle(life, r)
         v.requests[r.req_id] = r
-    life.restore_floor = state["floor"]
+    life.fold.restore_floor = state["floor"]
 
 
 def _settle(life: "Lifecycle", r: Request) -> None:

@@ -51,11 +51,12 @@ import random
 from typing import Any
 
 from rl.types import Group, Trajectory
-from sched.base import AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Reshard, ReturnEngines, TrainCall
 from sched.controller import PromptItem
+from sched.decisions import AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Reshard, ReturnEngines, TrainCall
 from sched.events import Event
 from sched.metrics import rollout_stats
-from sched.views import DecodeProfile, Request
+from sched.resources import DecodeProfile
+from sched.views import Request
 from sim.clock import EventQueue
 from sim.cost import CostModel
 from sim.engine import SimEngine, SimRequest

@@ -18,8 +18,8 @@ import random
 from dataclasses import dataclass, field
 
 from rl.types import Trajectory
-from sched.base import Abort, LoadWeights
 from sched.controller import Controller, PromptItem
+from sched.decisions import Abort, LoadWeights
 from sched.events import Event
 
 

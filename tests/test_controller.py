@@ -6,8 +6,9 @@ import pytest
 
 import sched
 from rl.types import Trajectory
-from sched.base import Handoff, LoadWeights
+from sched.base import Handoff
 from sched.controller import Controller, InvariantError, PromptItem
+from sched.decisions import LoadWeights
 from sched.events import Event, EventLog
 
 

@@ -6,10 +6,12 @@ import pytest
 
 import sched
 from rl.types import Trajectory
-from sched.base import Abort, Interrupt, Migrate, Rebalance, Submit
+from sched.base import Rebalance
 from sched.controller import Controller, InvariantError, PromptItem
+from sched.decisions import Abort, Interrupt, Migrate, Submit
 from sched.events import EventLog
-from sched.views import EngineView, Request, RequestState
+from sched.resources import EngineView
+from sched.views import Request, RequestState
 from sim.backend import SimBackend
 from sim.cost import CostModel, RewardLatency, RewardTask
 from sim.tokens import RunList
@@ -76,7 +78,7 @@ def test_a_migrated_trajectory_finishes_on_its_destination_with_every_token_and_
     traj = next(t for g in trained for t in g.trajectories if g.group_id == inter[0].group_id and t.sample_index == 0)
     assert len(traj.response_ids) == LONG and len(traj.versions) == LONG and 0 < inter[0].data["tokens"] < LONG
     keys = [(g.group_id, t.sample_index) for g in trained for t in g.trajectories]
-    assert len(keys) == len(set(keys)) == 2 * 2 * 4 and ctl.life.interrupted == 1
+    assert len(keys) == len(set(keys)) == 2 * 2 * 4 and ctl.life.fold.interrupted == 1
 
 
 def test_an_interrupted_request_waits_pending_with_its_partial_and_is_admitted_again():

@@ -11,6 +11,7 @@ import torch
 import sched
 from rl.types import Trajectory
 from sched.controller import PromptItem
+from sched.decisions import Abort, TrainCall
 from sched.events import Event, EventLog
 from sched.views import RequestState
 from tests.fake_backend import FakeBackend, RecordingController
@@ -114,7 +115,7 @@ def _views_with(states: dict[int, str]):
     ctl = RecordingController(sched.load_preset("sync"), Source(), group_size=3, prompts_per_step=2, total_steps=3)
     backend = FakeBackend(1, 0)
     ctl.v.engines = []
-    from sched.views import EngineView
+    from sched.resources import EngineView
     ctl.v.engines = [EngineView(0)]
     ctl.apply(backend.next_event())                    # version 0 published
     ctl.decide(backend)                                # engine told to load
@@ -134,7 +135,7 @@ def _views_with(states: dict[int, str]):
             r.partial = Trajectory(0, r.sample_index, [1], [9], [-0.1], [0], "interrupted",
                                    meta={"tag": torch.tensor([1, 2, 3], dtype=torch.uint8)})
         elif st == "aborting":
-            ctl.command(backend, sched.base.Abort(0, [rid]))   # RUNNING -> ABORTING, counted dropped
+            ctl.command(backend, Abort(0, [rid]))   # RUNNING -> ABORTING, counted dropped
         else:
             ctl.v.requests.set_state(r, S(st))
     return ctl
@@ -160,7 +161,7 @@ def test_each_request_state_is_settled_on_restore():
     # weights arrive: the restored requests become pending, oldest first, and fifo submits them
     backend = restarted_backend(1, 5, fresh.v.trainer.version)
     fresh.v.engines = []
-    from sched.views import EngineView
+    from sched.resources import EngineView
     fresh.v.engines = [EngineView(0)]
     fresh.apply(backend.next_event())
     fresh.decide(backend)
@@ -173,10 +174,10 @@ def test_each_request_state_is_settled_on_restore():
 
 def test_a_restored_request_is_never_trained_twice_by_a_buggy_handoff():
     ctl = _views_with({0: "finished+scored", 1: "finished+scored", 2: "finished+scored"})
-    ctl.train(FakeBackend(1, 0), sched.base.TrainCall([0], True, True), [0])
+    ctl.train(FakeBackend(1, 0), TrainCall([0], True, True), [0])
     fresh = RecordingController(sched.load_preset("sync"), Source(), group_size=3, prompts_per_step=2, total_steps=3)
     fresh.load_state_dict(roundtrip(ctl.state_dict()))
     fresh.v.groups[0].consumed = False                          # a policy bug: hand group 0 over again
     fresh.v.groups.track(fresh.v.groups[0])
     with pytest.raises(sched.controller.InvariantError, match="trained twice"):
-        fresh.train(FakeBackend(1, 0), sched.base.TrainCall([0], True, True), [0])
+        fresh.train(FakeBackend(1, 0), TrainCall([0], True, True), [0])

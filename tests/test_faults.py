@@ -13,7 +13,7 @@ from rl.data import DataError, PromptDataset
 from rl.rewards import CheckedReward, RewardError, RewardResult
 from rl.types import Group
 from runtime.messages import Start, StartRequest
-from sched.base import LoadWeights
+from sched.decisions import LoadWeights
 from sched.metrics import rollout_stats
 
 ROOT = Path(__file__).resolve().parent.parent

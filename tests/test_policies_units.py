@@ -5,8 +5,9 @@ import pytest
 import sched
 from config import ConfigError
 from rl.types import Trajectory
-from sched.base import Abort, RoundPlan, Submit
-from sched.views import EngineView, GroupState, Request, RequestState, Views
+from sched.decisions import Abort, RoundPlan, Submit
+from sched.resources import EngineView
+from sched.views import GroupState, Request, RequestState, Views
 from sched.policies.rolloutpipe import CompleteGroupPipelining, EveryU, FrontierDispatch
 from sched.controller import Controller, InvariantError, PromptItem
 from sched.events import Event, EventLog
@@ -281,7 +282,7 @@ def test_skewness_learns_from_finished_requests():
 def test_skewness_runs_algorithm_2_each_round_from_the_decode_profile():
     """With a profile, the long tail gets Algorithm 2's N_l engines and its batch size as their cap; without one,
     no engine is dedicated."""
-    from sched.views import DecodeProfile
+    from sched.resources import DecodeProfile
     prof = DecodeProfile(weights_s=0.01, per_seq_s=0.001, per_token_s=0.0, fixed_s=0.0, kv_tokens=10**6, max_seqs=4)
     v = views([["pending"]] * 20, engines=4, group_size=1)          # prompt i has prompt_len 2 + i
     v.decode_profile = prof

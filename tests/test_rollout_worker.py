@@ -19,8 +19,8 @@ from runtime.channel import ChannelTimeout
 from runtime.messages import ReceiveWeights, Start, StartRequest, Stop
 from runtime.rollout_worker import RolloutWorker, SamplingConfig, WeightMismatchError, trajectory_of
 from runtime.topology import Topology
-from sched.base import Abort, Interrupt, LoadWeights, Migrate
 from sched.controller import PromptItem
+from sched.decisions import Abort, Interrupt, LoadWeights, Migrate
 from sched.events import Event
 from sched.views import Request as SchedRequest
 

@@ -3,10 +3,11 @@ end to end in the simulator (lent engines' GPUs join the trainer; nothing runs o
 parallelism planner (§4.2): its TP decisions on hand-built views, and a reshard between steps in the simulator."""
 import pytest
 
-from sched.base import LendEngines, Migrate, ReturnEngines, RoundPlan
+from sched.decisions import LendEngines, Migrate, ReturnEngines, RoundPlan
 from sched.policies.rollpacker import ScaleDown, StreamTrainerHandoff
 from sched.policies.rollpacker.stream_trainer import ScaleDownParams
-from sched.views import EngineView, GroupState, Request, RequestState, Views
+from sched.resources import EngineView
+from sched.views import GroupState, Request, RequestState, Views
 
 S = RequestState
 
@@ -123,10 +124,10 @@ def test_elastic_stream_trainer_in_the_simulator_keeps_every_rule_and_speeds_up_
 
 
 # ------------------------------------------------------------------------------- the parallelism planner (§4.2)
-def planner_step(planner, v, life, kind: str, preemptions: int):
+def planner_step(planner, v, pool, kind: str, preemptions: int):
     """One more round of `kind` whose one response went through `preemptions` preemptions, trained and published;
-    the planner decides, and its Reshard (if any) is applied by the lifecycle."""
-    from sched.base import Reshard
+    the planner decides, and its Reshard (if any) is applied by the lifecycle's engine pool."""
+    from sched.decisions import Reshard
     r = v.round = v.round + 1
     v.round_groups[r], v.plans[r] = [r], RoundPlan(fresh=1, kind=kind)
     g = v.groups[r] = GroupState(r, r, r, 1)
@@ -143,61 +144,62 @@ def planner_step(planner, v, life, kind: str, preemptions: int):
     out = planner.plan(v)
     for cmd in out:
         assert isinstance(cmd, Reshard)
-        life.reshard(cmd)
+        pool.reshard(cmd)
     return out
 
 
 def test_planner_doubles_tp_on_a_rise_over_the_same_kind_and_halves_after_four_quiet_steps():
     from sched.events import Event
-    from sched.lifecycle import Lifecycle
+    from sched.engine_pool import EnginePool
     from sched.policies.rollpacker.planner import PlannerParams, TPPlanner
     v = Views(elastic=True, tp=2, tp_sizes=(1, 2, 4, 8))
     v.engines = [EngineView(e, version=0) for e in range(4)]         # 8 rollout GPUs at TP 2
     events: list[Event] = []
-    life, p = Lifecycle(v, events.append), TPPlanner(PlannerParams(max_tp=4))
-    assert planner_step(p, v, life, "short", 100) == []               # no reference yet
-    assert planner_step(p, v, life, "long", 50) == []                 # long's own reference
-    assert planner_step(p, v, life, "short", 105) == []               # 105 <= 1.05 x 100
-    assert [c.tp for c in planner_step(p, v, life, "short", 111)] == [4]   # a rise: doubled
+    pool, p = EnginePool(v, events.append), TPPlanner(PlannerParams(max_tp=4))
+    assert planner_step(p, v, pool, "short", 100) == []               # no reference yet
+    assert planner_step(p, v, pool, "long", 50) == []                 # long's own reference
+    assert planner_step(p, v, pool, "short", 105) == []               # 105 <= 1.05 x 100
+    assert [c.tp for c in planner_step(p, v, pool, "short", 111)] == [4]   # a rise: doubled
     assert v.tp == 4 and len(v.engines) == 2 and all(e.version == -1 for e in v.engines)
     assert events[-1].kind == "engines_resharded" and events[-1].data == {"tp": 4, "engines": 2}
-    assert planner_step(p, v, life, "short", 200) == []               # a rise, but TP 4 is the most
-    assert planner_step(p, v, life, "long", 40) == []                 # fewer: no change
+    assert planner_step(p, v, pool, "short", 200) == []               # a rise, but TP 4 is the most
+    assert planner_step(p, v, pool, "long", 40) == []                 # fewer: no change
     for _ in range(3):
-        assert planner_step(p, v, life, "short", 0) == []
-    assert [c.tp for c in planner_step(p, v, life, "long", 0)] == [2]   # the fourth quiet step: halved
+        assert planner_step(p, v, pool, "short", 0) == []
+    assert [c.tp for c in planner_step(p, v, pool, "long", 0)] == [2]   # the fourth quiet step: halved
     assert v.tp == 2 and len(v.engines) == 4
     for _ in range(4):
-        planner_step(p, v, life, "short", 0)
+        planner_step(p, v, pool, "short", 0)
     assert v.tp == 1 and len(v.engines) == 8
     for _ in range(4):
-        assert planner_step(p, v, life, "short", 0) == []             # TP 1 is the least
+        assert planner_step(p, v, pool, "short", 0) == []             # TP 1 is the least
     big = Views(elastic=True, tp=2, tp_sizes=(2, 4))                 # the model does not fit at TP 1
     big.engines = [EngineView(e, version=0) for e in range(4)]
-    q, life2 = TPPlanner(), Lifecycle(big, events.append)
+    q, pool2 = TPPlanner(), EnginePool(big, events.append)
     for _ in range(4):
-        assert planner_step(q, big, life2, "short", 0) == []
+        assert planner_step(q, big, pool2, "short", 0) == []
     assert big.tp == 2
     fixed = Views(elastic=False, tp=2)
     fixed.engines = [EngineView(e, version=0) for e in range(4)]
     q = TPPlanner()
-    planner_step(q, fixed, Lifecycle(fixed, events.append), "short", 10)
-    assert planner_step(q, fixed, Lifecycle(fixed, events.append), "short", 20) == []   # a backend that cannot
+    planner_step(q, fixed, EnginePool(fixed, events.append), "short", 10)
+    assert planner_step(q, fixed, EnginePool(fixed, events.append), "short", 20) == []   # a backend that cannot
 
 
 def test_reshard_is_refused_with_work_in_flight_or_to_a_size_the_backend_cannot_take():
-    from sched.base import InvariantError, Reshard
-    from sched.lifecycle import Lifecycle
+    from sched.base import InvariantError
+    from sched.decisions import Reshard
+    from sched.engine_pool import EnginePool
     v = round_views(running=2, finished=0)
     v.tp, v.tp_sizes = 2, (1, 2, 4)
     with pytest.raises(InvariantError, match="in flight"):
-        Lifecycle(v, lambda e: None).reshard(Reshard(4))
+        EnginePool(v, lambda e: None).reshard(Reshard(4))
     idle = Views(elastic=True, tp=1, tp_sizes=(1, 2))
     idle.engines = [EngineView(e, version=0) for e in range(3)]
     with pytest.raises(InvariantError, match="reshards only to"):
-        Lifecycle(idle, lambda e: None).reshard(Reshard(2))             # 3 GPUs: TP 2 does not divide them
+        EnginePool(idle, lambda e: None).reshard(Reshard(2))             # 3 GPUs: TP 2 does not divide them
     with pytest.raises(InvariantError, match="reshards only to"):
-        Lifecycle(idle, lambda e: None).reshard(Reshard(4))
+        EnginePool(idle, lambda e: None).reshard(Reshard(4))
 
 
 def test_planner_in_the_simulator_reshards_on_preemptions_between_steps_and_stays_on_policy():

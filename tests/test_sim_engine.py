@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sched.base import Abort, Interrupt, LoadWeights, Migrate
+from sched.decisions import Abort, Interrupt, LoadWeights, Migrate
 from sched.views import Request
 from sched.controller import PromptItem
 from sim.backend import SimBackend, SimStalled
@@ -286,7 +286,7 @@ def test_prefill_is_paid_once_when_a_plan_is_redone_at_the_same_instant():
 
 def test_an_overlapped_publication_frees_the_trainer_and_transfers_go_out_one_at_a_time():
     from rl.types import Group, Trajectory
-    from sched.base import TrainCall
+    from sched.decisions import TrainCall
     c = cost(publish_s=5.0, train_s_per_token=1e-3)
     groups = [Group(0, 0, None, [Trajectory(0, 0, [1] * 10, [2] * 990, [-1.0] * 990, [0] * 990)])]
     for overlap in (False, True):

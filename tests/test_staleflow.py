@@ -21,7 +21,8 @@ from sched.policies.staleflow.dispatch import StaleFlowRouting, fewest_routes, m
 from sched.policies.staleflow.rebalance import StaleFlowMigration
 from sched.policies.staleflow.state import StaleFlowParams, StaleFlowState
 from sched.policies.staleflow.store import Item
-from sched.views import EngineView, GroupState, Request, RequestState, Views
+from sched.resources import EngineView
+from sched.views import GroupState, Request, RequestState, Views
 from sim.backend import SimBackend
 from sim.cost import CostModel as SimCost
 from sim.cost import RewardLatency, RewardTask
@@ -165,7 +166,7 @@ def test_algorithm_1_syncs_then_migrates_then_routes_on_one_snapshot():
 
 
 def test_after_commands_empties_a_pulling_instance_and_takes_interrupted_trajectories_off_waiting_first():
-    from sched.base import Interrupt, LoadWeights
+    from sched.decisions import Interrupt, LoadWeights
     from sched.policies.staleflow.state import after_commands
     snaps = {0: InstanceSnap(0, 0, running=4, waiting=2, kv=400.0, requests=(1, 2, 3, 4, 5, 6)),
              1: InstanceSnap(1, 0, running=2, kv=200.0, requests=(7, 8))}

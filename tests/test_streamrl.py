@@ -1,14 +1,16 @@
-"""StreamRL's elastic generation pool and planning (§4.2): AddEngines in the lifecycle and the simulator, the
+"""StreamRL's elastic generation pool and planning (§4.2): AddEngines in the engine pool and the simulator, the
 scale-out decision on hand-built views, Algorithm 1's split from simulated generation profiles (sim/split.py), and the
 reproduction's headline ordering (StreamRL ahead of ColocationRL) at a small scale."""
 import pytest
 
 import sched
-from sched.base import AddEngines, InvariantError, RoundPlan
+from sched.base import InvariantError
+from sched.decisions import AddEngines, RoundPlan
+from sched.engine_pool import EnginePool
 from sched.events import Event
-from sched.lifecycle import Lifecycle
 from sched.policies.streamrl.scale_out import ScaleOut
-from sched.views import EngineView, GroupState, Request, RequestState, Views
+from sched.resources import EngineView
+from sched.views import GroupState, Request, RequestState, Views
 from sim import simulate
 from sim.backend import SimBackend, SimStalled
 from sim.check import on_policy_report
@@ -18,19 +20,19 @@ from sim.workload import get_workload
 S = RequestState
 
 
-def test_lifecycle_adds_engines_without_weights_only_on_an_elastic_backend():
+def test_engine_pool_adds_engines_without_weights_only_on_an_elastic_backend():
     v = Views(elastic=True)
     v.engines = [EngineView(0, version=3), EngineView(1, version=3)]
     events: list[Event] = []
-    Lifecycle(v, events.append).add_engines(AddEngines(2))
+    EnginePool(v, events.append).add_engines(AddEngines(2))
     assert [e.engine for e in v.engines] == [0, 1, 2, 3] and [e.version for e in v.engines[2:]] == [-1, -1]
     assert [(e.kind, e.data["engines"]) for e in events] == [("engines_added", [2, 3])]
     fixed = Views(elastic=False)
     fixed.engines = [EngineView(0)]
     with pytest.raises(InvariantError, match="cannot scale out"):
-        Lifecycle(fixed, events.append).add_engines(AddEngines(1))
+        EnginePool(fixed, events.append).add_engines(AddEngines(1))
     with pytest.raises(InvariantError):
-        Lifecycle(v, events.append).add_engines(AddEngines(0))
+        EnginePool(v, events.append).add_engines(AddEngines(0))
 
 
 def test_sim_backend_scales_out_onto_its_spare_gpus_and_no_further():

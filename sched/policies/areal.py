@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, Handoff, LoadWeights, Preset, Submit, WeightSync, register
+from sched.base import Dispatch, Handoff, Preset, WeightSync, register
+from sched.decisions import LoadWeights, Submit
 from sched.views import ON_ENGINE, GroupState, S, Views, least_loaded
 
 

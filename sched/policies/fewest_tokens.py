@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from config import F
-from sched.base import Dispatch, Submit, register
+from sched.base import Dispatch, register
+from sched.decisions import Submit
 from sched.views import ON_ENGINE, Views, least_loaded
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sched.base import Interrupt, Rebalance, register
+from sched.base import Rebalance, register
+from sched.decisions import Interrupt
 from sched.views import RequestState, Views
 
 

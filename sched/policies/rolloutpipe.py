@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from config import F
-from sched.base import Dispatch, Handoff, Submit, TrainCall, Update, register
+from sched.base import Dispatch, Handoff, Update, register
+from sched.decisions import Submit, TrainCall
 from sched.views import RequestState, Views, least_loaded
 
 S = RequestState

@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from config import F
-from sched.base import Dispatch, Handoff, LoadWeights, Rebalance, Submit, TrainCall, Update, WeightSync, register
+from sched.base import Dispatch, Handoff, Rebalance, Update, WeightSync, register
+from sched.decisions import LoadWeights, Submit, TrainCall
 from sched.views import RequestState, Views, least_loaded
 
 

@@ -5,8 +5,10 @@ import math
 from dataclasses import dataclass
 
 from config import F
-from sched.base import Dispatch, Submit, register
-from sched.views import EngineView, Views, least_loaded
+from sched.base import Dispatch, register
+from sched.decisions import Submit
+from sched.resources import EngineView
+from sched.views import Views, least_loaded
 
 
 @register

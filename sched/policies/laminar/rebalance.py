@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Migrate, Rebalance, register
+from sched.base import Rebalance, register
+from sched.decisions import Migrate
 from sched.views import RequestState, Views
 
 S = RequestState

@@ -1,7 +1,8 @@
 """Pull-latest weight sync: Laminar's trajectory-level asynchrony, §2.4, §3.2 steps 5-7 and §6."""
 from __future__ import annotations
 
-from sched.base import LoadWeights, WeightSync, register
+from sched.base import WeightSync, register
+from sched.decisions import LoadWeights
 from sched.views import Views
 
 

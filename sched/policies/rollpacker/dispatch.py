@@ -6,8 +6,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, RoundPlan, Submit, inner_dispatch, register
+from sched.base import Dispatch, inner_dispatch, register
 from sched.controller import PromptItem
+from sched.decisions import RoundPlan, Submit
 from sched.views import Views
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sched.base import Reshard
+from sched.decisions import Reshard
 from sched.views import RequestState, Views
 
 S = RequestState

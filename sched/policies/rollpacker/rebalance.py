@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from config import F
-from sched.base import Abort, LendEngines, Migrate, Rebalance, Reshard, ReturnEngines, register
+from sched.base import Rebalance, register
+from sched.decisions import Abort, LendEngines, Migrate, Reshard, ReturnEngines
 from sched.policies.rollpacker.planner import PlannerParams, TPPlanner
 from sched.policies.rollpacker.stream_trainer import ScaleDown, ScaleDownParams
 from sched.views import RequestState, Views

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Handoff, LendEngines, Migrate, ReturnEngines, register
+from sched.base import Handoff, register
+from sched.decisions import LendEngines, Migrate, ReturnEngines
 from sched.views import IN_FLIGHT, RequestState, Views
 
 S = RequestState

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, Submit, register
+from sched.base import Dispatch, register
+from sched.decisions import Submit
 from sched.policies.staleflow.buffers import StalenessBuffers
 from sched.policies.staleflow.cost import InstanceSnap, ThroughputModel
 from sched.policies.staleflow.state import StaleFlowParams, StaleFlowState

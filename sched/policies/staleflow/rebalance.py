@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Abort, Interrupt, Migrate, Preset, Rebalance, register
+from sched.base import Preset, Rebalance, register
+from sched.decisions import Abort, Interrupt, Migrate
 from sched.policies.staleflow.state import Snaps
 from sched.policies.staleflow.weight_sync import staleflow_routing
 from sched.views import Views

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from config import F
 from sched.policies.staleflow.buffers import StalenessBuffers
-from sched.base import Interrupt, LoadWeights
+from sched.decisions import Interrupt, LoadWeights
 from sched.policies.staleflow.cost import CostParams, InstanceSnap, ThroughputModel
 from sched.views import ON_ENGINE, Request, RequestState, Views
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sched.base import Interrupt, LoadWeights, Preset, WeightSync, register
+from sched.base import Preset, WeightSync, register
+from sched.decisions import Interrupt, LoadWeights
 from sched.policies.staleflow.dispatch import StaleFlowRouting
 from sched.policies.staleflow.state import Snaps
 from sched.policies.staleflow.store import TSQueue, TSSummary

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, Submit, register
+from sched.base import Dispatch, register
+from sched.decisions import Submit
 from sched.policies.streamrl.length_rank import PREDICTORS
 from sched.policies.streamrl.resource_split import split_instances
 from sched.views import ON_ENGINE, GroupState, Views

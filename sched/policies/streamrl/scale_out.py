@@ -5,7 +5,8 @@ import bisect
 from dataclasses import dataclass
 
 from config import F
-from sched.base import AddEngines, Rebalance, register
+from sched.base import Rebalance, register
+from sched.decisions import AddEngines
 from sched.policies.streamrl.resource_split import should_scale_out
 from sched.views import Views
 

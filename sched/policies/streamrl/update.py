@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from config import F
-from sched.base import TrainCall, Update, register
+from sched.base import Update, register
+from sched.decisions import TrainCall
 from sched.views import Views
 
 
