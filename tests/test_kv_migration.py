@@ -1,0 +1,117 @@
+"""A request moved between engines with its KV (issue 17, Laminar's repack and StaleFlow's migration): the
+destination adopts the K/V instead of re-prefilling, and decoding continues exactly as it would have on the source.
+Engine level here (prefix-shared and partly filled blocks, mid-prefill, the version and room fallbacks); between two
+gloo ranks, and a sender that never sends, in tests/test_kv_transfer_dist.py."""
+import pytest
+import torch
+
+from engine import GenRequest, KVState, LLMEngine, SamplingParams
+from tests.test_engine import assert_pool_whole, drain, engine, prompts, qwen3  # noqa: F401 (fixture)
+
+
+def run_and_move(ours, reqs: list[GenRequest], steps: int, move: int, dst: LLMEngine, **src_kw):
+    """Run `reqs` on a source engine for `steps` steps, export request `move` with its KV into `dst`, drain both;
+    (source outputs, destination outputs, the exported request, dst's prefill tokens for it, the dst step after)."""
+    src = engine(ours, **src_kw)
+    ids = [src.add_request(r) for r in reqs]
+    for _ in range(steps):
+        src.step()
+    moved = src.export(ids[move], with_kv=True)
+    prefill0 = dst.num_prefill_tokens
+    dst.import_request(moved)
+    dst.step()
+    first = dst.last_step
+    outs_dst = drain(dst)
+    outs_src = drain(src)
+    assert_pool_whole(src)
+    assert_pool_whole(dst)
+    return outs_src, outs_dst, moved, dst.num_prefill_tokens - prefill0, first
+
+
+def assert_same(got, want):
+    assert got.token_ids == want.token_ids and got.request_id == want.request_id
+    assert got.logprobs == want.logprobs and got.sampling_logprobs == want.sampling_logprobs  # exactly
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_kv_moves_and_decoding_continues_identically_without_prefill(qwen3, temperature):  # noqa: F811
+    _, ours, _ = qwen3
+    ps = prompts((7, 13))   # 7 and 13 tokens in blocks of 4: both end in a partly filled block
+    sp = SamplingParams(temperature=temperature, max_new_tokens=12, seed=5)
+    reqs = lambda: [GenRequest(p, sp, request_id=f"r{i}") for i, p in enumerate(ps)]  # noqa: E731
+    want = engine(ours).generate(reqs())
+    dst = engine(ours, block_size=8)   # another block size: the KV lands in other slots of other blocks
+    outs_src, outs_dst, moved, prefill, first = run_and_move(ours, reqs(), 6, 1, dst)
+    assert 0 < len(moved.token_ids) < 12 and moved.kv.num_tokens == len(ps[1]) + len(moved.token_ids) - 1
+    assert prefill == 0 and first.num_tokens == first.num_decode == 1   # the next step was a decode
+    assert_same(outs_dst[0], want[1])
+    assert_same(outs_src[0], want[0])
+
+
+def test_a_sibling_leaves_its_group_with_the_shared_prompt_blocks(qwen3):  # noqa: F811
+    """GRPO siblings share the prompt's blocks (refcounts > 1, the last one partly filled): the moved one carries a
+    copy of its own tokens, the ones left behind keep theirs, both pools end whole."""
+    _, ours, _ = qwen3
+    (p,) = prompts((10,))
+    reqs = lambda: [GenRequest(p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i), request_id=f"g{i}",  # noqa: E731
+                               group_id=3, sample_index=i) for i in range(3)]
+    want = engine(ours).generate(reqs())
+    src = engine(ours)
+    for r in reqs():
+        src.add_request(r)
+    src.step()   # the leader's prompt prefilled once, the siblings forked from it
+    assert src.block_manager.ref_counts[src.seqs["g1"].block_table[0]] == 3
+    moved = src.export("g1", with_kv=True)
+    assert moved.kv.num_tokens == 10 and src.block_manager.ref_counts[src.seqs["g0"].block_table[0]] == 2
+    dst = engine(ours)
+    dst.import_request(moved)
+    got, rest = drain(dst), drain(src)
+    assert dst.num_prefill_tokens == 0
+    assert_same(got[0], want[1])
+    for o in rest:
+        assert_same(o, want[int(o.request_id[1])])
+    assert_pool_whole(src)
+    assert_pool_whole(dst)
+
+
+def test_a_request_moved_mid_prefill_prefills_only_the_rest(qwen3):  # noqa: F811
+    _, ours, _ = qwen3
+    (p,) = prompts((22,))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=2)
+    want = engine(ours, max_batch_tokens=8).generate([GenRequest(p, sp, request_id="x")])
+    dst = engine(ours, max_batch_tokens=8)
+    _, got, moved, prefill, _ = run_and_move(ours, [GenRequest(p, sp, request_id="x")], 2, 0, dst,
+                                             max_batch_tokens=8)
+    assert moved.token_ids == [] and moved.kv.num_tokens == 16
+    assert prefill == 22 - 16   # what was left of the prompt
+    assert_same(got[0], want[0])
+
+
+def test_kv_of_other_weights_or_without_room_is_not_adopted_the_request_is_re_prefilled(qwen3):  # noqa: F811
+    _, ours, _ = qwen3
+    ps = prompts((9, 5))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=1)
+    want = engine(ours).generate([GenRequest(ps[0], sp, request_id="m")])
+    newer = LLMEngine(ours, engine(ours).config, version=1)     # same tensors, another version: never read as cached
+    _, got, moved, prefill, _ = run_and_move(ours, [GenRequest(ps[0], sp, request_id="m")], 4, 0, newer)
+    assert moved.kv.version == 0 and prefill == 9 + len(moved.token_ids)
+    assert got[0].token_ids == want[0].token_ids and got[0].versions == [0] * len(moved.token_ids) + \
+        [1] * (10 - len(moved.token_ids))
+    full = engine(ours, max_num_seqs=1)   # no seat free: waits, then re-prefills
+    full.add_request(GenRequest(ps[1], sp, request_id="other"))
+    full.step()
+    _, got, moved, prefill, _ = run_and_move(ours, [GenRequest(ps[0], sp, request_id="m")], 4, 0, full)
+    assert prefill == 9 + len(moved.token_ids)
+    assert {o.request_id for o in got} == {"m", "other"}
+
+
+def test_kv_of_another_model_shape_is_refused_by_name(qwen3):  # noqa: F811
+    _, ours, _ = qwen3
+    src, dst = engine(ours), engine(ours)
+    src.add_request(GenRequest(prompts((6,))[0], SamplingParams(max_new_tokens=4), request_id="z"))
+    src.step()
+    u = src.export("z", with_kv=True)
+    u.kv = KVState(u.kv.data[:, :1], u.kv.version)   # one layer instead of the model's
+    with pytest.raises(ValueError, match="does not fit"):
+        dst.import_request(u)
+    assert_pool_whole(dst)
