@@ -38,7 +38,9 @@ def test_kv_moves_and_decoding_continues_identically_without_prefill(qwen3, temp
     _, ours, _ = qwen3
     ps = prompts((7, 13))   # 7 and 13 tokens in blocks of 4: both end in a partly filled block
     sp = SamplingParams(temperature=temperature, max_new_tokens=12, seed=5)
-    reqs = lambda: [GenRequest(p, sp, request_id=f"r{i}") for i, p in enumerate(ps)]  # noqa: E731
+
+    def reqs():
+        return [GenRequest(p, sp, request_id=f"r{i}") for i, p in enumerate(ps)]
     want = engine(ours).generate(reqs())
     dst = engine(ours, block_size=8)   # another block size: the KV lands in other slots of other blocks
     outs_src, outs_dst, moved, prefill, first = run_and_move(ours, reqs(), 6, 1, dst)
@@ -53,8 +55,10 @@ def test_a_sibling_leaves_its_group_with_the_shared_prompt_blocks(qwen3):  # noq
     copy of its own tokens, the ones left behind keep theirs, both pools end whole."""
     _, ours, _ = qwen3
     (p,) = prompts((10,))
-    reqs = lambda: [GenRequest(p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i), request_id=f"g{i}",  # noqa: E731
-                               group_id=3, sample_index=i) for i in range(3)]
+
+    def reqs():
+        return [GenRequest(p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i), request_id=f"g{i}",
+                           group_id=3, sample_index=i) for i in range(3)]
     want = engine(ours).generate(reqs())
     src = engine(ours)
     for r in reqs():
@@ -115,3 +119,70 @@ def test_kv_of_another_model_shape_is_refused_by_name(qwen3):  # noqa: F811
     with pytest.raises(ValueError, match="does not fit"):
         dst.import_request(u)
     assert_pool_whole(dst)
+
+
+# ---- the runtime's side without a cluster: the backend's SendKV, a worker's kept KV ------------------------------
+def test_the_backend_sends_the_kv_s_keeper_a_sendkv_right_before_the_destination_s_start():
+    from rl.types import Trajectory
+    from runtime.backend import RuntimeBackend
+    from runtime.messages import SendKV, Start
+    from runtime.topology import Topology
+    from sched.controller import PromptItem
+    from sched.views import Request
+    from tests.test_rollout_worker import FakeChannel
+    topo = Topology(rank=0, world=4, train_ranks=[0], rollout_ranks=[1, 2, 3], colocate=False,
+                    device=torch.device("cpu"))
+    ch = FakeChannel()
+    be = RuntimeBackend(topo, ch, t0=0.0, to_trainer=lambda item: None)
+
+    def part(rank):
+        return Trajectory(5, 1, [3, 4], [7, 8], [-0.1, -0.2], [0, 0], finish_reason="interrupted",
+                          meta={"rng_state": None, "kv_rank": rank})
+    reqs = [Request(req_id=51, group_id=5, sample_index=1, prompt_index=9, round=0, prompt_len=2, partial=part(3)),
+            Request(req_id=52, group_id=5, sample_index=2, prompt_index=9, round=0, prompt_len=2, partial=part(1))]
+    be.submit(0, reqs, {5: PromptItem(9, [3, 4], "x")})
+    assert [(dst, type(m).__name__) for dst, m in ch.sent] == [(3, "SendKV"), (1, "Start")]
+    assert ch.sent[0][1] == SendKV(51, 1) and isinstance(ch.sent[1][1], Start)   # 52's KV is on rank 1 already
+
+
+def test_a_worker_resumes_from_the_kv_it_kept_and_drops_it_when_it_loads_new_weights():
+    from runtime.messages import Start
+    from runtime.kv_transfer import KVSender
+    from sched.base import Interrupt, LoadWeights
+    from tests.test_kv_transfer_dist import REQ, _finished, _spec
+    from tests.test_rollout_worker import make_worker, published
+    import dataclasses
+
+    def worker():
+        w, ch, task, tok = make_worker(verify=False, max_new_tokens=10)
+        w.kv_sender = KVSender(None)   # never used here: the KV stays on this rank
+        return w, ch, _spec(tok, task)
+
+    ref, ref_ch, spec = worker()
+    ref.handle(Start([spec]))
+    while ref.engine.has_unfinished():
+        ref.step()
+    want = _finished(ref_ch)
+    for reload in (False, True):
+        w, ch, spec = worker()
+        w.handle(Start([spec]))
+        for _ in range(3):
+            w.step()
+        w.handle(Interrupt(0, [REQ], dst=1))
+        part = next(e.payload for e in w.outbox if e.kind == "trajectory_interrupted")
+        assert part.meta["kv_rank"] == w.rank and REQ in w.kv_out
+        if reload:   # the same weights as a new version: the kept KV is dropped, the request re-prefilled
+            w._into_relay(published(w.engine), 0)
+            w.relay_version = 0
+            w.handle(LoadWeights(0, 0))
+            assert not w.kv_out
+        prefill0 = w.engine.num_prefill_tokens
+        w.handle(Start([dataclasses.replace(spec, partial=part)]))
+        while w.engine.has_unfinished():
+            w.step()
+        got = _finished(ch)
+        assert got.response_ids == want.response_ids
+        if reload:
+            assert w.engine.num_prefill_tokens - prefill0 == len(spec.prompt_ids) + len(part.response_ids)
+        else:
+            assert w.engine.num_prefill_tokens == prefill0 and got.logprobs == want.logprobs and not w.kv_out

@@ -1,6 +1,7 @@
 """A migrated request's KV between two gloo ranks (runtime/kv_transfer.py): rank 0's worker keeps the KV at the
 migrating Interrupt and sends it on SendKV, rank 1's worker receives it with the Start that resumes the request,
-decodes on without a prefill, and finishes exactly as an uninterrupted run; and a receiver whose sender never sends
+decodes on without a prefill, and finishes exactly as an uninterrupted run (a request whose KV is no longer kept
+goes as "no KV"); and a receiver whose sender never sends
 ends with the watchdog's named report (runtime/watchdog.py), not a hang."""
 import dataclasses
 import tempfile
@@ -31,7 +32,7 @@ def _finished(ch):
 
 
 def _move(rank: int, world: int):
-    from runtime.kv_transfer import KVSender
+    from runtime.kv_transfer import KVSender, recv_kv
     from runtime.messages import SendKV, Start
     from sched.base import Interrupt
     from tests.test_rollout_worker import make_worker
@@ -51,6 +52,7 @@ def _move(rank: int, world: int):
     dist.broadcast_object_list(box, src=0)   # the controller's part: the partial trajectory goes to the destination
     if rank == 0:
         w.handle(SendKV(REQ, 1))
+        w.handle(SendKV(99, 1))   # a request whose KV this rank no longer keeps: "no KV"
         w.close()
         assert not w.kv_out and w.engine.block_manager.num_free == w.engine.block_manager.num_blocks
         return None
@@ -60,6 +62,7 @@ def _move(rank: int, world: int):
     assert seq.num_cached_tokens == len(spec.prompt_ids) + len(part.response_ids) - 1   # adopted as cached
     while w.engine.has_unfinished():
         w.step()
+    assert recv_kv(99, 0, group, torch.device("cpu")) is None
     w.close()
     assert w.engine.num_prefill_tokens == 0
     moved = _finished(ch)
