@@ -117,6 +117,7 @@ class RolloutWorker:
         self.kv_group = kv_group                               # None: migrated requests are re-prefilled
         self.kv_sender = KVSender(kv_group) if kv_group is not None else None
         self.kv_out: dict[int, KVState] = {}                   # req_id -> KV kept since its migrating Interrupt
+        self.kv_adopted = self.kv_refused = 0                  # tokens of received KV imported as cached / not
 
     @classmethod
     def for_rank(cls, cfg: Config, parts: RunParts, engine: LLMEngine, topo: Topology, channel: Channel, t0: float,
@@ -221,6 +222,10 @@ class RolloutWorker:
             self.engine.import_request(UnfinishedRequest(
                 request, token_ids=ids, logprobs=lps, sampling_logprobs=[float("nan")] * len(ids),
                 versions=versions, arrival_time=self.engine.clock(), rng_state=part.meta.get("rng_state"), kv=kv))
+            if kv is not None:   # refused: computed by other weights, or no room now (re-prefilled instead)
+                adopted = self.engine.seqs[req.req_id].num_cached_tokens > 0
+                self.kv_adopted += kv.num_tokens * adopted
+                self.kv_refused += kv.num_tokens * (not adopted)
         self.answers[req.req_id] = req.answer
 
     def _interrupt(self, req_id: int, migrating: bool = False) -> None:
@@ -300,7 +305,9 @@ class RolloutWorker:
             st = self.engine.stats()
             self.event("tokens_decoded", version=st.version,
                        data={"total": st.num_tokens_decoded, "running": len(st.running), "waiting": len(st.waiting),
-                             "kv_used": st.kv_blocks_used, "kv_free": st.kv_blocks_free})
+                             "kv_used": st.kv_blocks_used, "kv_free": st.kv_blocks_free,
+                             "prefill": st.num_prefill_tokens, "kv_adopted": self.kv_adopted,
+                             "kv_refused": self.kv_refused})
         self._maybe_idle()
         if finished or scored or not self.busy:
             self.flush()
