@@ -6,7 +6,27 @@ import pytest
 import torch
 
 from engine import GenRequest, KVState, LLMEngine, SamplingParams
-from tests.test_engine import assert_pool_whole, drain, engine, prompts, qwen3  # noqa: F401 (fixture)
+from model import Transformer
+from model.presets import preset_config
+from tests.test_engine import assert_pool_whole, drain, engine, prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_model(seed: int = 0) -> Transformer:
+    """The `tiny` preset (2 layers, 2 KV heads; no EOS: requests run to their length), weights scaled up so that
+    greedy outputs vary."""
+    model = Transformer(preset_config("tiny", vocab_size=128)).init_weights(seed=seed).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(3.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return None, tiny_model(), None
 
 
 def run_and_move(ours, reqs: list[GenRequest], steps: int, move: int, dst: LLMEngine, **src_kw):
@@ -34,7 +54,7 @@ def assert_same(got, want):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_kv_moves_and_decoding_continues_identically_without_prefill(qwen3, temperature):  # noqa: F811
+def test_kv_moves_and_decoding_continues_identically_without_prefill(qwen3, temperature):
     _, ours, _ = qwen3
     ps = prompts((7, 13))   # 7 and 13 tokens in blocks of 4: both end in a partly filled block
     sp = SamplingParams(temperature=temperature, max_new_tokens=12, seed=5)
@@ -48,9 +68,10 @@ def test_kv_moves_and_decoding_continues_identically_without_prefill(qwen3, temp
     assert prefill == 0 and first.num_tokens == first.num_decode == 1   # the next step was a decode
     assert_same(outs_dst[0], want[1])
     assert_same(outs_src[0], want[0])
+    assert len(set(want[1].token_ids)) > 2   # not one token repeated
 
 
-def test_a_sibling_leaves_its_group_with_the_shared_prompt_blocks(qwen3):  # noqa: F811
+def test_a_sibling_leaves_its_group_with_the_shared_prompt_blocks(qwen3):
     """GRPO siblings share the prompt's blocks (refcounts > 1, the last one partly filled): the moved one carries a
     copy of its own tokens, the ones left behind keep theirs, both pools end whole."""
     _, ours, _ = qwen3
@@ -78,7 +99,7 @@ def test_a_sibling_leaves_its_group_with_the_shared_prompt_blocks(qwen3):  # noq
     assert_pool_whole(dst)
 
 
-def test_a_request_moved_mid_prefill_prefills_only_the_rest(qwen3):  # noqa: F811
+def test_a_request_moved_mid_prefill_prefills_only_the_rest(qwen3):
     _, ours, _ = qwen3
     (p,) = prompts((22,))
     sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=2)
@@ -91,7 +112,7 @@ def test_a_request_moved_mid_prefill_prefills_only_the_rest(qwen3):  # noqa: F81
     assert_same(got[0], want[0])
 
 
-def test_kv_of_other_weights_or_without_room_is_not_adopted_the_request_is_re_prefilled(qwen3):  # noqa: F811
+def test_kv_of_other_weights_or_without_room_is_not_adopted_the_request_is_re_prefilled(qwen3):
     _, ours, _ = qwen3
     ps = prompts((9, 5))
     sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=1)
@@ -109,7 +130,7 @@ def test_kv_of_other_weights_or_without_room_is_not_adopted_the_request_is_re_pr
     assert {o.request_id for o in got} == {"m", "other"}
 
 
-def test_kv_of_another_model_shape_is_refused_by_name(qwen3):  # noqa: F811
+def test_kv_of_another_model_shape_is_refused_by_name(qwen3):
     _, ours, _ = qwen3
     src, dst = engine(ours), engine(ours)
     src.add_request(GenRequest(prompts((6,))[0], SamplingParams(max_new_tokens=4), request_id="z"))
@@ -145,44 +166,75 @@ def test_the_backend_sends_the_kv_s_keeper_a_sendkv_right_before_the_destination
     assert ch.sent[0][1] == SendKV(51, 1) and isinstance(ch.sent[1][1], Start)   # 52's KV is on rank 1 already
 
 
-def test_a_worker_resumes_from_the_kv_it_kept_and_drops_it_when_it_loads_new_weights():
-    from runtime.messages import Start
-    from runtime.kv_transfer import KVSender
-    from sched.base import Interrupt, LoadWeights
-    from tests.test_kv_transfer_dist import REQ, _finished, _spec
-    from tests.test_rollout_worker import make_worker, published
+REQ = 7
+
+
+def _finished(ch):
+    """The scored trajectory of request REQ among the events a worker sent."""
+    return next(e.payload for _, evs in ch.sent for e in evs if e.kind == "reward_scored" and e.req_id == REQ)
+
+
+class Wire:
+    """KVSender and recv_kv without a process group: what a rank sends, the named rank receives."""
+    def __init__(self):
+        self.sent = {}
+
+    def send(self, kv, req_id, dst):
+        self.sent[req_id, dst] = kv
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("case", ["kept", "sent", "reloaded"])
+def test_a_worker_resumes_a_migrated_request_from_its_kv_kept_here_or_received(case, monkeypatch):
+    """kept: resumed on the rank that kept the KV; sent: SendKV from that rank, received by another worker with the
+    Start; reloaded: the keeper loaded new weights (the same tensors as a new version) before the resume, so the KV
+    was dropped and the request is re-prefilled."""
     import dataclasses
+    from runtime import rollout_worker
+    from runtime.messages import SendKV, Start, StartRequest
+    from sched.base import Interrupt, LoadWeights
+    from tests.test_rollout_worker import make_worker, published
+    wire = Wire()
+    monkeypatch.setattr(rollout_worker, "recv_kv", lambda req_id, src, group, device: wire.sent.pop((req_id, 2)))
 
-    def worker():
+    def worker(rank):
         w, ch, task, tok = make_worker(verify=False, max_new_tokens=10)
-        w.kv_sender = KVSender(None)   # never used here: the KV stays on this rank
-        return w, ch, _spec(tok, task)
+        w.rank, w.kv_sender = rank, wire
+        prompt, answer = task.prompts()[0]
+        return w, ch, StartRequest(REQ, 0, 0, 0, tok.encode(prompt, add_special_tokens=False), answer)
 
-    ref, ref_ch, spec = worker()
+    ref, ref_ch, spec = worker(1)
     ref.handle(Start([spec]))
     while ref.engine.has_unfinished():
         ref.step()
     want = _finished(ref_ch)
-    for reload in (False, True):
-        w, ch, spec = worker()
-        w.handle(Start([spec]))
-        for _ in range(3):
-            w.step()
-        w.handle(Interrupt(0, [REQ], dst=1))
-        part = next(e.payload for e in w.outbox if e.kind == "trajectory_interrupted")
-        assert part.meta["kv_rank"] == w.rank and REQ in w.kv_out
-        if reload:   # the same weights as a new version: the kept KV is dropped, the request re-prefilled
-            w._into_relay(published(w.engine), 0)
-            w.relay_version = 0
-            w.handle(LoadWeights(0, 0))
-            assert not w.kv_out
-        prefill0 = w.engine.num_prefill_tokens
-        w.handle(Start([dataclasses.replace(spec, partial=part)]))
-        while w.engine.has_unfinished():
-            w.step()
-        got = _finished(ch)
-        assert got.response_ids == want.response_ids
-        if reload:
-            assert w.engine.num_prefill_tokens - prefill0 == len(spec.prompt_ids) + len(part.response_ids)
-        else:
-            assert w.engine.num_prefill_tokens == prefill0 and got.logprobs == want.logprobs and not w.kv_out
+    w, ch, spec = worker(1)
+    w.handle(Start([spec]))
+    for _ in range(3):
+        w.step()
+    w.handle(Interrupt(0, [REQ], dst=1))
+    part = next(e.payload for e in w.outbox if e.kind == "trajectory_interrupted")
+    assert part.meta["kv_rank"] == 1 and REQ in w.kv_out
+    if case == "reloaded":
+        w._into_relay(published(w.engine), 0)
+        w.relay_version = 0
+        w.handle(LoadWeights(0, 0))
+        assert not w.kv_out
+    dst, dst_ch = w, ch
+    if case == "sent":
+        dst, dst_ch, _ = worker(2)
+        w.handle(SendKV(REQ, 2))
+        assert not w.kv_out and wire.sent[REQ, 2] is not None
+    prefill0 = dst.engine.num_prefill_tokens
+    dst.handle(Start([dataclasses.replace(spec, partial=part)]))
+    while dst.engine.has_unfinished():
+        dst.step()
+    got = _finished(dst_ch)
+    assert got.response_ids == want.response_ids and not wire.sent and not dst.kv_out
+    if case == "reloaded":
+        assert dst.engine.num_prefill_tokens - prefill0 == len(spec.prompt_ids) + len(part.response_ids)
+    else:
+        assert dst.engine.num_prefill_tokens == prefill0 and got.logprobs == want.logprobs
+        assert dst.kv_adopted == len(spec.prompt_ids) + len(part.response_ids) - 1 and dst.kv_refused == 0

@@ -1,9 +1,7 @@
-"""A migrated request's KV between two gloo ranks (runtime/kv_transfer.py): rank 0's worker keeps the KV at the
-migrating Interrupt and sends it on SendKV, rank 1's worker receives it with the Start that resumes the request,
-decodes on without a prefill, and finishes exactly as an uninterrupted run (a request whose KV is no longer kept
-goes as "no KV"); and a receiver whose sender never sends
-ends with the watchdog's named report (runtime/watchdog.py), not a hang."""
-import dataclasses
+"""A request's KV between two gloo ranks (runtime/kv_transfer.py): rank 0's engine exports it, its KVSender sends
+it, rank 1 receives it, its engine decodes on without a prefill and finishes exactly as an uninterrupted run (a
+request whose KV is no longer kept goes as "no KV"); the workers' side of it is in tests/test_kv_migration.py. And a
+receiver whose sender never sends ends with the watchdog's named report (runtime/watchdog.py), not a hang."""
 import tempfile
 import time
 from pathlib import Path
@@ -20,65 +18,54 @@ pytestmark = pytest.mark.dist
 REQ = 7
 
 
-def _spec(tok, task):
-    from runtime.messages import StartRequest
-    prompt, answer = task.prompts()[0]
-    return StartRequest(REQ, 0, 0, 0, tok.encode(prompt, add_special_tokens=False), answer)
-
-
-def _finished(ch):
-    """The scored trajectory of request REQ among the events a worker sent."""
-    return next(e.payload for _, evs in ch.sent for e in evs if e.kind == "reward_scored" and e.req_id == REQ)
-
-
 def _move(rank: int, world: int):
+    """Rank 0's engine runs the request, exports it with its KV, sends the KV (and, as the controller would, the
+    rest of the request); rank 1's engine imports and finishes it. Rank 0 then runs it uninterrupted for reference."""
+    from engine import GenRequest, SamplingParams
     from runtime.kv_transfer import KVSender, recv_kv
-    from runtime.messages import SendKV, Start
-    from sched.base import Interrupt
-    from tests.test_rollout_worker import make_worker
+    from tests.test_engine import engine, prompts
+    from tests.test_kv_migration import tiny_model
     group = dist.new_group([0, 1], backend="gloo")
-    w, ch, task, tok = make_worker(verify=False, max_new_tokens=12)
-    w.rank, w.kv_group, w.kv_sender = rank, group, KVSender(group)
-    spec = _spec(tok, task)
-    box = [None]
-    if rank == 0:
-        w.handle(Start([spec]))
-        for _ in range(4):
-            w.step()
-        w.handle(Interrupt(0, [REQ], dst=1))
-        ev = next(e for _, evs in ch.sent + [(0, w.outbox)] for e in evs if e.kind == "trajectory_interrupted")
-        assert ev.payload.meta["kv_rank"] == 0 and ev.data["kv_tokens"] > 0 and REQ in w.kv_out
-        box = [ev.payload]
-    dist.broadcast_object_list(box, src=0)   # the controller's part: the partial trajectory goes to the destination
-    if rank == 0:
-        w.handle(SendKV(REQ, 1))
-        w.handle(SendKV(99, 1))   # a request whose KV this rank no longer keeps: "no KV"
-        w.close()
-        assert not w.kv_out and w.engine.block_manager.num_free == w.engine.block_manager.num_blocks
-        return None
-    part = box[0]
-    w.handle(Start([dataclasses.replace(spec, partial=part)]))
-    seq = w.engine.seqs[REQ]
-    assert seq.num_cached_tokens == len(spec.prompt_ids) + len(part.response_ids) - 1   # adopted as cached
-    while w.engine.has_unfinished():
-        w.step()
-    assert recv_kv(99, 0, group, torch.device("cpu")) is None
-    w.close()
-    assert w.engine.num_prefill_tokens == 0
-    moved = _finished(ch)
-    ref, ref_ch, _, _ = make_worker(verify=False, max_new_tokens=12)
-    ref.handle(Start([spec]))
-    while ref.engine.has_unfinished():
-        ref.step()
-    ref.close()
-    want = _finished(ref_ch)
-    return moved.response_ids, moved.logprobs, want.response_ids, want.logprobs, len(part.response_ids)
+    model = tiny_model()   # the same weights on both ranks (seeded init)
+    outs = {}
+    for temperature in (0.0, 1.0):
+        req = GenRequest(prompts((11,))[0], SamplingParams(temperature=temperature, max_new_tokens=10, seed=3),
+                         request_id=REQ)
+        box: list = [None]
+        if rank == 0:
+            src = engine(model)
+            src.add_request(req)
+            for _ in range(4):
+                src.step()
+            u = src.export(REQ, with_kv=True)
+            sender = KVSender(group)
+            sender.send(u.kv, REQ, 1)
+            sender.send(None, 99, 1)   # a request whose KV is no longer kept: "no KV"
+            u.kv, box = None, [u]
+            dist.broadcast_object_list(box, src=0)
+            sender.close()
+            outs[temperature] = engine(model).generate([req])[0]
+            continue
+        dist.broadcast_object_list(box, src=0)
+        u = box[0]
+        u.kv = recv_kv(REQ, 0, group, torch.device("cpu"))
+        assert recv_kv(99, 0, group, torch.device("cpu")) is None
+        dst = engine(model, block_size=8)
+        dst.import_request(u)
+        assert dst.seqs[REQ].num_cached_tokens == u.kv.num_tokens == 11 + len(u.token_ids) - 1   # adopted
+        done = []
+        while dst.has_unfinished():
+            done += dst.step()
+        assert dst.num_prefill_tokens == 0
+        outs[temperature] = done[0]
+    return {t: (o.token_ids, o.logprobs) for t, o in outs.items()}
 
 
 def test_a_migrated_request_s_kv_moves_between_ranks_and_decoding_continues_identically():
-    _, (got, got_lp, want, want_lp, before) = dist_utils.run_world(_move, 2, deadline_s=120)
-    assert 0 < before < len(want)
-    assert got == want and got_lp == want_lp   # exactly: the same K/V, the same generator state
+    want, got = dist_utils.run_world(_move, 2, deadline_s=120)
+    for t in (0.0, 1.0):
+        assert got[t] == want[t]   # exactly: the same K/V, the same generator state
+        assert 0 < len(want[t][0]) == 10
 
 
 def _frozen_sender(rank: int, world: int, run_dir: str):
@@ -92,7 +79,7 @@ def _frozen_sender(rank: int, world: int, run_dir: str):
     end = time.monotonic() + 30   # alive and beating, never sending, until rank 1's report is written
     while time.monotonic() < end and not (Path(run_dir) / "stall-rank1.txt").exists():
         time.sleep(0.05)
-    time.sleep(0.5)
+    time.sleep(0.2)
     watchdog.uninstall()
 
 
