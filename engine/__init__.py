@@ -4,7 +4,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine, StepStats
 from engine.sampling import SamplingParams
 from engine.scheduler import EngineStats
-from engine.sequence import GenRequest, RequestOutput, UnfinishedRequest
+from engine.sequence import GenRequest, KVState, RequestOutput, UnfinishedRequest
 
 __all__ = ["EngineConfig", "LLMEngine", "StepStats", "SamplingParams", "EngineStats", "GenRequest", "RequestOutput",
-           "UnfinishedRequest"]
+           "UnfinishedRequest", "KVState"]

@@ -4,8 +4,9 @@
     outputs = engine.generate([GenRequest(prompt_ids, SamplingParams(temperature=1.0, seed=i), group_id=g, ...)])
 
 `step()` is schedule -> run the model -> sample -> append tokens and retire finished sequences. Around it: `abort`,
-`export` / `import_request` (move an unfinished request between engines), `load_weights` (new weights tagged with a
-version; running sequences are recomputed under them, so no KV from the old weights is reused) and `stats`.
+`export` / `import_request` (move an unfinished request between engines, with its KV), `load_weights` (new weights
+tagged with a version; running sequences are recomputed under them, so no KV from the old weights is reused) and
+`stats`.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from engine.runner import ModelRunner
 from engine.sampler import ERROR_TOKEN, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import EngineStats, Scheduler
-from engine.sequence import GenRequest, RequestId, RequestOutput, Sequence, UnfinishedRequest
+from engine.sequence import GenRequest, KVState, RequestId, RequestOutput, Sequence, UnfinishedRequest
 from model.transformer import Transformer
 
 
@@ -151,17 +152,41 @@ class LLMEngine:
         seq.finish_reason, seq.finish_time = "abort", self.clock()
         return seq.output()
 
-    def export(self, request_id: RequestId) -> UnfinishedRequest:
-        """Take an unfinished request out of this engine, to be resumed elsewhere with `import_request`."""
+    def export(self, request_id: RequestId, with_kv: bool = False) -> UnfinishedRequest:
+        """Take an unfinished request out of this engine, to be resumed elsewhere with `import_request`. `with_kv`:
+        carry a copy of the K/V of its cached tokens too (none when it holds none: waiting, or preempted)."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             raise KeyError(f"no unfinished request {request_id!r} in this engine")
+        kv = None
+        if with_kv and seq.num_cached_tokens > 0:
+            kv = KVState(self.runner.read_kv(seq.block_table, seq.num_cached_tokens), self.version)
         self.scheduler.remove(seq)
-        return seq.unfinished()
+        u = seq.unfinished()
+        u.kv = kv
+        return u
 
     def import_request(self, unfinished: UnfinishedRequest) -> RequestId:
-        """Resume a request exported from another engine: prompt + its generated tokens are re-prefilled here."""
-        return self._add(Sequence.resume(unfinished))
+        """Resume a request exported from another engine. Its KV (`unfinished.kv`), when computed by the weights of
+        this engine's version and when a seat and the blocks are free now, is written into this pool and the request
+        runs at once with those tokens cached: its next step computes only what was left (a decode), nothing is
+        re-prefilled. Otherwise (no KV, KV of another weight version, which must never be read as cached, or no room)
+        prompt + generated tokens are re-prefilled here. KV of another model's shape or dtype is a ValueError."""
+        seq = Sequence.resume(unfinished)
+        kv = unfinished.kv
+        if kv is not None:
+            want = self.runner.kv_shape(kv.num_tokens)
+            if tuple(kv.data.shape) != want or kv.data.dtype != self.runner.dtype:
+                raise ValueError(f"request {seq.request_id}: KV of shape {tuple(kv.data.shape)} {kv.data.dtype} does "
+                                 f"not fit this engine's {want} {self.runner.dtype}")
+            if not 0 < kv.num_tokens < seq.num_tokens:
+                raise ValueError(f"request {seq.request_id}: KV of {kv.num_tokens} tokens for a request of "
+                                 f"{seq.num_tokens} (at least the last token is left to compute)")
+        request_id = self._add(seq)
+        if kv is not None and kv.version == self.version and self.scheduler.admit_cached(seq, kv.num_tokens):
+            self.runner.write_kv(seq.block_table, kv.data)
+            seq.num_cached_tokens = kv.num_tokens
+        return request_id
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> int:

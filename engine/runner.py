@@ -160,6 +160,35 @@ class ModelRunner:
             kc[dst] = kc[src]
             vc[dst] = vc[src]
 
+    # ---- a request's KV, out of the pool and into it ----------------------------------------------------------------
+    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        pos = torch.arange(num_tokens)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+
+    @torch.inference_mode()
+    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """The K and V of the first `num_tokens` tokens held in `block_table`: one [2, layers, tokens, Hkv, D]
+        tensor (a copy: only those tokens' slots, none of a shared or partly filled block's other slots)."""
+        slots = self._slots(block_table, num_tokens)
+        return torch.stack([torch.stack([c.flatten(0, 1)[slots] for c in caches])
+                            for caches in (self.k_caches, self.v_caches)])
+
+    @torch.inference_mode()
+    def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+        """Write `kv` ([2, layers, tokens, Hkv, D], as `read_kv` gives it) into the slots of `block_table`'s first
+        tokens."""
+        slots = self._slots(block_table, kv.shape[2])
+        kv = kv.to(self.device)
+        for i, (kc, vc) in enumerate(zip(self.k_caches, self.v_caches)):
+            kc.flatten(0, 1)[slots] = kv[0, i]
+            vc.flatten(0, 1)[slots] = kv[1, i]
+
+    def kv_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """The shape `read_kv` gives for `num_tokens` tokens."""
+        cfg = self.model.config
+        return (2, cfg.num_layers, num_tokens, cfg.num_kv_heads, cfg.head_dim)
+
     # ---- weights ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:

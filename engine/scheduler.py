@@ -168,6 +168,21 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_cached_tokens += n
 
+    def admit_cached(self, seq: Sequence, num_tokens: int) -> bool:
+        """Move the waiting, fresh-imported `seq` straight into the running set with blocks for its first
+        `num_tokens` tokens (whose K/V the caller writes, then marks cached), if a seat and the blocks (beyond the
+        watermark kept free next to running sequences) are free; False (left waiting) otherwise."""
+        assert seq.status is SeqStatus.WAITING and not seq.block_table and seq.num_cached_tokens == 0
+        reserve = self.watermark if self.running else 0
+        if not self.free_seats or not self.bm.can_allocate(seq, num_tokens, reserve):
+            return False
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        seq.seat = self.free_seats.pop()
+        self.running.append(seq)
+        self.bm.allocate(seq, num_tokens)
+        return True
+
     # ---- leaving the running set ----------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
         self.bm.free(seq)

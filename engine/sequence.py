@@ -3,7 +3,7 @@
 A `GenRequest` is what a caller submits (prompt tokens, sampling params, GRPO group id and sample index). The engine
 turns it into a `Sequence` (token ids, KV block table, generated logprobs and versions) and, when it finishes or is
 aborted, into a `RequestOutput`. An unfinished sequence can leave one engine as an `UnfinishedRequest` and resume
-in another. None of these hold tensors.
+in another, with its KV (`KVState`) when the engines share weights. Only `KVState` holds tensors.
 """
 from __future__ import annotations
 
@@ -62,10 +62,23 @@ class RequestOutput:
 
 
 @dataclass
+class KVState:
+    """The K and V of a request's first `num_tokens` tokens as an engine's pool held them: `data` is
+    [2, num_layers, num_tokens, num_kv_heads, head_dim] (K then V), computed by the weights of `version`."""
+    data: torch.Tensor
+    version: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.shape[2]
+
+
+@dataclass
 class UnfinishedRequest:
     """A request taken out of one engine mid-generation, to be resumed by another (`LLMEngine.import_request`),
-    which re-prefills prompt + generated tokens and carries on. A seeded request's draws are a function of (seed,
-    token index) (engine/sampler.py), so its continuation is the one the first engine would have produced."""
+    which adopts `kv` when it was computed by the same weights, else re-prefills prompt + generated tokens, and
+    carries on. A seeded request's draws are a function of (seed, token index) (engine/sampler.py), so its
+    continuation is the one the first engine would have produced."""
     request: GenRequest
     token_ids: list[int]
     logprobs: list[float]
@@ -74,6 +87,7 @@ class UnfinishedRequest:
     arrival_time: float
     first_token_time: float | None = None
     num_preemptions: int = 0
+    kv: KVState | None = None  # the KV of the tokens the exporting engine had cached (`LLMEngine.export(with_kv=True)`)
 
 
 class SeqStatus(Enum):

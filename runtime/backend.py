@@ -2,7 +2,8 @@
 message the leader sends (runtime/messages.py).
 
     submit              -> Start on the control channel to the engine's rollout rank (a request with a
-                           `partial` trajectory is resumed there)
+                           `partial` trajectory is resumed there); for a partial whose KV another rank kept at its
+                           migration (`kv_rank`), a SendKV to that rank first (runtime/kv_transfer.py)
     command             -> the decision itself (Abort, Interrupt, LoadWeights) to the engine's rollout rank; the
                            controller turns a Migrate into Interrupt + a later submit, so none arrives here
     train / call        -> work items for the trainer (the leader's trainer thread, runtime/train_worker.py);
@@ -16,13 +17,15 @@ message the leader sends (runtime/messages.py).
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Any, Callable
 
 from rl.types import Group
 from runtime import watchdog
 from runtime.channel import WORKER, Channel
-from runtime.messages import ExportHF, ReceiveWeights, SaveCheckpoint, Start, StartRequest, Stop, Train, WorkDone
+from runtime.messages import (ExportHF, ReceiveWeights, SaveCheckpoint, SendKV, Start, StartRequest, Stop, Train,
+                              WorkDone)
 from runtime.topology import Topology
 from sched.controller import PromptItem
 from sched.decisions import Abort, Interrupt, LoadWeights, TrainCall
@@ -44,6 +47,9 @@ class RuntimeBackend:
         self.pending: collections.deque[Event] = collections.deque()
         self.sent = [0] * self.num_engines   # requests sent to each engine and not back yet (for the deadline message)
         self.training = False
+        # a SendKV and its Start, and a publication's notices, go out whole: every rollout rank sees KV transfers and
+        # publications in one order, so none waits in the broadcast for a rank that waits for its KV
+        self.order = threading.Lock()
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -54,7 +60,13 @@ class RuntimeBackend:
                                prompts[r.group_id].answer, prompts[r.group_id].max_new_tokens, r.partial)
                   for r in reqs]
         self.sent[engine] += len(reqs)
-        self.channel.send(Start(starts), self.topo.engine_rank(engine), WORKER)
+        dst = self.topo.engine_rank(engine)
+        with self.order:
+            for r in reqs:
+                src = r.partial.meta.get("kv_rank") if r.partial is not None else None
+                if src is not None and src != dst:
+                    self.channel.send(SendKV(r.req_id, dst), src, WORKER)
+            self.channel.send(Start(starts), dst, WORKER)
 
     def command(self, cmd: Abort | Interrupt | LoadWeights) -> None:
         if not isinstance(cmd, (Abort, Interrupt, LoadWeights)):
@@ -62,8 +74,9 @@ class RuntimeBackend:
         self.channel.send(cmd, self.topo.engine_rank(cmd.engine), WORKER)
 
     def notify_publication(self, version: int) -> None:
-        for r in self.topo.rollout_ranks:
-            self.channel.send(ReceiveWeights(version), r, WORKER)
+        with self.order:
+            for r in self.topo.rollout_ranks:
+                self.channel.send(ReceiveWeights(version), r, WORKER)
 
     def stop_workers(self) -> None:
         for r in self.topo.rollout_ranks:

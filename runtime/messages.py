@@ -4,7 +4,8 @@ dispatches on the type. Events (sched.events.Event) flow the other way, to the c
 To a rollout rank, from the leader's backend (runtime/backend.py) only:
     Start                 start requests, or resume interrupted ones from their tokens so far
     sched.decisions.Abort      stop requests; report them aborted (requeued or dropped)
-    sched.decisions.Interrupt  take running requests out and hand back their tokens so far
+    sched.decisions.Interrupt  take running requests out and hand back their tokens so far (a migration's keep their KV)
+    SendKV                     send a migrated request's KV to the rank resuming it (runtime/kv_transfer.py)
     ReceiveWeights             join the publication broadcast and keep the weights in this rank's relay
     sched.decisions.LoadWeights  adopt the relay's weights in the engine (the weight-sync policy says when)
     Stop                  leave the loop
@@ -43,6 +44,14 @@ class StartRequest:
 @dataclass
 class Start:
     requests: list[StartRequest]
+
+
+@dataclass
+class SendKV:
+    """Send the KV kept since request `req_id`'s migrating Interrupt to global rank `dst`, whose next Start resumes
+    it (a "no KV" transfer if it is no longer kept)."""
+    req_id: int
+    dst: int
 
 
 @dataclass

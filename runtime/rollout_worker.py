@@ -4,7 +4,12 @@
     Start            add requests (prompt ids, group id, sample index, answer) to the engine; a request with a
                      `partial` trajectory resumes: prompt + tokens so far are re-prefilled and generation goes on
     Interrupt        take running requests out of the engine and hand back their tokens so far
-                     (trajectory_interrupted, payload = the partial Trajectory); ids not held: ignored
+                     (trajectory_interrupted, payload = the partial Trajectory); ids not held: ignored. A migration's
+                     (`dst` set) keeps the request's KV aside here and tags the partial with this rank (`kv_rank`)
+    SendKV           send a kept KV to the rank about to resume that request (runtime/kv_transfer.py); a Start
+                     whose partial is tagged with another rank receives it first, and the engine adopts it as cached
+                     when it holds the same weight version (no re-prefill), else re-prefills. Kept KV is dropped at
+                     a LoadWeights (a SendKV then sends "no KV") and at Stop
     ReceiveWeights   join the publication broadcast; keep the weights in this rank's relay (CPU copy)
     LoadWeights      adopt the relay's weights in the engine (the weight-sync policy says when). The relay holds
                      only the newest publication, so the engine adopts that one, at least the version asked for;
@@ -39,16 +44,18 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from config import Config
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
-from engine.sequence import GenRequest, RequestOutput, UnfinishedRequest
+from engine.sequence import GenRequest, KVState, RequestOutput, UnfinishedRequest
 from rl.rewards import RewardResult
 from rl.types import Trajectory
 from runtime.build import RunParts, reward_scorer
 from runtime.channel import WORKER, Channel, ChannelTimeout
-from runtime.messages import ReceiveWeights, Start, StartRequest, Stop
+from runtime.kv_transfer import KVSender, recv_kv
+from runtime.messages import ReceiveWeights, SendKV, Start, StartRequest, Stop
 from runtime.reward_scorer import AsyncRewardScorer
 from runtime.topology import Topology
 from runtime.watchdog import Phase, doing, progress, waiting
@@ -91,7 +98,8 @@ class RolloutWorker:
     def __init__(self, engine: LLMEngine, channel: Channel, *, engine_index: int, rank: int,
                  reward_fn: Callable[[str, str], RewardResult], decode: Callable[[list[int]], str],
                  receiver: WeightReceiver | None, sampling: SamplingConfig, t0: float,
-                 verify_weights: bool = False, scorer: AsyncRewardScorer | None = None):
+                 verify_weights: bool = False, scorer: AsyncRewardScorer | None = None,
+                 kv_group: dist.ProcessGroup | None = None):
         self.engine, self.channel, self.engine_index, self.rank = engine, channel, engine_index, rank
         self.reward_fn, self.decode, self.receiver, self.sampling = reward_fn, decode, receiver, sampling
         self.t0 = t0
@@ -106,6 +114,10 @@ class RolloutWorker:
         self.outbox: list[Event] = []
         self.busy = False
         self.steps = 0
+        self.kv_group = kv_group                               # None: migrated requests are re-prefilled
+        self.kv_sender = KVSender(kv_group) if kv_group is not None else None
+        self.kv_out: dict[int, KVState] = {}                   # req_id -> KV kept since its migrating Interrupt
+        self.kv_adopted = self.kv_refused = 0                  # tokens of received KV imported as cached / not
 
     @classmethod
     def for_rank(cls, cfg: Config, parts: RunParts, engine: LLMEngine, topo: Topology, channel: Channel, t0: float,
@@ -117,7 +129,7 @@ class RolloutWorker:
                    sampling=SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed,
                                            ignore_eos=r.ignore_eos), t0=t0,
                    verify_weights=cfg.cluster.verify_weights,
-                   scorer=reward_scorer(cfg, parts.reward_fn), **kw)
+                   scorer=reward_scorer(cfg, parts.reward_fn), kv_group=topo.kv_group, **kw)
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -144,6 +156,11 @@ class RolloutWorker:
                 self.relay_version = self.receiver.receive(self._into_relay)
         elif isinstance(msg, LoadWeights):
             self.load(msg.version)
+            self.kv_out.clear()   # computed by the weights just replaced
+        elif isinstance(msg, SendKV):
+            if self.kv_sender is None:
+                raise RuntimeError(f"rank {self.rank} told to send KV but it has no KV group")
+            self.kv_sender.send(self.kv_out.pop(msg.req_id, None), msg.req_id, msg.dst)
         elif isinstance(msg, Abort):
             for req_id in msg.req_ids:
                 out = self.engine.abort(req_id)
@@ -154,7 +171,7 @@ class RolloutWorker:
             self._maybe_idle()
         elif isinstance(msg, Interrupt):
             for req_id in msg.req_ids:
-                self._interrupt(req_id)
+                self._interrupt(req_id, migrating=msg.dst >= 0)
             self._maybe_idle()
         elif isinstance(msg, Stop):
             return False
@@ -189,6 +206,11 @@ class RolloutWorker:
         if part is None:
             self.engine.add_request(request)
         else:
+            kv, src = None, part.meta.get("kv_rank")
+            if src == self.rank:
+                kv = self.kv_out.pop(req.req_id, None)
+            elif src is not None:   # received first, whatever follows: the source's send waits for it
+                kv = recv_kv(req.req_id, src, self.kv_group, self.engine.device)
             ids, lps, versions = list(part.response_ids), list(part.logprobs), list(part.versions)
             if not len(ids) == len(lps) == len(versions):
                 raise ValueError(f"rank {self.rank}: request {req.req_id} resumed with {len(ids)} tokens, "
@@ -199,21 +221,31 @@ class RolloutWorker:
             # The sampled-distribution logprobs of earlier parts are not carried (nothing downstream reads them).
             self.engine.import_request(UnfinishedRequest(
                 request, token_ids=ids, logprobs=lps, sampling_logprobs=[float("nan")] * len(ids),
-                versions=versions, arrival_time=self.engine.clock()))
+                versions=versions, arrival_time=self.engine.clock(), kv=kv))
+            if kv is not None:   # refused: computed by other weights, or no room now (re-prefilled instead)
+                adopted = self.engine.seqs[req.req_id].num_cached_tokens > 0
+                self.kv_adopted += kv.num_tokens * adopted
+                self.kv_refused += kv.num_tokens * (not adopted)
         self.answers[req.req_id] = req.answer
 
-    def _interrupt(self, req_id: int) -> None:
-        """Export one request the engine still holds and report its tokens so far (no event if not held)."""
+    def _interrupt(self, req_id: int, migrating: bool = False) -> None:
+        """Export one request the engine still holds and report its tokens so far (no event if not held); a
+        migrating one's KV is kept for a SendKV."""
         if req_id not in self.engine.seqs:
             return
-        u = self.engine.export(req_id)
+        u = self.engine.export(req_id, with_kv=migrating and self.kv_sender is not None)
         self.answers.pop(req_id, None)
         r = u.request
+        meta: dict[str, Any] = {}
+        data = {"tokens": len(u.token_ids)}
+        if u.kv is not None:
+            self.kv_out[req_id] = u.kv
+            meta["kv_rank"], data["kv_tokens"] = self.rank, u.kv.num_tokens
         traj = Trajectory(group_id=r.group_id, sample_index=r.sample_index, prompt_ids=list(r.prompt_ids),
                           response_ids=list(u.token_ids), logprobs=list(u.logprobs), versions=list(u.versions),
-                          finish_reason="interrupted", prompt_index=r.prompt_index)
+                          finish_reason="interrupted", prompt_index=r.prompt_index, meta=meta)
         self.event("trajectory_interrupted", req_id=req_id, group_id=r.group_id, version=self.engine.version,
-                   data={"tokens": len(u.token_ids)}, payload=traj)
+                   data=data, payload=traj)
 
     def _maybe_idle(self) -> None:
         """An engine emptied by aborts or interrupts is idle now, not at its next step (which may never come)."""
@@ -273,7 +305,9 @@ class RolloutWorker:
             st = self.engine.stats()
             self.event("tokens_decoded", version=st.version,
                        data={"total": st.num_tokens_decoded, "running": len(st.running), "waiting": len(st.waiting),
-                             "kv_used": st.kv_blocks_used, "kv_free": st.kv_blocks_free})
+                             "kv_used": st.kv_blocks_used, "kv_free": st.kv_blocks_free,
+                             "prefill": st.num_prefill_tokens, "kv_adopted": self.kv_adopted,
+                             "kv_refused": self.kv_refused})
         self._maybe_idle()
         if finished or scored or not self.busy:
             self.flush()
@@ -298,7 +332,11 @@ class RolloutWorker:
         return len(done)
 
     def close(self) -> None:
-        """Send the scores already in; cancel the rest (never waits for a running verifier call)."""
+        """Send the scores already in; cancel the rest (never waits for a running verifier call); wait until the
+        KV this rank was told to send is taken, and drop what it still keeps."""
+        self.kv_out.clear()
+        if self.kv_sender is not None:
+            self.kv_sender.close()
         if self.scorer is not None:
             self.collect_scores()
             self.scorer.close()

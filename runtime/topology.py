@@ -3,6 +3,8 @@
     global rank 0 .. T-1     train ranks (FSDP2 over `train_group`); rank 0 is the train leader and the controller
     global rank T .. W-1     rollout ranks, one decode engine each
     publish_group            train leader + every rollout rank (weights: NCCL on GPU, gloo on CPU)
+    kv_group                 the rollout ranks, when there are two or more: a migrated request's KV
+                             (runtime/kv_transfer.py; NCCL on GPU, gloo on CPU)
     control_group            every rank, gloo, for the control channel (requests, trajectories, events)
     work_group               train ranks, gloo: the leader hands each work item to the followers through it
     store                    torchrun's key-value store (this attempt's keys): the watchdog's heartbeats
@@ -38,6 +40,7 @@ class Topology:
     device: torch.device
     train_group: dist.ProcessGroup | None = None
     publish_group: dist.ProcessGroup | None = None
+    kv_group: dist.ProcessGroup | None = None
     control_group: dist.ProcessGroup | None = None
     work_group: dist.ProcessGroup | None = None
     mesh: object | None = field(default=None, repr=False)  # DeviceMesh over train_group (train ranks only)
@@ -110,12 +113,15 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
     train_group = dist.new_group(train, backend=pg_backend, timeout=NO_PG_TIMEOUT)
     work_group = dist.new_group(train, backend="gloo", timeout=NO_PG_TIMEOUT)
     publish_group = None if colocate else dist.new_group([0] + rollout, backend=pg_backend, timeout=NO_PG_TIMEOUT)
+    kv_group = dist.new_group(rollout, backend=pg_backend, timeout=NO_PG_TIMEOUT) if len(rollout) > 1 else None
     if topo.is_train:
         topo.train_group, topo.work_group = train_group, work_group
         from torch.distributed.device_mesh import DeviceMesh
         topo.mesh = DeviceMesh.from_group(train_group, device.type)
     if rank == 0 or topo.is_rollout:
         topo.publish_group = publish_group
+    if topo.is_rollout:
+        topo.kv_group = kv_group
     return topo
 
 

@@ -16,7 +16,8 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"))   # one encoder: json.dumps w
 KINDS = frozenset({
     "round_started",          # controller pulled a round of prompts (data: prompts, requests)
     "request_admitted",       # dispatch sent a request to an engine
-    "tokens_decoded",         # periodic per-engine counters (data: tokens, running, kv_used, kv_free)
+    "tokens_decoded",         # periodic per-engine counters (data: tokens, running, kv_used, kv_free, prefill and
+    #                           kv_adopted / kv_refused: tokens re-prefilled, tokens of migrated KV imported or not)
     "trajectory_finished",    # engine finished a sample (data: tokens, finish_reason)
     "reward_scored",          # the sample's reward is known (data: reward, correct, failed)
     "group_materialized",     # all G samples scored: the group is trainable

@@ -1,6 +1,7 @@
 """Isolated faults (a reward function that raises, a prompt the tokenizer rejects, a request whose logits go
 non-finite) are marked failed and counted, and the run goes on. A rank that stalls, freezes or dies ends the job
 with a named report: tests/test_fault_matrix.py; the deadline rules themselves: tests/test_watchdog.py."""
+import itertools
 import math
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def test_a_reward_function_that_raises_scores_zero_marked_failed():
 def test_the_rollout_worker_goes_on_through_a_raising_reward_and_counts_it():
     from tests.test_rollout_worker import make_worker, published
     w, ch, task, tok = make_worker(max_new_tokens=3)
-    w.reward_fn = CheckedReward("custom", lambda text, answer: 1 // 0 if len(text) % 2 else RewardResult(0.5, False))
+    calls = itertools.count()  # every other call raises: the outcome does not hang on what was sampled
+    w.reward_fn = CheckedReward("custom", lambda text, answer: 1 // 0 if next(calls) % 2 else RewardResult(0.5, False))
     w._into_relay(published(w.engine), 0)
     w.relay_version = 0
     w.handle(LoadWeights(0, 0))
@@ -52,7 +54,7 @@ def test_the_rollout_worker_goes_on_through_a_raising_reward_and_counts_it():
     scored = [e for _, batch in ch.sent for e in batch if e.kind == "reward_scored"]
     assert len(scored) == 8
     failed = [e for e in scored if e.data["failed"]]
-    assert failed and len(failed) < 8, "the responses should have mixed parities"
+    assert len(failed) == 4
     assert all(e.data["reward"] == 0.0 and e.payload.meta["reward_failed"] for e in failed)
     group = Group(0, 0, a, [e.payload for e in scored])
     assert rollout_stats([group])["reward_failed"] == len(failed)
@@ -83,7 +85,7 @@ def test_the_sampler_gives_no_token_for_non_finite_logits():
     logits[1, 2] = float("inf")
     logits[2, :] = float("-inf")
     for params in (SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0)):
-        tokens, lps, _ = Sampler(torch.device("cpu"))(logits, [params] * 4, [None] * 4)
+        tokens, lps, _ = Sampler(torch.device("cpu"))(logits, [params] * 4, [0] * 4)
         assert tokens[:3] == [ERROR_TOKEN] * 3 and all(math.isnan(x) for x in lps[:3])
         assert 0 <= tokens[3] < 7 and math.isfinite(lps[3])
 

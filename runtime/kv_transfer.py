@@ -1,0 +1,116 @@
+"""A migrated request's KV, moved between rollout ranks over torch.distributed instead of re-prefilled at the
+destination (issue 17: Laminar's repack, §5, moves long-tail trajectories between rollouts of one weight version;
+StaleFlow's migration, §5.3, moves trajectories between instances; neither paper says how the KV travels, see
+shared/research/seeds_laminar.md §1.5).
+
+A transfer is a 7-int64 header (request id, weight version, layers, tokens, KV heads, head dim, dtype) on the CPU,
+then the KV itself ([2, layers, tokens, KV heads, head dim]: engine/sequence.py's KVState) on the engine's device,
+over the rollout ranks' own group (`Topology.kv_group`: gloo on CPU, NCCL on GPU for the tensor). A header of 0
+tokens means "no KV" (the source holds none for that request any more): the destination re-prefills.
+
+    KVSender(group)                the source's sending thread: `send` queues and returns, so the source's engine
+                                   keeps decoding; transfers leave in the order they were queued
+    recv_kv(req_id, src, group)    the destination's blocking receive
+
+In the runtime (runtime/rollout_worker.py, runtime/backend.py): a Migrate becomes an Interrupt carrying its
+destination; the source exports the request with its KV, keeps the KV aside and tags the partial trajectory it hands
+back with its rank. When the controller resubmits that request (to the destination, or wherever it goes), the backend
+sends the source a `SendKV` right before the destination's `Start`, under one lock with publications' notices, so
+every rollout rank sees transfers and publications in one global order (no rank waits in a broadcast for a rank
+waiting in a receive). The destination receives the KV while handling the `Start` and imports it: as cached when its
+weight version is the engine's (the next step is a decode), else re-prefilled (LLMEngine.import_request).
+
+Deadlines (runtime/watchdog.py): each send is a declared wait on its destination (in the sender's thread), each
+receive a declared wait on its source; a frozen or stuck peer ends the job with a report naming the request and the
+rank, never a hang.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from engine.sequence import KVState
+from runtime.watchdog import progress, waiting
+
+HEADER_TAG, KV_TAG = 21, 22
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def send_kv(kv: KVState | None, req_id: int, dst: int, group: dist.ProcessGroup | None) -> None:
+    """Send request `req_id`'s KV (None: "no KV") to global rank `dst` (blocking, a declared wait on `dst`)."""
+    if kv is not None and kv.data.dtype not in DTYPES:
+        raise ValueError(f"request {req_id}: KV of dtype {kv.data.dtype} cannot be sent (one of {DTYPES})")
+    shape = tuple(kv.data.shape[1:]) if kv is not None else (0, 0, 0, 0)
+    header = torch.tensor([req_id, kv.version if kv is not None else -1, *shape,
+                           DTYPES.index(kv.data.dtype) if kv is not None else 0], dtype=torch.int64)
+    with waiting(f"rank {dst} to take the KV of request {req_id}", on=[dst]):
+        dist.send(header, dst, group=group, tag=HEADER_TAG)
+        if kv is not None:
+            dist.send(kv.data.contiguous(), dst, group=group, tag=KV_TAG)
+    progress(f"sent the KV of request {req_id} to rank {dst}")
+
+
+def recv_kv(req_id: int, src: int, group: dist.ProcessGroup | None, device: torch.device) -> KVState | None:
+    """Receive request `req_id`'s KV from global rank `src` onto `device` (blocking, a declared wait on `src`);
+    None when the source had none to send."""
+    header = torch.zeros(7, dtype=torch.int64)
+    with waiting(f"the KV of request {req_id} from rank {src}", on=[src]):
+        dist.recv(header, src, group=group, tag=HEADER_TAG)
+        rid, version, layers, tokens, heads, dim, code = header.tolist()
+        if rid != req_id:
+            raise RuntimeError(f"KV transfer out of order: expected request {req_id} from rank {src}, got {rid}")
+        if tokens == 0:
+            return None
+        data = torch.empty((2, layers, tokens, heads, dim), dtype=DTYPES[code], device=device)
+        dist.recv(data, src, group=group, tag=KV_TAG)
+    progress(f"received the KV of request {req_id} from rank {src}")
+    return KVState(data, version)
+
+
+class KVSender:
+    """The source's sends, one at a time in queue order on a background thread (started at the first send). A
+    failed send is raised at the next `send` or at `close`."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.queue: queue.Queue[tuple[KVState | None, int, int] | None] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.error: str | None = None
+        self.pending: dict[int, int] = {}   # req_id -> destination rank, of the transfers not yet taken
+
+    def send(self, kv: KVState | None, req_id: int, dst: int) -> None:
+        self._raise()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+            self.thread.start()
+        self.pending[req_id] = dst
+        self.queue.put((kv, req_id, dst))
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            kv, req_id, dst = item
+            try:
+                send_kv(kv, req_id, dst, self.group)
+            except BaseException:
+                self.error = traceback.format_exc()
+                return
+            self.pending.pop(req_id, None)
+
+    def close(self) -> None:
+        """Wait until every queued transfer is taken (a declared wait on their destinations), stop the thread."""
+        if self.thread is not None:
+            self.queue.put(None)
+            pending = dict(self.pending)
+            on = sorted(set(pending.values()))
+            with waiting(f"ranks {on} to take the KV of requests {sorted(pending)}", on=on):
+                self.thread.join()
+            self.thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"sending a request's KV failed:\n{self.error}")

@@ -1,0 +1,240 @@
+"""A request moved between engines with its KV (issue 17, Laminar's repack and StaleFlow's migration): the
+destination adopts the K/V instead of re-prefilling, and decoding continues exactly as it would have on the source.
+Engine level here (prefix-shared and partly filled blocks, mid-prefill, the version and room fallbacks); between two
+gloo ranks, and a sender that never sends, in tests/test_kv_transfer_dist.py."""
+import pytest
+import torch
+
+from engine import GenRequest, KVState, LLMEngine, SamplingParams
+from model import Transformer
+from model.presets import preset_config
+from tests.test_engine import assert_pool_whole, drain, engine, prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_model(seed: int = 0) -> Transformer:
+    """The `tiny` preset (2 layers, 2 KV heads; no EOS: requests run to their length), weights scaled up so that
+    greedy outputs vary."""
+    model = Transformer(preset_config("tiny", vocab_size=128)).init_weights(seed=seed).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(3.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return None, tiny_model(), None
+
+
+def run_and_move(ours, reqs: list[GenRequest], steps: int, move: int, dst: LLMEngine, **src_kw):
+    """Run `reqs` on a source engine for `steps` steps, export request `move` with its KV into `dst`, drain both;
+    (source outputs, destination outputs, the exported request, dst's prefill tokens for it, the dst step after)."""
+    src = engine(ours, **src_kw)
+    ids = [src.add_request(r) for r in reqs]
+    for _ in range(steps):
+        src.step()
+    moved = src.export(ids[move], with_kv=True)
+    prefill0 = dst.num_prefill_tokens
+    dst.import_request(moved)
+    dst.step()
+    first = dst.last_step
+    outs_dst = drain(dst)
+    outs_src = drain(src)
+    assert_pool_whole(src)
+    assert_pool_whole(dst)
+    return outs_src, outs_dst, moved, dst.num_prefill_tokens - prefill0, first
+
+
+def assert_same(got, want):
+    assert got.token_ids == want.token_ids and got.request_id == want.request_id
+    assert got.logprobs == want.logprobs and got.sampling_logprobs == want.sampling_logprobs  # exactly
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_kv_moves_and_decoding_continues_identically_without_prefill(qwen3, temperature):
+    _, ours, _ = qwen3
+    ps = prompts((7, 13))   # 7 and 13 tokens in blocks of 4: both end in a partly filled block
+    sp = SamplingParams(temperature=temperature, max_new_tokens=12, seed=5)
+
+    def reqs():
+        return [GenRequest(p, sp, request_id=f"r{i}") for i, p in enumerate(ps)]
+    want = engine(ours).generate(reqs())
+    dst = engine(ours, block_size=8)   # another block size: the KV lands in other slots of other blocks
+    outs_src, outs_dst, moved, prefill, first = run_and_move(ours, reqs(), 6, 1, dst)
+    assert 0 < len(moved.token_ids) < 12 and moved.kv.num_tokens == len(ps[1]) + len(moved.token_ids) - 1
+    assert prefill == 0 and first.num_tokens == first.num_decode == 1   # the next step was a decode
+    assert_same(outs_dst[0], want[1])
+    assert_same(outs_src[0], want[0])
+    assert len(set(want[1].token_ids)) > 2   # not one token repeated
+
+
+def test_a_sibling_leaves_its_group_with_the_shared_prompt_blocks(qwen3):
+    """GRPO siblings share the prompt's blocks (refcounts > 1, the last one partly filled): the moved one carries a
+    copy of its own tokens, the ones left behind keep theirs, both pools end whole."""
+    _, ours, _ = qwen3
+    (p,) = prompts((10,))
+
+    def reqs():
+        return [GenRequest(p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i), request_id=f"g{i}",
+                           group_id=3, sample_index=i) for i in range(3)]
+    want = engine(ours).generate(reqs())
+    src = engine(ours)
+    for r in reqs():
+        src.add_request(r)
+    src.step()   # the leader's prompt prefilled once, the siblings forked from it
+    assert src.block_manager.ref_counts[src.seqs["g1"].block_table[0]] == 3
+    moved = src.export("g1", with_kv=True)
+    assert moved.kv.num_tokens == 10 and src.block_manager.ref_counts[src.seqs["g0"].block_table[0]] == 2
+    dst = engine(ours)
+    dst.import_request(moved)
+    got, rest = drain(dst), drain(src)
+    assert dst.num_prefill_tokens == 0
+    assert_same(got[0], want[1])
+    for o in rest:
+        assert_same(o, want[int(o.request_id[1])])
+    assert_pool_whole(src)
+    assert_pool_whole(dst)
+
+
+def test_a_request_moved_mid_prefill_prefills_only_the_rest(qwen3):
+    _, ours, _ = qwen3
+    (p,) = prompts((22,))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=2)
+    want = engine(ours, max_batch_tokens=8).generate([GenRequest(p, sp, request_id="x")])
+    dst = engine(ours, max_batch_tokens=8)
+    _, got, moved, prefill, _ = run_and_move(ours, [GenRequest(p, sp, request_id="x")], 2, 0, dst,
+                                             max_batch_tokens=8)
+    assert moved.token_ids == [] and moved.kv.num_tokens == 16
+    assert prefill == 22 - 16   # what was left of the prompt
+    assert_same(got[0], want[0])
+
+
+def test_kv_of_other_weights_or_without_room_is_not_adopted_the_request_is_re_prefilled(qwen3):
+    _, ours, _ = qwen3
+    ps = prompts((9, 5))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=1)
+    want = engine(ours).generate([GenRequest(ps[0], sp, request_id="m")])
+    newer = LLMEngine(ours, engine(ours).config, version=1)     # same tensors, another version: never read as cached
+    _, got, moved, prefill, _ = run_and_move(ours, [GenRequest(ps[0], sp, request_id="m")], 4, 0, newer)
+    assert moved.kv.version == 0 and prefill == 9 + len(moved.token_ids)
+    assert got[0].token_ids == want[0].token_ids and got[0].versions == [0] * len(moved.token_ids) + \
+        [1] * (10 - len(moved.token_ids))
+    full = engine(ours, max_num_seqs=1)   # no seat free: waits, then re-prefills
+    full.add_request(GenRequest(ps[1], sp, request_id="other"))
+    full.step()
+    _, got, moved, prefill, _ = run_and_move(ours, [GenRequest(ps[0], sp, request_id="m")], 4, 0, full)
+    assert prefill == 9 + len(moved.token_ids)
+    assert {o.request_id for o in got} == {"m", "other"}
+
+
+def test_kv_of_another_model_shape_is_refused_by_name(qwen3):
+    _, ours, _ = qwen3
+    src, dst = engine(ours), engine(ours)
+    src.add_request(GenRequest(prompts((6,))[0], SamplingParams(max_new_tokens=4), request_id="z"))
+    src.step()
+    u = src.export("z", with_kv=True)
+    u.kv = KVState(u.kv.data[:, :1], u.kv.version)   # one layer instead of the model's
+    with pytest.raises(ValueError, match="does not fit"):
+        dst.import_request(u)
+    assert_pool_whole(dst)
+
+
+# ---- the runtime's side without a cluster: the backend's SendKV, a worker's kept KV ------------------------------
+def test_the_backend_sends_the_kv_s_keeper_a_sendkv_right_before_the_destination_s_start():
+    from rl.types import Trajectory
+    from runtime.backend import RuntimeBackend
+    from runtime.messages import SendKV, Start
+    from runtime.topology import Topology
+    from sched.controller import PromptItem
+    from sched.views import Request
+    from tests.test_rollout_worker import FakeChannel
+    topo = Topology(rank=0, world=4, train_ranks=[0], rollout_ranks=[1, 2, 3], colocate=False,
+                    device=torch.device("cpu"))
+    ch = FakeChannel()
+    be = RuntimeBackend(topo, ch, t0=0.0, to_trainer=lambda item: None)
+
+    def part(rank):
+        return Trajectory(5, 1, [3, 4], [7, 8], [-0.1, -0.2], [0, 0], finish_reason="interrupted",
+                          meta={"kv_rank": rank})
+    reqs = [Request(req_id=51, group_id=5, sample_index=1, prompt_index=9, round=0, prompt_len=2, partial=part(3)),
+            Request(req_id=52, group_id=5, sample_index=2, prompt_index=9, round=0, prompt_len=2, partial=part(1))]
+    be.submit(0, reqs, {5: PromptItem(9, [3, 4], "x")})
+    assert [(dst, type(m).__name__) for dst, m in ch.sent] == [(3, "SendKV"), (1, "Start")]
+    assert ch.sent[0][1] == SendKV(51, 1) and isinstance(ch.sent[1][1], Start)   # 52's KV is on rank 1 already
+
+
+REQ = 7
+
+
+def _finished(ch):
+    """The scored trajectory of request REQ among the events a worker sent."""
+    return next(e.payload for _, evs in ch.sent for e in evs if e.kind == "reward_scored" and e.req_id == REQ)
+
+
+class Wire:
+    """KVSender and recv_kv without a process group: what a rank sends, the named rank receives."""
+    def __init__(self):
+        self.sent = {}
+
+    def send(self, kv, req_id, dst):
+        self.sent[req_id, dst] = kv
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("case", ["kept", "sent", "reloaded"])
+def test_a_worker_resumes_a_migrated_request_from_its_kv_kept_here_or_received(case, monkeypatch):
+    """kept: resumed on the rank that kept the KV; sent: SendKV from that rank, received by another worker with the
+    Start; reloaded: the keeper loaded new weights (the same tensors as a new version) before the resume, so the KV
+    was dropped and the request is re-prefilled."""
+    import dataclasses
+    from runtime import rollout_worker
+    from runtime.messages import SendKV, Start, StartRequest
+    from sched.decisions import Interrupt, LoadWeights
+    from tests.test_rollout_worker import make_worker, published
+    wire = Wire()
+    monkeypatch.setattr(rollout_worker, "recv_kv", lambda req_id, src, group, device: wire.sent.pop((req_id, 2)))
+
+    def worker(rank):
+        w, ch, task, tok = make_worker(verify=False, max_new_tokens=10)
+        w.rank, w.kv_sender = rank, wire
+        prompt, answer = task.prompts()[0]
+        return w, ch, StartRequest(REQ, 0, 0, 0, tok.encode(prompt, add_special_tokens=False), answer)
+
+    ref, ref_ch, spec = worker(1)
+    ref.handle(Start([spec]))
+    while ref.engine.has_unfinished():
+        ref.step()
+    want = _finished(ref_ch)
+    w, ch, spec = worker(1)
+    w.handle(Start([spec]))
+    for _ in range(3):
+        w.step()
+    w.handle(Interrupt(0, [REQ], dst=1))
+    part = next(e.payload for e in w.outbox if e.kind == "trajectory_interrupted")
+    assert part.meta["kv_rank"] == 1 and REQ in w.kv_out
+    if case == "reloaded":
+        w._into_relay(published(w.engine), 0)
+        w.relay_version = 0
+        w.handle(LoadWeights(0, 0))
+        assert not w.kv_out
+    dst, dst_ch = w, ch
+    if case == "sent":
+        dst, dst_ch, _ = worker(2)
+        w.handle(SendKV(REQ, 2))
+        assert not w.kv_out and wire.sent[REQ, 2] is not None
+    prefill0 = dst.engine.num_prefill_tokens
+    dst.handle(Start([dataclasses.replace(spec, partial=part)]))
+    while dst.engine.has_unfinished():
+        dst.step()
+    got = _finished(dst_ch)
+    assert got.response_ids == want.response_ids and not wire.sent and not dst.kv_out
+    if case == "reloaded":
+        assert dst.engine.num_prefill_tokens - prefill0 == len(spec.prompt_ids) + len(part.response_ids)
+    else:
+        assert dst.engine.num_prefill_tokens == prefill0 and got.logprobs == want.logprobs
+        assert dst.kv_adopted == len(spec.prompt_ids) + len(part.response_ids) - 1 and dst.kv_refused == 0
