@@ -34,7 +34,8 @@ import sched
 from config import Config, ConfigError, load_config
 from runtime import watchdog
 from runtime.backend import RuntimeBackend
-from runtime.build import RunParts, build_run, device_for_rank, make_engine, make_trainer, model_dtype, model_for_rank
+from runtime.build import (RunParts, build_run, deterministic_algorithms, device_for_rank, make_engine, make_trainer,
+                           model_dtype, model_for_rank)
 from runtime.channel import Channel
 from runtime.faults import Injector
 from runtime.logger import MetricsLogger
@@ -112,7 +113,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(c.cpu_threads or max(1, (os.cpu_count() or 1) // local_ranks))
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        deterministic_algorithms(True)
     # a job torchrun restarted (--max-restarts) resumes from its run directory's newest complete checkpoint
     holder = [prepare_run_dir(cfg) if topo.is_leader else None]
     dist.broadcast_object_list(holder, src=0)  # the default group: start-up waits up to cluster.timeout_s

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, processors
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -33,6 +33,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         raise FileNotFoundError(f"{path}: tokenizer directory {what}")
     if not any((p / f).is_file() for f in _TOKENIZER_FILES):
         raise FileNotFoundError(f"{path}: no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer  # here: its model registry is ~1 s of every rank's start-up otherwise
     try:
         tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # transformers raises many kinds (OSError, ValueError, json errors, Rust exceptions)

@@ -2,8 +2,9 @@
 — the rollout rank, a train follower, the leader — at each phase — decoding, weight publication, a train step, a
 checkpoint save — plus a hung engine (alive, no progress) and a slow run (two ranks several times slower, alive).
 
-How it fits the suite's budget: every case is one attempt of a `torchrun --max-restarts=N` job whose TIDAL_FAULTS
-(runtime/faults.py) gives each attempt its fault, so a job walks through a whole column of the matrix and ends in
+How it fits the suite's budget: kills at every phase but the checkpoint save take one role each (CASES below;
+TIDAL_FAULT_MATRIX=full runs all 25 cases), and every case is one attempt of a `torchrun --max-restarts=N` job
+whose TIDAL_FAULTS (runtime/faults.py) gives each attempt its fault, so a job walks through a whole column of the matrix and ends in
 a clean attempt that finishes the run; the three jobs (freezes, kills, the slow reference) run side by side, the
 freezes' deadlines overlapping the others' start-ups. Tiny runs (4 steps of 8 prompts), a 5 s deadline.
 
@@ -39,7 +40,16 @@ STEPS = 4
 ROLES = {2: "rollout", 1: "follower", 0: "leader"}          # ranks of a 3-rank job: 2 train + 1 rollout
 ROLES_FULL = {2: "rollout, engine 0", 1: "train", 0: "train leader, controller"}   # as the reports name them
 PHASES = ("decode", "publish", "train", "checkpoint")
-CASES = [f"{kind} {r} {p} 1" for kind in ("freeze", "kill") for p in PHASES for r in ROLES] + ["hang 2 decode 1"]
+# A freeze is caught by whichever peer's blocking call has the earliest deadline, which depends on the role and the
+# phase: every pair is a case. A kill is seen by torchrun at once whatever the role; what depends on where it
+# lands is the resume (nothing lost, nothing trained twice): every role at a checkpoint save (a partial write), one
+# role at each other phase (the engine mid-generation, the publisher mid-broadcast, a train peer mid-collective).
+# TIDAL_FAULT_MATRIX=full runs every kill too (25 cases instead of 19, ~30% longer).
+KILLED_AT = {"decode": 2, "publish": 0, "train": 1}
+FULL = os.environ.get("TIDAL_FAULT_MATRIX") == "full"
+CASES = [f"freeze {r} {p} 1" for p in PHASES for r in ROLES] + \
+    [f"kill {r} {p} 1" for p in PHASES for r in ROLES if FULL or p == "checkpoint" or KILLED_AT[p] == r] + \
+    ["hang 2 decode 1"]
 CHAINS = {"a": CASES[0::2], "b": CASES[1::2]}   # each walks through freezes and kills: their deadlines interleave
 # the follower at train step 2 (2 s at each of its micro-batches of 64 tokens and its optimizer step) and the engine
 # under version 2 (0.1 s at each engine step and each sample scored): each unit of work well under the deadline, each

@@ -128,10 +128,26 @@ def test_colocated_run_reproduces_the_disaggregated_one(tmp_path):
 
 
 def test_colocated_world_of_one(tmp_path):
-    torchrun(1, f"--log.dir={tmp_path}", "--cluster.colocate=true", "--train.steps=3",
-             "--rollout.prompts_per_step=4")
+    """A world of one, started the way torchrun starts each rank (its environment, no launcher). Its switch to
+    deterministic algorithms imports no compiler: `torch.use_deterministic_algorithms` imports torch._inductor, 2.2 s
+    of a rollout rank's start-up on CPU (runtime/build.py `deterministic_algorithms`; a train rank's FSDP2 imports
+    torch._dynamo anyway)."""
+    script = ("import sys, torch, train\n"
+              "from runtime.build import deterministic_algorithms\n"
+              "deterministic_algorithms(True)\n"
+              "print('deterministic', torch.are_deterministic_algorithms_enabled())\n"
+              "print('inductor', sorted(m for m in sys.modules if m.startswith('torch._inductor')))\n"
+              f"rc = train.main(['--config', 'configs/tiny.toml', '--log.progress=false', '--log.dir={tmp_path}', "
+              "'--cluster.colocate=true', '--train.steps=3', '--rollout.prompts_per_step=4'])\n"
+              "sys.exit(rc)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
     assert (tmp_path / "hf" / "config.json").is_file()
+    assert "deterministic True" in proc.stdout and "inductor []" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_reward_still_rises_off_policy_at_staleness_two(tmp_path):
