@@ -25,7 +25,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -44,12 +44,13 @@ from runtime.rollout_worker import RolloutWorker
 from runtime.rundir import (checkpoint_dir, finish_run, leader_state, periodic_checkpoints, prepare_run_dir,
                             restart_count, restore, resume_path)
 from runtime.topology import Topology, init_distributed, partition_cores, pin_to_cores, split_ranks
-from runtime.train_worker import TrainerThread, follower_loop
 from runtime.watchdog import Phase, waiting
 from sched.base import Preset
 from sched.controller import Controller
 from trainer.publish import WeightReceiver
-from trainer.trainer import Trainer
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -162,6 +163,7 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
     """Global rank 0: the controller drives the policies in this thread; the trainer runs its work items (and
     broadcasts the weights it publishes) in a second one, with the other train ranks following it. Returns the
     run summary's writer, called once every rank has left."""
+    from runtime.train_worker import TrainerThread  # the train side (FSDP2, DCP): train ranks only import it
     log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))
     controller = Controller(preset, parts.source, cfg.rollout.group_size, cfg.rollout.prompts_per_step,
                             cfg.train.steps, log=log)
@@ -192,6 +194,7 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
 
 def run_follower(cfg: Config, model: torch.nn.Module, topo: Topology) -> None:
     """Train ranks 1..T-1: run each work item the leader broadcasts, collectively (FSDP2), until it says stop."""
+    from runtime.train_worker import follower_loop
     trainer, publisher = make_trainer(cfg, model, topo)
     resume_trainer(cfg, trainer, topo)
     follower_loop(trainer, publisher, topo)

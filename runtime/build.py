@@ -6,7 +6,7 @@ import copy
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -25,8 +25,10 @@ from runtime.reward_scorer import AsyncRewardScorer
 from runtime.topology import Topology
 from runtime.watchdog import progress
 from sched.controller import PromptItem
-from trainer.publish import WeightPublisher
-from trainer.trainer import Trainer
+
+if TYPE_CHECKING:
+    from trainer.publish import WeightPublisher
+    from trainer.trainer import Trainer
 
 
 class PromptSource:
@@ -136,7 +138,9 @@ def model_for_rank(cfg: Config, parts: RunParts, device: torch.device, is_train:
 
 def make_trainer(cfg: Config, model: torch.nn.Module, topo: Topology) -> tuple[Trainer, WeightPublisher | None]:
     """A train rank's FSDP2 trainer, and (disaggregated mode) its share of the weight publication; both report
-    their progress to the watchdog (runtime/watchdog.py)."""
+    their progress to the watchdog (runtime/watchdog.py). Imported here: a rollout rank never needs FSDP2 or DCP."""
+    from trainer.publish import WeightPublisher
+    from trainer.trainer import Trainer
     ref = copy.deepcopy(model) if cfg.train.kl_coef > 0 else None
     trainer = Trainer(model, cfg.train, group=topo.train_group, device=topo.device, ref_model=ref,
                       temperature=cfg.rollout.temperature or 1.0, max_response_len=cfg.rollout.max_new_tokens,

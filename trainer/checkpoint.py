@@ -27,15 +27,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, \
-    set_state_dict
 
 from model.config import ModelConfig
-from model.hf_io import save_model
-from trainer.fsdp import full_state_dict
+
+# torch.distributed.checkpoint (and FSDP2's DTensor under it) is imported by the functions that save or load: the
+# file-level ones (problem, scan, latest, read_extra) serve every rank's start-up, rollout ranks included.
 
 STEP_DIR = re.compile(r"^(\.tmp_)?step_(\d+)$")
 COMPLETE = "COMPLETE"
@@ -101,6 +98,7 @@ def latest(ckpt_dir: str | Path) -> Path | None:
 
 def _failures(e: BaseException, rank: int) -> list[str]:
     """'rank R: Type: message' for each rank an error names (DCP gathers every rank's write error into one)."""
+    from torch.distributed.checkpoint import CheckpointException
     if isinstance(e, CheckpointException):
         return [f"rank {r}: {type(x).__name__}: {x}" for r, (x, _) in sorted(e.failures.items())]
     return [f"rank {rank}: {type(e).__name__}: {e}"]
@@ -109,6 +107,7 @@ def _failures(e: BaseException, rank: int) -> list[str]:
 def _together(what: str, fn: Callable[[], None], group: dist.ProcessGroup | None, tmp: Path) -> None:
     """Run this rank's share of one stage of a save; every rank learns whether any failed and then raises the same
     CheckpointError (so none waits for the others in a later collective), after the leader removed `tmp`."""
+    from torch.distributed.checkpoint import CheckpointException  # a BaseException
     on, rank = _dist(group)
     errors: list[str] = []
     try:
@@ -144,6 +143,7 @@ def save(ckpt_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opt
             tmp.mkdir(parents=True)
 
     def write() -> None:
+        import torch.distributed.checkpoint as dcp
         dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), process_group=group, no_dist=not on)
         note(f"checkpoint step_{step}: shards written")
         torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra},
@@ -170,6 +170,7 @@ def save(ckpt_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opt
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """What DCP saves and loads: the model's (sharded) state dict, and the optimizer's when there is one."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -183,6 +184,8 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     path = Path(path)
     if (bad := problem(path)) is not None:
         raise CheckpointError(f"{path}: cannot resume from this checkpoint: {bad}")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not on)
     if optimizer is not None:
@@ -211,6 +214,8 @@ def read_extra(path: str | Path, rank: int = 0) -> dict[str, Any]:
 def export_hf(model: nn.Module, cfg: ModelConfig, path: str | Path, group: dist.ProcessGroup | None = None,
               dtype: torch.dtype | None = None, progress: Progress | None = None) -> None:
     """Write the HF layout (config.json + safetensors) of the current weights. All train ranks call it."""
+    from model.hf_io import save_model
+    from trainer.fsdp import full_state_dict
     _, rank = _dist(group)
     state = full_state_dict(model)  # collective: every rank gathers, the leader writes
     if progress is not None:

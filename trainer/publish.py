@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.fsdp import gather_full, unique_parameters
 
 ALIGN = 16
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
@@ -147,6 +146,7 @@ class WeightPublisher:
         self.src = dist.get_global_rank(self.train_group, 0) if self.train_group is not dist.group.WORLD else 0
         if self.leader and pub_group is None:
             raise ValueError("the train leader needs the publication group")
+        from trainer.fsdp import unique_parameters  # here: a rollout rank (WeightReceiver) needs no FSDP2
         self.params = unique_parameters(model)
         self.dtypes = [dtype or p.dtype for _, p in self.params]
         nbytes = [p.numel() * d.itemsize for (_, p), d in zip(self.params, self.dtypes)]
@@ -174,6 +174,7 @@ class WeightPublisher:
     def _gather_bucket(self, bucket: list[int], size: int) -> torch.Tensor | None:
         """Full tensors of one bucket (one all-gather on the train group); on the leader, packed into one new byte
         buffer with their checksums after them: a copy, so training may go on while it is sent."""
+        from trainer.fsdp import gather_full
         tensors = [t.to(self.dtypes[i]) for i, t in zip(bucket, gather_full([self.params[i][1].detach()
                                                                                 for i in bucket]))]
         if not self.leader:
