@@ -90,6 +90,11 @@ class Handoff(Policy):
         """Group ids that form the next training batch, or None."""
         raise NotImplementedError
 
+    def evict(self, v: Views) -> list[Abort]:
+        """Aborts (requeue=False) of whole materialised groups the buffer has no room for, at every decision,
+        before `ready`; their samples are dropped and counted, never trained. Default: none."""
+        return []
+
 
 class Update(Policy):
     kind = "update"

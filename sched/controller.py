@@ -115,6 +115,8 @@ class Controller:
             self.submit(backend, sub)
         for cmd in p.rebalance.plan(v):
             self.command(backend, cmd)
+        for cmd in p.handoff.evict(v):
+            self.command(backend, cmd)
         if not v.trainer.busy and v.trainer.steps_done < self.total_steps:
             gids = p.handoff.ready(v)
             if gids:

@@ -181,3 +181,55 @@ def test_laminar_preset_state_round_trips():
     q = sched.load_preset("laminar")
     q.rebalance.load_state_dict(p.rebalance.state_dict())
     assert q.rebalance.moves == 7
+
+
+@pytest.mark.parametrize("how", ["oldest", "fifo"])
+def test_a_full_experience_buffer_evicts_whole_groups_in_its_order_and_never_trains_them(how, monkeypatch):
+    """A buffer of C groups (Laminar §3.1's capacity and eviction): after every decision at most C materialised
+    groups wait; the excess is dropped as whole groups (counted, never trained), the stalest version first
+    (`oldest`) or the longest waiting first (`fifo`); the trainer still gets exactly B groups per batch."""
+    from sched.policies.laminar.handoff import ExperienceBuffer
+    cap, evictions, pending = 3, [], []
+    real = ExperienceBuffer.evict
+
+    def spy(self, v):
+        self.refresh(v)
+        before = [(g.group_id, g.version, g.materialized_seq) for g in self.buf]
+        owner = {rid: g.group_id for g in self.buf for rid in g.req_ids}
+        out = real(self, v)
+        if out:
+            victims = sorted({owner[rid] for a in out for rid in a.req_ids})
+            evictions.append((before, victims))
+            pending.extend(victims)
+        return out
+    monkeypatch.setattr(ExperienceBuffer, "evict", spy)
+
+    def check(ctl):
+        v = ctl.v
+        waiting = [g for g in v.groups.values() if g.materialized and not g.consumed and not g.void]
+        assert len(waiting) <= cap
+        for gid in pending:                       # evicted in this decision: every sample dropped (if not pruned)
+            assert v.groups.get(gid) is None or v.groups[gid].void
+        pending.clear()
+
+    evicted_all = 0
+    for seed in range(3):
+        evictions.clear()
+        ctl, events, _ = sim_run("laminar", seed, 6, 2, 2, 8, {"handoff": {"capacity": cap, "evict": how}},
+                                 check=check)
+        assert len(ctl.calls) == 8 and all(len(gs) == 2 for _, _, gs in ctl.calls)
+        trained = {g.group_id for _, _, gs in ctl.calls for g in gs}
+        key = (lambda r: (r[1], r[2], r[0])) if how == "oldest" else (lambda r: (r[2], r[0]))
+        for before, victims in evictions:
+            assert len(before) - len(victims) == cap                                        # exactly the excess
+            assert victims == sorted(r[0] for r in sorted(before, key=key)[:len(victims)])  # in the order
+            assert not set(victims) & trained                                              # never trained
+            evicted_all += len(victims)
+        dropped = {e.group_id for e in events if e.kind == "trajectory_aborted"}
+        assert dropped == {g for _, victims in evictions for g in victims}
+    assert evicted_all > 0, "the trainer never fell behind: nothing was evicted"
+
+
+def test_an_experience_buffer_smaller_than_a_batch_is_a_named_error():
+    with pytest.raises(ValueError, match="handoff.capacity = 1 is less than a training batch of 2 groups"):
+        sim_run("laminar", 0, 2, 2, 2, 2, {"handoff": {"capacity": 1}})

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from config import F
 from sched.base import Handoff, register
+from sched.decisions import Abort
 from sched.views import GroupState, Views
 
 
@@ -26,7 +27,17 @@ class ExperienceBuffer(Handoff):
     Pair with `step_publish` (one optimizer step and one publication per batch, §3.2 step 5). Groups left over at
     the end of a run (fewer than B) are never trained; the dispatch's `max_backlog` is the back-pressure.
 
-    Invariant kept: batches are whole materialised groups, each handed over once, exactly B per batch."""
+    Capacity and eviction (§3.1: "eviction strategy for removing old experiences when buffer capacity is not
+    enough"; the paper gives neither a capacity nor the strategy it ran): with `capacity` C > 0, whenever more than
+    C materialised groups wait, the excess is evicted, whole groups, their samples dropped and counted (Abort,
+    requeue=False), never trained. Which ones:
+        oldest   the oldest generating version first, then materialisation order (our reading of "old
+                 experiences" for off-policy RL: the stalest samples go first)
+        fifo     materialisation order (the longest waiting first)
+    C = 0 (default) is unbounded, as the paper's throughput runs are; C must be at least B.
+
+    Invariant kept: batches are whole materialised groups, each handed over once, exactly B per batch; at most C
+    materialised groups wait after every decision; an evicted group is never trained."""
     name = "experience_buffer"
     paper = "Laminar §3.1-3.2 step 4, App. A.3"
 
@@ -35,6 +46,9 @@ class ExperienceBuffer(Handoff):
         groups: int = F(0, ge=0, help="B: groups per training batch (0: the run's prompts_per_step)")
         order: str = F("fifo", choices=("fifo", "oldest"), help="which B groups: materialisation order, or the "
                                                                  "oldest generating version first")
+        capacity: int = F(0, ge=0, help="most materialised groups waiting (0: unbounded); the excess is evicted")
+        evict: str = F("oldest", choices=("oldest", "fifo"), help="which groups an over-full buffer drops: the "
+                                                                  "oldest version first, or materialisation order")
 
     def __init__(self, params: "ExperienceBuffer.Params | None" = None):
         super().__init__(params)
@@ -59,6 +73,21 @@ class ExperienceBuffer(Handoff):
             elif g.materialized:
                 del self.open[gid]
                 self.buf.append(g)
+
+    def evict(self, v: Views) -> list[Abort]:
+        cap = self.p.capacity
+        if not cap:
+            return []
+        if cap < (b := self.p.groups or v.prompts_per_step):
+            raise ValueError(f"handoff.capacity = {cap} is less than a training batch of {b} groups: the trainer "
+                             f"would never get one (set capacity >= {b}, or 0 for unbounded)")
+        self.refresh(v)
+        if len(self.buf) <= cap:
+            return []
+        victims = buffer_order(self.buf, self.p.evict)[:len(self.buf) - cap]
+        gone = {g.group_id for g in victims}
+        self.buf = [g for g in self.buf if g.group_id not in gone]
+        return [Abort(-1, [rid for g in victims for rid in g.req_ids])]   # the controller routes by request
 
     def ready(self, v: Views) -> list[int] | None:
         self.refresh(v)
