@@ -34,8 +34,8 @@ import sched
 from config import Config, ConfigError, load_config
 from runtime import watchdog
 from runtime.backend import RuntimeBackend
-from runtime.build import (RunParts, build_run, deterministic_algorithms, device_for_rank, make_engine, make_trainer,
-                           model_dtype, model_for_rank)
+from runtime.build import (RunParts, build_run, deterministic_algorithms, device_for_rank, import_train_side,
+                           make_engine, make_trainer, model_dtype, model_for_rank)
 from runtime.channel import Channel
 from runtime.faults import Injector
 from runtime.logger import MetricsLogger
@@ -102,6 +102,9 @@ def main(argv: list[str]) -> int:
         print("warning: restarted by torchrun without log.dir: a new run directory, starting afresh",
               file=sys.stderr, flush=True)
 
+    if rank in train_ranks:   # before any deadline runs; a rollout rank never needs the train side
+        import_train_side()
+
     # 3. ranks and process groups; one run directory, named on rank 0
     topo = init_distributed(c.rollout_ranks, c.rollout_fraction, c.colocate, c.backend, c.timeout_s)
     if c.cpu_affinity == "partition":
@@ -117,7 +120,7 @@ def main(argv: list[str]) -> int:
         deterministic_algorithms(True)
     # a job torchrun restarted (--max-restarts) resumes from its run directory's newest complete checkpoint
     holder = [prepare_run_dir(cfg) if topo.is_leader else None]
-    dist.broadcast_object_list(holder, src=0)  # the default group: start-up waits up to cluster.timeout_s
+    dist.broadcast_object_list(holder, src=0)  # the default group: start-up waits (runtime/topology.py STARTUP_MIN_S)
     run_dir, t0 = holder[0]
 
     # 4. the rank's role. From here on every blocking call is a declared wait: a rank frozen, dead or without

@@ -102,6 +102,16 @@ def build_run(cfg: Config, with_data: bool) -> RunParts:
     return RunParts(mcfg, tok, reward, source, skipped, cfg.rollout.max_new_tokens)
 
 
+def import_train_side() -> None:
+    """A train rank's heavy imports: the train step, FSDP2 and DTensor, DCP, and torch's compiler (FSDP2's
+    `fully_shard` imports it on first call). Done at start-up, before any deadline runs, rather than inside a watched
+    wait; a rollout rank never imports them."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import runtime.train_worker  # noqa: F401
+
+
 def deterministic_algorithms(on: bool = True) -> None:
     """`torch.use_deterministic_algorithms(on, warn_only=True)` without its import of torch._inductor (to set
     inductor's own flag): 2.2 s of every rank's start-up on CPU, for a compiler no rank here uses. Inductor's flag is

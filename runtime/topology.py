@@ -28,6 +28,11 @@ import torch.distributed as dist
 
 
 NO_PG_TIMEOUT = timedelta(days=30)   # the process groups' own timeout after start-up: off (module docstring)
+# Start-up waits (rendezvous, process-group creation, the run directory's broadcast, the watchdog's first barrier)
+# last at least this long whatever cluster.timeout_s says: ranks of different roles import and build different things
+# (a rollout rank skips the train side: FSDP2, DCP, torch's compiler), so on a loaded CPU they arrive seconds apart,
+# and a deadline of a few seconds meant for progress would fire on arrival order.
+STARTUP_MIN_S = 60.0
 
 
 @dataclass
@@ -100,7 +105,7 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
     if cuda:
         torch.cuda.set_device(device)
     pg_backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=max(timeout_s, STARTUP_MIN_S))   # the default group serves start-up only
     # a job torchrun restarted (--max-restarts) gets its own keys: the store still holds the dead attempt's
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))

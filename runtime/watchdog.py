@@ -349,7 +349,7 @@ class Watchdog:
         _last_progress = time.monotonic()   # the watch begins: start-up is not silence
         self.store.set(KEY + f"info/{self.rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         self.beat(time.monotonic())
-        dist.barrier()  # the default group (start-up deadline: timeout_s): every rank's first beat is in
+        dist.barrier()  # the default group (start-up deadline, topology.STARTUP_MIN_S): every first beat is in
         raw = self.store.multi_get([KEY + f"info/{r}" for r in range(self.world)])
         self.info = {r: json.loads(b) for r, b in enumerate(raw)}
         self.thread = threading.Thread(target=self._loop, name="watchdog", daemon=True)
