@@ -145,3 +145,20 @@ def test_offpolicy_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, bo
     report = check_offpolicy_log(events, bound)
     assert report["twice"] == report["lost"] == report["unreturned"] == report["stale"] == [], report
     assert report["unmaterialised_trained"] == [] and report["trained_groups"] > 0, report
+
+
+def test_laminar_with_a_full_experience_buffer_evicts_on_real_ranks_and_keeps_the_invariants(tmp_path):
+    """Laminar's buffer capped at one batch (`handoff.capacity`): the two engines out-produce the trainer, so
+    whole materialised groups are evicted (aborted, counted), none of them trained, every step still gets its batch
+    and the off-policy invariants hold."""
+    from tests.test_offpolicy_presets import check_offpolicy_log
+    run = tmp_path / "laminar"
+    torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=6",
+             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--sched.handoff.capacity=8")
+    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    report = check_offpolicy_log(events, None)
+    assert report["twice"] == report["lost"] == report["unreturned"] == report["stale"] == [], report
+    evicted = {e["group_id"] for e in events if e["kind"] == "trajectory_aborted"}
+    trained = [g for e in events if e["kind"] == "train_started" for g in e["data"]["groups"]]
+    assert evicted and not evicted & set(trained) and len(trained) == 6 * 8
