@@ -3,10 +3,10 @@
 checkpoint save — plus a hung engine (alive, no progress) and a slow run (two ranks several times slower, alive).
 
 How it fits the suite's budget: kills at every phase but the checkpoint save take one role each (CASES below;
-TIDAL_FAULT_MATRIX=full runs all 25 cases), and every case is one attempt of a `torchrun --max-restarts=N` job
-whose TIDAL_FAULTS (runtime/faults.py) gives each attempt its fault, so a job walks through a whole column of the matrix and ends in
-a clean attempt that finishes the run; the three jobs (freezes, kills, the slow reference) run side by side, the
-freezes' deadlines overlapping the others' start-ups. Tiny runs (4 steps of 8 prompts), a 5 s deadline.
+TIDAL_FAULT_MATRIX=full runs all 25 cases), and every case is one attempt of a `torchrun --max-restarts=N` job whose
+TIDAL_FAULTS (runtime/faults.py) gives each attempt its fault, so a job walks through a whole column of the matrix
+and ends in a clean attempt that finishes the run; the three jobs (freezes, kills, the slow reference) run side by
+side, the freezes' deadlines overlapping the others' start-ups. Tiny runs (4 steps of 8 prompts), a 5 s deadline.
 
 Each case must end (torchrun has stopped every rank) within the deadline plus 30 s after the fault, with a named
 report: a stall report naming the frozen rank (or the hung one), or, for a kill, torchrun's record of the rank that
