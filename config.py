@@ -123,6 +123,8 @@ class TrainConfig:
     grad_clip: float = F(1.0, gt=0, help="max global gradient norm")
     micro_batch_tokens: int = F(16384, ge=1, help="packed tokens per forward/backward on one train rank")
     activation_checkpointing: bool = F(False, help="recompute each block's activations in backward")
+    share_prompts: bool = F(True, help="pack a group's common prompt once per micro-batch, its samples' own tokens "
+                            "after it (same log-probs and gradients, fewer tokens; trainer/batch.py)")
     loss_agg: str = F("token_mean", choices=("token_mean", "seq_mean", "seq_sum_norm"),
                       help="token_mean (DAPO) | seq_mean (GRPO) | seq_sum_norm (Dr.GRPO: sum / max_new_tokens)")
     ratio_level: str = F("token", choices=("token", "sequence"), help="ratio per token, or per sequence (GSPO)")

@@ -81,6 +81,78 @@ class PackedCausal:
         return out.transpose(1, 2).reshape(B * L, *q.shape[1:]).index_select(0, idx)
 
 
+class SharedPrefixCausal:
+    """Causal attention over a prefix-shared packing: a GRPO group's G samples share one prompt, which is laid out
+    (and computed) once instead of G times.
+
+    Layout of the packed [T, ...] tensors: every family's prompt, end to end (`prompt_lengths`, Tp tokens in all),
+    then every child's own tokens, end to end (`child_lengths`; a child is one sample's response minus its last
+    token, possibly empty). A prompt token attends causally within its prompt; a child token attends to the whole
+    prompt of its family (`child_family`) and causally to its own earlier tokens. This equals packing each
+    prompt + child as a separate sequence (PackedCausal) — a prompt token's state never depends on what follows
+    it — and, since every child reads the one copy of its prompt's keys and values, the gradient that reaches the
+    prompt is the sum over the children, as with G copies.
+
+    Two SDPA calls: the prompts as PackedCausal; the children padded to [C, Rmax] queries over [C, Pmax + Rmax]
+    keys (their family's prompt, then themselves) under a boolean mask. A padded query row still sees its
+    prompt (every prompt has a token), so no row is fully masked.
+    """
+
+    def __init__(self, prompt_lengths: list[int], child_lengths: list[int], child_family: list[int],
+                 scale: float | None = None):
+        if not prompt_lengths or min(prompt_lengths) < 1:
+            raise ValueError(f"every family needs a prompt of at least one token, got {prompt_lengths}")
+        if len(child_lengths) != len(child_family) or any(not 0 <= f < len(prompt_lengths) for f in child_family):
+            raise ValueError("child_family must name a family for each child")
+        self.prompt_lengths, self.child_lengths, self.child_family = prompt_lengths, child_lengths, child_family
+        self.num_prompt_tokens = sum(prompt_lengths)
+        self.prompts = PackedCausal(cu_seqlens_from_lengths(prompt_lengths), scale)
+        self.scale = scale
+        self._plan: tuple[torch.Tensor, ...] | None = None
+
+    def _index(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(prompt rows in the padded [F * Pmax] prompts, child rows in the padded [C' * Rmax] children, the
+        family of each non-empty child, the [C', 1, Rmax, Pmax + Rmax] mask), C' the children with tokens."""
+        if self._plan is None:
+            P, F_ = max(self.prompt_lengths), len(self.prompt_lengths)
+            kids = [c for c, n in enumerate(self.child_lengths) if n]
+            lens = torch.tensor([self.child_lengths[c] for c in kids], dtype=torch.long)
+            plens = torch.tensor(self.prompt_lengths, dtype=torch.long)
+            fam = torch.tensor([self.child_family[c] for c in kids], dtype=torch.long)
+            R = int(lens.max()) if kids else 0
+            prow = torch.repeat_interleave(torch.arange(F_), plens) * P + positions_from_cu_seqlens(
+                cu_seqlens_from_lengths(self.prompt_lengths))
+            crow = torch.repeat_interleave(torch.arange(len(kids)), lens) * R + positions_from_cu_seqlens(
+                cu_seqlens_from_lengths(lens))
+            sees_prompt = torch.arange(P)[None, :] < plens[fam][:, None]                    # [C', P]
+            causal = torch.ones(R, R, dtype=torch.bool).tril()                               # [R, R]
+            mask = torch.cat([sees_prompt[:, None, :].expand(-1, R, -1), causal.expand(len(kids), -1, -1)], -1)
+            self._plan = tuple(t.to(device) for t in (prow, crow, fam, mask[:, None]))
+        return self._plan
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        Tp = self.num_prompt_tokens
+        out_p = self.prompts(layer, q[:Tp], k[:Tp], v[:Tp])
+        if q.shape[0] == Tp:
+            return out_p
+        prow, crow, fam, mask = self._index(q.device)
+        F_, P = len(self.prompt_lengths), max(self.prompt_lengths)
+        C, R = mask.shape[0], mask.shape[2]
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+
+        def pad(x: torch.Tensor, rows: torch.Tensor, n: int, L: int) -> torch.Tensor:   # [t, H, D] -> [n, L, H, D]
+            return x.new_zeros(n * L, *x.shape[1:]).index_copy(0, rows, x).view(n, L, *x.shape[1:])
+
+        def keys(x: torch.Tensor) -> torch.Tensor:   # [T, H, D] -> [C', H, P + R, D]: its prompt, then itself
+            prompt = pad(x[:Tp], prow, F_, P).index_select(0, fam)
+            return torch.cat([prompt, pad(x[Tp:], crow, C, R)], 1).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(pad(q[Tp:], crow, C, R).transpose(1, 2), keys(k), keys(v),
+                                             attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        out_c = out.transpose(1, 2).reshape(C * R, *q.shape[1:]).index_select(0, crow)
+        return torch.cat([out_p, out_c])
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
           is_causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H, D] in and out; GQA through SDPA's enable_gqa."""

@@ -10,7 +10,7 @@ from model import ModelConfig, Transformer, cu_seqlens_from_lengths
 from rl.advantages import compute_advantages
 from rl.types import Group, Trajectory
 from trainer import Trainer
-from trainer.batch import assign_to_ranks, build_samples, collate, pack_micro_batches
+from trainer.batch import Sample, assign_to_ranks, build_samples, collate, pack_micro_batches, plan_micro_batches
 from trainer.optim import lr_factor
 
 VOCAB = 64
@@ -107,6 +107,67 @@ def test_rank_split_is_balanced_and_micro_batches_respect_the_budget():
     assert sorted(sum(bins, [])) == list(range(len(costs)))
     assert all(sum(costs[i] for i in b) <= 10 for b in bins)
     assert pack_micro_batches([0, 1], [30, 2], budget=10) == [[0], [1]]  # too long for the budget: alone
+
+
+def test_shared_prompt_packing_lays_each_prompt_once_and_aligns_targets():
+    samples = [Sample([10, 11, 12, 20], [20, 21], [-1.0, -2.0], 0.5, 0),
+               Sample([13, 22, 23], [22, 23, 24], [-3.0, -4.0, -5.0], 1.0, 1),
+               Sample([10, 11, 12], [25], [-6.0], -0.5, 0)]    # the first one's prompt; a one-token response
+    b = collate(samples, share_prompts=True)
+    assert b.input_ids.tolist() == [10, 11, 12, 13, 20, 22, 23]   # prompts once, then each sample's own tokens
+    assert b.positions.tolist() == [0, 1, 2, 0, 3, 1, 2]
+    assert b.targets.tolist() == [20, 21, 25, 22, 23, 24]
+    assert b.loss_index.tolist() == [2, 4, 2, 3, 5, 6]  # a prompt's last token predicts each sample's first target
+    assert b.seq_idx.tolist() == [0, 0, 1, 2, 2, 2]
+    assert b.old_logprobs.tolist() == [-1.0, -2.0, -6.0, -3.0, -4.0, -5.0]
+
+
+@pytest.mark.parametrize("budget", [10_000, 9])
+def test_shared_prompt_packing_gives_the_unshared_log_probs_gradients_and_step(budget):
+    """Same loss, log-probs and update with and without sharing, down to fp32 rounding; with budget 9 every family
+    is cut into pieces (each carrying its prompt again) over several micro-batches."""
+    groups = make_groups(7, n_groups=4, group_size=5, max_resp=6)
+    samples = build_samples(compute_advantages(groups, "std"))
+    model = tiny_model()
+    lps = []
+    for share in (False, True):
+        b = collate(samples, share_prompts=share)
+        hidden = model(b.input_ids, b.positions, b.attn).index_select(0, b.loss_index)
+        lp = (hidden @ model.lm_head.weight.T).log_softmax(-1).gather(-1, b.targets[:, None])[:, 0]
+        lps.append(sorted(zip(b.old_logprobs.tolist(), lp.tolist())))   # old log-probs identify the tokens
+    assert [o for o, _ in lps[0]] == [o for o, _ in lps[1]]
+    assert max(abs(x - y) for (_, x), (_, y) in zip(*lps)) < 1e-5
+    out = []
+    for share in (False, True):
+        tr = Trainer(tiny_model(), TrainConfig(lr=1e-2, micro_batch_tokens=budget, share_prompts=share, **SMOOTH_ADAM))
+        m = tr.train_step(groups)
+        out.append((weights(tr.model), m))
+    (w_a, m_a), (w_b, m_b) = out
+    for name in w_a:
+        assert torch.allclose(w_a[name], w_b[name], atol=1e-5, rtol=0), name
+    assert m_a["loss"] == pytest.approx(m_b["loss"], rel=1e-5)
+    assert m_a["grad_norm"] == pytest.approx(m_b["grad_norm"], rel=1e-4)
+
+
+def test_shared_plan_keeps_groups_together_within_the_budget():
+    samples = build_samples(compute_advantages(make_groups(3, n_groups=6, group_size=4, max_resp=8), "none"))
+    plans = plan_micro_batches(samples, world=2, budget=40, share_prompts=True)
+    assert sorted(i for rank in plans for mb in rank for i in mb) == list(range(len(samples)))
+    prompt_of = [tuple(s.tokens[:s.prompt_len]) for s in samples]
+    for rank in plans:
+        for mb in rank:
+            b = collate([samples[i] for i in mb], share_prompts=True)
+            assert b.input_ids.numel() <= 40 or len({prompt_of[i] for i in mb}) == 1
+    # a family small enough for the budget is never split over ranks or micro-batches
+    home = {}
+    for r, rank in enumerate(plans):
+        for k, mb in enumerate(rank):
+            for i in mb:
+                home.setdefault(prompt_of[i], set()).add((r, k))
+    assert all(len(h) == 1 for h in home.values())
+    loads = [sum(collate([samples[i] for i in mb], share_prompts=True).input_ids.numel() for mb in rank)
+             for rank in plans]
+    assert max(loads) - min(loads) <= 40
 
 
 def test_lr_schedule_warmup_then_cosine_to_floor():

@@ -6,6 +6,11 @@ behaviour policy's, from `Trajectory.logprobs`). Every train rank computes the s
 sequences go to ranks longest first onto the least loaded (balanced by tokens), then into micro-batches first-fit
 decreasing under `micro_batch_tokens`. Ranks with fewer micro-batches than the busiest run zero-weight dummy ones,
 because FSDP's collectives need every rank in every forward and backward.
+
+With `train.share_prompts` the G samples of a group travel together (to one rank, into one micro-batch) and their
+common prompt is packed once, every sample's own tokens after it (model/attention.py `SharedPrefixCausal`): the
+log-probs and gradients are those of the unshared packing (up to float summation order), for P + G * (R - 1)
+tokens instead of G * (P + R - 1).
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import cu_seqlens_from_lengths, positions_from_cu_seqlens
+from model.attention import (AttentionBackend, PackedCausal, SharedPrefixCausal, cu_seqlens_from_lengths,
+                             positions_from_cu_seqlens)
 from rl.advantages import Advantages
 
 
@@ -28,6 +34,10 @@ class Sample:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.tokens) - len(self.targets) + 1
 
 
 def build_samples(adv: Advantages) -> list[Sample]:
@@ -84,11 +94,54 @@ def pack_micro_batches(indices: list[int], costs: list[int], budget: int) -> lis
     return [sorted(b) for b in bins]
 
 
+def prompt_families(samples: list[Sample]) -> list[list[int]]:
+    """Indices of the samples grouped by identical prompt (a GRPO group's G samples), in order of first appearance."""
+    fams: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        fams.setdefault(tuple(s.tokens[:s.prompt_len]), []).append(i)
+    return list(fams.values())
+
+
+def shared_units(samples: list[Sample], budget: int) -> tuple[list[list[int]], list[int]]:
+    """The samples as families sharing one prompt, each cut into pieces of at most `budget` packed tokens (the
+    prompt counted once per piece; a piece holds at least one sample), with each piece's packed token count."""
+    units: list[list[int]] = []
+    costs: list[int] = []
+    for fam in prompt_families(samples):
+        P = samples[fam[0]].prompt_len
+        piece: list[int] = []
+        cost = P
+        for i in fam:
+            n = samples[i].num_tokens - P
+            if piece and cost + n > budget:
+                units.append(piece)
+                costs.append(cost)
+                piece, cost = [], P
+            piece.append(i)
+            cost += n
+        units.append(piece)
+        costs.append(cost)
+    return units, costs
+
+
+def plan_micro_batches(samples: list[Sample], world: int, budget: int, share_prompts: bool) -> list[list[list[int]]]:
+    """Per train rank, its micro-batches as sample indices. Without sharing every sample is a unit of its own
+    length; with it, a unit is a piece of a family (`shared_units`), so a group's samples stay together on one
+    rank and in one micro-batch, where its prompt is packed once. Units go to ranks balanced by packed tokens,
+    then into micro-batches first-fit decreasing under `budget`."""
+    if share_prompts:
+        units, costs = shared_units(samples, budget)
+    else:
+        units, costs = [[i] for i in range(len(samples))], [s.num_tokens for s in samples]
+    return [[sorted(i for u in mb for i in units[u]) for mb in pack_micro_batches(mine, costs, budget)]
+            for mine in assign_to_ranks(costs, world)]
+
+
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor     # [T] packed inputs
     positions: torch.Tensor     # [T]
-    cu_seqlens: torch.Tensor    # [S + 1] int32
+    attn: AttentionBackend      # who attends to whom in the packing (PackedCausal or SharedPrefixCausal)
     loss_index: torch.Tensor    # [N] positions in [0, T) whose next token is trained on
     targets: torch.Tensor       # [N]
     old_logprobs: torch.Tensor  # [N] fp32
@@ -102,7 +155,12 @@ class MicroBatch:
         return int(self.mask.sum().item())
 
 
-def collate(samples: list[Sample], device: torch.device | str = "cpu") -> MicroBatch:
+def collate(samples: list[Sample], device: torch.device | str = "cpu", share_prompts: bool = False) -> MicroBatch:
+    """One packed micro-batch. Each sample is `prompt + response[:-1]` end to end (PackedCausal); with
+    `share_prompts` the samples that share a prompt are reordered together and their prompt is packed once, before
+    every sample's own tokens (SharedPrefixCausal): the same log-probs and gradients, fewer tokens."""
+    if share_prompts:
+        return _collate_shared(samples, device)
     lengths = [s.num_tokens for s in samples]
     cu = cu_seqlens_from_lengths(lengths)
     loss_index, seq_idx = [], []
@@ -110,12 +168,44 @@ def collate(samples: list[Sample], device: torch.device | str = "cpu") -> MicroB
         first = start + s.num_tokens - len(s.targets)
         loss_index.extend(range(first, start + s.num_tokens))
         seq_idx.extend([i] * len(s.targets))
+    return _micro_batch(samples, [t for s in samples for t in s.tokens], positions_from_cu_seqlens(cu).tolist(),
+                        PackedCausal(cu.to(device)), loss_index, seq_idx, device)
+
+
+def _collate_shared(samples: list[Sample], device: torch.device | str) -> MicroBatch:
+    fams = prompt_families(samples)
+    heads = [samples[fam[0]] for fam in fams]
+    samples = [samples[i] for fam in fams for i in fam]
+    plens = [h.prompt_len for h in heads]
+    ids = [t for h, P in zip(heads, plens) for t in h.tokens[:P]]
+    pos = [p for P in plens for p in range(P)]
+    ends = cu_seqlens_from_lengths(plens)[1:].tolist()    # a family's last prompt position + 1
+    child_lens, child_fam, loss_index, seq_idx = [], [], [], []
+    i = 0
+    for f, (fam, P) in enumerate(zip(fams, plens)):
+        for _ in fam:
+            s = samples[i]
+            n = s.num_tokens - P
+            loss_index.append(ends[f] - 1)                 # the prompt's last token predicts the first target
+            loss_index.extend(range(len(ids), len(ids) + n))
+            ids.extend(s.tokens[P:])
+            pos.extend(range(P, P + n))
+            seq_idx.extend([i] * len(s.targets))
+            child_lens.append(n)
+            child_fam.append(f)
+            i += 1
+    return _micro_batch(samples, ids, pos, SharedPrefixCausal(plens, child_lens, child_fam), loss_index, seq_idx,
+                        device)
+
+
+def _micro_batch(samples: list[Sample], ids: list[int], pos: list[int], attn: AttentionBackend,
+                 loss_index: list[int], seq_idx: list[int], device: torch.device | str) -> MicroBatch:
     n = len(loss_index)
     f32 = dict(dtype=torch.float32, device=device)
     return MicroBatch(
-        input_ids=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long, device=device),
-        positions=positions_from_cu_seqlens(cu).to(device),
-        cu_seqlens=cu.to(device),
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        attn=attn,
         loss_index=torch.tensor(loss_index, dtype=torch.long, device=device),
         targets=torch.tensor([t for s in samples for t in s.targets], dtype=torch.long, device=device),
         old_logprobs=torch.tensor([x for s in samples for x in s.old_logprobs], **f32),

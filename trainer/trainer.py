@@ -2,7 +2,8 @@
 
 A step: group advantages (GRPO / Dr.GRPO) with zero-variance groups dropped (DAPO dynamic sampling), samples split
 into `minibatches`, each minibatch one optimizer step (repeated for `ppo_epochs`, PPO style). Within a minibatch
-every rank takes its token-balanced share of sequences, packs them into micro-batches (`PackedCausal`),
+every rank takes its token-balanced share of sequences, packs them into micro-batches (`PackedCausal`; with
+`share_prompts` a group's prompt once, `SharedPrefixCausal`),
 recomputes log-probs with the current weights (chunked logprob + entropy from hidden states and lm_head, never
 the full-vocabulary logits), and back-propagates the loss divided by the minibatch's global normaliser, so the
 result does not depend on the number of ranks or micro-batches. Then grad clipping, AdamW, the LR schedule.
@@ -42,13 +43,11 @@ from torch import nn
 
 from config import TrainConfig
 from kernels.logprobs import token_logprobs
-from model.attention import PackedCausal
 from rl.advantages import compute_advantages
 from rl.loss import policy_loss
 from rl.types import Group
 from trainer import checkpoint
-from trainer.batch import MicroBatch, Sample, assign_to_ranks, build_samples, collate, dummy_batch, \
-    pack_micro_batches, split_even
+from trainer.batch import MicroBatch, Sample, build_samples, collate, dummy_batch, plan_micro_batches, split_even
 from trainer.fsdp import build_mesh, is_sharded, shard_model, apply_activation_checkpointing
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 
@@ -88,7 +87,10 @@ class Trainer:
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.model = model.to(self.device)
         self.ref_model = ref_model.to(self.device).eval().requires_grad_(False) if ref_model is not None else None
-        if self.distributed:
+        # One train rank on CPU: FSDP2 would only wrap (its hooks cost ~25% of a tiny model's step) with a no-op
+        # fp32 policy; on a GPU it still brings the bf16 mixed precision, so it stays.
+        self.sharded = self.distributed and (self.world > 1 or self.device.type == "cuda")
+        if self.sharded:
             self.mesh = build_mesh(self.group, self.device.type)
             shard_model(self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing)
             if self.ref_model is not None:
@@ -149,12 +151,12 @@ class Trainer:
 
     def _micro_batches(self, chunk: list[Sample]) -> Iterator[MicroBatch]:
         """This rank's micro-batches of a chunk, padded with dummy ones to the busiest rank's count (FSDP)."""
-        costs = [s.num_tokens for s in chunk]
-        plans = [pack_micro_batches(idx, costs, self.cfg.micro_batch_tokens)
-                 for idx in assign_to_ranks(costs, self.world)]
+        share = self.cfg.share_prompts
+        plans = plan_micro_batches(chunk, self.world, self.cfg.micro_batch_tokens, share)
         mine, n_micro = plans[self.rank], max(len(p) for p in plans)
         for k in range(n_micro):
-            yield collate([chunk[i] for i in mine[k]], self.device) if k < len(mine) else dummy_batch(self.device)
+            yield (collate([chunk[i] for i in mine[k]], self.device, share) if k < len(mine)
+                   else dummy_batch(self.device))
 
     def _proximal(self, chunks: list[list[Sample]]) -> dict[tuple[int, int], torch.Tensor]:
         """Decoupled PPO's proximal log-probs of every micro-batch, under the weights at the start of the call
@@ -200,7 +202,7 @@ class Trainer:
             acc[-2] += out.loss.detach().double().cpu()
             acc[-1] += batch.num_loss_tokens
             self.progress(f"micro-batch {k + 1} of minibatch {chunk_id + 1}")
-        if self.distributed:
+        if self.world > 1:
             acc = acc.to(self.device)
             dist.all_reduce(acc, group=self.group)
             acc = acc.cpu()
@@ -246,7 +248,7 @@ class Trainer:
     def logprobs(self, model: nn.Module, batch: MicroBatch, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies [N] of batch.targets at batch.loss_index under `model`."""
         with torch.set_grad_enabled(grad):
-            hidden = model(batch.input_ids, batch.positions, PackedCausal(batch.cu_seqlens))
+            hidden = model(batch.input_ids, batch.positions, batch.attn)
             h = hidden.index_select(0, batch.loss_index)
             logp, entropy = token_logprobs(h, model.lm_head.weight, batch.targets, self.temperature,
                                            self.logprob_chunk, with_entropy=True)
