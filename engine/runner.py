@@ -49,7 +49,9 @@ class ModelRunner:
         self.packed = None  # CPU fp32: Linear layers through oneDNN with pre-packed weights (engine/cpu_linear.py)
         if (config.cpu_packed_linear and self.device.type == "cpu" and self.dtype == torch.float32
                 and cpu_linear.available()):
-            self.packed = cpu_linear.PackedLinears(self.model, batch_hint=config.max_num_seqs)
+            packed = cpu_linear.PackedLinears(self.model, batch_hint=config.max_num_seqs,
+                                              min_weight=config.cpu_packed_min_weight)
+            self.packed = packed if packed.layers else None
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             from engine.cuda_graphs import DecodeGraphs
@@ -92,14 +94,24 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def _sync_block_tables(self, seqs) -> torch.Tensor:
+        """Copy the block-table entries added since the last step into the runner's table (one indexed write for
+        the whole batch); the batch's seats."""
+        rows: list[int] = []
+        cols: list[int] = []
+        blocks: list[int] = []
+        seats = []
         for s in seqs:
             assert s.seat >= 0, f"{s.request_id} runs without a seat"
+            seats.append(s.seat)
             n = len(s.block_table)
             if s.table_synced < n:
-                self.block_tables[s.seat, s.table_synced:n] = torch.tensor(s.block_table[s.table_synced:],
-                                                                           dtype=torch.int32)
+                rows += [s.seat] * (n - s.table_synced)
+                cols += range(s.table_synced, n)
+                blocks += s.block_table[s.table_synced:]
                 s.table_synced = n
-        return torch.tensor([s.seat for s in seqs], dtype=torch.long)
+        if blocks:
+            self.block_tables[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(blocks, dtype=torch.int32)
+        return torch.tensor(seats, dtype=torch.long)
 
     def prepare(self, batch: ScheduledBatch, width: int | None = None):
         """Host-side batch tensors -> (input_ids, positions, metadata, logit_indices), all on the device."""

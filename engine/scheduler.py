@@ -125,14 +125,16 @@ class Scheduler:
     def _gather_siblings(self, leader: Sequence) -> None:
         """Waiting group siblings with the same prompt fork from `leader` (as many as there are seats for)."""
         room = len(self.free_seats) - 1 - len(leader.forks)  # the caller checked that this is >= 0
-        for s in list(self.waiting) if room > 0 else []:
-            if s.can_fork and s.leader is None and not s.forks and leader.same_prompt(s):
-                self.waiting.remove(s)
-                s.leader = leader
-                leader.forks.append(s)
-                room -= 1
-                if room == 0:
+        gid, found = leader.request.group_id, []
+        for s in self.waiting if room > 0 else ():   # the group id first: the cheap test that rejects most
+            if s.request.group_id == gid and s.leader is None and not s.forks and s.can_fork and leader.same_prompt(s):
+                found.append(s)
+                if len(found) == room:
                     break
+        for s in found:
+            self.waiting.remove(s)
+            s.leader = leader
+            leader.forks.append(s)
         for f in leader.forks:  # reserve their seats now; they start running when the prompt is done
             f.seat = self.free_seats.pop()
 

@@ -96,8 +96,24 @@ def test_engine_load_weights_repacks():
     greedy = SamplingParams(temperature=0, max_new_tokens=12)
     prompt = [3, 9, 27, 17, 51]
     want_b = LLMEngine(b, EngineConfig(max_num_seqs=4, cpu_packed_linear=False)).generate([GenRequest(prompt, greedy)])
-    eng = LLMEngine(a, EngineConfig(max_num_seqs=4))
+    eng = LLMEngine(a, EngineConfig(max_num_seqs=4, cpu_packed_min_weight=0))
     assert eng.runner.packed is not None
     first = eng.generate([GenRequest(prompt, greedy)])[0].token_ids
     eng.load_weights(b.state_dict(), version=1)
     assert eng.generate([GenRequest(prompt, greedy)])[0].token_ids == want_b[0].token_ids != first
+
+
+def test_only_weights_of_at_least_min_weight_elements_are_packed():
+    net = model()   # weights of 48 x 96 = 4608 and 96 x 40 = 3840 elements
+    packed = PackedLinears(net, min_weight=4000)
+    assert packed.layers == [net[0]] and type(net[1]) is nn.Linear
+    x = torch.randn(9, 48)
+    with packed.active():
+        got = net(x)
+    assert (got - F.linear(F.linear(x, net[0].weight, net[0].bias), net[1].weight)).abs().max() < 1e-4
+    # the engine's default threshold leaves a small model's layers to F.linear: nothing to repack at each load
+    from engine import EngineConfig, LLMEngine
+    from model import ModelConfig, Transformer
+    cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    assert LLMEngine(Transformer(cfg).init_weights(seed=0), EngineConfig(max_num_seqs=4)).runner.packed is None

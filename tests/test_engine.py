@@ -87,8 +87,9 @@ def packed_logprobs(model, outs, temperature=1.0):
 LENGTHS = (1, 5, 16, 17, 40, 9)
 
 
-# the CPU paths: the default (C paged attention + oneDNN packed Linear layers), plain PyTorch (batched SDPA, F.linear)
-CPU_PATHS = {"native": {}, "torch": dict(attention="batched", cpu_packed_linear=False)}
+# the CPU paths: C paged attention + oneDNN packed Linear layers (every one: these models' are all small),
+# plain PyTorch (batched SDPA, F.linear)
+CPU_PATHS = {"native": dict(cpu_packed_min_weight=0), "torch": dict(attention="batched", cpu_packed_linear=False)}
 
 
 @pytest.mark.parametrize("path", sorted(CPU_PATHS))
