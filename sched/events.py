@@ -51,15 +51,15 @@ class Event:
             raise ValueError(f"unknown event kind {self.kind!r}")
 
     def to_json(self) -> str:
-        d: dict[str, Any] = {}
-        for k in ("rank", "engine", "req_id", "group_id", "version"):
-            v = getattr(self, k)
-            if v != -1:
-                d[k] = v
+        """One line: the set ids (rank, engine, req_id, group_id, version), data, kind, t (to the microsecond);
+        the bytes json.dumps gives for that dict, written directly (the log's hot path: ~800 events a step)."""
+        parts = [f'"{k}":{int(v)}' for k, v in (("rank", self.rank), ("engine", self.engine), ("req_id", self.req_id),
+                                              ("group_id", self.group_id), ("version", self.version)) if v != -1]
         if self.data:
-            d["data"] = self.data
-        d["kind"], d["t"] = self.kind, round(self.t, 6)
-        return _ENCODER.encode(d)
+            parts.append('"data":' + _ENCODER.encode(self.data))
+        t = round(self.t, 6)
+        parts.append(f'"kind":"{self.kind}","t":{float(t)!r}' if isinstance(t, float) else f'"kind":"{self.kind}","t":{int(t)}')
+        return "{" + ",".join(parts) + "}"
 
     @classmethod
     def from_json(cls, line: str) -> "Event":
