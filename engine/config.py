@@ -27,7 +27,8 @@ class EngineConfig:
     # rows through the C kernel of kernels/cpu_native.py; "auto" picks it on CPU for fp32 when it builds)
     attention: str = "auto"
     # CPU fp32: Linear layers through oneDNN on pre-packed weights (engine/cpu_linear.py), those whose weight has at
-    # least cpu_packed_min_weight elements (smaller ones run F.linear: faster there, and nothing to repack per load)
+    # least cpu_packed_min_weight elements (smaller ones: MKL on rows padded to a multiple of 8, faster there and
+    # nothing to repack per load; batch-invariant either way)
     cpu_packed_linear: bool = True
     cpu_packed_min_weight: int = 1 << 20
     seed: int = 0  # the engine's generator, used by requests without their own seed

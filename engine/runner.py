@@ -49,9 +49,8 @@ class ModelRunner:
         self.packed = None  # CPU fp32: Linear layers through oneDNN with pre-packed weights (engine/cpu_linear.py)
         if (config.cpu_packed_linear and self.device.type == "cpu" and self.dtype == torch.float32
                 and cpu_linear.available()):
-            packed = cpu_linear.PackedLinears(self.model, batch_hint=config.max_num_seqs,
-                                              min_weight=config.cpu_packed_min_weight)
-            self.packed = packed if packed.layers else None
+            self.packed = cpu_linear.PackedLinears(self.model, batch_hint=config.max_num_seqs,
+                                                   min_weight=config.cpu_packed_min_weight)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             from engine.cuda_graphs import DecodeGraphs

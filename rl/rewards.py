@@ -292,16 +292,18 @@ class RewardError(TypeError):
 def check_result(kind: str, result: Any, response_text: str = "") -> RewardResult:
     """`result` if it is a RewardResult whose reward is a finite real number (made a float), else RewardError naming
     the reward kind, what came back, and the start of the response it was scoring."""
-    about = f"reward kind {kind!r}, scoring response {response_text[:60]!r}"
+    def about() -> str:   # built only for an error: this runs for every sample scored
+        return f"reward kind {kind!r}, scoring response {response_text[:60]!r}"
+
     if not isinstance(result, RewardResult):
-        raise RewardError(f"{about}: returned {type(result).__name__} {result!r:.80}, not a RewardResult(reward: float,"
+        raise RewardError(f"{about()}: returned {type(result).__name__} {result!r:.80}, not a RewardResult(reward: float,"
                           f" correct: bool, ...)")
     r = result.reward
     if isinstance(r, bool) or not isinstance(r, numbers.Real):
-        raise RewardError(f"{about}: returned a non-numeric reward {r!r:.80} ({type(r).__name__}); "
+        raise RewardError(f"{about()}: returned a non-numeric reward {r!r:.80} ({type(r).__name__}); "
                           "RewardResult.reward must be a float")
     if not math.isfinite(r):
-        raise RewardError(f"{about}: returned a non-finite reward {r}")
+        raise RewardError(f"{about()}: returned a non-finite reward {r}")
     return result if type(r) is float else dataclasses.replace(result, reward=float(r))
 
 

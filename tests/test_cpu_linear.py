@@ -103,17 +103,21 @@ def test_engine_load_weights_repacks():
     assert eng.generate([GenRequest(prompt, greedy)])[0].token_ids == want_b[0].token_ids != first
 
 
-def test_only_weights_of_at_least_min_weight_elements_are_packed():
+def test_only_weights_of_at_least_min_weight_elements_are_packed_and_every_row_is_batch_invariant():
     net = model()   # weights of 48 x 96 = 4608 and 96 x 40 = 3840 elements
     packed = PackedLinears(net, min_weight=4000)
-    assert packed.layers == [net[0]] and type(net[1]) is nn.Linear
-    x = torch.randn(9, 48)
+    assert packed.layers == [net[0]] and packed.small == [net[1]] and type(net[1]) is PackedLinear
+    x = torch.randn(300, 48)
     with packed.active():
-        got = net(x)
-    assert (got - F.linear(F.linear(x, net[0].weight, net[0].bias), net[1].weight)).abs().max() < 1e-4
-    # the engine's default threshold leaves a small model's layers to F.linear: nothing to repack at each load
+        alone = torch.cat([net(x[i:i + 1]) for i in range(len(x))])
+        for m in (1, 2, 3, 7, 8, 9, 64, 255, 300):   # 1-3 rows are another MKL kernel unpadded
+            assert torch.equal(net(x[:m]), alone[:m]), m
+        assert torch.equal(net(x[5:77]), alone[5:77])
+    assert (alone - F.linear(F.linear(x, net[0].weight, net[0].bias), net[1].weight)).abs().max() < 1e-4
+    # the engine's default threshold leaves a small model's layers to padded_linear: nothing to repack at a load
     from engine import EngineConfig, LLMEngine
     from model import ModelConfig, Transformer
     cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=8, max_position_embeddings=128)
-    assert LLMEngine(Transformer(cfg).init_weights(seed=0), EngineConfig(max_num_seqs=4)).runner.packed is None
+    packed = LLMEngine(Transformer(cfg).init_weights(seed=0), EngineConfig(max_num_seqs=4)).runner.packed
+    assert packed.layers == [] and len(packed.small) == 4 * 1 + 3 + 1

@@ -51,12 +51,12 @@ CASES = [f"freeze {r} {p} 1" for p in PHASES for r in ROLES] + \
     [f"kill {r} {p} 1" for p in PHASES for r in ROLES if FULL or p == "checkpoint" or KILLED_AT[p] == r] + \
     ["hang 2 decode 1"]
 CHAINS = {"a": CASES[0::2], "b": CASES[1::2]}   # each walks through freezes and kills: their deadlines interleave
-# the follower at train step 2 (2 s at each of its micro-batches of 64 tokens and its optimizer step) and the engine
-# under version 2 (0.1 s at each engine step and each sample scored): each unit of work well under the deadline, each
-# step over it
+# the follower at train step 2 (2 s at each of its micro-batches of 32 tokens, one group each at least: its 4 groups
+# of 8 share a prompt, so 5+ units with the optimizer step) and the engine under version 2 (0.1 s at each engine
+# step and each sample scored): each unit of work well under the deadline, each step over it
 SLOW = "slow 1 train 2 2.0 & slow 2 decode 2 0.1"
 ARGS = [f"--train.steps={STEPS}", "--checkpoint.every=1", f"--checkpoint.keep={STEPS}", "--rollout.prompts_per_step=8",
-        "--train.micro_batch_tokens=64", "--checkpoint.export_hf=false", f"--cluster.timeout_s={DEADLINE:g}"]
+        "--train.micro_batch_tokens=32", "--checkpoint.export_hf=false", f"--cluster.timeout_s={DEADLINE:g}"]
 
 
 @dataclass
