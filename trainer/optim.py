@@ -1,10 +1,11 @@
 """AdamW, the learning-rate schedule (linear warmup, then cosine decay to min_lr_ratio, or constant) and gradient
 clipping by the global norm.
 
-Parameters may be FSDP2 DTensors: AdamW is elementwise, so each rank steps its own shard; the fused (CUDA) and
-foreach (CPU) implementations accept DTensors. `torch.nn.utils.clip_grad_norm_` computes the norm of DTensor
-gradients as a DTensor whose value is reduced over the mesh, i.e. the norm of the full (unsharded) gradient; the
-equivalence tests check this against an unsharded run.
+Parameters may be FSDP2 DTensors: AdamW is elementwise, so each rank steps its own shard; the fused
+implementation (CPU and CUDA) accepts DTensors. The clip computes the norm of the full (unsharded) gradient from
+the local shards: their squared norms summed over the mesh in one all-reduce, then the same factor applied to every
+shard (other layouts: `torch.nn.utils.clip_grad_norm_`); the equivalence tests check this against an unsharded
+run.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from config import TrainConfig
 
@@ -33,11 +35,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW from cfg.lr, cfg.betas, cfg.weight_decay; fused on CUDA, foreach elsewhere."""
-    on_cuda = any(p.is_cuda for p in model.parameters())
+    """AdamW from cfg.lr, cfg.betas, cfg.weight_decay; fused (one kernel per parameter list, on CPU too: over FSDP2's
+    DTensors that is one dispatch a step instead of a dozen foreach ops, 7.5 -> ~1 ms of a tiny model's step)."""
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
-                             eps=cfg.adam_eps, fused=True if on_cuda else None,
-                             foreach=None if on_cuda else True)
+                             eps=cfg.adam_eps, fused=True)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine",
@@ -66,8 +67,33 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
+    if _row_sharded(grads):
+        return _clip_local_shards(grads, max_norm)
     norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm and max_norm > 0 else float("inf"),
                                           foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
+    return float(norm)
+
+
+def _row_sharded(params: list[torch.Tensor]) -> bool:
+    """Every gradient a DTensor sharded by rows (FSDP2's Shard(0)) on one 1-D mesh: the shards partition it."""
+    g0 = params[0].grad
+    return isinstance(g0, DTensor) and g0.device_mesh.ndim == 1 and all(
+        isinstance(p.grad, DTensor) and p.grad.device_mesh == g0.device_mesh
+        and tuple(p.grad.placements) == (Shard(0),) for p in params)
+
+
+@torch.no_grad()
+def _clip_local_shards(params: list[torch.Tensor], max_norm: float | None) -> float:
+    """clip_grad_norm_ on the local shards: the squared norms summed over the mesh in one all-reduce, then every
+    shard scaled by the same factor (torch's clip over DTensors dispatches each foreach op through DTensor, ~5 ms of
+    a tiny model's step on CPU)."""
+    local = [p.grad.to_local() for p in params]
+    sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in local]).square().sum()
+    mesh = params[0].grad.device_mesh
+    dist.all_reduce(sq, group=mesh.get_group())
+    norm = sq.sqrt()
+    if max_norm and max_norm > 0:
+        torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return float(norm)
