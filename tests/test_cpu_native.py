@@ -29,8 +29,10 @@ def pool(seed: int, ctx: list[int], Hkv: int, D: int, bs: int, spare: int = 5):
     return g, kc, vc, bt, torch.tensor(ctx, dtype=torch.int32)
 
 
-SHAPES = [  # (Hq, Hkv, D, block size): GQA groups 1/2/4, the specialised head dims 64 and 128, a generic one
-    (4, 2, 64, 16), (8, 2, 128, 4), (4, 4, 24, 1), (6, 3, 64, 5), (2, 1, 128, 16)]
+SHAPES = [  # (Hq, Hkv, D, block size): GQA groups 1/2/4, the specialised head dims 16, 32, 64 and 128, a generic
+    # one that is a multiple of 8 (vector path, runtime D) and one that is not (scalar path)
+    (4, 2, 64, 16), (8, 2, 128, 4), (4, 4, 24, 1), (6, 3, 64, 5), (2, 1, 128, 16), (4, 2, 16, 16), (4, 1, 32, 3),
+    (2, 2, 40, 7)]
 
 
 @pytest.mark.parametrize("Hq,Hkv,D,bs", SHAPES)

@@ -7,12 +7,14 @@
  * whole context, prefill token i of a chunk to the tokens up to its own position (causal), so one call serves
  * decode rows, prefill chunks and mixed batches alike.
  *
- * One work item = one query row, all its heads: each KV block is a contiguous run of bs * Hkv * D values, read
- * front to back (the next block is prefetched while this one is read), and every K/V row loaded serves its GQA
- * group's query heads. Two passes over the context: scores (q . k * scale) into a scratch row per query head,
- * softmax, then the probability-weighted sum of V. Rows are spread over OpenMP threads (torch's own libgomp when
- * torch is loaded first). A row's arithmetic does not depend on the other rows of the batch, so a sequence's
- * output is the same whatever it is batched with.
+ * One work item = one query row, all its heads, one head at a time: scores (q . k * scale) into a scratch row,
+ * softmax, then the probability-weighted sum of V in registers. The row's blocks lie anywhere in the pool, so
+ * while a row is computed every cache line of the next row's K and V is requested (the hardware prefetcher
+ * cannot guess a block table); the query heads of a GQA group then read their kv head from cache. Head dims
+ * that are a multiple of 8 use 8-lane vectors explicitly (GCC/Clang vector extensions: the compiler otherwise
+ * vectorised the V sum across tokens, with gathers); 16, 32, 64 and 128 are compiled as constants. Rows are
+ * spread over OpenMP threads (torch's own libgomp when torch is loaded first). A row's arithmetic does not depend
+ * on the other rows of the batch, so a sequence's output is the same whatever it is batched with.
  *
  * Non-finite input: a NaN score, or a +inf maximum, makes that row's output NaN (as softmax would), so the
  * engine's non-finite-logits check still sees it. Built with reassociation allowed (vectorised dot products) but
@@ -22,6 +24,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* 8 floats as one value (GCC/Clang vector extension): arithmetic on it is lane-wise; v8u loads and stores at any
+ * float alignment. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
 /* exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction and a degree-6 polynomial,
  * relative error ~2e-7 on [-87, 0]; below that it returns 0. Plain arithmetic, so the loop vectorises. */
@@ -42,76 +49,104 @@ static inline float exp_nonpos(float x) {
     return p * scale.f;
 }
 
-/* Token j of m in the current block prefetches its share of the next block's cache lines (a block is one
- * contiguous run of blk_floats values), so the whole next block is on its way before it is read. */
-static inline void prefetch_share(const char *next, int64_t j, int64_t m, int64_t blk_floats) {
-    const int64_t lines = blk_floats * (int64_t)sizeof(float) / 64, per = (lines + m - 1) / m;
-    for (int64_t l = j * per; l < (j + 1) * per && l < lines; l++) __builtin_prefetch(next + l * 64);
-}
-
-/* All query heads of one row over the first n pool tokens of its sequence. Each block's K rows (all kv heads) are one
- * contiguous bs * Hkv * D run, read front to back; likewise V. scores: Hq * n scratch, inv_sum: Hq. */
-static inline __attribute__((always_inline)) void
-attend(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t n, float *out,
-       float *scores, float *inv_sum, int64_t Hq, int64_t Hkv, const int64_t D, int64_t bs, float scale) {
-    const int64_t G = Hq / Hkv, blk_stride = bs * Hkv * D;
-    int nan = 0;
+/* Ask for every cache line of a row's K and V (its first n pool tokens) ahead of use: a row's blocks lie anywhere
+ * in the pool, so the hardware prefetcher cannot see the next one coming; issued one row ahead, the next row's
+ * loads overlap this row's arithmetic. */
+static inline void prefetch_row(const float *k_cache, const float *v_cache, const int32_t *table, int64_t n,
+                                int64_t bs, int64_t tok_floats) {
+    const int64_t blk_stride = bs * tok_floats;
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
-        const int64_t m = n - t0 < bs ? n - t0 : bs;
-        const float *kb = k_cache + (int64_t)table[t0 / bs] * blk_stride;
-        const char *next = t0 + bs < n ? (const char *)(k_cache + (int64_t)table[t0 / bs + 1] * blk_stride) : NULL;
-        for (int64_t j = 0; j < m; j++) {
-            if (next) prefetch_share(next, j, m, blk_stride);
-            for (int64_t hq = 0; hq < Hq; hq++) {
-                const float *qh = q + hq * D, *kt = kb + (j * Hkv + hq / G) * D;
-                float s = 0.0f;
-                for (int64_t d = 0; d < D; d++) s += qh[d] * kt[d];
-                s *= scale;
-                nan |= s != s;
-                scores[hq * n + t0 + j] = s;
-            }
+        const int64_t m = n - t0 < bs ? n - t0 : bs, bytes = m * tok_floats * (int64_t)sizeof(float);
+        const char *kb = (const char *)(k_cache + (int64_t)table[t0 / bs] * blk_stride);
+        const char *vb = (const char *)(v_cache + (int64_t)table[t0 / bs] * blk_stride);
+        for (int64_t off = 0; off < bytes; off += 64) {
+            __builtin_prefetch(kb + off, 0, 2);
+            __builtin_prefetch(vb + off, 0, 2);
         }
     }
+}
+
+/* All query heads of one row over the first n pool tokens of its sequence, one query head at a time: its scores
+ * (q . k * scale, token order) into a scratch row, softmax, then the probability-weighted sum of V in a local
+ * accumulator (registers when D is a compile-time constant). A head reads its kv head's D values in each token's
+ * row of the block; the row's blocks stay in cache across its GQA group. scores: Hq * n scratch. */
+static inline __attribute__((always_inline)) void
+attend(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+       const int32_t *restrict table, int64_t n, float *restrict out, float *restrict scores, int64_t Hq,
+       int64_t Hkv, const int64_t D, int64_t bs, float scale) {
+    const int64_t G = Hq / Hkv, blk_stride = bs * Hkv * D, tok_stride = Hkv * D;
+    int nan = 0;
     for (int64_t hq = 0; hq < Hq; hq++) {
-        float *sh = scores + hq * n;
-        float mx = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < n; t++) mx = sh[t] > mx ? sh[t] : mx;
+        const int64_t h = hq / G;
+        const float *restrict qh = q + hq * D;
+        float *restrict sh = scores + hq * n;
+        float mx = -INFINITY;
+        for (int64_t t0 = 0; t0 < n; t0 += bs) {
+            const int64_t m = n - t0 < bs ? n - t0 : bs;
+            const float *restrict kb = k_cache + (int64_t)table[t0 / bs] * blk_stride + h * D;
+            for (int64_t j = 0; j < m; j++) {
+                const float *restrict kt = kb + j * tok_stride;
+                float s = 0.0f;
+                if (D % 8 == 0) {  /* lane-wise products summed in a vector, then across its 8 lanes */
+                    const v8u *kv = (const v8u *)kt, *qv = (const v8u *)qh;
+                    v8 a = qv[0] * kv[0];
+                    for (int64_t c = 1; c < D / 8; c++) a += qv[c] * kv[c];
+                    s = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+                } else {
+                    for (int64_t d = 0; d < D; d++) s += qh[d] * kt[d];
+                }
+                s *= scale;
+                nan |= s != s;
+                mx = s > mx ? s : mx;
+                sh[t0 + j] = s;
+            }
+        }
         nan |= mx == INFINITY;
+        float sum = 0.0f;
         for (int64_t t = 0; t < n; t++) {
-            float p = exp_nonpos(sh[t] - mx);
+            const float p = exp_nonpos(sh[t] - mx);
             sh[t] = p;
             sum += p;
         }
-        inv_sum[hq] = 1.0f / sum;
-    }
-    if (nan) {  /* as softmax would: a NaN score or a +inf maximum poisons the output */
-        for (int64_t i = 0; i < Hq * D; i++) out[i] = NAN;
-        return;
-    }
-    memset(out, 0, (size_t)(Hq * D) * sizeof(float));
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
-        const int64_t m = n - t0 < bs ? n - t0 : bs;
-        const float *vb = v_cache + (int64_t)table[t0 / bs] * blk_stride;
-        const char *next = t0 + bs < n ? (const char *)(v_cache + (int64_t)table[t0 / bs + 1] * blk_stride) : NULL;
-        for (int64_t j = 0; j < m; j++) {
-            if (next) prefetch_share(next, j, m, blk_stride);
-            for (int64_t hq = 0; hq < Hq; hq++) {
-                const float p = scores[hq * n + t0 + j], *vt = vb + (j * Hkv + hq / G) * D;
-                float *oh = out + hq * D;
-                for (int64_t d = 0; d < D; d++) oh[d] += p * vt[d];
+        const float inv = 1.0f / sum;
+        if (D % 8 == 0) {  /* acc in D / 8 vector registers, one FMA per 8 values (lanes never mix) */
+            v8 acc[D / 8 > 0 ? D / 8 : 1];
+            for (int64_t c = 0; c < D / 8; c++) acc[c] = (v8){0};
+            for (int64_t t0 = 0; t0 < n; t0 += bs) {
+                const int64_t m = n - t0 < bs ? n - t0 : bs;
+                const float *restrict vb = v_cache + (int64_t)table[t0 / bs] * blk_stride + h * D;
+                for (int64_t j = 0; j < m; j++) {
+                    const float p = sh[t0 + j];
+                    const v8u *vt = (const v8u *)(vb + j * tok_stride);
+                    for (int64_t c = 0; c < D / 8; c++) acc[c] += p * vt[c];
+                }
             }
+            for (int64_t c = 0; c < D / 8; c++) ((v8u *)(out + hq * D))[c] = acc[c] * inv;
+        } else {
+            for (int64_t d = 0; d < D; d++) out[hq * D + d] = 0.0f;
+            for (int64_t t0 = 0; t0 < n; t0 += bs) {
+                const int64_t m = n - t0 < bs ? n - t0 : bs;
+                const float *restrict vb = v_cache + (int64_t)table[t0 / bs] * blk_stride + h * D;
+                for (int64_t j = 0; j < m; j++) {
+                    const float p = sh[t0 + j], *restrict vt = vb + j * tok_stride;
+                    for (int64_t d = 0; d < D; d++) out[hq * D + d] += p * vt[d];
+                }
+            }
+            for (int64_t d = 0; d < D; d++) out[hq * D + d] *= inv;
         }
     }
-    for (int64_t hq = 0; hq < Hq; hq++)
-        for (int64_t d = 0; d < D; d++) out[hq * D + d] *= inv_sum[hq];
+    if (nan)  /* as softmax would: a NaN score or a +inf maximum poisons the output */
+        for (int64_t i = 0; i < Hq * D; i++) out[i] = NAN;
 }
 
 /* attend() compiled for the common head dims as constants (unrolled, vectorised dot products), and for any other */
 #define ATTEND_ARGS const float *q, const float *kc, const float *vc, const int32_t *table, int64_t n, float *out, \
-    float *scores, float *inv_sum, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale
-static void attend_d64(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, inv_sum, Hq, Hkv, 64, bs, scale); }
-static void attend_d128(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, inv_sum, Hq, Hkv, 128, bs, scale); }
-static void attend_any(ATTEND_ARGS) { attend(q, kc, vc, table, n, out, scores, inv_sum, Hq, Hkv, D, bs, scale); }
+    float *scores, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale
+static void attend_d16(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 16, bs, scale); }
+static void attend_d32(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 32, bs, scale); }
+static void attend_d64(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 64, bs, scale); }
+static void attend_d128(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 128, bs, scale); }
+static void attend_any(ATTEND_ARGS) { attend(q, kc, vc, table, n, out, scores, Hq, Hkv, D, bs, scale); }
 
 /* Returns 0; -1 when scratch memory could not be allocated; -2 when a row names a sequence outside
  * [0, num_seqs) or a block table entry it would read lies outside [0, num_blocks) (checked before anything is
@@ -130,7 +165,8 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
             if (blk < 0 || blk >= num_blocks) return -2;
         }
     }
-    void (*attend_row)(ATTEND_ARGS) = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
+    void (*attend_row)(ATTEND_ARGS) = D == 16 ? attend_d16 : D == 32 ? attend_d32 : D == 64 ? attend_d64
+        : D == 128 ? attend_d128 : attend_any;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -145,8 +181,11 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
                 memset(o, 0, (size_t)(Hq * D) * sizeof(float));
                 continue;
             }
+            if (r + 1 < R && row_len[r + 1] > 0)
+                prefetch_row(k_cache, v_cache, block_tables + (int64_t)row_seq[r + 1] * bt_stride, row_len[r + 1], bs,
+                             Hkv * D);
             attend_row(q + r * Hq * D, k_cache, v_cache, block_tables + (int64_t)row_seq[r] * bt_stride, n, o, scores,
-                   scores + Hq * n, Hq, Hkv, D, bs, scale);
+                       Hq, Hkv, D, bs, scale);
         }
         free(scores);
     }
