@@ -78,8 +78,15 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         forked: dict[int, list[Sequence]] = {}  # id(leader) -> forks created this step
         i, preempted = 0, False
+        bs, refs = self.bm.block_size, self.bm.ref_counts
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            c = seq.num_cached_tokens
+            if len(seq.token_ids) - c == 1 and c % bs and refs[seq.block_table[-1]] == 1 and not seq.forks:
+                chosen.append((seq, 1))  # a decode into its own partly filled block: nothing to allocate
+                budget -= 1
+                i += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             while not self.bm.can_allocate(seq, n):
                 victim = self.running[-1]
