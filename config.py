@@ -108,6 +108,8 @@ class RolloutConfig:
     max_batch_tokens: int = F(16384, ge=1, help="most tokens (prefill + decode) in one engine step")
     cuda_graphs: bool = F(True, help="capture decode steps as CUDA graphs (GPU only; ignored on CPU)")
     ignore_eos: bool = F(False, help="benchmarks: every response runs to max_new_tokens, EOS sampled as any token")
+    migrate_kv: bool = F(True, help="a migrated request's KV goes to the rank resuming it (Laminar repack, "
+                         "StaleFlow migration); false: it is re-prefilled there (to measure what the move saves)")
 
 
 @dataclass

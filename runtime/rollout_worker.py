@@ -129,7 +129,7 @@ class RolloutWorker:
                    sampling=SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed,
                                            ignore_eos=r.ignore_eos), t0=t0,
                    verify_weights=cfg.cluster.verify_weights,
-                   scorer=reward_scorer(cfg, parts.reward_fn), kv_group=topo.kv_group, **kw)
+                   scorer=reward_scorer(cfg, parts.reward_fn), kv_group=topo.kv_group if r.migrate_kv else None, **kw)
 
     def now(self) -> float:
         return time.time() - self.t0

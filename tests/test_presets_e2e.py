@@ -162,3 +162,39 @@ def test_laminar_with_a_full_experience_buffer_evicts_on_real_ranks_and_keeps_th
     evicted = {e["group_id"] for e in events if e["kind"] == "trajectory_aborted"}
     trained = [g for e in events if e["kind"] == "train_started" for g in e["data"]["groups"]]
     assert evicted and not evicted & set(trained) and len(trained) == 6 * 8
+
+
+@pytest.mark.parametrize("migrate_kv", [True, False])
+def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(migrate_kv, tmp_path):
+    """Laminar's repack forced often (bench/RESULTS.md "Migrated KV on real ranks"): with `rollout.migrate_kv` the
+    migrated trajectories carry their KV and the resuming engines adopt it as cached; switched off, none carries KV,
+    nothing is adopted and the resuming engines re-prefill. Either way every step trains and the off-policy
+    invariants hold."""
+    from tests.test_offpolicy_presets import check_offpolicy_log
+    run = tmp_path / "laminar"
+    torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=6",
+             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--data.task=repeat",
+             "--data.cap_at_answer=true", "--rollout.max_new_tokens=33", "--data.len_body_max=4",
+             "--data.len_tail_min=24", "--data.len_tail_max=32", "--data.len_tail_frac=0.25",
+             "--sched.rebalance.period_s=0.05", "--sched.rebalance.idle_rule=drained",
+             f"--rollout.migrate_kv={str(migrate_kv).lower()}")
+    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    report = check_offpolicy_log(events, None)
+    assert report["twice"] == report["lost"] == report["unreturned"] == report["stale"] == [], report
+    migrated = [e for e in events if e["kind"] == "trajectory_migrated"]
+    interrupted = [e for e in events if e["kind"] == "trajectory_interrupted"]
+    with_kv = [e for e in interrupted if (e.get("data") or {}).get("kv_tokens")]
+    last = {}
+    for e in events:
+        if e["kind"] == "tokens_decoded":
+            last[e["rank"]] = e["data"]
+    adopted = sum(d["kv_adopted"] for d in last.values())
+    assert migrated, "the forced repack never fired"
+    if migrate_kv:
+        assert with_kv and adopted > 0
+    else:
+        assert not with_kv and adopted == 0 and sum(d["prefill"] for d in last.values()) > 0
+    from bench.kv_move import summarize   # the bench's reading of the same log
+    s = summarize(run, migrate_kv)
+    assert (s.migrations, s.adopted) == (len(migrated), adopted) and (s.kv_tokens > 0) == migrate_kv
