@@ -10,14 +10,20 @@ tokens means "no KV" (the source holds none for that request any more): the dest
 
     KVSender(group)                the source's sending thread: `send` queues and returns, so the source's engine
                                    keeps decoding; transfers leave in the order they were queued
-    recv_kv(req_id, src, group)    the destination's blocking receive
+    KVReceiver(group, device)      the destination's receiving thread: `receive` queues and returns, so the
+                                   destination's engine keeps decoding too; `take` hands over what has arrived,
+                                   `wait_all` waits for the rest
+    recv_kv(req_id, src, group)    one blocking receive (what the receiving thread runs)
 
 In the runtime (runtime/rollout_worker.py, runtime/backend.py): a Migrate becomes an Interrupt carrying its
 destination; the source exports the request with its KV, keeps the KV aside and tags the partial trajectory it hands
 back with its rank. When the controller resubmits that request (to the destination, or wherever it goes), the backend
 sends the source a `SendKV` right before the destination's `Start`, under one lock with publications' notices, so
 every rollout rank sees transfers and publications in one global order (no rank waits in a broadcast for a rank
-waiting in a receive). The destination receives the KV while handling the `Start` and imports it: as cached when its
+waiting in a receive). The destination queues the receive when it handles the `Start` and keeps decoding; the
+request joins its engine when its KV is in (the worker looks at every loop turn, and waits for every KV still
+coming before it handles any message other than a `Start` or a `SendKV`, so an interrupt, abort, weight load or
+stop finds the request in the engine, as if it had been received at once). It is imported as cached when the KV's
 weight version is the engine's (the next step is a decode), else re-prefilled (LLMEngine.import_request).
 
 Deadlines (runtime/watchdog.py): each send is a declared wait on its destination (in the sender's thread), each
@@ -114,3 +120,79 @@ class KVSender:
     def _raise(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"sending a request's KV failed:\n{self.error}")
+
+
+class KVReceiver:
+    """The destination's receives, one at a time in the order queued, on a background thread (started at the first
+    `receive`), so a migrated request's KV arrives while this rank's engine keeps decoding. Receives from one source
+    are taken in the order that source sends them (the backend's SendKV order = the Starts' order). A failed receive
+    is raised at the next `take`, `wait_all` or `close`."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
+        self.group, self.device = group, device
+        self.inbox: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self.done: queue.Queue[tuple[int, KVState | None] | None] = queue.Queue()   # None: the thread failed
+        self.thread: threading.Thread | None = None
+        self.error: str | None = None
+        self.pending: dict[int, int] = {}   # req_id -> source rank, of the receives not yet handed over
+
+    def receive(self, req_id: int, src: int) -> None:
+        self._raise()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
+            self.thread.start()
+        self.pending[req_id] = src
+        self.inbox.put((req_id, src))
+
+    def _run(self) -> None:
+        while (item := self.inbox.get()) is not None:
+            req_id, src = item
+            try:
+                kv = recv_kv(req_id, src, self.group, self.device)
+            except BaseException:
+                self.error = traceback.format_exc()
+                self.done.put(None)
+                return
+            self.done.put((req_id, kv))
+
+    def take(self) -> list[tuple[int, KVState | None]]:
+        """The receives completed since the last call, in order (request id, its KV or None for "no KV")."""
+        out = []
+        while True:
+            try:
+                item = self.done.get_nowait()
+            except queue.Empty:
+                break
+            self._hand_over(item, out)
+        self._raise()
+        return out
+
+    def wait_all(self) -> list[tuple[int, KVState | None]]:
+        """Everything still coming, after waiting for it (a declared wait on its sources)."""
+        out = self.take()
+        if self.pending:
+            on = sorted(set(self.pending.values()))
+            with waiting(f"the KV of requests {sorted(self.pending)} from rank(s) {on}", on=on):
+                while self.pending:
+                    self._hand_over(self.done.get(), out)
+        return out
+
+    def close(self) -> None:
+        """Stop the thread once nothing is pending (what is still coming is received and dropped)."""
+        if self.thread is not None:
+            self.wait_all()
+            self.inbox.put(None)
+            self.thread.join()
+            self.thread = None
+        self._raise()
+
+    def _hand_over(self, item: tuple[int, KVState | None] | None, out: list) -> None:
+        if item is None:
+            self._raise()
+        else:
+            self.pending.pop(item[0], None)
+            out.append(item)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"receiving a request's KV failed:\n{self.error}")

@@ -7,9 +7,10 @@
                      (trajectory_interrupted, payload = the partial Trajectory); ids not held: ignored. A migration's
                      (`dst` set) keeps the request's KV aside here and tags the partial with this rank (`kv_rank`)
     SendKV           send a kept KV to the rank about to resume that request (runtime/kv_transfer.py); a Start
-                     whose partial is tagged with another rank receives it first, and the engine adopts it as cached
-                     when it holds the same weight version (no re-prefill), else re-prefills. Kept KV is dropped at
-                     a LoadWeights (a SendKV then sends "no KV") and at Stop
+                     whose partial is tagged with another rank receives it on the receiving thread while the engine
+                     decodes on, and the request joins the engine once it is in: adopted as cached when computed by
+                     the weights the engine holds (no re-prefill), else re-prefilled. Kept KV is dropped at a
+                     LoadWeights (a SendKV then sends "no KV") and at Stop
     ReceiveWeights   join the publication broadcast; keep the weights in this rank's relay (CPU copy)
     LoadWeights      adopt the relay's weights in the engine (the weight-sync policy says when). The relay holds
                      only the newest publication, so the engine adopts that one, at least the version asked for;
@@ -54,7 +55,7 @@ from rl.rewards import RewardResult
 from rl.types import Trajectory
 from runtime.build import RunParts, reward_scorer
 from runtime.channel import WORKER, Channel, ChannelTimeout
-from runtime.kv_transfer import KVSender, recv_kv
+from runtime.kv_transfer import KVReceiver, KVSender
 from runtime.messages import ReceiveWeights, SendKV, Start, StartRequest, Stop
 from runtime.reward_scorer import AsyncRewardScorer
 from runtime.topology import Topology
@@ -116,6 +117,8 @@ class RolloutWorker:
         self.steps = 0
         self.kv_group = kv_group                               # None: migrated requests are re-prefilled
         self.kv_sender = KVSender(kv_group) if kv_group is not None else None
+        self.kv_receiver = KVReceiver(kv_group, engine.device) if kv_group is not None else None
+        self.kv_incoming: dict[int, StartRequest] = {}         # req_id -> its Start, while its KV is on the way
         self.kv_out: dict[int, KVState] = {}                   # req_id -> KV kept since its migrating Interrupt
         self.kv_adopted = self.kv_refused = 0                  # tokens of received KV imported as cached / not
 
@@ -144,7 +147,11 @@ class RolloutWorker:
 
     # --------------------------------------------------------------------------------------------- messages
     def handle(self, msg: Any) -> bool:
-        """Apply one message from the leader; False means stop."""
+        """Apply one message from the leader; False means stop. Any message but a Start or a SendKV first waits
+        for the KV still coming, so what it acts on (an interrupt, abort, weight load, stop) finds every request it
+        was sent in the engine."""
+        if not isinstance(msg, (Start, SendKV)):
+            self._take_kv(wait=True)
         if isinstance(msg, Start):
             for req in msg.requests:
                 self._add(req)
@@ -197,35 +204,55 @@ class RolloutWorker:
                               seed=request_seed(s.seed, req.group_id, req.sample_index), ignore_eos=s.ignore_eos)
 
     def _add(self, req: StartRequest) -> None:
-        """Queue one request: fresh, or resumed from its partial trajectory (its tokens so far re-prefilled; its seed
-        is the same and its draws are a function of (seed, token index), so the continuation is the one the first
-        engine would have produced under the same weights; max_new_tokens counts the carried tokens too)."""
-        request = GenRequest(req.prompt_ids, self._params(req), request_id=req.req_id, group_id=req.group_id,
-                             sample_index=req.sample_index, prompt_index=req.prompt_index)
+        """Queue one request: fresh, or resumed from its partial trajectory (`_resume`), at once or, when its KV is
+        on another rank, once that KV is in (`_take_kv`): the source's send waits for this receive, which runs on
+        the receiving thread while the engine keeps decoding."""
         part = req.partial
         if part is None:
-            self.engine.add_request(request)
-        else:
-            kv, src = None, part.meta.get("kv_rank")
-            if src == self.rank:
-                kv = self.kv_out.pop(req.req_id, None)
-            elif src is not None:   # received first, whatever follows: the source's send waits for it
-                kv = recv_kv(req.req_id, src, self.kv_group, self.engine.device)
-            ids, lps, versions = list(part.response_ids), list(part.logprobs), list(part.versions)
-            if not len(ids) == len(lps) == len(versions):
-                raise ValueError(f"rank {self.rank}: request {req.req_id} resumed with {len(ids)} tokens, "
-                                 f"{len(lps)} logprobs and {len(versions)} versions")
-            if versions and max(versions) > self.engine.version:
-                raise ValueError(f"rank {self.rank}: request {req.req_id} has tokens of version {max(versions)} "
-                                 f"but this engine holds version {self.engine.version} (tokens never go back)")
-            # The sampled-distribution logprobs of earlier parts are not carried (nothing downstream reads them).
-            self.engine.import_request(UnfinishedRequest(
-                request, token_ids=ids, logprobs=lps, sampling_logprobs=[float("nan")] * len(ids),
-                versions=versions, arrival_time=self.engine.clock(), kv=kv))
-            if kv is not None:   # refused: computed by other weights, or no room now (re-prefilled instead)
-                adopted = self.engine.seqs[req.req_id].num_cached_tokens > 0
-                self.kv_adopted += kv.num_tokens * adopted
-                self.kv_refused += kv.num_tokens * (not adopted)
+            self.engine.add_request(GenRequest(req.prompt_ids, self._params(req), request_id=req.req_id,
+                                               group_id=req.group_id, sample_index=req.sample_index,
+                                               prompt_index=req.prompt_index))
+            self.answers[req.req_id] = req.answer
+            return
+        src = part.meta.get("kv_rank")
+        if src is None or src == self.rank:
+            self._resume(req, self.kv_out.pop(req.req_id, None) if src == self.rank else None)
+            return
+        if self.kv_receiver is None:
+            raise RuntimeError(f"rank {self.rank}: request {req.req_id} comes with KV on rank {src} but this rank "
+                               f"has no KV group")
+        self.kv_receiver.receive(req.req_id, src)
+        self.kv_incoming[req.req_id] = req
+
+    def _take_kv(self, wait: bool = False) -> None:
+        """Resume the requests whose KV is in (`wait`: after waiting for every one still coming)."""
+        if self.kv_incoming:
+            for req_id, kv in (self.kv_receiver.wait_all() if wait else self.kv_receiver.take()):
+                self._resume(self.kv_incoming.pop(req_id), kv)
+
+    def _resume(self, req: StartRequest, kv: KVState | None) -> None:
+        """Queue a request resumed from its partial trajectory: its tokens so far are re-prefilled, or adopted as
+        cached from `kv` when that was computed by this engine's weights. Its seed is the same and its draws are a
+        function of (seed, token index), so the continuation is the one the first engine would have produced under
+        the same weights; max_new_tokens counts the carried tokens too."""
+        part = req.partial
+        request = GenRequest(req.prompt_ids, self._params(req), request_id=req.req_id, group_id=req.group_id,
+                             sample_index=req.sample_index, prompt_index=req.prompt_index)
+        ids, lps, versions = list(part.response_ids), list(part.logprobs), list(part.versions)
+        if not len(ids) == len(lps) == len(versions):
+            raise ValueError(f"rank {self.rank}: request {req.req_id} resumed with {len(ids)} tokens, "
+                             f"{len(lps)} logprobs and {len(versions)} versions")
+        if versions and max(versions) > self.engine.version:
+            raise ValueError(f"rank {self.rank}: request {req.req_id} has tokens of version {max(versions)} "
+                             f"but this engine holds version {self.engine.version} (tokens never go back)")
+        # The sampled-distribution logprobs of earlier parts are not carried (nothing downstream reads them).
+        self.engine.import_request(UnfinishedRequest(
+            request, token_ids=ids, logprobs=lps, sampling_logprobs=[float("nan")] * len(ids),
+            versions=versions, arrival_time=self.engine.clock(), kv=kv))
+        if kv is not None:   # refused: computed by other weights, or no room now (re-prefilled instead)
+            adopted = self.engine.seqs[req.req_id].num_cached_tokens > 0
+            self.kv_adopted += kv.num_tokens * adopted
+            self.kv_refused += kv.num_tokens * (not adopted)
         self.answers[req.req_id] = req.answer
 
     def _interrupt(self, req_id: int, migrating: bool = False) -> None:
@@ -337,6 +364,8 @@ class RolloutWorker:
         self.kv_out.clear()
         if self.kv_sender is not None:
             self.kv_sender.close()
+        if self.kv_receiver is not None:
+            self.kv_receiver.close()
         if self.scorer is not None:
             self.collect_scores()
             self.scorer.close()
@@ -352,9 +381,10 @@ class RolloutWorker:
     def _run(self) -> None:
         try:
             while True:
+                self._take_kv()
                 msgs = self.channel.poll(WORKER)
                 if not msgs and not self.engine.has_unfinished():
-                    if self.scoring:  # scores pending: send those in, then wait briefly (never block on the channel)
+                    if self.scoring or self.kv_incoming:  # scores or KV coming: look again soon (never block)
                         self.collect_scores()
                         self.flush()
                         try:

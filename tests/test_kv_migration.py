@@ -186,22 +186,43 @@ class Wire:
         pass
 
 
+class WireReceiver:
+    """KVReceiver without a process group or thread: what was sent to `rank` is in at the next look."""
+    def __init__(self, wire: Wire, rank: int):
+        self.wire, self.rank, self.queued = wire, rank, []
+
+    def receive(self, req_id, src):
+        self.queued.append(req_id)
+
+    def take(self):
+        out = [(r, self.wire.sent.pop((r, self.rank))) for r in self.queued if (r, self.rank) in self.wire.sent]
+        self.queued = [r for r in self.queued if all(r != got for got, _ in out)]
+        return out
+
+    def wait_all(self):
+        out = self.take()
+        assert not self.queued, "waited for a KV that was never sent"
+        return out
+
+    def close(self):
+        pass
+
+
 @pytest.mark.parametrize("case", ["kept", "sent", "reloaded"])
-def test_a_worker_resumes_a_migrated_request_from_its_kv_kept_here_or_received(case, monkeypatch):
-    """kept: resumed on the rank that kept the KV; sent: SendKV from that rank, received by another worker with the
-    Start; reloaded: the keeper loaded new weights (the same tensors as a new version) before the resume, so the KV
+def test_a_worker_resumes_a_migrated_request_from_its_kv_kept_here_or_received(case):
+    """kept: resumed on the rank that kept the KV; sent: SendKV from that rank, received by another worker, which
+    took the Start before the KV was in without waiting for it (the request joins its engine once the KV is in, or
+    when another message makes the worker wait for it); reloaded: the keeper loaded new weights (the same tensors as a new version) before the resume, so the KV
     was dropped and the request is re-prefilled."""
     import dataclasses
-    from runtime import rollout_worker
     from runtime.messages import SendKV, Start, StartRequest
     from sched.decisions import Interrupt, LoadWeights
     from tests.test_rollout_worker import make_worker, published
     wire = Wire()
-    monkeypatch.setattr(rollout_worker, "recv_kv", lambda req_id, src, group, device: wire.sent.pop((req_id, 2)))
 
     def worker(rank):
         w, ch, task, tok = make_worker(verify=False, max_new_tokens=10)
-        w.rank, w.kv_sender = rank, wire
+        w.rank, w.kv_sender, w.kv_receiver = rank, wire, WireReceiver(wire, rank)
         prompt, answer = task.prompts()[0]
         return w, ch, StartRequest(REQ, 0, 0, 0, tok.encode(prompt, add_special_tokens=False), answer)
 
@@ -223,12 +244,20 @@ def test_a_worker_resumes_a_migrated_request_from_its_kv_kept_here_or_received(c
         w.handle(LoadWeights(0, 0))
         assert not w.kv_out
     dst, dst_ch = w, ch
-    if case == "sent":
+    if case == "sent":   # the destination takes the Start before the KV is in and does not wait for it
         dst, dst_ch, _ = worker(2)
+        prefill0 = dst.engine.num_prefill_tokens
+        dst.handle(Start([dataclasses.replace(spec, partial=part)]))
+        assert REQ in dst.kv_incoming and not dst.engine.has_unfinished()
+        dst._take_kv()
+        assert REQ in dst.kv_incoming   # nothing sent yet: still coming
         w.handle(SendKV(REQ, 2))
         assert not w.kv_out and wire.sent[REQ, 2] is not None
-    prefill0 = dst.engine.num_prefill_tokens
-    dst.handle(Start([dataclasses.replace(spec, partial=part)]))
+        dst.handle(Interrupt(0, [REQ + 1]))   # any message but a Start / SendKV first takes in the KV coming
+        assert not dst.kv_incoming and REQ in dst.engine.seqs
+    else:
+        prefill0 = dst.engine.num_prefill_tokens
+        dst.handle(Start([dataclasses.replace(spec, partial=part)]))
     while dst.engine.has_unfinished():
         dst.step()
     got = _finished(dst_ch)

@@ -1,5 +1,5 @@
 """A request's KV between two gloo ranks (runtime/kv_transfer.py): rank 0's engine exports it, its KVSender sends
-it, rank 1 receives it, its engine decodes on without a prefill and finishes exactly as an uninterrupted run (a
+it, rank 1 receives it (on its receiving thread), its engine decodes on without a prefill and finishes exactly as an uninterrupted run (a
 request whose KV is no longer kept goes as "no KV"); the workers' side of it is in tests/test_kv_migration.py. And a
 receiver whose sender never sends ends with the watchdog's named report (runtime/watchdog.py), not a hang."""
 import tempfile
@@ -22,7 +22,7 @@ def _move(rank: int, world: int):
     """Rank 0's engine runs the request, exports it with its KV, sends the KV (and, as the controller would, the
     rest of the request); rank 1's engine imports and finishes it. Rank 0 then runs it uninterrupted for reference."""
     from engine import GenRequest, SamplingParams
-    from runtime.kv_transfer import KVSender, recv_kv
+    from runtime.kv_transfer import KVReceiver, KVSender
     from tests.test_engine import engine, prompts
     from tests.test_kv_migration import tiny_model
     group = dist.new_group([0, 1], backend="gloo")
@@ -48,8 +48,13 @@ def _move(rank: int, world: int):
             continue
         dist.broadcast_object_list(box, src=0)
         u = box[0]
-        u.kv = recv_kv(REQ, 0, group, torch.device("cpu"))
-        assert recv_kv(99, 0, group, torch.device("cpu")) is None
+        receiver = KVReceiver(group, torch.device("cpu"))   # the receiving thread, as a rollout worker runs it
+        receiver.receive(REQ, 0)
+        receiver.receive(99, 0)
+        got = dict(receiver.wait_all())
+        receiver.close()
+        assert got[99] is None and not receiver.pending
+        u.kv = got[REQ]
         dst = engine(model, block_size=8)
         dst.import_request(u)
         assert dst.seqs[REQ].num_cached_tokens == u.kv.num_tokens == 11 + len(u.token_ids) - 1   # adopted
@@ -70,12 +75,14 @@ def test_a_migrated_request_s_kv_moves_between_ranks_and_decoding_continues_iden
 
 def _frozen_sender(rank: int, world: int, run_dir: str):
     from runtime import watchdog
-    from runtime.kv_transfer import recv_kv
+    from runtime.kv_transfer import KVReceiver
     store = dist.distributed_c10d._get_default_store()
     watchdog.install(run_dir, rank, world, ["rollout, engine 0", "rollout, engine 1"], store, timeout_s=1.0)
     if rank == 1:
-        recv_kv(REQ, 0, None, torch.device("cpu"))   # rank 0 never sends: the watchdog ends this process
-        raise AssertionError("recv_kv returned without a sender")
+        receiver = KVReceiver(None, torch.device("cpu"))
+        receiver.receive(REQ, 0)
+        receiver.wait_all()   # rank 0 never sends: the watchdog ends this process
+        raise AssertionError("the receive returned without a sender")
     end = time.monotonic() + 30   # alive and beating, never sending, until rank 1's report is written
     while time.monotonic() < end and not (Path(run_dir) / "stall-rank1.txt").exists():
         time.sleep(0.05)
