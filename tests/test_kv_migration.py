@@ -212,8 +212,8 @@ class WireReceiver:
 def test_a_worker_resumes_a_migrated_request_from_its_kv_kept_here_or_received(case):
     """kept: resumed on the rank that kept the KV; sent: SendKV from that rank, received by another worker, which
     took the Start before the KV was in without waiting for it (the request joins its engine once the KV is in, or
-    when another message makes the worker wait for it); reloaded: the keeper loaded new weights (the same tensors as a new version) before the resume, so the KV
-    was dropped and the request is re-prefilled."""
+    when another message makes the worker wait for it); reloaded: the keeper loaded new weights (the same tensors
+    as a new version) before the resume, so the KV was dropped and the request is re-prefilled."""
     import dataclasses
     from runtime.messages import SendKV, Start, StartRequest
     from sched.decisions import Interrupt, LoadWeights
