@@ -1,7 +1,8 @@
 """A request's KV between two gloo ranks (runtime/kv_transfer.py): rank 0's engine exports it, its KVSender sends
 it, rank 1's KVReceiver receives it on its thread, its engine decodes on without a prefill and finishes exactly as
-an uninterrupted run (a request whose KV is no longer kept goes as "no KV"); the workers' side of it is in tests/test_kv_migration.py. And a
-receiver whose sender never sends ends with the watchdog's named report (runtime/watchdog.py), not a hang."""
+an uninterrupted run (a request whose KV is no longer kept goes as "no KV"); the workers' side of it is in
+tests/test_kv_migration.py. And a receiver whose sender never sends ends with the watchdog's named report
+(runtime/watchdog.py), not a hang."""
 import tempfile
 import time
 from pathlib import Path
