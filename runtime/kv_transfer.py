@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from engine.sequence import KVState
+from runtime.background import InOrder
 from runtime.watchdog import progress, waiting
 
 HEADER_TAG, KV_TAG = 21, 22
@@ -123,76 +124,37 @@ class KVSender:
 
 
 class KVReceiver:
-    """The destination's receives, one at a time in the order queued, on a background thread (started at the first
-    `receive`), so a migrated request's KV arrives while this rank's engine keeps decoding. Receives from one source
-    are taken in the order that source sends them (the backend's SendKV order = the Starts' order). A failed receive
-    is raised at the next `take`, `wait_all` or `close`."""
+    """The destination's receives, one at a time in the order queued, on a background thread (runtime/background.py),
+    so a migrated request's KV arrives while this rank's engine keeps decoding. Receives from one source are taken
+    in the order that source sends them (the backend's SendKV order = the Starts' order). A failed receive is raised
+    at the next `take`, `wait_all` or `close`."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
         self.group, self.device = group, device
-        self.inbox: queue.Queue[tuple[int, int] | None] = queue.Queue()
-        self.done: queue.Queue[tuple[int, KVState | None] | None] = queue.Queue()   # None: the thread failed
-        self.thread: threading.Thread | None = None
-        self.error: str | None = None
+        self.jobs = InOrder("kv-receiver")
         self.pending: dict[int, int] = {}   # req_id -> source rank, of the receives not yet handed over
 
     def receive(self, req_id: int, src: int) -> None:
-        self._raise()
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
-            self.thread.start()
         self.pending[req_id] = src
-        self.inbox.put((req_id, src))
-
-    def _run(self) -> None:
-        while (item := self.inbox.get()) is not None:
-            req_id, src = item
-            try:
-                kv = recv_kv(req_id, src, self.group, self.device)
-            except BaseException:
-                self.error = traceback.format_exc()
-                self.done.put(None)
-                return
-            self.done.put((req_id, kv))
+        self.jobs.submit(req_id, recv_kv, req_id, src, self.group, self.device)
 
     def take(self) -> list[tuple[int, KVState | None]]:
         """The receives completed since the last call, in order (request id, its KV or None for "no KV")."""
-        out = []
-        while True:
-            try:
-                item = self.done.get_nowait()
-            except queue.Empty:
-                break
-            self._hand_over(item, out)
-        self._raise()
-        return out
+        return self._handed(self.jobs.take())
 
     def wait_all(self) -> list[tuple[int, KVState | None]]:
         """Everything still coming, after waiting for it (a declared wait on its sources)."""
-        out = self.take()
-        if self.pending:
-            on = sorted(set(self.pending.values()))
-            with waiting(f"the KV of requests {sorted(self.pending)} from rank(s) {on}", on=on):
-                while self.pending:
-                    self._hand_over(self.done.get(), out)
-        return out
+        return self._handed(self.jobs.wait_all(*self._waiting()))
 
     def close(self) -> None:
         """Stop the thread once nothing is pending (what is still coming is received and dropped)."""
-        if self.thread is not None:
-            self.wait_all()
-            self.inbox.put(None)
-            self.thread.join()
-            self.thread = None
-        self._raise()
+        self._handed(self.jobs.close(*self._waiting()))
 
-    def _hand_over(self, item: tuple[int, KVState | None] | None, out: list) -> None:
-        if item is None:
-            self._raise()
-        else:
-            self.pending.pop(item[0], None)
-            out.append(item)
+    def _waiting(self) -> tuple[str, list[int]]:
+        on = sorted(set(self.pending.values()))
+        return f"the KV of requests {sorted(self.pending)} from rank(s) {on}", on
 
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"receiving a request's KV failed:\n{self.error}")
+    def _handed(self, done: list) -> list[tuple[int, KVState | None]]:
+        for req_id, _ in done:
+            self.pending.pop(req_id, None)
+        return done

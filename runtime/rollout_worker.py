@@ -11,7 +11,9 @@
                      decodes on, and the request joins the engine once it is in: adopted as cached when computed by
                      the weights the engine holds (no re-prefill), else re-prefilled. Kept KV is dropped at a
                      LoadWeights (a SendKV then sends "no KV") and at Stop
-    ReceiveWeights   join the publication broadcast; keep the weights in this rank's relay (CPU copy)
+    ReceiveWeights   join the publication broadcast on the relay's thread while the engine decodes on (Laminar
+                     §4: relays off the decode path); the weights fill this rank's relay (CPU copy) whole once
+                     received (`weights_received`: seconds, tokens decoded meanwhile)
     LoadWeights      adopt the relay's weights in the engine (the weight-sync policy says when). The relay holds
                      only the newest publication, so the engine adopts that one, at least the version asked for;
                      `weights_loaded` says which
@@ -55,6 +57,7 @@ from rl.rewards import RewardResult
 from rl.types import Trajectory
 from runtime.build import RunParts, reward_scorer
 from runtime.channel import WORKER, Channel, ChannelTimeout
+from runtime.background import InOrder
 from runtime.kv_transfer import KVReceiver, KVSender
 from runtime.messages import ReceiveWeights, SendKV, Start, StartRequest, Stop
 from runtime.reward_scorer import AsyncRewardScorer
@@ -108,6 +111,8 @@ class RolloutWorker:
         self.relay: dict[str, torch.Tensor] = {}
         self.relay_version = -1
         self.relay_sums: dict[str, int] = {}
+        self.publications = InOrder("relay-receiver")          # publications arriving, in the order announced
+        self.notices: dict[int, tuple[float, int]] = {}        # version -> (when announced, tokens decoded by then)
         self.verify_weights = verify_weights
         self.scorer = scorer                                   # None: score inline in `step`
         self.scoring: dict[int, tuple[int, int, Trajectory]] = {}   # scorer key -> (req_id, version, trajectory)
@@ -150,17 +155,18 @@ class RolloutWorker:
         """Apply one message from the leader; False means stop. Any message but a Start or a SendKV first waits
         for the KV still coming, so what it acts on (an interrupt, abort, weight load, stop) finds every request it
         was sent in the engine."""
-        if not isinstance(msg, (Start, SendKV)):
+        if not isinstance(msg, (Start, SendKV, ReceiveWeights)):
             self._take_kv(wait=True)
+        if isinstance(msg, (LoadWeights, Stop)):
+            self._take_relay(wait=True)
         if isinstance(msg, Start):
             for req in msg.requests:
                 self._add(req)
         elif isinstance(msg, ReceiveWeights):
             if self.receiver is None:
                 raise RuntimeError(f"rank {self.rank} told to receive weights but it has no publication group")
-            with waiting(f"the publication of weights v{msg.version} (from rank 0)", on=[0], phase=Phase.PUBLISH,
-                         step=msg.version):
-                self.relay_version = self.receiver.receive(self._into_relay)
+            self.notices[msg.version] = (time.perf_counter(), self.engine.num_tokens_decoded)
+            self.publications.submit(msg.version, self._receive_publication, msg.version)
         elif isinstance(msg, LoadWeights):
             self.load(msg.version)
             self.kv_out.clear()   # computed by the weights just replaced
@@ -280,12 +286,44 @@ class RolloutWorker:
             self.busy = False
             self.event("engine_idle", version=self.engine.version)
 
-    def _into_relay(self, tensors, version: int) -> None:
-        """The relay holds the received tensors themselves (views of buffers each publication allocates anew)."""
-        self.relay = {name: t.detach().to("cpu") for name, t in tensors}
-        if self.verify_weights:  # the receiver's, checked against the trainer's checksums (else taken here)
+    def _receive_publication(self, version: int) -> tuple[int, dict[str, torch.Tensor], dict[str, int], float]:
+        """On the relay's thread: one publication, whole (its version, tensors, checksums, seconds)."""
+        t0 = time.perf_counter()
+        got: list = []
+        with waiting(f"the publication of weights v{version} (from rank 0)", on=[0], phase=Phase.PUBLISH,
+                     step=version):
+            v = self.receiver.receive(lambda tensors, _: got.extend(self._relay_of(tensors)))
+        return v, got[0], got[1], time.perf_counter() - t0
+
+    def _take_relay(self, wait: bool = False) -> None:
+        """Fill the relay with the publications received (`wait`: after waiting for those still arriving)."""
+        if not self.publications.pending:
+            return
+        done = (self.publications.wait_all(f"the publication of weights v{self.publications.pending[-1]} "
+                                           f"(from rank 0)", on=[0], phase=Phase.PUBLISH)
+                if wait else self.publications.take())
+        for announced, (version, relay, sums, seconds) in done:
+            self.relay, self.relay_version, self.relay_sums = relay, version, sums
+            t, tokens = self.notices.pop(announced)
+            self.event("weights_received", version=version,
+                       data={"seconds": seconds, "since_notice_s": time.perf_counter() - t,
+                             "tokens_decoded": self.engine.num_tokens_decoded - tokens})
+
+    def _relay_of(self, tensors) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """The received tensors themselves (views of buffers each publication allocates anew), on the CPU, and their
+        checksums when verified: the receiver's, checked against the trainer's (else taken here)."""
+        relay = {name: t.detach().to("cpu") for name, t in tensors}
+        sums = {}
+        if self.verify_weights:
             known = self.receiver.hashes if self.receiver is not None else {}
-            self.relay_sums = {n: known[n] if n in known else checksum(t) for n, t in self.relay.items()}
+            sums = {n: known[n] if n in known else checksum(t) for n, t in relay.items()}
+        return relay, sums
+
+    def _into_relay(self, tensors, version: int) -> None:
+        """Fill the relay at once (what a received publication does; tests use it to stage weights)."""
+        self.relay, sums = self._relay_of(tensors)
+        if self.verify_weights:
+            self.relay_sums = sums
 
     def check_engine_weights(self) -> None:
         """The engine's tensors after a load equal the relay's (hence the trainer's) bit for bit, or the run stops
@@ -366,6 +404,8 @@ class RolloutWorker:
             self.kv_sender.close()
         if self.kv_receiver is not None:
             self.kv_receiver.close()
+        self._take_relay(wait=True)
+        self.publications.close("the relay's thread", on=[0])
         if self.scorer is not None:
             self.collect_scores()
             self.scorer.close()
@@ -382,9 +422,10 @@ class RolloutWorker:
         try:
             while True:
                 self._take_kv()
+                self._take_relay()
                 msgs = self.channel.poll(WORKER)
                 if not msgs and not self.engine.has_unfinished():
-                    if self.scoring or self.kv_incoming:  # scores or KV coming: look again soon (never block)
+                    if self.scoring or self.kv_incoming or self.publications.pending:  # look again soon
                         self.collect_scores()
                         self.flush()
                         try:

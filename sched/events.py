@@ -24,6 +24,8 @@ KINDS = frozenset({
     "train_started",          # trainer began consuming a batch (data: groups, step, publish)
     "train_step_done",        # optimizer step applied (version = new trainer version; data: metrics)
     "version_published",      # weights of `version` are on every rollout rank's relay
+    "weights_received",       # a rollout rank's relay holds `version` (data: seconds receiving, tokens its engine
+    #                           decoded from the notice until the relay was filled: decoding does not stop for it)
     "weights_loaded",         # engine adopted `version`
     "trajectory_aborted", "trajectory_interrupted", "trajectory_migrated",
     "engine_busy", "engine_idle",  # engine activity spans (for the bubble ratio and the timeline)

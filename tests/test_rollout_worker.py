@@ -447,3 +447,39 @@ def test_async_scoring_a_call_past_its_timeout_scores_zero_failed_and_stop_cance
     finally:
         gate.set()
         w.scorer.close()
+
+
+class GatedReceiver:
+    """A WeightReceiver whose publication arrives only when the test opens the gate."""
+    def __init__(self, tensors, version):
+        self.gate, self.tensors, self.version, self.hashes = threading.Event(), tensors, version, {}
+
+    def receive(self, loader):
+        assert self.gate.wait(30), "the test never opened the gate"
+        loader(iter(self.tensors), self.version)
+        return self.version
+
+
+def test_a_publication_arrives_on_the_relay_thread_while_the_engine_decodes():
+    """Laminar §4 (relays off the decode path): a ReceiveWeights returns at once, the engine decodes on while the
+    publication arrives, the relay fills whole when it is in, and a LoadWeights waits for it first; the
+    `weights_received` event counts the tokens decoded meanwhile."""
+    w, ch, task, tok = make_worker(verify=True, max_new_tokens=8)
+    rx = GatedReceiver(published(w.engine, 2.0), 5)
+    w.receiver = rx
+    prompt, answer = task.prompts()[0]
+    w.handle(Start([StartRequest(1, 0, 0, 0, tok.encode(prompt, add_special_tokens=False), answer)]))
+    w.handle(ReceiveWeights(5))
+    for _ in range(3):
+        w.step()
+        w._take_relay()
+    assert w.relay_version == -1 and not w.relay and w.engine.num_tokens_decoded >= 3
+    rx.gate.set()
+    w.handle(LoadWeights(0, 5))
+    assert w.relay_version == w.engine.version == 5 and w.publications.pending == []
+    want = dict(published(w.engine))   # the engine now holds the published (scaled) weights, checked by checksum
+    assert all(torch.equal(w.relay[k], v) for k, v in want.items())
+    got = [e for e in w.outbox if e.kind == "weights_received"]
+    assert len(got) == 1 and got[0].version == 5 and got[0].data["tokens_decoded"] >= 3
+    w.close()
+    assert w.publications.thread is None
