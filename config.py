@@ -176,6 +176,10 @@ class ClusterConfig:
     cpu_threads: int = F(1, ge=0, help="torch threads per CPU rank; 0 = cores / ranks on the node (more threads "
                          "than free cores make small ops many times slower)")
     verify_weights: bool = F(True, help="checksum every published tensor on the engines; a mismatch stops the run")
+    relay: str = F("broadcast", choices=("broadcast", "chain"),
+                   help="how a publication reaches the rollout ranks' relays: one broadcast from the train leader, "
+                        "or Laminar's relay chain (the leader sends to the first rollout rank only, each relay "
+                        "forwards to the next, pipelined: the trainer's stall is one copy)")
     cpu_affinity: str = F("none", choices=("none", "partition"),
                           help="partition = pin each partition's ranks to its own share of this node's cores (rollout "
                           "ranks on the last ones, in proportion to rank counts, at least one each): disaggregated "

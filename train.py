@@ -39,7 +39,7 @@ from config import Config, ConfigError, load_config
 from runtime import watchdog
 from runtime.backend import RuntimeBackend
 from runtime.build import (RunParts, build_run, deterministic_algorithms, device_for_rank, import_train_side,
-                           make_engine, make_trainer, model_dtype, model_for_rank)
+                           make_engine, make_trainer, model_dtype, model_for_rank, relay_chain)
 from runtime.channel import Channel
 from runtime.faults import Injector
 from runtime.logger import MetricsLogger
@@ -214,7 +214,8 @@ def run_rollout(cfg: Config, parts: RunParts, model: torch.nn.Module, topo: Topo
     """Rollout ranks: one decode engine each, driven by the leader's messages; published weights arrive in this
     rank's relay and are loaded when the weight-sync policy says."""
     engine = make_engine(cfg, model, parts, topo)
-    receiver = WeightReceiver(topo.publish_group, src=0, device="cpu", progress=watchdog.progress)
+    receiver = WeightReceiver(topo.publish_group, src=0, device="cpu", progress=watchdog.progress,
+                              chain=relay_chain(cfg, topo))
     RolloutWorker.for_rank(cfg, parts, engine, topo, channel, t0, receiver).run()
 
 

@@ -159,8 +159,13 @@ def make_trainer(cfg: Config, model: torch.nn.Module, topo: Topology) -> tuple[T
         return trainer, None
     publisher = WeightPublisher(trainer.model, topo.publish_group, topo.train_group,
                                 dtype=model_dtype(cfg, topo.device), verify=cfg.cluster.verify_weights,
-                                progress=progress)
+                                progress=progress, chain=relay_chain(cfg, topo))
     return trainer, publisher
+
+
+def relay_chain(cfg: Config, topo: Topology) -> list[int] | None:
+    """The rollout ranks in relay order when publications go down Laminar's chain (`cluster.relay`), else None."""
+    return list(topo.rollout_ranks) if cfg.cluster.relay == "chain" else None
 
 
 def make_engine(cfg: Config, model: torch.nn.Module, parts: RunParts, topo: Topology) -> LLMEngine:

@@ -8,6 +8,12 @@ into one byte buffer and broadcasts it over the publication group (train leader 
 on CPU). Receivers call `WeightReceiver.receive(loader)` and get `loader(iterable of (name, tensor), version)` (the
 engine's `load_weights`), streamed bucket by bucket.
 
+Routes (`cluster.relay`): `broadcast` (every piece one broadcast from the train leader to every rollout rank) or
+`chain` (Laminar App. C's relays: the leader sends each piece to the first rollout rank only, the master relay, and
+each relay forwards it to the next while it receives the piece after it, so the trainer's stall is one copy
+whatever the number of rollout ranks, and the pieces flow down the chain pipelined bucket by bucket). The pieces are
+the same either way.
+
 Wire format: one int64 pair per publication, [version, header bytes]; the header {names, shapes, dtypes, buckets,
 offsets, sizes, tied, verify} (JSON: no unpickling outside the control channel) follows only on the first
 publication, which the receiver keeps, since the layout never changes. Then per bucket one uint8 buffer: each
@@ -35,6 +41,7 @@ from torch import nn
 
 
 ALIGN = 16
+RELAY_TAG = 31     # the chain's point-to-point pieces on the publication group
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 _HASH_MUL = 0x1E3779B97F4A7C15  # < 2**63 so it is an int64; products wrap mod 2**64 identically on every device
 _MASK = (1 << 64) - 1
@@ -136,10 +143,14 @@ def _object_device(group: dist.ProcessGroup) -> torch.device | None:
 class WeightPublisher:
     def __init__(self, model: nn.Module, pub_group: dist.ProcessGroup | None, train_group: dist.ProcessGroup | None
                  = None, *, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None, verify: bool = False,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, chain: list[int] | None = None):
         """All train ranks build one. pub_group: train leader + rollout ranks (None on the other train ranks).
-        dtype: what the engines run in (e.g. torch.bfloat16); None sends the parameters' own dtype."""
+        dtype: what the engines run in (e.g. torch.bfloat16); None sends the parameters' own dtype. chain: the
+        rollout ranks (global) in relay order, to send to the first one only; None: broadcast to all."""
         self.model, self.pub_group, self.verify, self.bucket_bytes = model, pub_group, verify, bucket_bytes
+        if chain is not None and not chain:
+            raise ValueError("a relay chain needs at least one rollout rank")
+        self.chain = chain
         self.progress = progress or (lambda note: None)
         self.train_group = train_group or dist.group.WORLD
         self.leader = dist.get_rank(self.train_group) == 0
@@ -163,11 +174,9 @@ class WeightPublisher:
         """[version, n] then, on the first publication only, the n bytes of the layout as JSON."""
         raw = b"" if self.header_sent else json.dumps(self._header()).encode()
         device = _object_device(self.pub_group) or torch.device("cpu")
-        dist.broadcast(torch.tensor([int(version), len(raw)], dtype=torch.int64, device=device), src=self.src,
-                       group=self.pub_group)
+        self._out(torch.tensor([int(version), len(raw)], dtype=torch.int64, device=device))
         if raw:
-            dist.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device), src=self.src,
-                           group=self.pub_group)
+            self._out(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
         self.header_sent = True
         self.progress(f"v{version}: header sent")
 
@@ -185,6 +194,13 @@ class WeightPublisher:
             buf[size:].view(torch.int64).copy_(torch.tensor([checksum(t) for t in tensors], dtype=torch.int64))
         return buf
 
+    def _out(self, t: torch.Tensor) -> None:
+        """One piece from the leader: to every rollout rank, or to the chain's first relay only."""
+        if self.chain is None:
+            dist.broadcast(t, src=self.src, group=self.pub_group)
+        else:
+            dist.send(t, self.chain[0], group=self.pub_group, tag=RELAY_TAG)
+
     @torch.no_grad()
     def publish(self, version: int) -> dict[str, float]:
         """Gather and broadcast bucket by bucket (peak memory: one bucket)."""
@@ -194,7 +210,7 @@ class WeightPublisher:
         for i, (bucket, size) in enumerate(zip(self.buckets, self.sizes)):
             packed = self._gather_bucket(bucket, size)
             if packed is not None:
-                dist.broadcast(packed, src=self.src, group=self.pub_group)
+                self._out(packed)
             self.progress(f"v{version}: bucket {i + 1}/{len(self.buckets)} {'sent' if self.leader else 'gathered'}")
         return {"version": float(version), "bytes": float(sum(self.sizes)) if self.leader else 0.0,
                 "buckets": float(len(self.buckets)), "seconds": time.perf_counter() - t0}
@@ -218,7 +234,7 @@ class WeightPublisher:
         t0 = time.perf_counter()
         self._send_header(weights.version)
         for i, buf in enumerate(weights.buckets):
-            dist.broadcast(buf, src=self.src, group=self.pub_group)
+            self._out(buf)
             self.progress(f"v{weights.version}: bucket {i + 1}/{len(weights.buckets)} sent")
         return {"version": float(weights.version), "bytes": float(sum(self.sizes)),
                 "buckets": float(len(self.buckets)), "seconds": time.perf_counter() - t0, "gather_s": weights.gather_s}
@@ -234,22 +250,41 @@ class PackedWeights:
 
 class WeightReceiver:
     def __init__(self, pub_group: dist.ProcessGroup, src: int, device: torch.device | str = "cpu",
-                 progress: Callable[[str], None] | None = None):
-        """src: the global rank of the train leader."""
+                 progress: Callable[[str], None] | None = None, chain: list[int] | None = None):
+        """src: the global rank of the train leader. chain: the rollout ranks (global) in relay order, this rank
+        among them: receive each piece from the one before (the leader for the first) and forward it to the one
+        after; None: join the leader's broadcasts."""
         self.group, self.src, self.device = pub_group, src, torch.device(device)
         self.progress = progress or (lambda note: None)
         self.header: dict[str, Any] | None = None    # the layout, from the first publication
         self.hashes: dict[str, int] = {}             # verified checksums of the last publication (when verified)
+        self.prev = self.next = None
+        if chain is not None:
+            me = dist.get_rank()
+            if me not in chain:
+                raise ValueError(f"rank {me} receives from a relay chain {chain} it is not part of")
+            i = chain.index(me)
+            self.prev, self.next = (src if i == 0 else chain[i - 1]), (chain[i + 1] if i + 1 < len(chain) else None)
+        self.forwards: list[dist.Work] = []          # this publication's pieces on their way to the next relay
+
+    def _in(self, t: torch.Tensor) -> torch.Tensor:
+        """One piece into `t`: from the leader's broadcast, or from the relay before (then on to the next one,
+        without waiting: the next piece is received meanwhile)."""
+        if self.prev is None:
+            dist.broadcast(t, src=self.src, group=self.group)
+        else:
+            dist.recv(t, self.prev, group=self.group, tag=RELAY_TAG)
+            if self.next is not None:
+                self.forwards.append(dist.isend(t, self.next, group=self.group, tag=RELAY_TAG))
+        return t
 
     def receive(self, loader: Callable[[Iterable[tuple[str, torch.Tensor]], int], Any]) -> int:
         """Receive one publication and hand it to `loader`; returns its version."""
         device = _object_device(self.group) or torch.device("cpu")
-        head = torch.empty(2, dtype=torch.int64, device=device)
-        dist.broadcast(head, src=self.src, group=self.group)
+        head = self._in(torch.empty(2, dtype=torch.int64, device=device))
         version, n = (int(x) for x in head.tolist())
         if n:
-            raw = torch.empty(n, dtype=torch.uint8, device=device)
-            dist.broadcast(raw, src=self.src, group=self.group)
+            raw = self._in(torch.empty(n, dtype=torch.uint8, device=device))
             self.header = json.loads(raw.cpu().numpy().tobytes().decode())
         if self.header is None:
             raise RuntimeError(f"weights v{version} arrived without their layout (the first publication was missed)")
@@ -261,13 +296,16 @@ class WeightReceiver:
         finally:
             for _ in stream:  # whatever the loader did not consume, so every broadcast is matched
                 pass
+            forwards, self.forwards = self.forwards, []
+            for work in forwards:   # the next relay has every piece before this publication counts as done
+                work.wait()
         return version
 
     def _stream(self, h: dict[str, Any], version: int) -> Iterator[tuple[str, torch.Tensor]]:
         bad = None
         for i, (bucket, size) in enumerate(zip(h["buckets"], h["sizes"])):
-            buf = torch.empty(size + (8 * len(bucket) if h["verify"] else 0), dtype=torch.uint8, device=self.device)
-            dist.broadcast(buf, src=self.src, group=self.group)
+            buf = self._in(torch.empty(size + (8 * len(bucket) if h["verify"] else 0), dtype=torch.uint8,
+                                       device=self.device))
             self.progress(f"v{version}: bucket {i + 1}/{len(h['buckets'])} received")
             tensors = unpack_bucket(buf, bucket, h)
             if h["verify"]:

@@ -1,0 +1,73 @@
+"""Laminar's relay chain (trainer/publish.py, `cluster.relay = "chain"`) on a gloo world of 4: global rank 0 is the
+train leader, ranks 1-3 the rollout ranks' relays in chain order. The leader sends each piece to rank 1 only; every
+relay receives from the one before and forwards to the one after. Every relay gets the published bytes (verified by
+the per-tensor checksums) for every publication, a corrupted bucket is caught on every relay down the chain (so each
+passes it on whole before it raises), and the leader's sends go to the first relay only."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import new_group, run_world
+
+pytestmark = pytest.mark.dist
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8, bias=False))
+
+
+def _world(rank: int, world: int):
+    import trainer.publish as publish
+    train = new_group([0])
+    pub = new_group([0, 1, 2, 3])
+    chain = [1, 2, 3]
+    if rank == 0:
+        sent_to = []
+        real_send = dist.send
+
+        def spy(t, dst, *a, **kw):
+            sent_to.append(dst)
+            return real_send(t, dst, *a, **kw)
+        dist.send = spy
+        publisher = publish.WeightPublisher(model(), pub, train, bucket_bytes=1024, verify=True, chain=chain)
+        publisher.publish(1)
+        m = publisher.model
+        with torch.no_grad():
+            m[0].weight.add_(1.0)
+        publisher.publish(2)
+        original = publish.pack_bucket
+        publish.pack_bucket = lambda *args: _flip(original(*args))
+        publisher.publish(3)
+        return dict(sent_to=sorted(set(sent_to)), w2={n: p.detach().clone() for n, p in m.named_parameters()})
+    rx = publish.WeightReceiver(pub, src=0, chain=chain)
+    got = []
+    for _ in range(2):
+        out: dict = {}
+        version = rx.receive(lambda it, v: out.update({n: t.clone() for n, t in it}))
+        got.append((version, out, rx.header is not None))
+    error = None
+    try:
+        rx.receive(lambda it, v: [None for _ in it])
+    except publish.WeightChecksumError as e:
+        error = str(e)
+    return dict(got=got, error=error, prev=rx.prev, next=rx.next)
+
+
+def _flip(buf):
+    buf[0] ^= 1
+    return buf
+
+
+def test_the_relay_chain_delivers_every_relay_the_published_bytes_and_the_leader_sends_once():
+    leader, *relays = run_world(_world, 4, deadline_s=120)
+    assert leader["sent_to"] == [1]   # the trainer's stall: one copy, to the master relay
+    assert [(r["prev"], r["next"]) for r in relays] == [(0, 2), (1, 3), (2, None)]
+    for r in relays:
+        (v1, w1, _), (v2, w2, has_header) = r["got"]
+        assert (v1, v2) == (1, 2) and has_header
+        assert set(w2) == set(leader["w2"])
+        for name, t in leader["w2"].items():
+            assert torch.equal(w2[name], t), name
+        assert not torch.equal(w1["0.weight"], w2["0.weight"])
+        assert r["error"] is not None and "arrived corrupted" in r["error"]
