@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
         if topo.colocate:
             finish = run_colocated(cfg, preset, parts, model, topo, channel, run_dir, t0)
         elif topo.is_rollout:
-            finish = run_rollout(cfg, parts, model, topo, channel, t0)
+            finish = run_rollout(cfg, preset, parts, model, topo, channel, t0)
         elif topo.is_leader:
             finish = run_leader(cfg, preset, parts, model, topo, channel, run_dir, t0)
         else:
@@ -209,14 +209,15 @@ def run_follower(cfg: Config, model: torch.nn.Module, topo: Topology) -> None:
     follower_loop(trainer, publisher, topo)
 
 
-def run_rollout(cfg: Config, parts: RunParts, model: torch.nn.Module, topo: Topology, channel: Channel,
-                t0: float) -> None:
+def run_rollout(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Module, topo: Topology,
+                channel: Channel, t0: float) -> None:
     """Rollout ranks: one decode engine each, driven by the leader's messages; published weights arrive in this
     rank's relay and are loaded when the weight-sync policy says."""
     engine = make_engine(cfg, model, parts, topo)
     receiver = WeightReceiver(topo.publish_group, src=0, device="cpu", progress=watchdog.progress,
                               chain=relay_chain(cfg, topo))
-    RolloutWorker.for_rank(cfg, parts, engine, topo, channel, t0, receiver).run()
+    RolloutWorker.for_rank(cfg, parts, engine, topo, channel, t0, receiver,
+                           report_progress=preset.reads_progress()).run()
 
 
 def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Module, topo: Topology,
@@ -228,7 +229,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
     trainer, _ = make_trainer(cfg, model, topo)
     extra = resume_trainer(cfg, trainer, topo)
     worker = ColocatedWorker.for_rank(cfg, parts, engine, topo, channel, t0, None, trainer=trainer,
-                                      ranks=topo.train_ranks)
+                                      ranks=topo.train_ranks, report_progress=preset.reads_progress())
     ctl = log = None
     if topo.is_leader:
         log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))

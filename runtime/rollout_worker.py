@@ -81,6 +81,7 @@ class SamplingConfig:
     seed: int
     counters_every: int = 8  # send a tokens_decoded event every N engine steps
     ignore_eos: bool = False
+    report_progress: bool = False   # counters carry each request's tokens so far (Preset.reads_progress)
 
 
 def request_seed(run_seed: int, group_id: int, sample_index: int) -> int:
@@ -129,13 +130,13 @@ class RolloutWorker:
 
     @classmethod
     def for_rank(cls, cfg: Config, parts: RunParts, engine: LLMEngine, topo: Topology, channel: Channel, t0: float,
-                 receiver: WeightReceiver | None, **kw: Any) -> "RolloutWorker":
-        """This rank's worker, as the run config says."""
+                 receiver: WeightReceiver | None, report_progress: bool = False, **kw: Any) -> "RolloutWorker":
+        """This rank's worker, as the run config says; `report_progress`: the preset reads per-request progress."""
         r = cfg.rollout
         return cls(engine, channel, engine_index=topo.engine_of(topo.rank), rank=topo.rank, reward_fn=parts.reward_fn,
                    decode=response_decoder(parts.tokenizer, engine.eos_ids), receiver=receiver,
                    sampling=SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed,
-                                           ignore_eos=r.ignore_eos), t0=t0,
+                                           ignore_eos=r.ignore_eos, report_progress=report_progress), t0=t0,
                    verify_weights=cfg.cluster.verify_weights,
                    scorer=reward_scorer(cfg, parts.reward_fn), kv_group=topo.kv_group if r.migrate_kv else None, **kw)
 
@@ -372,7 +373,9 @@ class RolloutWorker:
                        data={"total": st.num_tokens_decoded, "running": len(st.running), "waiting": len(st.waiting),
                              "kv_used": st.kv_blocks_used, "kv_free": st.kv_blocks_free,
                              "prefill": st.num_prefill_tokens, "kv_adopted": self.kv_adopted,
-                             "kv_refused": self.kv_refused})
+                             "kv_refused": self.kv_refused,
+                             **({"progress": {rid: s.num_generated for rid, s in self.engine.seqs.items()}}
+                                if self.sampling.report_progress else {})})
         self._maybe_idle()
         if finished or scored or not self.busy:
             self.flush()

@@ -41,6 +41,9 @@ class Policy:
     kind: ClassVar[str] = ""
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
+    # reads each running request's tokens so far from the engines' counters (`tokens_decoded` data `progress`,
+    # folded into Views request.tokens): the engines report it only when a preset's mechanism says so
+    reads_progress: ClassVar[bool] = False
 
     @dataclass
     class Params:
@@ -150,6 +153,10 @@ class Preset:
 
     def policies(self) -> dict[str, Policy]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def reads_progress(self) -> bool:
+        """Whether any of its mechanisms reads the engines' per-request progress (Policy.reads_progress)."""
+        return any(p.reads_progress for p in self.policies().values())
 
     def staleness_bound(self) -> int | None:
         """The tightest staleness bound its mechanisms declare (None: unbounded or on-policy by construction)."""

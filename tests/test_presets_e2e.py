@@ -109,6 +109,8 @@ def test_bounded_staleness_preset_runs_on_real_ranks_within_its_bound(preset, et
     assert report["too_stale"] == [] and report["twice"] == [] and report["trained_groups"] == 6 * 8, report
     assert max(report["staleness"]) > 0            # it did run off-policy
     rows = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    progress = [e["data"]["progress"] for e in rows if e["kind"] == "tokens_decoded" and "progress" in e["data"]]
+    assert bool(progress) == (preset == "staleflow")   # its snapshot reads each request's tokens so far (Eq. 1)
     j = next(j for j, e in enumerate(rows) if e["kind"] == "train_started" and e.get("version", 0) >= 1)
     rows[j]["version"] = rows[j].get("version", 0) + eta + 1   # the checker catches a sample past the bound
     (run / "events.jsonl").write_text("\n".join(json.dumps(e) for e in rows) + "\n")

@@ -483,3 +483,27 @@ def test_a_publication_arrives_on_the_relay_thread_while_the_engine_decodes():
     assert len(got) == 1 and got[0].version == 5 and got[0].data["tokens_decoded"] >= 3
     w.close()
     assert w.publications.thread is None
+
+
+@pytest.mark.parametrize("report", [True, False])
+def test_counters_carry_each_request_s_progress_when_the_preset_reads_it(report):
+    """StaleFlow's snapshot (Eq. 1) estimates an engine whose report predates a command from each request's tokens
+    so far: with `report_progress` (Preset.reads_progress) every tokens_decoded event carries them."""
+    import sched
+    assert sched.load_preset("staleflow").reads_progress() and not sched.load_preset("sync").reads_progress()
+    w, ch, task, tok = make_worker(verify=False, max_new_tokens=8)
+    w.sampling = dataclasses.replace(w.sampling, report_progress=report, counters_every=1)
+    prompts = task.prompts()
+    w.handle(Start([StartRequest(i, i, 0, i, tok.encode(p, add_special_tokens=False), a)
+                    for i, (p, a) in enumerate(prompts[:3])]))
+    for _ in range(3):
+        w.step()
+    sent = [e for _, evs in ch.sent for e in evs] + w.outbox
+    counters = [e for e in sent if e.kind == "tokens_decoded"]
+    assert counters
+    last = counters[-1].data
+    if report:
+        assert last["progress"] == {rid: s.num_generated for rid, s in w.engine.seqs.items()} and last["progress"]
+        assert all(0 < n <= 3 for n in last["progress"].values())
+    else:
+        assert "progress" not in last

@@ -97,6 +97,7 @@ class StaleFlowRouting(Dispatch):
     group holds an entry with V + eta >= V_buf."""
     name = "staleflow"
     paper = "StaleFlow §5.3, Algorithms 2-3 (MLQ, waterfall, marginal gain)"
+    reads_progress = True   # the snapshot's estimate of an engine whose report predates a command (state.py)
 
     @dataclass
     class Params(StaleFlowParams):

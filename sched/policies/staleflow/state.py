@@ -18,7 +18,8 @@ How the paper's pieces map onto ours:
   running + waiting == requests the controller has on it, and no Pull in flight. Otherwise the report predates a
   command; instead of discarding the whole snapshot and idling until the next one (the paper's choice, which
   assumes a fast periodic pull), the coordinator uses P's estimate for that engine: KV = sum over its requests of
-  prompt + tokens so far.
+  prompt + tokens so far. The tokens so far come with the counters (`tokens_decoded` data `progress`: the routing
+  declares `reads_progress`, so the runtime's rollout workers and the simulator's engines report them).
 - Coordination period: Algorithm 1 runs at most once per `period_s` (the paper's snapshot period, unreported), on
   the first event after it elapsed, or at once whenever nothing is in flight (else no event would ever come).
 - Algorithm 1's order: one pass on one snapshot, sync (Alg. 4), then migration (Alg. 5), then routing (Alg. 2-3).
