@@ -166,15 +166,16 @@ def test_laminar_with_a_full_experience_buffer_evicts_on_real_ranks_and_keeps_th
     assert evicted and not evicted & set(trained) and len(trained) == 6 * 8
 
 
-@pytest.mark.parametrize("migrate_kv", [True, False])
-def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(migrate_kv, tmp_path):
+@pytest.mark.parametrize("migrate_kv,colocate", [(True, False), (False, False), (True, True)])
+def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(migrate_kv, colocate, tmp_path):
     """Laminar's repack forced often (bench/RESULTS.md "Migrated KV on real ranks"): with `rollout.migrate_kv` the
     migrated trajectories carry their KV and the resuming engines adopt it as cached; switched off, none carries KV,
     nothing is adopted and the resuming engines re-prefill. Either way every step trains and the off-policy
-    invariants hold."""
+    invariants hold; in colocated mode too (2 ranks, each an engine and a trainer shard)."""
     from tests.test_offpolicy_presets import check_offpolicy_log
     run = tmp_path / "laminar"
-    torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=6",
+    ranks = ["--cluster.colocate=true", "--cluster.world_size=2"] if colocate else ["--cluster.rollout_ranks=2"]
+    torchrun(2 if colocate else 4, f"--log.dir={run}", "--sched.preset=laminar", *ranks, "--train.steps=6",
              "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--data.task=repeat",
              "--data.cap_at_answer=true", "--rollout.max_new_tokens=33", "--data.len_body_max=4",
              "--data.len_tail_min=24", "--data.len_tail_max=32", "--data.len_tail_frac=0.25",
