@@ -73,11 +73,15 @@ class InOrder:
                     self._hand_over(self.done.get(), out)
         return out
 
+    JOIN_S = 30.0   # how long a thread with nothing left to do may take to end
+
     def close(self, what: str, on: Sequence[int]) -> list[tuple[Hashable, Any]]:
         out = self.wait_all(what, on) if self.thread is not None else []
         if self.thread is not None:
             self.inbox.put(None)
-            self.thread.join()
+            self.thread.join(self.JOIN_S)
+            if self.thread.is_alive():
+                raise RuntimeError(f"{self.name}: its thread did not end within {self.JOIN_S} s with no job left")
             self.thread = None
         return out
 
