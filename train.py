@@ -216,8 +216,7 @@ def run_rollout(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mo
     engine = make_engine(cfg, model, parts, topo)
     receiver = WeightReceiver(topo.publish_group, src=0, device="cpu", progress=watchdog.progress,
                               chain=relay_chain(cfg, topo))
-    RolloutWorker.for_rank(cfg, parts, engine, topo, channel, t0, receiver,
-                           report_progress=preset.reads_progress()).run()
+    RolloutWorker.for_rank(cfg, parts, engine, topo, channel, t0, receiver, preset=preset).run()
 
 
 def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Module, topo: Topology,
@@ -229,7 +228,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
     trainer, _ = make_trainer(cfg, model, topo)
     extra = resume_trainer(cfg, trainer, topo)
     worker = ColocatedWorker.for_rank(cfg, parts, engine, topo, channel, t0, None, trainer=trainer,
-                                      ranks=topo.train_ranks, report_progress=preset.reads_progress())
+                                      ranks=topo.train_ranks, preset=preset)
     ctl = log = None
     if topo.is_leader:
         log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))

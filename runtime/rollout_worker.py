@@ -63,6 +63,7 @@ from runtime.messages import ReceiveWeights, SendKV, Start, StartRequest, Stop
 from runtime.reward_scorer import AsyncRewardScorer
 from runtime.topology import Topology
 from runtime.watchdog import Phase, doing, progress, waiting
+from sched.base import Preset
 from sched.decisions import Abort, Interrupt, LoadWeights
 from sched.events import Event
 from trainer.publish import WeightReceiver, checksum
@@ -82,6 +83,7 @@ class SamplingConfig:
     counters_every: int = 8  # send a tokens_decoded event every N engine steps
     ignore_eos: bool = False
     report_progress: bool = False   # counters carry each request's tokens so far (Preset.reads_progress)
+    counters_every_s: float | None = None   # and a busy engine sends them at least this often (Preset)
 
 
 def request_seed(run_seed: int, group_id: int, sample_index: int) -> int:
@@ -121,6 +123,7 @@ class RolloutWorker:
         self.outbox: list[Event] = []
         self.busy = False
         self.steps = 0
+        self.counters_sent = 0.0                               # perf_counter of the last tokens_decoded event
         self.kv_group = kv_group                               # None: migrated requests are re-prefilled
         self.kv_sender = KVSender(kv_group) if kv_group is not None else None
         self.kv_receiver = KVReceiver(kv_group, engine.device) if kv_group is not None else None
@@ -130,13 +133,16 @@ class RolloutWorker:
 
     @classmethod
     def for_rank(cls, cfg: Config, parts: RunParts, engine: LLMEngine, topo: Topology, channel: Channel, t0: float,
-                 receiver: WeightReceiver | None, report_progress: bool = False, **kw: Any) -> "RolloutWorker":
-        """This rank's worker, as the run config says; `report_progress`: the preset reads per-request progress."""
+                 receiver: WeightReceiver | None, preset: Preset | None = None, **kw: Any) -> "RolloutWorker":
+        """This rank's worker, as the run config says; what its counters carry and how often, as `preset`'s
+        mechanisms read them (Preset.reads_progress, Preset.counters_period_s)."""
         r = cfg.rollout
         return cls(engine, channel, engine_index=topo.engine_of(topo.rank), rank=topo.rank, reward_fn=parts.reward_fn,
                    decode=response_decoder(parts.tokenizer, engine.eos_ids), receiver=receiver,
                    sampling=SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed,
-                                           ignore_eos=r.ignore_eos, report_progress=report_progress), t0=t0,
+                                           ignore_eos=r.ignore_eos,
+                                           report_progress=preset is not None and preset.reads_progress(),
+                                           counters_every_s=preset.counters_period_s() if preset else None), t0=t0,
                    verify_weights=cfg.cluster.verify_weights,
                    scorer=reward_scorer(cfg, parts.reward_fn), kv_group=topo.kv_group if r.migrate_kv else None, **kw)
 
@@ -367,7 +373,10 @@ class RolloutWorker:
                 self.scorer.submit(self.next_key, traj.prompt_index, text, answer or "")
                 self.next_key += 1
         scored = self.collect_scores()
-        if self.steps % self.sampling.counters_every == 0:
+        period = self.sampling.counters_every_s
+        if self.steps % self.sampling.counters_every == 0 or (
+                period is not None and time.perf_counter() - self.counters_sent >= period):
+            self.counters_sent = time.perf_counter()
             st = self.engine.stats()
             self.event("tokens_decoded", version=st.version,
                        data={"total": st.num_tokens_decoded, "running": len(st.running), "waiting": len(st.waiting),

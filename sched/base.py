@@ -68,6 +68,11 @@ class Policy:
         mechanism guarantees, or None. The controller enforces the smallest bound of a preset's mechanisms."""
         return None
 
+    def counters_period_s(self) -> float | None:
+        """How fresh the engines' counters (`tokens_decoded`) must be for this mechanism, in seconds: a busy engine
+        reports at least this often (besides every few engine steps). None: it does not read them on a clock."""
+        return None
+
 
 class Dispatch(Policy):
     kind = "dispatch"
@@ -157,6 +162,11 @@ class Preset:
     def reads_progress(self) -> bool:
         """Whether any of its mechanisms reads the engines' per-request progress (Policy.reads_progress)."""
         return any(p.reads_progress for p in self.policies().values())
+
+    def counters_period_s(self) -> float | None:
+        """The shortest counters period its mechanisms ask for (Policy.counters_period_s), or None."""
+        periods = [t for p in self.policies().values() if (t := p.counters_period_s()) is not None]
+        return min(periods) if periods else None
 
     def staleness_bound(self) -> int | None:
         """The tightest staleness bound its mechanisms declare (None: unbounded or on-policy by construction)."""

@@ -490,9 +490,12 @@ def test_counters_carry_each_request_s_progress_when_the_preset_reads_it(report)
     """StaleFlow's snapshot (Eq. 1) estimates an engine whose report predates a command from each request's tokens
     so far: with `report_progress` (Preset.reads_progress) every tokens_decoded event carries them."""
     import sched
-    assert sched.load_preset("staleflow").reads_progress() and not sched.load_preset("sync").reads_progress()
+    sf, sync = sched.load_preset("staleflow"), sched.load_preset("sync")
+    assert sf.reads_progress() and not sync.reads_progress()
+    assert sf.counters_period_s() == sf.dispatch.p.period_s and sync.counters_period_s() is None
     w, ch, task, tok = make_worker(verify=False, max_new_tokens=8)
-    w.sampling = dataclasses.replace(w.sampling, report_progress=report, counters_every=1)
+    # every engine step by the clock (StaleFlow's period, 0 here), none by the step count
+    w.sampling = dataclasses.replace(w.sampling, report_progress=report, counters_every=1000, counters_every_s=0.0)
     prompts = task.prompts()
     w.handle(Start([StartRequest(i, i, 0, i, tok.encode(p, add_special_tokens=False), a)
                     for i, (p, a) in enumerate(prompts[:3])]))
@@ -500,7 +503,7 @@ def test_counters_carry_each_request_s_progress_when_the_preset_reads_it(report)
         w.step()
     sent = [e for _, evs in ch.sent for e in evs] + w.outbox
     counters = [e for e in sent if e.kind == "tokens_decoded"]
-    assert counters
+    assert len(counters) == 3
     last = counters[-1].data
     if report:
         assert last["progress"] == {rid: s.num_generated for rid, s in w.engine.seqs.items()} and last["progress"]

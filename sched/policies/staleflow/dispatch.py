@@ -99,6 +99,10 @@ class StaleFlowRouting(Dispatch):
     paper = "StaleFlow §5.3, Algorithms 2-3 (MLQ, waterfall, marginal gain)"
     reads_progress = True   # the snapshot's estimate of an engine whose report predates a command (state.py)
 
+    def counters_period_s(self) -> float:
+        """The snapshot is taken every coordination pass (Fig. 11): the engines report at that period."""
+        return self.p.period_s
+
     @dataclass
     class Params(StaleFlowParams):
         mu: float = F(0.3, ge=0, help="route only if the marginal gain is at least mu x the ideal gain (§6.1)")
