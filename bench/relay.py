@@ -18,6 +18,7 @@ leader copies once instead of R times) and the end-to-end ratio with that in min
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -71,7 +72,8 @@ def _rank(rank: int, world: int, port: int, out: str, mib: int, bucket_mib: int,
                     rx = WeightReceiver(pub, src=0, chain=route)
                     rx.receive(lambda it, v: [None for _ in it])
                     rows.append((mode, 0.0, time.time()))
-        torch.save(rows, os.path.join(out, f"{rank}.pt"))
+        with open(os.path.join(out, f"{rank}.json"), "w") as f:
+            json.dump(rows, f)
     finally:
         dist.destroy_process_group()
 
@@ -91,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank, args=(world, _free_port(), out, a.mib, a.bucket_mib, a.repeats, a.verify), nprocs=world,
                            join=True, start_method="spawn")
-        rows = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(world)]
+        rows = []
+        for r in range(world):
+            with open(os.path.join(out, f"{r}.json")) as f:
+                rows.append(json.load(f))
     stall: dict[str, list[float]] = {"broadcast": [], "chain": []}
     filled: dict[str, list[float]] = {"broadcast": [], "chain": []}
     for i, (mode, t0, t1) in enumerate(rows[0]):

@@ -71,3 +71,10 @@ def test_the_relay_chain_delivers_every_relay_the_published_bytes_and_the_leader
             assert torch.equal(w2[name], t), name
         assert not torch.equal(w1["0.weight"], w2["0.weight"])
         assert r["error"] is not None and "arrived corrupted" in r["error"]
+
+
+def test_the_routes_bench_runs_and_prints_its_ratio_line(capsys):
+    from bench import relay
+    assert relay.main(["--mib", "1", "--relays", "2", "--bucket-mib", "1", "--repeats", "1"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("broadcast / chain: trainer stall ") and "last relay filled" in last
