@@ -125,6 +125,10 @@ class TrainConfig:
     grad_clip: float = F(1.0, gt=0, help="max global gradient norm")
     micro_batch_tokens: int = F(16384, ge=1, help="packed tokens per forward/backward on one train rank")
     activation_checkpointing: bool = F(False, help="recompute each block's activations in backward")
+    fsdp_unit: str = F("block", choices=("block", "model"),
+                       help="FSDP2 units: one per transformer block (gathered one at a time: memory-frugal) or one "
+                            "for the whole model (one all-gather and one reduce-scatter a micro-batch: for small "
+                            "models, where the collectives' fixed cost dominates)")
     share_prompts: bool = F(True, help="pack a group's common prompt once per micro-batch, its samples' own tokens "
                             "after it (same log-probs and gradients, fewer tokens; trainer/batch.py)")
     loss_agg: str = F("token_mean", choices=("token_mean", "seq_mean", "seq_sum_norm"),

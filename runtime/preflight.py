@@ -131,7 +131,11 @@ def train_items(m: ModelConfig, cfg: Config, shards: int, b: int, gpu: bool) -> 
              Item("AdamW moments (shard)", 8 * P / shards, "exp_avg + exp_avg_sq, fp32")]
     if t.kl_coef > 0:
         items.append(Item("reference model (shard)", 4 * P / shards, "train.kl_coef > 0"))
-    if shards > 1 or gpu:
+    if (shards > 1 or gpu) and t.fsdp_unit == "model":
+        items.append(Item("gathered weights", b * P, "the whole model, one FSDP2 unit (train.fsdp_unit = model)"))
+        items.append(Item("unsharded gradients in flight", (b + 4) * P,
+                          "the whole model's before its one reduce-scatter (fp32 reduction)"))
+    elif shards > 1 or gpu:
         items.append(Item("gathered weights", b * (root_params(m) + 2 * block_params(m)),
                           "embedding + lm_head kept gathered after forward, and two blocks in flight"))
         items.append(Item("unsharded gradients in flight", (b + 4) * (root_params(m) + block_params(m)),

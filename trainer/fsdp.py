@@ -50,15 +50,20 @@ def mixed_precision(device_type: str) -> MixedPrecisionPolicy:
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, activation_checkpointing: bool = False,
-                mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True,
+                unit: str = "block") -> nn.Module:
     """Shard `model` (a model.Transformer with full weights on every rank of `mesh`) in place; returns it.
-    reshard_after_forward applies to the blocks; the root always keeps its parameters gathered until backward."""
+    unit "block": every block is an FSDP2 unit of its own (reshard_after_forward applies to them), gathered in turn;
+    "model": the root is the only unit (the whole model gathered at once: one all-gather and one reduce-scatter per
+    micro-batch). The root always keeps its parameters gathered until backward."""
+    if unit not in ("block", "model"):
+        raise ValueError(f"unknown FSDP unit {unit!r}: 'block' or 'model'")
     if is_sharded(model):
         return model
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     mp_policy = mp_policy or mixed_precision(mesh.device_type)
-    for block in model.model.layers:
+    for block in model.model.layers if unit == "block" else ():
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     # The root stays unsharded after forward: the trainer applies lm_head to the hidden states outside forward
     # (chunked logprobs), so the weight must still be the gathered tensor then; backward reshards it.

@@ -92,9 +92,10 @@ class Trainer:
         self.sharded = self.distributed and (self.world > 1 or self.device.type == "cuda")
         if self.sharded:
             self.mesh = build_mesh(self.group, self.device.type)
-            shard_model(self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing)
+            shard_model(self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing,
+                        unit=cfg.fsdp_unit)
             if self.ref_model is not None:
-                shard_model(self.ref_model, self.mesh)
+                shard_model(self.ref_model, self.mesh, unit=cfg.fsdp_unit)
         elif cfg.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         self.optimizer = build_optimizer(self.model, cfg)
