@@ -18,6 +18,7 @@ leader copies once instead of R times) and the end-to-end ratio with that in min
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import socket
@@ -33,6 +34,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+DEADLINE_S = 300   # for any one collective of the bench
 
 
 def _free_port() -> int:
@@ -53,7 +55,8 @@ def _rank(rank: int, world: int, port: int, out: str, mib: int, bucket_mib: int,
     from trainer.publish import WeightPublisher, WeightReceiver
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a frozen or dead peer ends every rank's collective within the deadline; start_processes then ends the rest
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=DEADLINE_S))
     train, pub = dist.new_group([0]), dist.new_group(list(range(world)))
     chain = list(range(1, world))
     rows = []

@@ -32,10 +32,6 @@ rank, never a hang.
 """
 from __future__ import annotations
 
-import queue
-import threading
-import traceback
-
 import torch
 import torch.distributed as dist
 
@@ -79,48 +75,29 @@ def recv_kv(req_id: int, src: int, group: dist.ProcessGroup | None, device: torc
 
 
 class KVSender:
-    """The source's sends, one at a time in queue order on a background thread (started at the first send). A
-    failed send is raised at the next `send` or at `close`."""
+    """The source's sends, one at a time in queue order on a background thread (runtime/background.py, started at
+    the first send). A failed send is raised at the next `send` or at `close`."""
 
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
-        self.queue: queue.Queue[tuple[KVState | None, int, int] | None] = queue.Queue()
-        self.thread: threading.Thread | None = None
-        self.error: str | None = None
+        self.jobs = InOrder("kv-sender")
         self.pending: dict[int, int] = {}   # req_id -> destination rank, of the transfers not yet taken
 
     def send(self, kv: KVState | None, req_id: int, dst: int) -> None:
-        self._raise()
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
-            self.thread.start()
+        self._forget_sent()
         self.pending[req_id] = dst
-        self.queue.put((kv, req_id, dst))
-
-    def _run(self) -> None:
-        while (item := self.queue.get()) is not None:
-            kv, req_id, dst = item
-            try:
-                send_kv(kv, req_id, dst, self.group)
-            except BaseException:
-                self.error = traceback.format_exc()
-                return
-            self.pending.pop(req_id, None)
+        self.jobs.submit(req_id, send_kv, kv, req_id, dst, self.group)
 
     def close(self) -> None:
         """Wait until every queued transfer is taken (a declared wait on their destinations), stop the thread."""
-        if self.thread is not None:
-            self.queue.put(None)
-            pending = dict(self.pending)
-            on = sorted(set(pending.values()))
-            with waiting(f"ranks {on} to take the KV of requests {sorted(pending)}", on=on):
-                self.thread.join()
-            self.thread = None
-        self._raise()
+        self._forget_sent()
+        on = sorted(set(self.pending.values()))
+        self.jobs.close(f"ranks {on} to take the KV of requests {sorted(self.pending)}", on=on)
+        self.pending.clear()
 
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"sending a request's KV failed:\n{self.error}")
+    def _forget_sent(self) -> None:
+        for req_id, _ in self.jobs.take():   # raises a failed send's error
+            self.pending.pop(req_id, None)
 
 
 class KVReceiver:

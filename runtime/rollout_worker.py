@@ -297,7 +297,8 @@ class RolloutWorker:
         """On the relay's thread: one publication, whole (its version, tensors, checksums, seconds)."""
         t0 = time.perf_counter()
         got: list = []
-        with waiting(f"the publication of weights v{version} (from rank 0)", on=[0], phase=Phase.PUBLISH,
+        peers = self.receiver.peers
+        with waiting(f"the publication of weights v{version} (from rank(s) {peers})", on=peers, phase=Phase.PUBLISH,
                      step=version):
             v = self.receiver.receive(lambda tensors, _: got.extend(self._relay_of(tensors)))
         return v, got[0], got[1], time.perf_counter() - t0
@@ -306,8 +307,9 @@ class RolloutWorker:
         """Fill the relay with the publications received (`wait`: after waiting for those still arriving)."""
         if not self.publications.pending:
             return
+        peers = self.receiver.peers if self.receiver is not None else [0]
         done = (self.publications.wait_all(f"the publication of weights v{self.publications.pending[-1]} "
-                                           f"(from rank 0)", on=[0], phase=Phase.PUBLISH)
+                                           f"(from rank(s) {peers})", on=peers, phase=Phase.PUBLISH)
                 if wait else self.publications.take())
         for announced, (version, relay, sums, seconds) in done:
             self.relay, self.relay_version, self.relay_sums = relay, version, sums

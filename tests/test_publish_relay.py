@@ -51,7 +51,7 @@ def _world(rank: int, world: int):
         rx.receive(lambda it, v: [None for _ in it])
     except publish.WeightChecksumError as e:
         error = str(e)
-    return dict(got=got, error=error, prev=rx.prev, next=rx.next)
+    return dict(got=got, error=error, prev=rx.prev, next=rx.next, peers=rx.peers)
 
 
 def _flip(buf):
@@ -63,6 +63,7 @@ def test_the_relay_chain_delivers_every_relay_the_published_bytes_and_the_leader
     leader, *relays = run_world(_world, 4, deadline_s=120)
     assert leader["sent_to"] == [1]   # the trainer's stall: one copy, to the master relay
     assert [(r["prev"], r["next"]) for r in relays] == [(0, 2), (1, 3), (2, None)]
+    assert [r["peers"] for r in relays] == [[0, 2], [1, 3], [2]]   # whom a relay's declared wait names
     for r in relays:
         (v1, w1, _), (v2, w2, has_header) = r["got"]
         assert (v1, v2) == (1, 2) and has_header
@@ -78,3 +79,25 @@ def test_the_routes_bench_runs_and_prints_its_ratio_line(capsys):
     assert relay.main(["--mib", "1", "--relays", "2", "--bucket-mib", "1", "--repeats", "1"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("broadcast / chain: trainer stall ") and "last relay filled" in last
+
+
+@pytest.mark.parametrize("frozen", [2, 3])
+def test_a_frozen_relay_in_the_chain_ends_the_job_with_a_report_naming_it(frozen, tmp_path):
+    """Real ranks (2 train + 2 rollout, `cluster.relay = "chain"`): the master relay (rank 2) or the last one
+    (rank 3), SIGSTOPped mid-publication, ends the job within the deadline with a stall report naming it."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from tests.test_train_e2e import ROOT, free_port
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_port", str(free_port()),
+           "train.py", "--config", "configs/tiny.toml", "--log.progress=false", f"--log.dir={run}",
+           "--cluster.rollout_ranks=2", "--cluster.relay=chain", "--train.steps=4", "--rollout.prompts_per_step=8",
+           "--checkpoint.export_hf=false", "--cluster.timeout_s=5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TIDAL_FAULTS": f"freeze {frozen} publish 1"}
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 90
+    reports = [p.read_text() for p in run.glob("stall-rank*.txt")]
+    assert reports and all(f"rank {frozen} (rollout, engine {frozen - 2})" in r for r in reports), reports

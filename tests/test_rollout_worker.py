@@ -453,6 +453,7 @@ class GatedReceiver:
     """A WeightReceiver whose publication arrives only when the test opens the gate."""
     def __init__(self, tensors, version):
         self.gate, self.tensors, self.version, self.hashes = threading.Event(), tensors, version, {}
+        self.peers = [0]
 
     def receive(self, loader):
         assert self.gate.wait(30), "the test never opened the gate"

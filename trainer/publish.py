@@ -267,6 +267,13 @@ class WeightReceiver:
             self.prev, self.next = (src if i == 0 else chain[i - 1]), (chain[i + 1] if i + 1 < len(chain) else None)
         self.forwards: list[dist.Work] = []          # this publication's pieces on their way to the next relay
 
+    @property
+    def peers(self) -> list[int]:
+        """The global ranks a receive waits on: the leader, or the chain's relays before and after this one."""
+        if self.prev is None:
+            return [self.src]
+        return [self.prev] + ([self.next] if self.next is not None else [])
+
     def _in(self, t: torch.Tensor) -> torch.Tensor:
         """One piece into `t`: from the leader's broadcast, or from the relay before (then on to the next one,
         without waiting: the next piece is received meanwhile)."""
