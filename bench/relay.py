@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--relays must be at least 1")
     world = a.relays + 1
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, _free_port(), out, a.mib, a.bucket_mib, a.repeats, a.verify), nprocs=world,
-                           join=True, start_method="spawn")
+        mp.start_processes(_rank, args=(world, _free_port(), out, a.mib, a.bucket_mib, a.repeats, a.verify),
+                           nprocs=world, join=True, start_method="spawn")
         rows = []
         for r in range(world):
             with open(os.path.join(out, f"{r}.json")) as f:
