@@ -181,7 +181,8 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
     if extra is not None:
         restore(controller, parts, extra)
     tt = TrainerThread(trainer, publisher, topo, channel, t0, notify=lambda v: backend.notify_publication(v))
-    backend = RuntimeBackend(topo, channel, t0, to_trainer=tt.queue.put)
+    backend = RuntimeBackend(topo, channel, t0, to_trainer=tt.queue.put,
+                             isolates_faults=preset.failures_isolated() > 0)
 
     def save() -> None:
         backend.call(SaveCheckpoint(str(checkpoint_dir(cfg, run_dir)), leader_state(controller, parts, log),

@@ -5,8 +5,8 @@
 
 `step()` is schedule -> run the model -> sample -> append tokens and retire finished sequences. Around it: `abort`,
 `export` / `import_request` (move an unfinished request between engines, with its KV), `load_weights` (new weights
-tagged with a version; running sequences are recomputed under them, so no KV from the old weights is reused) and
-`stats`.
+tagged with a version; running sequences are recomputed under them, so no KV from the old weights is reused),
+`reset` (drop everything after a failed step) and `stats`.
 """
 from __future__ import annotations
 
@@ -187,6 +187,26 @@ class LLMEngine:
             self.runner.write_kv(seq.block_table, kv.data)
             seq.num_cached_tokens = kv.num_tokens
         return request_id
+
+    def reset(self) -> list[RequestId]:
+        """Drop every request and rebuild the block pool's bookkeeping from scratch, as after a failed step (whose
+        half-done updates cannot be trusted); the KV pool is zeroed (masked-out garbage must be finite), the weights
+        and the counters stay. Returns the ids dropped."""
+        dropped = list(self.seqs)
+        self.seqs.clear()
+        preemptions = self.scheduler.num_preemptions
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_batch_tokens,
+                                   self.config.chunked_prefill)
+        self.scheduler.num_preemptions = preemptions
+        for cache in (*self.runner.k_caches, *self.runner.v_caches):
+            cache.zero_()
+        return dropped
+
+    def weights_finite(self) -> bool:
+        """Whether every weight of the model is finite (a corrupted engine's are not)."""
+        return all(bool(torch.isfinite(p).all()) for p in self.runner.model.state_dict().values()
+                   if p.is_floating_point())
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> int:

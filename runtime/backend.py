@@ -4,8 +4,9 @@ message the leader sends (runtime/messages.py).
     submit              -> Start on the control channel to the engine's rollout rank (a request with a
                            `partial` trajectory is resumed there); for a partial whose KV another rank kept at its
                            migration (`kv_rank`), a SendKV to that rank first (runtime/kv_transfer.py)
-    command             -> the decision itself (Abort, Interrupt, LoadWeights) to the engine's rollout rank; the
-                           controller turns a Migrate into Interrupt + a later submit, so none arrives here
+    command             -> the decision itself (Abort, Interrupt, LoadWeights; the lifecycle's ResetEngine) to the
+                           engine's rollout rank; the controller turns a Migrate into Interrupt + a later submit, so
+                           none arrives here
     train / call        -> work items for the trainer (the leader's trainer thread, runtime/train_worker.py);
                            `call` waits for a SaveCheckpoint / ExportHF to be done
     notify_publication  -> ReceiveWeights to every rollout rank, from the trainer thread right before the broadcast
@@ -28,7 +29,7 @@ from runtime.messages import (ExportHF, ReceiveWeights, SaveCheckpoint, SendKV, 
                               WorkDone)
 from runtime.topology import Topology
 from sched.controller import PromptItem
-from sched.decisions import Abort, Interrupt, LoadWeights, TrainCall
+from sched.decisions import Abort, Interrupt, LoadWeights, ResetEngine, TrainCall
 from sched.events import Event
 from sched.views import Request
 
@@ -36,8 +37,10 @@ LEFT_ENGINE = ("trajectory_finished", "trajectory_aborted", "trajectory_interrup
 
 
 class RuntimeBackend:
-    def __init__(self, topo: Topology, channel: Channel, t0: float, to_trainer: Callable[[Any], None]):
+    def __init__(self, topo: Topology, channel: Channel, t0: float, to_trainer: Callable[[Any], None],
+                 isolates_faults: bool = False):
         self.topo, self.channel, self.to_trainer = topo, channel, to_trainer
+        self.isolates_faults = isolates_faults   # the workers report engine_failed (RolloutWorker.failures_isolated)
         self.num_engines = len(topo.rollout_ranks)
         # every rank trains and generates: a train call pauses rollout. No `elastic`: the train group is fixed at
         # launch (FSDP2 over the train ranks), so a rollout rank's GPU cannot join the trainer mid-round.
@@ -68,8 +71,8 @@ class RuntimeBackend:
                     self.channel.send(SendKV(r.req_id, dst), src, WORKER)
             self.channel.send(Start(starts), dst, WORKER)
 
-    def command(self, cmd: Abort | Interrupt | LoadWeights) -> None:
-        if not isinstance(cmd, (Abort, Interrupt, LoadWeights)):
+    def command(self, cmd: Abort | Interrupt | LoadWeights | ResetEngine) -> None:
+        if not isinstance(cmd, (Abort, Interrupt, LoadWeights, ResetEngine)):
             raise TypeError(f"unknown backend command {type(cmd).__name__}")
         self.channel.send(cmd, self.topo.engine_rank(cmd.engine), WORKER)
 
@@ -118,6 +121,8 @@ class RuntimeBackend:
                 raise RuntimeError(f"rank {src} sent {type(ev).__name__} where an event was expected")
             if ev.kind in LEFT_ENGINE and 0 <= ev.engine < self.num_engines:
                 self.sent[ev.engine] = max(self.sent[ev.engine] - 1, 0)
+            elif ev.kind == "engine_failed":
+                self.sent[ev.engine] = 0
             elif ev.kind == "train_step_done":
                 self.training = False
             self.pending.append(ev)

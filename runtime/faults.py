@@ -10,13 +10,18 @@ plans, run clean. A plan is faults joined by '&', each `KIND RANK PHASE STEP [SE
     kill     SIGKILL RANK (a machine fault: no cleanup, no report)
     hang     RANK's thread stops for good where it reports progress; the process stays alive and keeps beating
     slow     RANK sleeps SECONDS at each of its progress reports in PHASE at step STEP (a slow but alive rank)
+    fail     RANK's engine fails (`EngineFault`, raised by its next engine step: a failure its rank may isolate,
+             Laminar §3.3) from its STEP-th decode progress report on (about its STEP-th engine step:
+             mid-generation, where a weight version would fall between batches), once; it cannot be rebuilt for
+             SECONDS (default 0) after
 
-PHASE is a runtime.watchdog.Phase (decode, publish, train, checkpoint, export); a fault fires at the first progress
-report (runtime/watchdog.progress) made in that phase at a step >= STEP: decode counts the engine's weight version,
-train the step being trained, publish the version published, checkpoint the step saved. freeze and kill fire on
-whichever rank reports first (once per job attempt, through torchrun's store) and signal RANK's process wherever it
-is, as `kill -STOP` from outside would: RANK need not be in that phase itself (a train rank frozen while the engines
-decode). hang and slow act on RANK's own reports. Each firing prints one line to stderr ("fault injection: ...").
+PHASE is a runtime.watchdog.Phase (decode, publish, train, checkpoint, export); a fault other than `fail` fires at
+the first progress report (runtime/watchdog.progress) made in that phase at a step >= STEP: decode counts the
+engine's weight version, train the step being trained, publish the version published, checkpoint the step saved.
+freeze and kill fire on whichever rank reports first (once per job attempt, through torchrun's store) and signal
+RANK's process wherever it is, as `kill -STOP` from outside would: RANK need not be in that phase itself (a train
+rank frozen while the engines decode). hang, slow and fail act on RANK's own reports. Each firing prints one line to
+stderr ("fault injection: ...").
 """
 from __future__ import annotations
 
@@ -37,6 +42,15 @@ class Kind(str, Enum):
     KILL = "kill"
     HANG = "hang"
     SLOW = "slow"
+    FAIL = "fail"
+
+
+class EngineFault(RuntimeError):
+    """An injected engine failure; `down_s`: how long the engine cannot be rebuilt after it."""
+
+    def __init__(self, msg: str, down_s: float = 0.0):
+        super().__init__(msg)
+        self.down_s = down_s
 
 
 @dataclass(frozen=True)
@@ -48,7 +62,8 @@ class Fault:
     seconds: float = 0.0
 
     def __str__(self) -> str:
-        extra = f" ({self.seconds:g}s per progress report)" if self.kind is Kind.SLOW else ""
+        extra = (f" ({self.seconds:g}s per progress report)" if self.kind is Kind.SLOW else
+                 f" (down {self.seconds:g}s)" if self.kind is Kind.FAIL else "")
         return f"{self.kind.value} rank {self.rank} at {self.phase.value} step {self.step}{extra}"
 
 
@@ -61,13 +76,15 @@ def parse(spec: str) -> list[list[Fault]]:
             words = entry.split()
             try:
                 kind, rank, phase, step = Kind(words[0]), int(words[1]), Phase(words[2]), int(words[3])
-                seconds = float(words[4]) if kind is Kind.SLOW else 0.0
-                if len(words) != (5 if kind is Kind.SLOW else 4):
+                seconds = float(words[4]) if kind is Kind.SLOW or (kind is Kind.FAIL and len(words) == 5) else 0.0
+                if len(words) != (5 if kind is Kind.SLOW else 4) and not (kind is Kind.FAIL and len(words) == 5):
                     raise IndexError
+                if kind is Kind.FAIL and phase is not Phase.DECODE:
+                    raise ValueError
             except (ValueError, IndexError):
                 raise ValueError(f"TIDAL_FAULTS: cannot read {entry!r}; expected 'KIND RANK PHASE STEP [SECONDS]' "
                                  f"with KIND in {[k.value for k in Kind]}, PHASE in {[p.value for p in Phase]}, "
-                                 f"SECONDS for slow only") from None
+                                 f"SECONDS for slow (and optionally fail, whose PHASE is decode)") from None
             faults.append(Fault(kind, rank, phase, step, seconds))
         plans.append(faults)
     return plans
@@ -78,6 +95,8 @@ class Injector:
         self.faults, self.rank, self.store = faults, rank, store
         self.pids: dict[int, int] = {}
         self.fired: set[int] = set()
+        self.decode_reports = 0   # this rank's progress reports in the decode phase (what `fail` counts)
+        self.engine_fault: EngineFault | None = None   # a `fail` that fired, until the engine's step takes it
 
     @classmethod
     def from_env(cls, rank: int, store: dist.Store) -> "Injector | None":
@@ -95,12 +114,19 @@ class Injector:
 
     def at(self, phase: Phase, step: int) -> None:
         """A progress report of this rank in `phase` at `step`: fire what is due."""
+        self.decode_reports += phase is Phase.DECODE
         for i, f in enumerate(self.faults):
             if f.phase is not phase or i in self.fired:
                 continue
             if f.kind is Kind.SLOW:
                 if f.rank == self.rank and step == f.step:
                     time.sleep(f.seconds)
+                continue
+            if f.kind is Kind.FAIL:
+                if f.rank == self.rank and self.decode_reports >= f.step:
+                    self.fired.add(i)
+                    announce(f, self.rank)
+                    self.engine_fault = EngineFault(f"injected engine failure ({f})", f.seconds)
                 continue
             if step < f.step:
                 continue
@@ -116,6 +142,12 @@ class Injector:
                 continue
             announce(f, self.rank)
             os.kill(self.pids[f.rank], signal.SIGSTOP if f.kind is Kind.FREEZE else signal.SIGKILL)
+
+
+    def take_engine_fault(self) -> "EngineFault | None":
+        """The `fail` fault that fired and is not yet raised, once (watchdog.injected_engine_fault)."""
+        fault, self.engine_fault = self.engine_fault, None
+        return fault
 
 
 def announce(f: Fault, by: int) -> None:

@@ -8,6 +8,7 @@ To a rollout rank, from the leader's backend (runtime/backend.py) only:
     SendKV                     send a migrated request's KV to the rank resuming it (runtime/kv_transfer.py)
     ReceiveWeights             join the publication broadcast and keep the weights in this rank's relay
     sched.decisions.LoadWeights  adopt the relay's weights in the engine (the weight-sync policy says when)
+    sched.decisions.ResetEngine  a failed engine's requests were taken back: it may rebuild and rejoin
     Stop                  leave the loop
 
 To the trainer (the leader's trainer thread, broadcast to the other train ranks; in colocated mode, every rank):

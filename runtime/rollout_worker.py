@@ -17,8 +17,20 @@
     LoadWeights      adopt the relay's weights in the engine (the weight-sync policy says when). The relay holds
                      only the newest publication, so the engine adopts that one, at least the version asked for;
                      `weights_loaded` says which
-    Abort            stop requests; report them aborted (requeued or dropped)
+    Abort            stop requests; report them aborted (requeued or dropped); drop the KV kept for one
+                     (no event: it was not in the engine)
     Stop             leave the loop
+    ResetEngine      (after this rank reported `engine_failed`) the controller took the engine's requests back: the
+                     engine may rebuild and rejoin
+
+Fault isolation (Laminar §3.3), when the preset's mechanisms isolate engine faults (Preset.failures_isolated; never
+in colocated mode, where the rank is a trainer shard too): the counters carry each request's new tokens (payload
+`partials`) to the controller's partial-response pool (sched/partials.py). An exception in the engine's step (an
+allocation failure included) or non-finite logits fail the engine, not the rank: it drops everything it held,
+reports `engine_failed` (with what it held) and voids the Starts and LoadWeights that arrive until the controller's
+ResetEngine; it then rebuilds (weights that are not finite reloaded from the relay) and reports `engine_recovered`.
+Publications and KV transfers go on throughout, so no peer waits for it. Past `failures_isolated` failures, or when
+a rebuild fails, the engine is retired and the run goes on without it.
 
 Request ids are the controller's int `req_id` end to end, the engine's request id included. Between messages the
 engine steps. Finished samples are scored beside the engine (as in the papers' disaggregated setups) and sent back
@@ -42,8 +54,10 @@ waiting on this one (the controller, for events).
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -62,9 +76,9 @@ from runtime.kv_transfer import KVReceiver, KVSender
 from runtime.messages import ReceiveWeights, SendKV, Start, StartRequest, Stop
 from runtime.reward_scorer import AsyncRewardScorer
 from runtime.topology import Topology
-from runtime.watchdog import Phase, doing, progress, waiting
+from runtime.watchdog import Phase, doing, injected_engine_fault, progress, waiting
 from sched.base import Preset
-from sched.decisions import Abort, Interrupt, LoadWeights
+from sched.decisions import Abort, Interrupt, LoadWeights, ResetEngine
 from sched.events import Event
 from trainer.publish import WeightReceiver, checksum
 
@@ -84,6 +98,13 @@ class SamplingConfig:
     ignore_eos: bool = False
     report_progress: bool = False   # counters carry each request's tokens so far (Preset.reads_progress)
     counters_every_s: float | None = None   # and a busy engine sends them at least this often (Preset)
+
+
+class Health(str, Enum):
+    """The engine's state under fault isolation (Laminar §3.3; the module docstring)."""
+    OK = "ok"                 # it runs
+    FAILED = "failed"         # its step failed; reported; what the controller sent before it heard is void here
+    REBUILDING = "rebuilding"  # the controller took its requests back (ResetEngine): it rebuilds, then rejoins
 
 
 def request_seed(run_seed: int, group_id: int, sample_index: int) -> int:
@@ -106,7 +127,7 @@ class RolloutWorker:
                  reward_fn: Callable[[str, str], RewardResult], decode: Callable[[list[int]], str],
                  receiver: WeightReceiver | None, sampling: SamplingConfig, t0: float,
                  verify_weights: bool = False, scorer: AsyncRewardScorer | None = None,
-                 kv_group: dist.ProcessGroup | None = None):
+                 kv_group: dist.ProcessGroup | None = None, failures_isolated: int = 0):
         self.engine, self.channel, self.engine_index, self.rank = engine, channel, engine_index, rank
         self.reward_fn, self.decode, self.receiver, self.sampling = reward_fn, decode, receiver, sampling
         self.t0 = t0
@@ -130,12 +151,20 @@ class RolloutWorker:
         self.kv_incoming: dict[int, StartRequest] = {}         # req_id -> its Start, while its KV is on the way
         self.kv_out: dict[int, KVState] = {}                   # req_id -> KV kept since its migrating Interrupt
         self.kv_adopted = self.kv_refused = 0                  # tokens of received KV imported as cached / not
+        self.failures_isolated = failures_isolated             # engine failures survived (0: a failure ends the run)
+        self.health = Health.OK
+        self.failures = 0
+        self.retired = False                                   # failed more often than isolated: never rejoins
+        self.failed_at = self.down_until = 0.0                 # perf_counter of the failure; no rebuild before
+        self.streamed: dict[int, int] = {}                     # req_id -> tokens the controller's pool holds
+        self.kv_void: set[int] = set()                         # KV receives to complete and drop (sent pre-failure)
 
     @classmethod
     def for_rank(cls, cfg: Config, parts: RunParts, engine: LLMEngine, topo: Topology, channel: Channel, t0: float,
                  receiver: WeightReceiver | None, preset: Preset | None = None, **kw: Any) -> "RolloutWorker":
         """This rank's worker, as the run config says; what its counters carry and how often, as `preset`'s
-        mechanisms read them (Preset.reads_progress, Preset.counters_period_s)."""
+        mechanisms read them (Preset.reads_progress, Preset.counters_period_s), and whether it isolates engine
+        faults (Preset.failures_isolated; never in colocated mode, where the rank is a trainer shard too)."""
         r = cfg.rollout
         return cls(engine, channel, engine_index=topo.engine_of(topo.rank), rank=topo.rank, reward_fn=parts.reward_fn,
                    decode=response_decoder(parts.tokenizer, engine.eos_ids), receiver=receiver,
@@ -144,7 +173,9 @@ class RolloutWorker:
                                            report_progress=preset is not None and preset.reads_progress(),
                                            counters_every_s=preset.counters_period_s() if preset else None), t0=t0,
                    verify_weights=cfg.cluster.verify_weights,
-                   scorer=reward_scorer(cfg, parts.reward_fn), kv_group=topo.kv_group if r.migrate_kv else None, **kw)
+                   scorer=reward_scorer(cfg, parts.reward_fn), kv_group=topo.kv_group if r.migrate_kv else None,
+                   failures_isolated=preset.failures_isolated() if preset is not None and not topo.colocate else 0,
+                   **kw)
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -166,7 +197,11 @@ class RolloutWorker:
             self._take_kv(wait=True)
         if isinstance(msg, (LoadWeights, Stop)):
             self._take_relay(wait=True)
-        if isinstance(msg, Start):
+        if self.health is not Health.OK and isinstance(msg, (Start, LoadWeights, ResetEngine)):
+            self._while_failed(msg)
+        elif isinstance(msg, ResetEngine):
+            raise RuntimeError(f"rank {self.rank}: told its engine's requests were taken back, but it never failed")
+        elif isinstance(msg, Start):
             for req in msg.requests:
                 self._add(req)
         elif isinstance(msg, ReceiveWeights):
@@ -183,6 +218,7 @@ class RolloutWorker:
             self.kv_sender.send(self.kv_out.pop(msg.req_id, None), msg.req_id, msg.dst)
         elif isinstance(msg, Abort):
             for req_id in msg.req_ids:
+                self.kv_out.pop(req_id, None)   # kept since its migrating Interrupt: dropped pending, not sent
                 out = self.engine.abort(req_id)
                 if out is not None:
                     self.answers.pop(req_id, None)
@@ -198,6 +234,93 @@ class RolloutWorker:
         else:
             raise TypeError(f"rank {self.rank}: unknown control message {type(msg).__name__}")
         return True
+
+    # ------------------------------------------------------------------------------------------- engine faults
+    def _while_failed(self, msg: Start | LoadWeights | ResetEngine) -> None:
+        """A Start or LoadWeights the controller sent before it heard of the failure is void (it takes those
+        requests back itself); a KV transfer such a Start announced is still received (its sender waits for it)
+        and dropped. ResetEngine: from now on the controller knows, and the engine may rebuild."""
+        if isinstance(msg, ResetEngine):
+            self.health = Health.REBUILDING
+            return
+        if self.health is Health.REBUILDING:
+            raise RuntimeError(f"rank {self.rank}: sent {type(msg).__name__} while its engine is failed and the "
+                               f"controller knows it")
+        if isinstance(msg, Start):
+            for req in msg.requests:
+                src = req.partial.meta.get("kv_rank") if req.partial is not None else None
+                if src is not None and src != self.rank and self.kv_receiver is not None:
+                    self.kv_receiver.receive(req.req_id, src)
+                    self.kv_void.add(req.req_id)
+
+    def _fail(self, err: Exception, finished: list[RequestOutput]) -> None:
+        """Isolate a failed engine step (Laminar §3.3): drop everything the engine held (its state cannot be trusted
+        after a failed step), report what it held (`engine_failed`; the controller resumes those requests from the
+        partial-response pool) and take no work until the controller says it took them back (ResetEngine). Past
+        `failures_isolated` failures the engine is retired."""
+        held = {rid: s.num_generated for rid, s in self.engine.seqs.items()}
+        held.update({o.request_id: len(o.token_ids) for o in finished})
+        held.update({rid: len(req.partial.response_ids) for rid, req in self.kv_incoming.items()})
+        self.kv_void.update(self.kv_incoming)
+        self.kv_incoming.clear()
+        self.engine.reset()
+        for rid in held:
+            self.answers.pop(rid, None)
+        self.streamed.clear()
+        self.kv_out.clear()
+        self.failures += 1
+        self.retired = self.failures > self.failures_isolated
+        self.health = Health.FAILED
+        self.failed_at = time.perf_counter()
+        self.down_until = self.failed_at + getattr(err, "down_s", 0.0)
+        error = f"{type(err).__name__}: {err}"
+        print(f"rank {self.rank}: engine {self.engine_index} failed ({error}); {len(held)} requests taken back"
+              + (", retired" if self.retired else ", rebuilding"), file=sys.stderr, flush=True)
+        self.event("engine_failed", version=self.engine.version,
+                   data={"error": error, "held": held, "permanent": self.retired, "failures": self.failures})
+        self._maybe_idle()
+        self.flush()
+
+    def _rebuild(self) -> None:
+        """Rebuild a failed engine and rejoin (`engine_recovered`): its pool is fresh (reset at the failure); weights
+        that are not finite are reloaded from the relay. A rebuild that fails retires the engine (§3.3: the fault
+        persists)."""
+        if time.perf_counter() < self.down_until:
+            return
+        reloaded = False
+        try:
+            if not self.engine.weights_finite():
+                self._take_relay(wait=True)
+                if self.relay_version < 0:
+                    raise RuntimeError("its weights are not finite and its relay holds none")
+                self.engine.load_weights(self.relay.items(), self.relay_version)
+                reloaded = True
+                if not self.engine.weights_finite():
+                    raise RuntimeError(f"the relay's weights (v{self.relay_version}) are not finite either")
+            self.engine.reset()
+        except Exception as err:
+            self.retired = True
+            self.event("engine_failed", version=self.engine.version,
+                       data={"error": f"rebuild failed: {type(err).__name__}: {err}", "held": {}, "permanent": True,
+                             "failures": self.failures})
+            self.flush()
+            return
+        self.health = Health.OK
+        self.event("engine_recovered", version=self.engine.version,
+                   data={"down_s": time.perf_counter() - self.failed_at, "reloaded": reloaded})
+        self.flush()
+
+    def _partials(self) -> dict[int, tuple[int, list[int], list[float], list[int]]]:
+        """Each request's tokens since the last stream, for the controller's partial-response pool (sched/partials.py):
+        (start index, ids, behaviour log-probs, per-token versions)."""
+        out, streamed = {}, {}
+        for rid, s in self.engine.seqs.items():
+            k, n = self.streamed.get(rid, 0), s.num_generated
+            if n > k:
+                out[rid] = (k, s.token_ids[s.num_prompt_tokens + k:], s.logprobs[k:], s.versions[k:])
+            streamed[rid] = n
+        self.streamed = streamed
+        return out
 
     def load(self, version: int) -> None:
         """Adopt the relay's weights (the newest published, at least `version`) in the engine."""
@@ -239,9 +362,12 @@ class RolloutWorker:
 
     def _take_kv(self, wait: bool = False) -> None:
         """Resume the requests whose KV is in (`wait`: after waiting for every one still coming)."""
-        if self.kv_incoming:
+        if self.kv_incoming or self.kv_void:
             for req_id, kv in (self.kv_receiver.wait_all() if wait else self.kv_receiver.take()):
-                self._resume(self.kv_incoming.pop(req_id), kv)
+                if req_id in self.kv_void:   # announced before the engine failed: dropped
+                    self.kv_void.discard(req_id)
+                else:
+                    self._resume(self.kv_incoming.pop(req_id), kv)
 
     def _resume(self, req: StartRequest, kv: KVState | None) -> None:
         """Queue a request resumed from its partial trajectory: its tokens so far are re-prefilled, or adopted as
@@ -267,6 +393,7 @@ class RolloutWorker:
             self.kv_adopted += kv.num_tokens * adopted
             self.kv_refused += kv.num_tokens * (not adopted)
         self.answers[req.req_id] = req.answer
+        self.streamed[req.req_id] = len(ids)   # the controller's pool holds these already
 
     def _interrupt(self, req_id: int, migrating: bool = False) -> None:
         """Export one request the engine still holds and report its tokens so far (no event if not held); a
@@ -353,9 +480,23 @@ class RolloutWorker:
         if not self.busy:
             self.busy = True
             self.event("engine_busy", version=self.engine.version)
-        finished = self.engine.step()
-        self.steps += 1
-        progress(f"{len(finished)} finished, {len(self.engine.seqs)} in the engine")
+        finished: list[RequestOutput] = []
+        try:
+            finished = self.engine.step()
+            self.steps += 1
+            progress(f"{len(finished)} finished, {len(self.engine.seqs)} in the engine")
+            injected = injected_engine_fault()   # runtime/faults.py `fail`
+            if injected is not None:
+                raise injected
+            bad = [o.request_id for o in finished if o.finish_reason == "error"]
+            if bad and self.failures_isolated:
+                raise FloatingPointError(f"non-finite logits for request(s) {bad[:4]}: the engine's state is not "
+                                         f"finite")
+        except Exception as err:
+            if not self.failures_isolated:
+                raise
+            self._fail(err, finished)
+            return
         for out in finished:
             req_id = out.request_id
             answer = self.answers.pop(req_id)
@@ -381,6 +522,7 @@ class RolloutWorker:
             self.counters_sent = time.perf_counter()
             st = self.engine.stats()
             self.event("tokens_decoded", version=st.version,
+                       payload={"partials": self._partials()} if self.failures_isolated else None,
                        data={"total": st.num_tokens_decoded, "running": len(st.running), "waiting": len(st.waiting),
                              "kv_used": st.kv_blocks_used, "kv_free": st.kv_blocks_free,
                              "prefill": st.num_prefill_tokens, "kv_adopted": self.kv_adopted,
@@ -388,7 +530,7 @@ class RolloutWorker:
                              **({"progress": {rid: s.num_generated for rid, s in self.engine.seqs.items()}}
                                 if self.sampling.report_progress else {})})
         self._maybe_idle()
-        if finished or scored or not self.busy:
+        if finished or scored or not self.busy or self.failures_isolated:   # the pool is kept fresh
             self.flush()
 
     def _scored(self, req_id: int, version: int, traj: Trajectory, result: RewardResult) -> None:
@@ -438,8 +580,11 @@ class RolloutWorker:
                 self._take_kv()
                 self._take_relay()
                 msgs = self.channel.poll(WORKER)
+                if self.health is Health.REBUILDING and not self.retired:
+                    self._rebuild()
                 if not msgs and not self.engine.has_unfinished():
-                    if self.scoring or self.kv_incoming or self.publications.pending:  # look again soon
+                    if (self.scoring or self.kv_incoming or self.kv_void or self.publications.pending
+                            or (self.health is Health.REBUILDING and not self.retired)):  # look again soon
                         self.collect_scores()
                         self.flush()
                         try:

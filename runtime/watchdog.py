@@ -141,6 +141,13 @@ def progress(note: str = "") -> None:
         dog.faults.at(phased.phase, phased.step)
 
 
+def injected_engine_fault() -> Exception | None:
+    """An engine failure fault injection made due at this rank's last progress report (runtime/faults.py `fail`),
+    once: the rollout worker raises it inside its engine step, where a real one would come from."""
+    dog = _dog
+    return dog.faults.take_engine_fault() if dog is not None and dog.faults is not None else None
+
+
 def _snapshot() -> list[tuple[str, list[Activity]]]:
     """(thread name, its activities, innermost last) of every thread that declared one."""
     with _lock:

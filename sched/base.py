@@ -44,6 +44,9 @@ class Policy:
     # reads each running request's tokens so far from the engines' counters (`tokens_decoded` data `progress`,
     # folded into Views request.tokens): the engines report it only when a preset's mechanism says so
     reads_progress: ClassVar[bool] = False
+    # leaves failed engines (EngineView.failed) out of what it places, loads or moves: every mechanism of a preset
+    # that isolates engine faults must (a hand-off or an update never touches an engine)
+    skips_failed_engines: ClassVar[bool] = False
 
     @dataclass
     class Params:
@@ -73,6 +76,17 @@ class Policy:
         reports at least this often (besides every few engine steps). None: it does not read them on a clock."""
         return None
 
+    def stats(self) -> dict[str, float]:
+        """Counters a researcher reads after the run (the controller logs them once, at its end, as a
+        `policy_stats` event: summary.json's `policy_stats`). Default: none."""
+        return {}
+
+    def failures_isolated(self) -> int:
+        """How many failures of one engine this mechanism recovers from (Laminar §3.3: the engine's trajectories
+        resume elsewhere from the partial-response pool and it rejoins once rebuilt; past the count it is retired
+        and the run goes on without it). 0: it does not isolate engine faults (a failure ends the run)."""
+        return 0
+
 
 class Dispatch(Policy):
     kind = "dispatch"
@@ -93,6 +107,7 @@ class Dispatch(Policy):
 
 class Handoff(Policy):
     kind = "handoff"
+    skips_failed_engines = True
 
     def ready(self, v: Views) -> list[int] | None:
         """Group ids that form the next training batch, or None."""
@@ -106,6 +121,7 @@ class Handoff(Policy):
 
 class Update(Policy):
     kind = "update"
+    skips_failed_engines = True
 
     def decide(self, group_ids: list[int], v: Views) -> TrainCall:
         raise NotImplementedError
@@ -155,6 +171,20 @@ class Preset:
     def __post_init__(self) -> None:
         for p in self.policies().values():
             p.bind(self)
+        if self.failures_isolated():
+            blind = [f"{k} {p.name!r}" for k, p in self.policies().items() if not p.skips_failed_engines]
+            if blind:
+                raise ValueError(f"this preset isolates engine faults ({self.isolator()}) but {', '.join(blind)} "
+                                 f"would still place, load or move work on a failed engine (skips_failed_engines)")
+
+    def failures_isolated(self) -> int:
+        """Failures per engine its mechanisms recover from (Policy.failures_isolated; the smallest nonzero);
+        0: none."""
+        counts = [n for p in self.policies().values() if (n := p.failures_isolated()) > 0]
+        return min(counts) if counts else 0
+
+    def isolator(self) -> str:
+        return ", ".join(f"{k} {p.name!r}" for k, p in self.policies().items() if p.failures_isolated())
 
     def policies(self) -> dict[str, Policy]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -14,10 +14,11 @@ from typing import Any, Callable, Protocol
 
 from rl.types import Group
 from sched.base import InvariantError, Preset
-from sched.decisions import (AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Migrate, Reshard, ReturnEngines,
-                             RoundPlan, Submit, TrainCall)
+from sched.decisions import (AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Migrate, Reshard, ResetEngine,
+                             ReturnEngines, RoundPlan, Submit, TrainCall)
 from sched.events import Event, EventLog
 from sched.lifecycle import Lifecycle
+from sched.partials import PartialPool
 from sched.resources import EngineView
 from sched.resume import load_views, save_views
 from sched.views import Request, Views
@@ -36,13 +37,15 @@ class Backend(Protocol):
 
     def now(self) -> float: ...
     def submit(self, engine: int, reqs: list[Request], prompts: dict[int, PromptItem]) -> None: ...
-    def command(self, cmd: Abort | Interrupt | LoadWeights) -> None: ...
+    def command(self, cmd: Abort | Interrupt | LoadWeights | ResetEngine) -> None: ...
     def train(self, call: TrainCall, groups: list[Group]) -> None: ...
     def next_event(self) -> Event: ...  # blocks until one is available (the backend enforces its own deadline)
     # optional attributes: `colocated` (engines and trainer share GPUs), `elastic` (it takes LendEngines /
     # ReturnEngines / AddEngines / Reshard: an engine's GPUs join the trainer, the pool scales out or changes TP; the
     # simulator can, our runtime's fixed process groups cannot), both False by default; `decode_profile`
-    # (sched.resources.DecodeProfile); `tp` (GPUs per engine, default 1) and `tp_sizes` (those it can reshard to).
+    # (sched.resources.DecodeProfile); `tp` (GPUs per engine, default 1) and `tp_sizes` (those it can reshard to);
+    # `isolates_faults` (its engines stream their requests' tokens so far and report `engine_failed` instead of
+    # failing the run, so the controller keeps the partial-response pool, sched/partials.py; the runtime's can).
     # optional: `has_pending() -> bool`, whether next_event would return at once with an event that arrived
     # together with the last one (the runtime's engines send one message per step); the controller applies such
     # a batch before deciding once. Backends without it (the simulator) are decided on after every event.
@@ -77,6 +80,8 @@ class Controller:
         self.v.tp = int(getattr(backend, "tp", 1))
         self.v.tp_sizes = tuple(getattr(backend, "tp_sizes", ()))
         self.v.decode_profile = getattr(backend, "decode_profile", None)
+        if getattr(backend, "isolates_faults", False) and self.life.fold.partials is None:
+            self.life.fold.partials = PartialPool()
         self.decide(backend)
         has_pending = getattr(backend, "has_pending", None)
         while not self.done:
@@ -89,8 +94,15 @@ class Controller:
             if after_event is not None:
                 for ev in batch:
                     after_event(ev)
+        self.log_stats()
         self.log.flush()
         return self.v
+
+    def log_stats(self) -> None:
+        """Each mechanism's counters (Policy.stats) as one `policy_stats` event, at the end of a run."""
+        stats = {k: s for k, p in self.preset.policies().items() if (s := p.stats())}
+        if stats:
+            self.emit(Event("policy_stats", self.v.now, data=stats))
 
     def apply(self, ev: Event) -> None:
         self.life.fold.apply(ev)
@@ -105,6 +117,9 @@ class Controller:
     # ---------------------------------------------------------------------------------------------- decisions
     def decide(self, backend: Backend) -> None:
         p, v = self.preset, self.v
+        resets, self.life.fold.resets = self.life.fold.resets, []
+        for engine in resets:
+            backend.command(ResetEngine(engine))
         plan = 0 if v.trainer.steps_done >= self.total_steps else p.dispatch.intake(v)
         if isinstance(plan, RoundPlan) or plan > 0:
             self.start_round(plan)

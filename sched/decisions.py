@@ -10,6 +10,7 @@ the rules every preset keeps; the backends receive the ones that concern them (`
     AddEngines, Reshard          rebalance: scale the rollout pool out (StreamRL §4.2), reshard it (RollPacker §4.2)
     LoadWeights                  weight_sync: an engine adopts a published version
     TrainCall                    update: train these groups; step the optimizer; publish
+    ResetEngine                  (the lifecycle, not a policy) a failed engine's requests were taken back
 """
 from __future__ import annotations
 
@@ -96,6 +97,14 @@ class Reshard:
 class LoadWeights:
     engine: int
     version: int
+
+
+@dataclass
+class ResetEngine:
+    """Not a policy's decision: the controller's word to a failed engine that its requests were taken back (the
+    lifecycle issues it after folding `engine_failed`); what was sent to the engine before is void there, and it
+    may rebuild and rejoin (`engine_recovered`)."""
+    engine: int
 
 
 @dataclass

@@ -32,6 +32,12 @@ KINDS = frozenset({
     "engines_lent",           # engines lent to the trainer or back to rollout (data: engines, lent)
     "engines_added",          # the rollout pool scaled out (data: engines: the new ids)
     "engines_resharded",      # the rollout pool rebuilt at another TP size (data: tp, engines: how many now)
+    "engine_failed",          # an engine's step failed (exception, non-finite state, allocation failure) and its rank
+    #                           isolated it (data: error, held: {req_id: tokens it held}, permanent: gave up)
+    "trajectories_recovered", # the controller took a failed engine's requests back (data: resumed, tokens_kept from
+    #                           the partial-response pool, tokens_lost since the last stream, dropped)
+    "engine_recovered",       # a failed engine rebuilt and rejoined (version: its weights; data: down_s, reloaded)
+    "policy_stats",           # the controller's last word: each mechanism's counters (Policy.stats), by kind
     "rank_failed",
 })
 

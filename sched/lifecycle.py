@@ -19,7 +19,8 @@ Aborts (`abort`, for `sched.decisions.Abort`), so every policy and both backends
     RUNNING  -> ABORTING, sent to its engine; the engine's `trajectory_aborted` closes it (ABORTED), or, if it
                 finished before the abort landed, its `trajectory_finished` does and the trajectory is discarded
                 (its later reward is ignored);
-    PENDING  -> ABORTED here, never sent;
+    PENDING  -> ABORTED here, never sent (a migrated one whose KV an engine keeps: that engine is told, and
+                drops the KV without a further event);
     FINISHED -> ABORTED here: the trajectory is discarded (taken back out of its group if already scored);
                 dropping one of a group already handed to the trainer is an InvariantError.
 - requeue=True sends a running request back to pending (REQUEUEING until the engine confirms); one that finishes
@@ -40,12 +41,18 @@ Partial trajectories (`interrupt`, `migrate`, for `sched.decisions.Interrupt` an
 - Migrate(src, dst): an Interrupt whose request is resubmitted to dst as soon as it lands, before any other
   admission (`due_migrations`; `trajectory_migrated`, data src/dst/tokens).
 
+Failed engines (Laminar §3.3, when the run isolates engine faults): the fold takes a failed engine's requests back
+PENDING, each with its tokens so far from the partial-response pool (sched/partials.py), which `admit` opens for
+every request it sends; nothing is submitted to a failed engine, loaded into it or migrated onto it until its
+`engine_recovered`. The controller tells the engine its requests were taken back (`ResetEngine`): whatever was
+sent to it before that is void there.
+
 Restored requests (after a resume, sched/resume.py) stay RESTORED, invisible to dispatch, until every engine holds
 the trainer's checkpointed version; `weights_loaded` then releases them to PENDING (`fold.release_restored`).
 
 Invariants kept here: a group is handed to the trainer whole, once, only after it materialised, and no trajectory
 staler than the preset's bound; a resumed trajectory never goes back in version; engines load only published
-versions; no request is placed on a lent engine or one without weights. The fold keeps the events' own
+versions; no request is placed on a lent or failed engine or one without weights. The fold keeps the events' own
 (sched/fold.py).
 """
 from __future__ import annotations
@@ -104,6 +111,9 @@ class Lifecycle:
             raise InvariantError(f"requests {sub.req_ids[:4]} submitted to engine {sub.engine}, lent to the trainer")
         if e.version < 0:
             raise InvariantError(f"requests {sub.req_ids[:4]} submitted to engine {sub.engine}, which has no weights")
+        if e.failed:
+            raise InvariantError(f"requests {sub.req_ids[:4]} submitted to engine {sub.engine}, which failed")
+        pool = self.fold.partials
         reqs = [v.requests[i] for i in sub.req_ids]
         for r in reqs:
             if r.state != S.PENDING:
@@ -115,6 +125,8 @@ class Lifecycle:
                 r.v_traj = e.version
             v.requests.set_state(r, S.RUNNING)
             r.engine, r.version = sub.engine, e.version
+            if pool is not None:
+                pool.open(r.req_id, r.partial)
             self.emit(Event("request_admitted", v.now, engine=sub.engine, req_id=r.req_id, group_id=r.group_id,
                             version=e.version))
         e.assigned += len(reqs)
@@ -123,6 +135,8 @@ class Lifecycle:
     def load_weights(self, cmd: LoadWeights) -> None:
         if cmd.version > self.v.trainer.published:
             raise InvariantError(f"engine {cmd.engine} told to load unpublished version {cmd.version}")
+        if self.v.engines[cmd.engine].failed:
+            raise InvariantError(f"engine {cmd.engine} told to load weights while it is failed")
         self.v.engines[cmd.engine].loading = True
 
     # ----------------------------------------------------------------------------------------------- aborts
@@ -139,6 +153,9 @@ class Lifecycle:
                     self.fold.drop(r)
             elif r.state in (S.PENDING, S.FINISHED) and not cmd.requeue:
                 how = "local" if r.state == S.PENDING else "discarded"
+                keeper = r.partial.meta.get("kv_engine", -1) if r.partial is not None else -1
+                if r.state == S.PENDING and keeper >= 0:   # its migrated KV is kept there: let it go
+                    send.setdefault(keeper, []).append(rid)
                 self.fold.drop(r)
                 v.requests.set_state(r, S.ABORTED)
                 self.emit(Event("trajectory_aborted", v.now, engine=r.engine, req_id=rid, group_id=r.group_id,
@@ -163,8 +180,8 @@ class Lifecycle:
         return [Interrupt(engine, ids, migrate_to) for engine, ids in sorted(send.items())]
 
     def migrate(self, cmd: Migrate) -> list[Interrupt]:
-        if not 0 <= cmd.dst < len(self.v.engines) or self.v.engines[cmd.dst].lent:
-            raise InvariantError(f"migration to engine {cmd.dst}: unknown or lent to the trainer")
+        if not 0 <= cmd.dst < len(self.v.engines) or self.v.engines[cmd.dst].lent or self.v.engines[cmd.dst].failed:
+            raise InvariantError(f"migration to engine {cmd.dst}: unknown, lent to the trainer, or failed")
         return self.interrupt(cmd.req_ids, migrate_to=cmd.dst)
 
     def due_migrations(self) -> list[tuple[Submit, int]]:

@@ -129,6 +129,21 @@ def summarize(events: list[Event], num_engines: int | None = None) -> dict[str, 
     if sync:
         out["weight_sync_s"] = sum(sync) / len(sync)
     out["dropped"] = sum(1 for e in events if e.kind == "trajectory_aborted" and not e.data.get("requeue"))
+
+    # engine faults isolated (Laminar §3.3), and the mechanisms' own counters
+    rec = [e.data for e in events if e.kind == "trajectories_recovered"]
+    if rec:
+        out["engine_failures"] = sum(1 for e in events if e.kind == "engine_failed")
+        out["engines_retired"] = len({e.engine for e in events if e.kind == "engine_failed"
+                                      and e.data.get("permanent")})
+        for key in ("resumed", "tokens_kept", "tokens_lost"):
+            out[f"failed_engine_{key}"] = sum(d.get(key, 0) for d in rec)
+        down = [e.data["down_s"] for e in events if e.kind == "engine_recovered" and "down_s" in e.data]
+        if down:
+            out["engine_down_s"] = sum(down) / len(down)
+    stats = [e.data for e in events if e.kind == "policy_stats"]
+    if stats:
+        out["policy_stats"] = stats[-1]
     return out
 
 

@@ -1,8 +1,8 @@
 """The compute the controller schedules onto, as it sees it: each rollout engine (`EngineView`: its weights, the
-counters it last reported, the controller's own `assigned`, `loading` and `lent`), the engines' profiled decode step
-(`DecodeProfile`, from a backend that has one) and the trainer (`TrainerView`: its version, what is published, its
-progress). Part of `Views` (sched/views.py); written only by the request lifecycle (sched/lifecycle.py) and its
-elastic pool (sched/engine_pool.py).
+counters it last reported, the controller's own `assigned`, `loading`, `lent` and `failed`), the engines' profiled
+decode step (`DecodeProfile`, from a backend that has one) and the trainer (`TrainerView`: its version, what is
+published, its progress). Part of `Views` (sched/views.py); written only by the request lifecycle (sched/lifecycle.py),
+its event fold and its elastic pool (sched/engine_pool.py).
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ class EngineView:
     assigned: int = 0            # requests sent and not yet given back (the controller's own count)
     lent: bool = False           # lent to the trainer (LendEngines): no request may be placed on it
     preemptions: int = 0         # KV preemptions so far (as last reported)
+    failed: bool = False         # its engine failed (`engine_failed`) and has not rejoined: nothing goes to it
+    retired: bool = False        # failed for good (it gave up recovering): it never rejoins
+    failures: int = 0            # times it failed
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ A request's life (sched/lifecycle.py has the rules):
     RUNNING --Abort(requeue)--> REQUEUEING --(engine confirms)--> PENDING               (or FINISHED if it won)
     RUNNING --Interrupt / Migrate--> INTERRUPTING --trajectory_interrupted--> PENDING   (with its tokens so far)
     PENDING / FINISHED --Abort--> ABORTED                                               (never sent / discarded)
+    RUNNING / INTERRUPTING / REQUEUEING --engine_failed--> PENDING                      (tokens from the pool)
+    ABORTING --engine_failed--> ABORTED
     (checkpoint) anything not yet scored --> RESTORED --(every engine holds the checkpoint's weights)--> PENDING
 """
 from __future__ import annotations

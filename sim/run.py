@@ -126,7 +126,7 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     try:
         ctl.run(backend)
     except StopSimulation:
-        pass
+        ctl.log_stats()
     finally:
         log.close()
     wall = time.perf_counter() - t0

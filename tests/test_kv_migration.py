@@ -166,6 +166,45 @@ def test_the_backend_sends_the_kv_s_keeper_a_sendkv_right_before_the_destination
     assert ch.sent[0][1] == SendKV(51, 1) and isinstance(ch.sent[1][1], Start)   # 52's KV is on rank 1 already
 
 
+def test_a_migrated_request_aborted_while_pending_has_its_kept_kv_dropped_at_its_keeper():
+    """The KV a migrating Interrupt kept on the source engine is let go when the request is aborted before its
+    resubmission: the lifecycle sends the keeper an Abort, whose worker drops the KV without an event."""
+    import sched
+    from rl.types import Trajectory
+    from sched.controller import Controller, PromptItem
+    from sched.decisions import Abort, Submit
+    from sched.events import Event
+    from sched.resources import EngineView
+    ctl = Controller(sched.load_preset("sync"), lambda n: [PromptItem(i, [1, 2], "a") for i in range(n)],
+                     group_size=2, prompts_per_step=1, total_steps=1)
+    ctl.v.engines = [EngineView(engine=i, version=0) for i in range(2)]
+    ctl.v.trainer.published = 0
+    ctl.start_round(1)
+    ctl.life.admit(Submit(1, [0, 1]))
+    ctl.life.interrupt([0, 1], migrate_to=0)
+    for rid, meta in ((0, {"kv_rank": 2}), (1, {})):
+        ctl.apply(Event("trajectory_interrupted", 0.1, engine=1, req_id=rid, group_id=0, version=0,
+                        payload=Trajectory(0, rid, [1, 2], [5], [-0.1], [0], finish_reason="interrupted",
+                                           meta=meta)))
+    ctl.life.due_migrations()   # (the test does not resubmit them: both stay pending)
+    assert ctl.v.requests[0].partial.meta == {"kv_rank": 2, "kv_engine": 1}
+    sends = ctl.life.abort(Abort(1, [0, 1]))
+    assert sends == [Abort(1, [0], False)], "only the request whose KV is kept is sent, to its keeper"
+    assert [r.state for r in ctl.v.requests.values()] == ["aborted", "aborted"]
+
+    from runtime.messages import Start, StartRequest
+    from tests.test_rollout_worker import events_of, loaded_worker
+    w, ch, task, tok = loaded_worker(verify=False)
+    w.handle(Start([StartRequest(REQ, 0, 0, 0, tok.encode(task.prompts()[0][0], add_special_tokens=False), "a")]))
+    w.step()
+    w.kv_sender = object()   # as on a rank with a KV group: the Interrupt keeps the KV
+    w.handle(__import__("sched.decisions", fromlist=["Interrupt"]).Interrupt(0, [REQ], dst=0))
+    assert REQ in w.kv_out
+    w.handle(Abort(0, [REQ]))
+    w.flush()
+    assert not w.kv_out and not events_of(ch, "trajectory_aborted")
+
+
 REQ = 7
 
 

@@ -201,3 +201,38 @@ def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(
     from bench.kv_move import summarize   # the bench's reading of the same log
     s = summarize(run, migrate_kv)
     assert (s.migrations, s.adopted) == (len(migrated), adopted) and (s.kv_tokens > 0) == migrate_kv
+
+
+def test_laminar_isolates_an_engine_failure_on_real_ranks_and_loses_nothing(tmp_path):
+    """Laminar §3.3 on 2 train + 2 rollout ranks: rank 2's engine fails mid-generation (an injected fault at its
+    20th engine step, unrebuildable for 1 s). The run goes on: its trajectories resume from the partial-response
+    pool on the other engine, of their own version, and all finish; the engine rejoins and takes new batches; every
+    step trains, nothing is dropped, and the off-policy invariants hold. (Responses run to their 24-32 token caps,
+    so the fault lands mid-batch, after two streams.)"""
+    from tests.test_offpolicy_presets import check_offpolicy_log
+    run = tmp_path / "laminar"
+    env = {"TIDAL_FAULTS": "fail 2 decode 20 1.0"}
+    torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=6",
+             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--data.task=repeat",
+             "--data.cap_at_answer=true", "--rollout.max_new_tokens=33", "--data.len_body_max=4",
+             "--data.len_tail_min=24", "--data.len_tail_max=32", "--data.len_tail_frac=1.0",
+             "--rollout.ignore_eos=true", env=env)
+    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    report = check_offpolicy_log(events, None)
+    assert report["twice"] == report["lost"] == report["unreturned"] == report["stale"] == [], report
+    kinds = [e["kind"] for e in events]
+    i, j = kinds.index("engine_failed"), kinds.index("engine_recovered")
+    failed, recovered, rec = events[i], events[j], events[kinds.index("trajectories_recovered")]
+    assert kinds.count("engine_failed") == 1 and failed["engine"] == 0 and "injected" in failed["data"]["error"]
+    held = {int(r): n for r, n in failed["data"]["held"].items()}
+    assert held and rec["data"]["resumed"] == len(held) and rec["data"]["dropped"] == 0
+    # the pool kept all but what the engine generated since its last stream (every 8 engine steps)
+    assert rec["data"]["tokens_kept"] >= 16 * len(held) and rec["data"]["tokens_lost"] <= 8 * len(held), rec
+    assert recovered["data"]["down_s"] >= 1.0 and not [e for e in events if e["kind"] == "trajectory_aborted"]
+    again = [e for e in events[i:] if e["kind"] == "request_admitted" and e["req_id"] in held]
+    assert sorted(e["req_id"] for e in again) == sorted(held)
+    assert all(e["version"] == failed["version"] for e in again), "resumed on an engine of another version"
+    finished = {e["req_id"]: e for e in events[i:] if e["kind"] == "trajectory_finished" and e["req_id"] in held}
+    assert set(finished) == set(held) and all(finished[r]["data"]["tokens"] >= held[r] - 1 for r in held)
+    assert any(e["kind"] == "request_admitted" and e["engine"] == 0 for e in events[j:]), "the engine never rejoined"

@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.dist
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args: str, timeout: float = 400, env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
            str(free_port()), "train.py", "--config", "configs/tiny.toml", "--log.progress=false", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc

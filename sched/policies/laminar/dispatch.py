@@ -8,7 +8,7 @@ from config import F
 from sched.base import Dispatch, register
 from sched.decisions import Submit
 from sched.resources import EngineView
-from sched.views import Views, least_loaded
+from sched.views import Request, Views, least_loaded
 
 
 @register
@@ -24,13 +24,18 @@ class LaminarDispatch(Dispatch):
     back-pressure of §7/§10 ("rollouts can out-produce the trainer"; the paper leaves capacity and eviction open).
 
     In controller terms a "round" is the set of batches started at one decision: bookkeeping here, never a
-    synchronisation point. A request handed back without a destination (none in Laminar's own mechanisms) goes to
-    the least-loaded engine whose version is not older than its tokens.
+    synchronisation point. A request handed back without a destination (a failed engine's, §3.3) resumes on the
+    least-loaded healthy engine of the SAME version as its tokens (or, with none yet, of the engine it started on);
+    while a failed engine of that version may still rejoin, it waits for it ("or wait for a replacement that loads
+    exactly that version"); with neither, it goes to the least-loaded engine not older than its tokens, a
+    two-version trajectory (our assumption: the paper's replacement loads the old version from actor checkpoint
+    files, which the relays, holding only the newest, cannot).
 
     Invariant kept: an engine never starts a batch while it holds a trajectory or before it adopted the latest
-    published version; a group never spans engines at admission."""
+    published version, nor takes work while failed; a group never spans engines at admission."""
     name = "laminar"
-    paper = "Laminar §3.2 steps 1-3, §5-§6 (trajectory-level asynchrony)"
+    paper = "Laminar §3.2 steps 1-3, §3.3, §5-§6 (trajectory-level asynchrony)"
+    skips_failed_engines = True
 
     @dataclass
     class Params:
@@ -45,8 +50,8 @@ class LaminarDispatch(Dispatch):
         return self.p.batch_groups or math.ceil(v.prompts_per_step / max(1, len(v.engines)))
 
     def can_start_batch(self, v: Views, e: EngineView) -> bool:
-        return (e.assigned == 0 and not e.loading and e.version >= 0 and e.version >= v.trainer.published
-                and e.engine not in self.todo and not v.migrating_to(e.engine))
+        return (e.assigned == 0 and not e.loading and not e.failed and e.version >= 0
+                and e.version >= v.trainer.published and e.engine not in self.todo and not v.migrating_to(e.engine))
 
     def intake(self, v: Views) -> int:
         ready = [e.engine for e in v.engines if self.can_start_batch(v, e)]
@@ -68,12 +73,12 @@ class LaminarDispatch(Dispatch):
     def admit(self, v: Views) -> list[Submit]:
         out: dict[int, list[int]] = {}
         for ids in v.pending_by_group().values():
-            resumed = [p for i in ids if (p := v.requests[i].partial) is not None]
-            if resumed:             # handed back without a destination: any engine not older than its tokens
-                need = max((max(p.versions, default=-1) for p in resumed), default=-1)
-                ok = {e.engine: e.assigned for e in v.engines if e.version >= max(need, 0) and not e.loading}
-                if ok:
-                    out.setdefault(least_loaded(ok), []).extend(ids)
+            back = [i for i in ids if v.requests[i].partial is not None or v.requests[i].v_traj >= 0]
+            if back:                # handed back without a destination: resumed one by one (class docstring)
+                for i in back:
+                    eng = self.resume_on(v, v.requests[i])
+                    if eng is not None:
+                        out.setdefault(eng, []).append(i)
                 continue
             eng = next((e for e, k in sorted(self.todo.items()) if k > 0), None)
             if eng is None:
@@ -84,3 +89,16 @@ class LaminarDispatch(Dispatch):
                 del self.todo[eng]
         self.todo.clear()           # a batch short of prompts starts short rather than blocking its engine
         return [Submit(e, ids) for e, ids in sorted(out.items())]
+
+    @staticmethod
+    def resume_on(v: Views, r: Request) -> int | None:
+        """The engine a handed-back request resumes on (None: wait), by the rule in the class docstring."""
+        part = r.partial
+        need = max(part.versions) if part is not None and part.versions else r.v_traj
+        healthy = [e for e in v.engines if not e.failed and not e.loading and e.version >= max(need, 0)]
+        same = {e.engine: e.assigned for e in healthy if e.version == need}
+        if same:
+            return least_loaded(same)
+        if any(e.failed and not e.retired and e.version == need for e in v.engines):
+            return None
+        return least_loaded({e.engine: e.assigned for e in healthy}) if healthy else None

@@ -87,9 +87,15 @@ class Repack(Rebalance):
     Invariants kept: a trajectory only ever moves between engines holding the SAME weight version (so it stays
     single-version), never onto an engine that is loading or empty, never onto an engine that is itself a source
     (the chained-move guard: the printed algorithm could empty a destination after assigning sources to it), and
-    never while an earlier move touching either engine is still in flight."""
+    never while an earlier move touching either engine is still in flight, never from or onto a failed engine.
+
+    The rollout manager also isolates engine faults (§3.3, `engine_failures`): engines stream each trajectory's
+    tokens so far to the controller's partial-response pool (sched/partials.py); a failed engine's trajectories
+    resume on healthy engines of their version (laminar/dispatch.py) and the engine rejoins once rebuilt
+    (runtime/rollout_worker.py)."""
     name = "repack"
-    paper = "Laminar §5, Algorithm 1 (Best-Fit repack)"
+    paper = "Laminar §5, Algorithm 1 (Best-Fit repack); §3.3 (fault isolation)"
+    skips_failed_engines = True
 
     @dataclass
     class Params:
@@ -100,6 +106,8 @@ class Repack(Rebalance):
         idle_rule: str = F("alg1", choices=("alg1", "drained"),
                            help="ramp-down test: Algorithm 1's strict KV decrease, or queue empty and below C_max")
         guard: bool = F(True, help="skip a source already chosen as a destination (no chained moves)")
+        engine_failures: int = F(3, ge=0, help="failures of one engine the rollout manager recovers from (§3.3); "
+                                 "past them it is retired; 0: an engine failure ends the run")
 
     def __init__(self, params: "Repack.Params | None" = None):
         super().__init__(params)
@@ -107,6 +115,9 @@ class Repack(Rebalance):
         self.last_version = 0
         self.kv_prev: dict[int, float] = {}
         self.moves = 0
+
+    def failures_isolated(self) -> int:
+        return self.p.engine_failures
 
     def due(self, v: Views) -> bool:
         if v.now - self.last_check >= self.p.period_s:
@@ -126,7 +137,7 @@ class Repack(Rebalance):
             cap = e.kv_used + e.kv_free
             c = e.kv_used / cap if cap > 0 else 0.0
             prev, self.kv_prev[e.engine] = self.kv_prev.get(e.engine, c), c
-            if cap <= 0 or e.loading or e.version < 0 or e.engine in busy or v.migrating_to(e.engine):
+            if cap <= 0 or e.loading or e.failed or e.version < 0 or e.engine in busy or v.migrating_to(e.engine):
                 continue
             n = len(running.get(e.engine, []))
             snaps.setdefault(e.version, []).append(EngineCheck(e.engine, e.version, c, prev, n, e.waiting))
@@ -139,6 +150,9 @@ class Repack(Rebalance):
                     out.append(Migrate(src, dst, list(ids)))
                     self.moves += 1
         return out
+
+    def stats(self) -> dict[str, float]:
+        return {"moves": self.moves}
 
     def state_dict(self) -> dict[str, Any]:
         return {"moves": self.moves}

@@ -140,6 +140,12 @@ class StaleFlowRouting(Dispatch):
             st.routed.add(it.req.req_id)
         return [Submit(e, ids) for e, ids in sorted(out.items())]
 
+    def stats(self) -> dict[str, float]:
+        st = self.state
+        n = st.snaps_accepted + st.snaps_estimated
+        out = {"snapshots_accepted": st.snaps_accepted, "snapshots_estimated": st.snaps_estimated}
+        return {**out, "snapshots_accepted_frac": st.snaps_accepted / n} if n else out
+
     def state_dict(self) -> dict[str, Any]:
         return self.state.state_dict()
 

@@ -74,6 +74,8 @@ class StaleFlowState:
         self.steps: dict[str, Callable[[Views, Snaps], list[Any]]] = {}  # Alg. 1's sync / migrate (bind time)
         self.issued: dict[str, list[Any]] = {}   # this pass's commands by step, until the controller takes them
         self.issued_seq = -1                     # Views.seq of the pass that issued them
+        self.snaps_accepted = 0                  # engine reports Eq. 1 accepted in a snapshot
+        self.snaps_estimated = 0                 # ... and those it replaced by P's estimate (they predated a command)
 
     def buffers(self, v: Views) -> StalenessBuffers:
         """The staleness buffers, made at their first use: `prompts_per_step` entries each, starting at the
@@ -152,7 +154,9 @@ class StaleFlowState:
             if reported == len(running) and reported == e.assigned and not e.loading and (e.kv_used or not reqs):
                 snap = InstanceSnap(e.engine, e.version, e.running, e.waiting, float(e.kv_used * bs), M, e.loading,
                                     ids)
+                self.snaps_accepted += 1
             else:
+                self.snaps_estimated += 1
                 kv = sum(r.prompt_len + r.tokens for r in running)
                 snap = InstanceSnap(e.engine, e.version, len(running), 0, float(kv), M, e.loading, ids)
             out[e.engine] = snap

@@ -1,0 +1,87 @@
+"""The partial-response pool (Laminar §3.1, §3.2 step 2, §7): the tokens so far of every trajectory on an engine,
+streamed by the engines as they grow and held by the controller, on the CPU and away from the engines, so a failed
+engine loses at most what it generated since its last report (§3.3: "in-progress trajectory states remain safe").
+
+Engines stream only when a preset's mechanism isolates engine faults (`Preset.isolates_faults`). The request
+lifecycle's event fold (sched/fold.py) writes the pool, and nothing else does: an entry opens when a request is
+admitted (holding the partial trajectory it resumes from, if any), grows with each `tokens_decoded` event's
+`payload["partials"]` chunk (`start`, ids, behaviour log-probs, per-token versions, from that token index on), and
+closes when the request leaves its engine (finished, interrupted, aborted). When an engine fails, its requests
+resume from their entries (`take`).
+
+The streaming granularity is not in the paper ([GAP] in ../shared/research/seeds_laminar.md, invariant 6); ours is
+the engines' counters period (every `counters_every` engine steps, runtime/rollout_worker.py).
+
+Invariant kept: an entry only grows, and a chunk must start within what the entry holds (a gap is an
+InvariantError: tokens would be missing from the resumed trajectory).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rl.types import Trajectory
+from sched.base import InvariantError
+
+
+@dataclass
+class PartialEntry:
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    streamed: int = 0    # tokens that arrived by stream (not carried in from a resume)
+
+
+Chunk = tuple[int, list[int], list[float], list[int]]   # (start, ids, log-probs, versions)
+
+
+class PartialPool:
+    def __init__(self) -> None:
+        self.entries: dict[int, PartialEntry] = {}
+        self.tokens_streamed = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def open(self, req_id: int, partial: Trajectory | None) -> None:
+        """A request admitted to an engine: its entry starts from the tokens it resumes from."""
+        if partial is None:
+            self.entries[req_id] = PartialEntry()
+        else:
+            self.entries[req_id] = PartialEntry(list(partial.response_ids), list(partial.logprobs),
+                                                list(partial.versions))
+
+    def grow(self, req_id: int, chunk: Chunk) -> None:
+        """Tokens from index `start` on, as the engine streamed them (a chunk may repeat tokens already held)."""
+        entry = self.entries.get(req_id)
+        if entry is None:
+            return   # left its engine already (the stream and the departure crossed)
+        start, ids, lps, versions = chunk
+        if not len(ids) == len(lps) == len(versions):
+            raise InvariantError(f"partial chunk for request {req_id}: {len(ids)} ids, {len(lps)} log-probs, "
+                                 f"{len(versions)} versions")
+        if start > len(entry.ids):
+            raise InvariantError(f"partial chunk for request {req_id} starts at token {start} but the pool holds "
+                                 f"{len(entry.ids)}: tokens would be missing")
+        new = start + len(ids) - len(entry.ids)
+        if new <= 0:
+            return
+        del entry.ids[start:], entry.logprobs[start:], entry.versions[start:]
+        entry.ids += ids
+        entry.logprobs += lps
+        entry.versions += versions
+        entry.streamed += new
+        self.tokens_streamed += new
+
+    def close(self, req_id: int) -> None:
+        self.entries.pop(req_id, None)
+
+    def take(self, req_id: int, like: Trajectory | None, group_id: int, sample_index: int, prompt_ids: list[int],
+             prompt_index: int) -> Trajectory | None:
+        """Close a failed engine's request's entry; its tokens so far as a partial trajectory to resume from (None:
+        nothing generated yet, it starts afresh)."""
+        entry = self.entries.pop(req_id, None)
+        if entry is None or not entry.ids:
+            return like
+        return Trajectory(group_id=group_id, sample_index=sample_index, prompt_ids=list(prompt_ids),
+                          response_ids=entry.ids, logprobs=entry.logprobs, versions=entry.versions,
+                          finish_reason="interrupted", prompt_index=prompt_index, meta={"from_pool": True})
