@@ -9,9 +9,10 @@ import sched
 from rl.types import Trajectory
 from sched.base import InvariantError
 from sched.controller import Controller, PromptItem
-from sched.decisions import LoadWeights, ResetEngine, Submit
+from sched.decisions import Abort, LoadWeights, ResetEngine, Submit
 from sched.events import Event
 from sched.partials import PartialPool
+from sched.resources import EngineView
 
 
 class Script:
@@ -48,8 +49,6 @@ def started(engines: int = 2, isolates: bool = True, overrides=None) -> tuple[Co
     ctl = Controller(sched.load_preset("laminar", overrides), source, group_size=2, prompts_per_step=2 * engines,
                      total_steps=5)
     b = Script(engines, isolates)
-    ctl.v.engines = []
-    from sched.resources import EngineView
     ctl.v.engines = [EngineView(engine=i) for i in range(engines)]
     if isolates:
         ctl.life.fold.partials = PartialPool()   # what Controller.run does for a backend that isolates faults
@@ -116,15 +115,19 @@ def test_a_failed_engine_s_trajectories_resume_from_the_pool_on_an_engine_of_the
     assert on(ctl, 0), "the rejoined engine took no batch"
 
 
-def test_a_resumed_trajectory_waits_for_a_failed_engine_of_its_version_or_goes_on_when_it_is_retired():
+def engine_1_moves_on() -> tuple[Controller, Script, list[int]]:
+    """Engine 1 finishes its batch and loads v1; engine 0 still holds its v0 trajectories (returned)."""
     ctl, b = started()
-    # engine 1 finishes its batch and moves on to v1; then engine 0 fails holding v0 trajectories
     for rid in on(ctl, 1):
         r = ctl.v.requests[rid]
         step(ctl, b, Event("trajectory_finished", 0.1, engine=1, req_id=rid, group_id=r.group_id, version=0,
                            data={"tokens": 3}))
     step(ctl, b, Event("version_published", 0.2, version=1), Event("weights_loaded", 0.3, engine=1, version=1))
-    lost = on(ctl, 0)
+    return ctl, b, on(ctl, 0)
+
+
+def test_a_resumed_trajectory_waits_for_a_failed_engine_of_its_version_or_goes_on_when_it_is_retired():
+    ctl, b, lost = engine_1_moves_on()   # then engine 0 fails holding v0 trajectories
     step(ctl, b, Event("tokens_decoded", 0.35, engine=0, version=0, payload=stream(lost, 2)))
     b.submits.clear()
     step(ctl, b, Event("engine_failed", 0.4, engine=0, version=0, data={"error": "boom", "held": {}}))
@@ -135,13 +138,7 @@ def test_a_resumed_trajectory_waits_for_a_failed_engine_of_its_version_or_goes_o
     assert eng == 0 and sorted(ids) == lost
 
     # the same, but the engine is retired: they resume on the newer engine (two-version trajectories)
-    ctl, b = started()
-    for rid in on(ctl, 1):
-        r = ctl.v.requests[rid]
-        step(ctl, b, Event("trajectory_finished", 0.1, engine=1, req_id=rid, group_id=r.group_id, version=0,
-                           data={"tokens": 3}))
-    step(ctl, b, Event("version_published", 0.2, version=1), Event("weights_loaded", 0.3, engine=1, version=1))
-    lost = on(ctl, 0)
+    ctl, b, lost = engine_1_moves_on()
     b.submits.clear()
     step(ctl, b, Event("engine_failed", 0.4, engine=0, version=0, data={"error": "boom", "permanent": True}))
     assert ctl.v.engines[0].retired
@@ -153,7 +150,7 @@ def test_a_resumed_trajectory_waits_for_a_failed_engine_of_its_version_or_goes_o
 def test_aborting_requests_of_a_failed_engine_close_and_every_engine_retired_ends_the_run():
     ctl, b = started()
     rid = on(ctl, 0)[0]
-    ctl.command(b, __import__("sched.decisions", fromlist=["Abort"]).Abort(0, [rid]))
+    ctl.command(b, Abort(0, [rid]))
     step(ctl, b, Event("engine_failed", 0.1, engine=0, version=0, data={"error": "boom"}))
     assert ctl.v.requests[rid].state == "aborted"
     assert [e for e in ctl.log.events if e.kind == "trajectory_aborted" and e.req_id == rid]

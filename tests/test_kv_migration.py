@@ -172,7 +172,7 @@ def test_a_migrated_request_aborted_while_pending_has_its_kept_kv_dropped_at_its
     import sched
     from rl.types import Trajectory
     from sched.controller import Controller, PromptItem
-    from sched.decisions import Abort, Submit
+    from sched.decisions import Abort, Interrupt, Submit
     from sched.events import Event
     from sched.resources import EngineView
     ctl = Controller(sched.load_preset("sync"), lambda n: [PromptItem(i, [1, 2], "a") for i in range(n)],
@@ -198,7 +198,7 @@ def test_a_migrated_request_aborted_while_pending_has_its_kept_kv_dropped_at_its
     w.handle(Start([StartRequest(REQ, 0, 0, 0, tok.encode(task.prompts()[0][0], add_special_tokens=False), "a")]))
     w.step()
     w.kv_sender = object()   # as on a rank with a KV group: the Interrupt keeps the KV
-    w.handle(__import__("sched.decisions", fromlist=["Interrupt"]).Interrupt(0, [REQ], dst=0))
+    w.handle(Interrupt(0, [REQ], dst=0))
     assert REQ in w.kv_out
     w.handle(Abort(0, [REQ]))
     w.flush()
