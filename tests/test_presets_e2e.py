@@ -118,8 +118,10 @@ def test_bounded_staleness_preset_runs_on_real_ranks_within_its_bound(preset, et
 
 
 def test_the_log_checker_catches_an_off_policy_sample_and_a_double_handoff(tmp_path):
-    run = tmp_path / "sync"
-    torchrun(3, f"--log.dir={run}", "--train.steps=2", "--rollout.prompts_per_step=4", "--checkpoint.export_hf=false")
+    """On a synchronous run's log (the simulator's: the same events as a real run's, in a run directory)."""
+    from sim.run import simulate
+    run = simulate("sync", "cpu_tiny", "cpu_tiny", 2, 2, steps=2, group_size=4, prompts_per_step=4).write(
+        tmp_path / "sync", timeline=False)
     assert check_log(run)["off_policy"] == []
     lines = (run / "events.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
@@ -132,12 +134,12 @@ def test_the_log_checker_catches_an_off_policy_sample_and_a_double_handoff(tmp_p
     assert len(report["off_policy"]) == 1 and report["twice"]
 
 
-@pytest.mark.parametrize("preset,bound", [("laminar", None), ("one_step", 1), ("streamrl_async", 1),
-                                          ("partial_rollout", None)])
+@pytest.mark.parametrize("preset,bound", [("one_step", 1), ("streamrl_async", 1), ("partial_rollout", None)])
 def test_offpolicy_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, bound, tmp_path):
     """Off-policy presets: samples may be older than the step (bounded where the preset says so), but no group is
     trained twice or before it materialised, no finished sample of a trained group is missing, and every
-    interrupted request comes back (tests/test_offpolicy_presets.py `check_offpolicy_log`)."""
+    interrupted request comes back (tests/test_offpolicy_presets.py `check_offpolicy_log`). Laminar's real-rank runs
+    (a full buffer, forced repacks, a failed engine) follow, each with the same checks."""
     from tests.test_offpolicy_presets import check_offpolicy_log
     run = tmp_path / preset
     torchrun(4, f"--log.dir={run}", f"--sched.preset={preset}", "--cluster.rollout_ranks=2", "--train.steps=6",
@@ -152,11 +154,14 @@ def test_offpolicy_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, bo
 def test_laminar_with_a_full_experience_buffer_evicts_on_real_ranks_and_keeps_the_invariants(tmp_path):
     """Laminar's buffer capped at one batch (`handoff.capacity`): the two engines out-produce the trainer, so
     whole materialised groups are evicted (aborted, counted), none of them trained, every step still gets its batch
-    and the off-policy invariants hold."""
+    and the off-policy invariants hold. The trainer is slowed at steps 2 and 4 (a train rank sleeps 0.3 s at each
+    progress report): the tiny model's train step alone (~0.1 s) is sometimes faster than the engines' batches, and
+    then nothing would ever be evicted."""
     from tests.test_offpolicy_presets import check_offpolicy_log
     run = tmp_path / "laminar"
     torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=6",
-             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--sched.handoff.capacity=8")
+             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--sched.handoff.capacity=8",
+             env={"TIDAL_FAULTS": "slow 1 train 2 0.3 & slow 1 train 4 0.3"})
     assert [r["step"] for r in metrics(run)] == list(range(1, 7))
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     report = check_offpolicy_log(events, None)
@@ -221,6 +226,7 @@ def test_laminar_isolates_an_engine_failure_on_real_ranks_and_loses_nothing(tmp_
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     report = check_offpolicy_log(events, None)
     assert report["twice"] == report["lost"] == report["unreturned"] == report["stale"] == [], report
+    assert report["unmaterialised_trained"] == [] and report["trained_groups"] == 6 * 8, report
     kinds = [e["kind"] for e in events]
     i, j = kinds.index("engine_failed"), kinds.index("engine_recovered")
     failed, recovered, rec = events[i], events[j], events[kinds.index("trajectories_recovered")]
