@@ -17,7 +17,7 @@ from typing import Any
 from config import F
 from sched.base import Dispatch, Handoff, Preset, WeightSync, register
 from sched.decisions import LoadWeights, Submit
-from sched.views import ON_ENGINE, GroupState, S, Views, least_loaded
+from sched.views import ON_ENGINE, GroupState, Request, S, Views, least_loaded
 
 
 @register
@@ -59,8 +59,11 @@ class ArealDispatch(Dispatch):
         super().__init__(params)
         self.admitted = 0      # groups started, cumulative
         self.pulled = 0        # groups pulled into the pipeline, cumulative
-        self.placed: dict[int, dict[int, list[int]]] = {}   # `_live_groups`' books
-        self.counted: dict[int, tuple[int, int]] = {}        # engine -> (its `assigned`, live groups) when counted
+        # `_live_groups`' books: engine -> group -> its members placed there and not yet seen leaving; per engine
+        # how many members that is; per round, how far its finishes (Views.finishes) were read
+        self.live: dict[int, dict[int, dict[int, Request]]] = {}
+        self.members: Counter[int] = Counter()
+        self.cursor: dict[int, int] = {}
         self.synced = False
         self.own_placement = False
 
@@ -96,43 +99,58 @@ class ArealDispatch(Dispatch):
                   if self.admitted < (self.p.eta + e.version + 1) * B and groups[e.engine] < cap}
             if not ok:
                 break
-            ids = [r.req_id for r in members]
+            rs = list(members)
+            ids = [r.req_id for r in rs]
             eng = least_loaded(ok)
             out.setdefault(eng, []).extend(ids)
-            self.placed.setdefault(eng, {}).setdefault(gid, []).extend(ids)
-            self.counted.pop(eng, None)
+            books = self.live.setdefault(eng, {}).setdefault(gid, {})
+            self.members[eng] += sum(1 for r in rs if r.req_id not in books)
+            books.update((r.req_id, r) for r in rs)
             load[eng] += len(ids)
             groups[eng] += 1
             self.admitted += 1
         return [Submit(e, ids) for e, ids in sorted(out.items())]
 
     def _live_groups(self, v: Views) -> dict[int, int]:
-        """Per engine, the groups with a request on it (AReaL's running rollouts). Kept incrementally from this
-        dispatch's own Submits (`placed`: engine -> group -> its ids that may still be there, the last checked
-        first, so each request is passed over once after it leaves) and re-counted only on an engine whose
-        `assigned` moved since (a request left, or this dispatch placed one); rebuilt from the running index
-        after a resume, and on every call when a rebalance may migrate requests onto other engines."""
+        """Per engine, the groups with a request on it (AReaL's running rollouts), exactly, at a cost per event of
+        the requests that finished since the last call. Kept from this dispatch's own Submits (`live`); the
+        controller's list of finishes (`Views.finishes`, read from a cursor per round) takes members off one by
+        one. An engine whose count of members then differs from its `assigned` (a member left another way: an
+        interrupt, an abort, a round forgotten before its finishes were read) is recounted from its members'
+        states. Rebuilt from the running index after a resume, and on every call when a rebalance may migrate
+        requests onto other engines."""
         if not self.synced or not self.own_placement:
-            self.placed, self.counted = {}, {}
+            self.live, self.members = {}, Counter()
             for r in v.requests.in_state(*ON_ENGINE):
-                self.placed.setdefault(r.engine, {}).setdefault(r.group_id, []).append(r.req_id)
+                self.live.setdefault(r.engine, {}).setdefault(r.group_id, {})[r.req_id] = r
+                self.members[r.engine] += 1
+            self.cursor = {rnd: len(done) for rnd, done in v.finishes.items()}
             self.synced = True
+        else:
+            for rnd, done in v.finishes.items():
+                k = self.cursor.get(rnd, 0)
+                for rid in done[k:]:
+                    r = v.requests.get(rid)
+                    group = self.live.get(r.engine, {}).get(r.group_id) if r is not None else None
+                    if group is not None and group.pop(rid, None) is not None:
+                        self.members[r.engine] -= 1
+                        if not group:
+                            del self.live[r.engine][r.group_id]
+                self.cursor[rnd] = len(done)
+            if len(self.cursor) > len(v.finishes):
+                self.cursor = {rnd: k for rnd, k in self.cursor.items() if rnd in v.finishes}
         out = {}
         for e in v.engines:
-            eng = e.engine
-            seen = self.counted.get(eng)
-            if seen is not None and seen[0] == e.assigned:
-                out[eng] = seen[1]
-                continue
-            groups = self.placed.get(eng, {})
-            for gid in list(groups):
-                ids = groups[gid]
-                while ids and not _on(v, ids[-1], eng):
-                    ids.pop()
-                if not ids:
-                    del groups[gid]
-            out[eng] = len(groups)
-            self.counted[eng] = (e.assigned, len(groups))
+            groups = self.live.get(e.engine, {})
+            if self.members[e.engine] != e.assigned:
+                for gid in list(groups):
+                    members = groups[gid]
+                    for rid in [rid for rid, r in members.items() if r.state not in ON_ENGINE or r.engine != e.engine]:
+                        del members[rid]
+                    if not members:
+                        del groups[gid]
+                self.members[e.engine] = sum(len(m) for m in groups.values())
+            out[e.engine] = len(groups)
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -141,11 +159,6 @@ class ArealDispatch(Dispatch):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.admitted, self.pulled = int(state.get("admitted", 0)), int(state.get("pulled", 0))
         self.synced = False
-
-
-def _on(v: Views, req_id: int, engine: int) -> bool:
-    r = v.requests.get(req_id)
-    return r is not None and r.state in ON_ENGINE and r.engine == engine
 
 
 def group_version(v: Views, g: GroupState) -> int:
