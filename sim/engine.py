@@ -95,6 +95,7 @@ class SimEngine:
         self._heap: list[tuple[int, int, SimRequest]] = []  # (finish step, slot, request); stale entries skipped
         self._q_sum = 0               # private blocks: sum of Q_r, plus per residue M_r the count of requests
         self._m_count = [0] * cost.block_size  # (b_r = prompt_len % bs + done - mark = Q_r * bs + M_r)
+        self._m_suffix: list[int] | None = None  # suffix sums of _m_count (`need`), rebuilt after it changes
         self._kv_base = 0             # kv_tokens = _kv_base + len(running) * steps
         self._prefill = 0             # prefill tokens of the requests admitted since the last step
         self._moved = 0               # of which moved in (KV transferred, cost.kv_move_s), not recomputed
@@ -147,8 +148,18 @@ class SimEngine:
     def need(self, j: int = 0) -> int:
         """Blocks the running set needs to run its (j+1)-th step from now: shared prompt blocks plus, per request,
         ceil((b_r + steps + j) / bs) = Q_r + ceil((M_r + steps + j) / bs)."""
-        bs, x = self.bs, self.steps + j
-        return self.shared_blocks + self._q_sum + sum(c * -(-(m + x) // bs) for m, c in enumerate(self._m_count) if c)
+        bs = self.bs
+        suf = self._m_suffix
+        if suf is None:
+            suf = [0] * (bs + 1)
+            for m in range(bs - 1, -1, -1):
+                suf[m] = suf[m + 1] + self._m_count[m]
+            self._m_suffix = suf
+        # ceil((m + q bs + r) / bs) = q + (0 if m + r == 0, 1 if m + r <= bs, else 2), summed over the residues m
+        q, r = divmod(self.steps + j, bs)
+        n = suf[0]
+        return (self.shared_blocks + self._q_sum + q * n + n - (self._m_count[0] if r == 0 else 0)
+                + (suf[bs - r + 1] if r else 0))
 
     def overflows_within(self, m: int) -> bool:
         """Whether the running set outgrows the pool within its next m steps."""
@@ -167,6 +178,7 @@ class SimEngine:
         b = r.prompt_len % self.bs + r.done - r.mark
         self._q_sum += b // self.bs
         self._m_count[b % self.bs] += 1
+        self._m_suffix = None
         self._kv_base += r.prompt_len + r.done - r.mark
         heapq.heappush(self._heap, (r.mark + r.target - r.done, r.slot, r))
 
@@ -189,6 +201,7 @@ class SimEngine:
         b = r.prompt_len % self.bs + r.done - r.mark
         self._q_sum -= b // self.bs
         self._m_count[b % self.bs] -= 1
+        self._m_suffix = None
         self._kv_base -= r.prompt_len + r.done - r.mark
 
     def _min_remaining(self) -> int:

@@ -324,3 +324,16 @@ def test_h100_profile_comes_from_the_campaign_file_and_predicts_its_timed_decode
     hi = ph["prefill_steps"] * 2048 + 60 * eng["prompts"]
     n = round(ph["mean_batch"])
     assert 0.9 * p.step_s(n, lo) <= ph["step"] / 1e3 <= 1.1 * p.step_s(n, hi), (p.step_s(n, lo), p.step_s(n, hi))
+
+
+@settings(max_examples=200, deadline=None)
+@given(bs=st.sampled_from([1, 2, 16, 32]), counts=st.lists(st.integers(0, 5), min_size=32, max_size=32),
+       q_sum=st.integers(0, 50), steps=st.integers(0, 500), j=st.integers(0, 300))
+def test_blocks_needed_in_closed_form_equal_the_sum_over_residues(bs, counts, q_sum, steps, j):
+    """`SimEngine.need` (suffix sums of the residues' counts) against its definition, sum over the running requests'
+    residues m of ceil((m + steps + j) / bs)."""
+    b = backend(cost(block_size=bs), [[1]])
+    e = b.engines[0]
+    e._m_count, e._q_sum, e.steps, e._m_suffix = counts[:bs], q_sum, steps, None
+    want = e.shared_blocks + q_sum + sum(c * -(-(m + steps + j) // bs) for m, c in enumerate(counts[:bs]) if c)
+    assert e.need(j) == want

@@ -56,13 +56,16 @@ class ExperienceBuffer(Handoff):
         self.buf: list[GroupState] = []       # materialised, not yet handed over
         self.last_round = -1                  # rounds up to this one are in `open` / `buf`
         self.seen = -1                        # Views.materialized at the last scan
+        self.consumed = -1                    # TrainerView.groups_consumed when `buf` was last filtered
 
     def refresh(self, v: Views) -> None:
         """Fold new rounds and new materialisations in: O(groups in generation) per call, not O(all groups)."""
         for r in range(self.last_round + 1, v.round + 1):
             self.open.update(dict.fromkeys(v.round_groups.get(r, ())))
         self.last_round = v.round
-        self.buf = [g for g in self.buf if not g.consumed and v.groups.get(g.group_id) is g]
+        if v.trainer.groups_consumed != self.consumed:   # a group leaves the views only after it was consumed
+            self.consumed = v.trainer.groups_consumed
+            self.buf = [g for g in self.buf if not g.consumed and v.groups.get(g.group_id) is g]
         if v.materialized == self.seen:
             return
         self.seen = v.materialized
