@@ -10,8 +10,9 @@ discarded; `trajectory_interrupted` keeps the tokens so far as the request's `pa
 (queued for its Migrate's destination, if any); `trajectory_aborted` confirms an abort or requeue (or drops a
 request its backend stopped on its own); `train_step_done`, `version_published` and `weights_loaded` move the
 trainer's and the engines' versions; `engine_failed` takes a failed engine's requests back, resuming each from the
-partial-response pool (sched/partials.py: `tokens_decoded` events stream it, when the run isolates engine faults),
-and `engine_recovered` lets the engine take work again; `rank_failed` ends the run.
+partial-response pool (`tokens_decoded` events stream it when the run isolates engine faults), and
+`engine_recovered` lets the engine take work again (both in sched/partials.py: `take_back`, `rejoin`);
+`rank_failed` ends the run.
 
 Group accounting (`drop`, `materialize`): a dropped sample is counted in its group at once (its trajectory taken back
 out if scored); a group materialises once every kept sample is scored, logged `group_materialized` once.
@@ -31,7 +32,7 @@ from typing import Callable
 from rl.types import Trajectory
 from sched.base import InvariantError
 from sched.events import Event
-from sched.partials import PartialPool
+from sched.partials import PartialPool, rejoin, take_back
 from sched.views import ON_ENGINE, GroupState, Request, RequestState, Views
 
 S = RequestState
@@ -97,13 +98,14 @@ class EventFold:
             e.version, e.loading = ev.version, False
             self.release_restored()
         elif k == "engine_failed":
-            self._engine_failed(ev)
+            if self.partials is None:
+                err = ev.data.get("error", "unknown error")
+                raise RuntimeError(f"engine {ev.engine} (rank {ev.rank}) failed: {err}; this run does not isolate "
+                                   f"engine faults")
+            take_back(v, self.partials, ev, self.emit)
+            self.resets.append(ev.engine)
         elif k == "engine_recovered":
-            e = v.engines[ev.engine]
-            if not e.failed or e.retired or e.assigned:
-                why = "retired" if e.retired else "holding requests" if e.assigned else "not failed"
-                raise InvariantError(f"engine {ev.engine} rejoined but it was {why}")
-            e.failed, e.version = False, ev.version
+            rejoin(v, ev)
         elif k == "rank_failed":
             raise RuntimeError(f"rank {ev.rank} failed: {ev.data.get('error', 'unknown error')}")
 
@@ -167,50 +169,6 @@ class EventFold:
         if r.migrate_to >= 0:
             v.migrations.append((r.req_id, src, r.migrate_to))
         r.migrate_to = -1
-
-    def _engine_failed(self, ev: Event) -> None:
-        """Laminar §3.3: a failed engine's trajectories are safe in the partial-response pool. Its requests come
-        back PENDING with their tokens so far (a migration's still go to its destination), aborting ones are
-        closed as aborted; dispatch resumes them elsewhere. The engine takes nothing until it rejoins."""
-        v = self.v
-        err = ev.data.get("error", "unknown error")
-        if self.partials is None:
-            raise RuntimeError(f"engine {ev.engine} (rank {ev.rank}) failed: {err}; this run does not isolate "
-                               f"engine faults")
-        e = v.engines[ev.engine]
-        e.failed, e.retired, e.failures = True, bool(ev.data.get("permanent")), e.failures + 1
-        e.loading, e.running, e.waiting, e.kv_used, e.kv_free = False, 0, 0, 0, 0
-        if all(x.retired for x in v.engines):
-            raise RuntimeError(f"every engine failed for good (the last, engine {ev.engine}: {err})")
-        held = {int(rid): n for rid, n in ev.data.get("held", {}).items()}
-        resumed = kept = lost = dropped = 0
-        for r in v.requests.in_state(*ON_ENGINE):
-            if r.engine != ev.engine:
-                continue
-            e.assigned -= 1
-            if r.state == S.ABORTING:   # already counted dropped: its confirmation will never come
-                v.requests.set_state(r, S.ABORTED)
-                self.partials.close(r.req_id)
-                self.emit(Event("trajectory_aborted", v.now, engine=r.engine, req_id=r.req_id, group_id=r.group_id,
-                                data={"requeue": False, "engine_failed": True}))
-                dropped += 1
-                continue
-            if r.state == S.REQUEUEING:   # sent back to start over anyway: the pool's tokens are not kept
-                self.partials.close(r.req_id)
-                part = r.partial
-            else:
-                part = self.partials.take(r.req_id, r.partial, r.group_id, r.sample_index,
-                                          v.groups[r.group_id].prompt.prompt_ids, r.prompt_index)
-            n = len(part.response_ids) if part is not None else 0
-            resumed, kept, lost = resumed + 1, kept + n, lost + max(held.get(r.req_id, n) - n, 0)
-            r.partial, r.tokens = part, n
-            if r.migrate_to >= 0 and r.state == S.INTERRUPTING:
-                v.migrations.append((r.req_id, r.engine, r.migrate_to))
-            v.requests.set_state(r, S.PENDING)
-            r.engine, r.migrate_to = -1, -1
-        self.resets.append(ev.engine)
-        self.emit(Event("trajectories_recovered", v.now, engine=ev.engine,
-                        data={"resumed": resumed, "tokens_kept": kept, "tokens_lost": lost, "dropped": dropped}))
 
     def drop(self, r: Request) -> None:
         """Count request r dropped in its group (taking its trajectory back out if it was already scored)."""

@@ -6,8 +6,9 @@ Engines stream only when a preset's mechanism isolates engine faults (`Preset.is
 lifecycle's event fold (sched/fold.py) writes the pool, and nothing else does: an entry opens when a request is
 admitted (holding the partial trajectory it resumes from, if any), grows with each `tokens_decoded` event's
 `payload["partials"]` chunk (`start`, ids, behaviour log-probs, per-token versions, from that token index on), and
-closes when the request leaves its engine (finished, interrupted, aborted). When an engine fails, its requests
-resume from their entries (`take`).
+closes when the request leaves its engine (finished, interrupted, aborted). When an engine fails, the fold's
+`take_back` (below) returns its requests to PENDING, each resuming from its entry (`take`); `rejoin` lets the engine
+take work again once it reports itself rebuilt.
 
 The streaming granularity is not in the paper ([GAP] in ../shared/research/seeds_laminar.md, invariant 6); ours is
 the engines' counters period (every `counters_every` engine steps, runtime/rollout_worker.py).
@@ -19,8 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import Callable
+
 from rl.types import Trajectory
 from sched.base import InvariantError
+from sched.events import Event
+from sched.views import ON_ENGINE, RequestState, Views
+
+S = RequestState
 
 
 @dataclass
@@ -85,3 +92,52 @@ class PartialPool:
         return Trajectory(group_id=group_id, sample_index=sample_index, prompt_ids=list(prompt_ids),
                           response_ids=entry.ids, logprobs=entry.logprobs, versions=entry.versions,
                           finish_reason="interrupted", prompt_index=prompt_index, meta={"from_pool": True})
+
+
+def take_back(v: Views, pool: PartialPool, ev: Event, emit: Callable[[Event], None]) -> None:
+    """The event fold's `engine_failed` (Laminar §3.3): the engine's trajectories are safe in the pool. Its requests
+    come back PENDING with their tokens so far (a migration's still go to its destination), aborting ones are
+    closed as aborted; dispatch resumes them elsewhere. The engine takes nothing until it rejoins."""
+    err = ev.data.get("error", "unknown error")
+    e = v.engines[ev.engine]
+    e.failed, e.retired, e.failures = True, bool(ev.data.get("permanent")), e.failures + 1
+    e.loading, e.running, e.waiting, e.kv_used, e.kv_free = False, 0, 0, 0, 0
+    if all(x.retired for x in v.engines):
+        raise RuntimeError(f"every engine failed for good (the last, engine {ev.engine}: {err})")
+    held = {int(rid): n for rid, n in ev.data.get("held", {}).items()}
+    resumed = kept = lost = dropped = 0
+    for r in v.requests.in_state(*ON_ENGINE):
+        if r.engine != ev.engine:
+            continue
+        e.assigned -= 1
+        if r.state == S.ABORTING:   # already counted dropped: its confirmation will never come
+            v.requests.set_state(r, S.ABORTED)
+            pool.close(r.req_id)
+            emit(Event("trajectory_aborted", v.now, engine=r.engine, req_id=r.req_id, group_id=r.group_id,
+                       data={"requeue": False, "engine_failed": True}))
+            dropped += 1
+            continue
+        if r.state == S.REQUEUEING:   # sent back to start over anyway: the pool's tokens are not kept
+            pool.close(r.req_id)
+            part = r.partial
+        else:
+            part = pool.take(r.req_id, r.partial, r.group_id, r.sample_index,
+                             v.groups[r.group_id].prompt.prompt_ids, r.prompt_index)
+        n = len(part.response_ids) if part is not None else 0
+        resumed, kept, lost = resumed + 1, kept + n, lost + max(held.get(r.req_id, n) - n, 0)
+        r.partial, r.tokens = part, n
+        if r.migrate_to >= 0 and r.state == S.INTERRUPTING:
+            v.migrations.append((r.req_id, r.engine, r.migrate_to))
+        v.requests.set_state(r, S.PENDING)
+        r.engine, r.migrate_to = -1, -1
+    emit(Event("trajectories_recovered", v.now, engine=ev.engine,
+               data={"resumed": resumed, "tokens_kept": kept, "tokens_lost": lost, "dropped": dropped}))
+
+
+def rejoin(v: Views, ev: Event) -> None:
+    """The event fold's `engine_recovered`: a failed engine, rebuilt and holding nothing, takes work again."""
+    e = v.engines[ev.engine]
+    if not e.failed or e.retired or e.assigned:
+        why = "retired" if e.retired else "holding requests" if e.assigned else "not failed"
+        raise InvariantError(f"engine {ev.engine} rejoined but it was {why}")
+    e.failed, e.version = False, ev.version
