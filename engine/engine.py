@@ -46,9 +46,7 @@ class LLMEngine:
         self.clock = clock
         self.runner = ModelRunner(model, config)
         self.device = self.runner.device
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_batch_tokens,
-                                   config.chunked_prefill)
+        self.block_manager, self.scheduler = self._fresh_pool()
         self.sampler = Sampler(self.device, config.seed)
         self.eos_ids = eos_ids(model.config.eos_token_id, tokenizer)
         self.seqs: dict[RequestId, Sequence] = {}  # unfinished requests by id
@@ -195,13 +193,17 @@ class LLMEngine:
         dropped = list(self.seqs)
         self.seqs.clear()
         preemptions = self.scheduler.num_preemptions
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_batch_tokens,
-                                   self.config.chunked_prefill)
+        self.block_manager, self.scheduler = self._fresh_pool()
         self.scheduler.num_preemptions = preemptions
         for cache in (*self.runner.k_caches, *self.runner.v_caches):
             cache.zero_()
         return dropped
+
+    def _fresh_pool(self) -> tuple[BlockManager, Scheduler]:
+        """An empty block pool and the scheduler over it (at start-up, and after a failed step)."""
+        c = self.config
+        bm = BlockManager(self.runner.num_blocks, c.block_size)
+        return bm, Scheduler(bm, c.max_num_seqs, c.max_batch_tokens, c.chunked_prefill)
 
     def weights_finite(self) -> bool:
         """Whether every weight of the model is finite (a corrupted engine's are not)."""

@@ -282,8 +282,9 @@ class RolloutWorker:
         self.flush()
 
     def _rebuild(self) -> None:
-        """Rebuild a failed engine and rejoin (`engine_recovered`): its pool is fresh (reset at the failure); weights
-        that are not finite are reloaded from the relay. A rebuild that fails retires the engine (§3.3: the fault
+        """Rebuild a failed engine and rejoin (`engine_recovered`): its pool is fresh (reset at the failure, and
+        nothing entered it since: Starts are void until ResetEngine); weights that are not finite are reloaded from
+        the relay. A rebuild that fails retires the engine (§3.3: the fault
         persists)."""
         if time.perf_counter() < self.down_until:
             return
@@ -297,7 +298,6 @@ class RolloutWorker:
                 reloaded = True
                 if not self.engine.weights_finite():
                     raise RuntimeError(f"the relay's weights (v{self.relay_version}) are not finite either")
-            self.engine.reset()
         except Exception as err:
             self.retired = True
             self.event("engine_failed", version=self.engine.version,
