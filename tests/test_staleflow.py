@@ -260,14 +260,20 @@ def sim_cost() -> SimCost:
                    reward=RewardLatency((RewardTask("math", 1.0, 1e-3, 0.5, 1.0),)), block_size=16, max_num_seqs=64)
 
 
-def run(preset: str, eta: int, engines: int, seed: int, steps: int = 6, G: int = 4, B: int = 3):
+def run(preset: str, eta: int, engines: int, seed: int, steps: int = 6, G: int = 4, B: int = 3,
+        dispatch: dict | None = None, samples: int = 0, straggler: int = 0):
+    """`dispatch`: more of the routing's table; `samples`: responses per prompt in the trace (default G);
+    `straggler`: the first sample of every eighth prompt has this many tokens."""
     rng = random.Random(seed)
-    rows = tuple((16, tuple(rng.choice([3, 8, 20, 60, 250]) for _ in range(G))) for _ in range(16))
+    rows = tuple((16, tuple(straggler if straggler and j % 8 == 0 and k == 0 else rng.choice([3, 8, 20, 60, 250])
+                            for k in range(samples or G))) for j in range(16))
     backend = SimBackend(sim_cost(), TraceWorkload("t", rows), engines, 1, seed=seed, counters_every_s=0.02)
     counter = iter(range(10**6))
     source = lambda n: [PromptItem(i % 16, RunList.of(1, 16), None) for i in (next(counter) for _ in range(n))]
     tables = sched.preset_tables(preset)
     over = {k: {"eta": eta, **({"period_s": 0.0} if "period_s" in t else {})} for k, t in tables.items() if "eta" in t}
+    if dispatch:
+        over["dispatch"] = {**over.get("dispatch", {}), **dispatch}
     p = sched.load_preset(preset, over)
     trained: list = []
     train = backend.train

@@ -81,9 +81,11 @@ OPS = st.lists(st.tuples(st.sampled_from(["reserve", "join", "complete", "remove
 
 
 @settings(max_examples=300, deadline=None)
-@given(eta=st.integers(0, 3), batch=st.integers(1, 4), ops=OPS)
-def test_random_schedules_keep_the_staleness_bound(eta, batch, ops):
-    sb = StalenessBuffers(eta, batch)
+@given(eta=st.integers(0, 3), batch=st.integers(1, 4), extra=st.sampled_from([0, 0, 1, 2]), ops=OPS)
+def test_random_schedules_keep_the_staleness_bound(eta, batch, extra, ops):
+    """Also with batch redundancy (`extra` spare entries): a buffer is Ready at `batch` occupied, its reserved
+    entries are dropped as surplus at once, and exactly `batch` groups are consumed from it."""
+    sb = StalenessBuffers(eta, batch, extra=extra)
     next_key, consumed = 0, []
     members: dict[int, int] = {}
     for op, pick, back in ops:
@@ -116,14 +118,20 @@ def test_random_schedules_keep_the_staleness_bound(eta, batch, ops):
         elif op == "consume":
             if sb.next_ready():
                 version = sb.v_next
-                for k in sb.consume():
+                keys = sb.consume()
+                assert len(keys) == batch
+                for k in keys:
                     assert members[k] + eta >= version >= members[k]   # staleness in [0, eta] at consumption
                     consumed.append((version, k))
             else:
                 with pytest.raises(RuntimeError):
                     sb.consume()
+        for k in sb.surplus:
+            assert k not in sb.loc and extra > 0
+            members.pop(k)
+        sb.surplus.clear()
         sb.check()
-        assert sb.live() <= (eta + 1) * batch
+        assert sb.live() <= (eta + 1) * (batch + extra)
         for k, (b, i) in sb.loc.items():
             assert sb.buf[b][i].v == members[k]
     assert [c[0] for c in consumed] == sorted(c[0] for c in consumed)   # in version order
@@ -131,13 +139,13 @@ def test_random_schedules_keep_the_staleness_bound(eta, batch, ops):
 
 
 @settings(max_examples=100, deadline=None)
-@given(eta=st.integers(0, 3), batch=st.integers(1, 4), seed=st.integers(0, 10**6))
-def test_a_saturating_schedule_always_makes_progress(eta, batch, seed):
+@given(eta=st.integers(0, 3), batch=st.integers(1, 4), extra=st.sampled_from([0, 1, 3]), seed=st.integers(0, 10**6))
+def test_a_saturating_schedule_always_makes_progress(eta, batch, extra, seed):
     """Reserve whatever the newest version admits, complete in random order, consume when Ready: the buffers
-    never deadlock (every Stuck buffer clears once its reserved groups complete)."""
+    never deadlock (every Stuck buffer clears once its reserved groups complete), spare entries or not."""
     import random
     rng = random.Random(seed)
-    sb = StalenessBuffers(eta, batch)
+    sb = StalenessBuffers(eta, batch, extra=extra)
     key = 0
     for _ in range(40):
         while sb.can_assign(sb.v_next):
@@ -147,7 +155,8 @@ def test_a_saturating_schedule_always_makes_progress(eta, batch, seed):
         reserved = [k for k, (b, i) in sb.loc.items() if not sb.buf[b][i].occupied]
         rng.shuffle(reserved)
         for k in reserved[:rng.randint(1, max(1, len(reserved)))]:
-            sb.complete(k)
+            if k in sb.loc:                     # not dropped as surplus by an earlier completion
+                sb.complete(k)
             sb.check()
         while sb.next_ready():
             sb.consume()

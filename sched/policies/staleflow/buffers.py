@@ -5,7 +5,9 @@ A sequence of buffers indexed by the trainer version V_buf that will consume the
 maintain buffer entries at the granularity of trajectory groups and perform Reserve/Occupy per group") carrying
 the group's version V = min over its members of V_traj (the version of the engine a member was FIRST routed to,
 never changed by interrupts, partial rollout or migration). Each slot is empty, reserved (in flight) or
-occupied (all members generated and rewarded).
+occupied (all members generated and rewarded). Batch-level redundancy (§4.3, Fig. 8b) gives every buffer `extra`
+slots beyond `batch`: the buffer is Ready once `batch` of them are occupied, and its reserved entries are then
+surplus, dropped at once and listed in `surplus` for the staleness manager to abort.
 
     can_assign(v)   the discriminator: a Reserve with V_traj = v would succeed (an empty slot in [v, v + eta])
     reserve(k, v)   worst-case Reserve: backward scan from V_buf = v + eta down to v, the LATEST empty slot
@@ -16,18 +18,18 @@ occupied (all members generated and rewarded).
                     while pushing reserved entries toward later buffers"), then greedy Occupy at the EARLIEST empty
                     slot
     remove(k)       filter / abort a group: its slot is refilled by moving occupied entries forward (§4.3)
-    consume()       only a Ready buffer (every slot occupied), only the oldest one (V_buf = v_next), in order
+    consume()       only a Ready buffer (`batch` slots occupied), only the oldest one (V_buf = v_next), in order
 
-Buffer states: Waiting (an empty slot), Ready (all occupied), Stuck (full with a reserved entry: training and
-more reservations wait for it). The paper leaves open what happens to a member routed after its group's entry was
-reserved; ours is the sound rule: it joins only if its version still reaches the entry's buffer (`admits`), and the
-group's version becomes the smaller of the two.
+Buffer states: Waiting (an empty slot), Ready (`batch` occupied), Stuck (full with a reserved entry: training and
+more reservations wait for it). A Ready buffer takes no reservation and holds no reserved entry. The paper leaves
+open what happens to a member routed after its group's entry was reserved; ours is the sound rule: it joins only
+if its version still reaches the entry's buffer (`admits`), and the group's version becomes the smaller of the two.
 
 Invariants kept (checked by `check`, tested under random schedules in tests/test_staleness.py):
     every entry in buffer b:  V + eta >= b  and  b >= V            (staleness b - V in [0, eta])
-    buffers are consumed in version order, each only when Ready
-    live entries <= (eta + 1) x batch (only buffers v_next .. v_next + eta can hold entries, since no version
-    newer than v_next exists: V_traj <= v_next is required of every call)
+    buffers are consumed in version order, each only when Ready, with exactly `batch` occupied entries
+    live entries <= (eta + 1) x (batch + extra) (only buffers v_next .. v_next + eta can hold entries, since no
+    version newer than v_next exists: V_traj <= v_next is required of every call)
 """
 from __future__ import annotations
 
@@ -49,24 +51,31 @@ class Entry:
 
 
 class StalenessBuffers:
-    def __init__(self, eta: int, batch: int, v_next: int = 0):
-        if eta < 0 or batch < 1:
-            raise ValueError(f"staleness buffers need eta >= 0 and batch >= 1, got {eta} and {batch}")
-        self.eta, self.batch, self.v_next = eta, batch, v_next
+    def __init__(self, eta: int, batch: int, v_next: int = 0, extra: int = 0):
+        if eta < 0 or batch < 1 or extra < 0:
+            raise ValueError(f"staleness buffers need eta >= 0, batch >= 1 and extra >= 0, got {eta}, {batch} and "
+                             f"{extra}")
+        self.eta, self.batch, self.v_next, self.extra = eta, batch, v_next, extra
         self.buf: dict[int, list[Entry | None]] = {}
         self.loc: dict[int, tuple[int, int]] = {}
+        self.surplus: list[int] = []   # groups dropped from a buffer that became Ready (batch redundancy)
 
     # ---------------------------------------------------------------------------------------------- reading
     def slots(self, b: int) -> list[Entry | None]:
         if b not in self.buf:
-            self.buf[b] = [None] * self.batch
+            self.buf[b] = [None] * (self.batch + self.extra)
         return self.buf[b]
+
+    def occupied(self, b: int) -> int:
+        return sum(1 for e in self.buf.get(b, ()) if e is not None and e.occupied)
 
     def state(self, b: int) -> str:
         s = self.buf.get(b)
-        if s is None or any(e is None for e in s):
+        if s is None:
             return WAITING
-        return READY if all(e.occupied for e in s) else STUCK  # type: ignore[union-attr]
+        if self.occupied(b) >= self.batch:
+            return READY
+        return WAITING if any(e is None for e in s) else STUCK
 
     def next_ready(self) -> bool:
         """Is the buffer the trainer consumes next (V_buf = v_next) Ready?"""
@@ -91,6 +100,8 @@ class StalenessBuffers:
         s = self.buf.get(b)
         if s is None:
             return 0
+        if self.extra and self.occupied(b) >= self.batch:
+            return -1                                   # Ready: its spare slots take nothing more
         for i, e in enumerate(s):
             if e is None:
                 return i
@@ -157,6 +168,7 @@ class StalenessBuffers:
         assert b <= hole_b, "an empty slot at or before the final hole always exists"
         self.slots(b)[i] = Entry(key, e.v, occupied=True)
         self.loc[key] = (b, i)
+        self._trim(b)
         return b
 
     def remove(self, key: int) -> None:
@@ -168,13 +180,25 @@ class StalenessBuffers:
             if mover is None:
                 break
             self._move(mover, (hole_b, hole_i))
+            self._trim(hole_b)
             hole_b, hole_i = mover
+
+    def _trim(self, b: int) -> None:
+        """Batch redundancy: once buffer b is Ready, its reserved entries are surplus (dropped, listed in `surplus`)."""
+        if not self.extra or self.occupied(b) < self.batch:
+            return
+        s = self.buf[b]
+        for i, e in enumerate(s):
+            if e is not None and not e.occupied:
+                s[i] = None
+                del self.loc[e.key]
+                self.surplus.append(e.key)
 
     def consume(self) -> list[int]:
         """Retire the Ready buffer v_next: its group ids, in slot order; afterwards they are no longer tracked."""
         if not self.next_ready():
             raise RuntimeError(f"buffer {self.v_next} consumed while {self.state(self.v_next)}")
-        keys = [e.key for e in self.buf.pop(self.v_next)]  # type: ignore[union-attr]
+        keys = [e.key for e in self.buf.pop(self.v_next) if e is not None]
         for k in keys:
             del self.loc[k]
         self.v_next += 1
@@ -198,8 +222,11 @@ class StalenessBuffers:
         """Raise AssertionError if any invariant of the module docstring is broken."""
         n = 0
         for b, s in self.buf.items():
-            assert len(s) == self.batch, f"buffer {b} has {len(s)} slots"
+            assert len(s) == self.batch + self.extra, f"buffer {b} has {len(s)} slots"
             assert b >= self.v_next, f"buffer {b} is older than v_next {self.v_next}"
+            occ = self.occupied(b)
+            assert occ <= self.batch, f"buffer {b} holds {occ} occupied entries > batch {self.batch}"
+            assert occ < self.batch or all(e is None or e.occupied for e in s), f"Ready buffer {b} holds a reservation"
             for i, e in enumerate(s):
                 if e is None:
                     continue
@@ -207,22 +234,22 @@ class StalenessBuffers:
                 assert self.loc.get(e.key) == (b, i), f"group {e.key} misplaced"
                 assert e.v + self.eta >= b >= e.v, f"group {e.key} (version {e.v}) in buffer {b}, eta {self.eta}"
         assert n == len(self.loc), "location index out of step"
-        assert n <= (self.eta + 1) * self.batch, f"{n} live entries > (eta + 1) x batch"
+        assert n <= (self.eta + 1) * (self.batch + self.extra), f"{n} live entries > (eta + 1) x slots"
 
     def copy(self) -> "StalenessBuffers":
-        c = StalenessBuffers(self.eta, self.batch, self.v_next)
+        c = StalenessBuffers(self.eta, self.batch, self.v_next, self.extra)
         c.buf = {b: [None if e is None else Entry(e.key, e.v, e.occupied) for e in s] for b, s in self.buf.items()}
         c.loc = dict(self.loc)
         return c
 
     def state_dict(self) -> dict[str, Any]:
-        return {"eta": self.eta, "batch": self.batch, "v_next": self.v_next,
+        return {"eta": self.eta, "batch": self.batch, "v_next": self.v_next, "extra": self.extra,
                 "buf": {str(b): [None if e is None else [e.key, e.v, e.occupied] for e in s]
                         for b, s in self.buf.items()}}
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> "StalenessBuffers":
-        sb = cls(int(d["eta"]), int(d["batch"]), int(d["v_next"]))
+        sb = cls(int(d["eta"]), int(d["batch"]), int(d["v_next"]), int(d.get("extra", 0)))
         for b, s in d["buf"].items():
             sb.buf[int(b)] = [None if x is None else Entry(int(x[0]), int(x[1]), bool(x[2])) for x in s]
             for i, x in enumerate(s):

@@ -9,7 +9,7 @@ from typing import Any
 
 from config import F
 from sched.base import Dispatch, register
-from sched.decisions import Submit
+from sched.decisions import RoundPlan, Submit
 from sched.policies.staleflow.buffers import StalenessBuffers
 from sched.policies.staleflow.cost import InstanceSnap, ThroughputModel
 from sched.policies.staleflow.state import StaleFlowParams, StaleFlowState
@@ -122,9 +122,11 @@ class StaleFlowRouting(Dispatch):
               until: int | None = None) -> list[tuple[int, Item]]:
         return marginal_routes(snaps, items, buffers, self.state.model, self.p.mu, until)
 
-    def intake(self, v: Views) -> int:
+    def intake(self, v: Views) -> int | RoundPlan:
         st = self.state
-        return ts_intake(v, st.buffers(v), self.p.ts_groups) if st.coordinating(v) else 0
+        n = ts_intake(v, st.buffers(v), self.p.ts_groups) if st.coordinating(v) else 0
+        G = st.aborts.group_size(v.group_size)
+        return RoundPlan(fresh=n, group_size=G) if n and G > v.group_size else n
 
     def admit(self, v: Views) -> list[Submit]:
         st = self.state
@@ -133,7 +135,7 @@ class StaleFlowRouting(Dispatch):
         st.sync_buffers(v)
         buffers = st.buffers(v)
         snaps = st.coordinate(v, st.snapshots(v, self.kv_budget()))     # Alg. 1: sync, migrate, then route
-        routes = self.route(snaps, TSQueue(v, buffers), buffers)
+        routes = self.route(snaps, TSQueue(v, buffers, st.aborts.dropping), buffers)
         out: dict[int, list[int]] = {}
         for eng, it in routes:
             out.setdefault(eng, []).append(it.req.req_id)
@@ -144,6 +146,8 @@ class StaleFlowRouting(Dispatch):
         st = self.state
         n = st.snaps_accepted + st.snaps_estimated
         out = {"snapshots_accepted": st.snaps_accepted, "snapshots_estimated": st.snaps_estimated}
+        if st.aborts.on:
+            out.update(st.aborts.counts)
         return {**out, "snapshots_accepted_frac": st.snaps_accepted / n} if n else out
 
     def state_dict(self) -> dict[str, Any]:

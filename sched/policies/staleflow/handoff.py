@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from sched.base import Handoff, Preset, register
+from sched.decisions import Abort
 from sched.policies.staleflow.weight_sync import staleflow_routing
 from sched.views import Views
 
@@ -14,6 +15,9 @@ class StaleFlowHandoff(Handoff):
     that steps and publishes once per batch (`step_publish`): buffer w trains w -> w + 1, so the trainer's version
     and the next buffer stay in step (checked).
 
+    The staleness manager's Aborts (redundancy and filtering, aborts.py) go out from here (`evict`), after the
+    buffers are brought up to date.
+
     Invariant kept: consumed buffers are Ready, in version order, each group in them has V + eta >= w, so every
     trained trajectory has staleness <= eta (the controller re-checks it at hand-off)."""
     name = "staleflow"
@@ -21,6 +25,13 @@ class StaleFlowHandoff(Handoff):
 
     def bind(self, preset: Preset) -> None:
         self.routing = staleflow_routing(preset, f"the {self.name!r} handoff")
+
+    def evict(self, v: Views) -> list[Abort]:
+        st = self.routing.state
+        if not st.aborts.on:
+            return []
+        st.sync_buffers(v)
+        return st.aborts.plan(v, st.buffers(v))
 
     def ready(self, v: Views) -> list[int] | None:
         st = self.routing.state

@@ -30,7 +30,9 @@ How the paper's pieces map onto ours:
   them (`take`). Interrupted trajectories come back to the TS when their interrupt lands ("Route is pending until
   the Interrupt lands", §5.2), so routing re-places them on a later pass.
 - Staleness protocol from the views (`sync_buffers`): a reserved group is completed (Occupy, after the reward of
-  every member, §4.3) once the controller reports it materialised, and removed if it became void.
+  every member, §4.3) once the controller reports it materialised, and removed if it became void. The staleness
+  manager's own Aborts (redundancy and filtering, aborts.py) drop a group's entry there first; the hand-off sends
+  the Aborts.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from config import F
+from sched.policies.staleflow.aborts import StalenessAborts, spare
 from sched.policies.staleflow.buffers import StalenessBuffers
 from sched.decisions import Interrupt, LoadWeights
 from sched.policies.staleflow.cost import CostParams, InstanceSnap, ThroughputModel
@@ -58,12 +61,21 @@ class StaleFlowParams:
     block_size: int = F(16, ge=1, help="tokens per KV block in the engines' reports")
     cost: CostParams = F(CostParams, help="cost model coefficients k1..k5 and kv_budget_tokens (default Table 4): "
                                           "routing's marginal gain, migration's throughput ratio")
+    batch_redundancy: float = F(0.0, ge=0, help="spare groups per buffer as a fraction of the batch (Fig. 8b; App. "
+                                                "C: 1/16), aborted once the batch is occupied; off in the paper's runs")
+    group_redundancy: float = F(0.0, ge=0, help="spare samples per group as a fraction of G (Fig. 8b), the last to "
+                                                "finish aborted; off in the paper's main runs")
+    filter_uniform: bool = F(False, help="filter groups whose rewards are all equal (Fig. 8c, DAPO's dynamic "
+                                         "sampling): later occupied groups fill their entry")
+    stuck_filter_s: float = F(0.0, ge=0, help="filter the next buffer's reserved groups once it has been Stuck this "
+                                              "long (Fig. 8c: delayed trajectories); 0: never")
 
 
 class StaleFlowState:
     def __init__(self, p: StaleFlowParams):
         self.p = p
         self.model = ThroughputModel(p.cost)
+        self.aborts = StalenessAborts(p.batch_redundancy, p.group_redundancy, p.filter_uniform, p.stuck_filter_s)
         self._buffers: StalenessBuffers | None = None
         self._restore: dict[str, Any] | None = None  # buffers from a checkpoint, installed at the first use
         self.routed: set[int] = set()        # request ids routed (or migrated) that may still be on an engine
@@ -84,7 +96,8 @@ class StaleFlowState:
             if self._restore is not None:
                 self._buffers, self._restore = StalenessBuffers.from_state_dict(self._restore), None
             else:
-                self._buffers = StalenessBuffers(self.p.eta, v.prompts_per_step, v.trainer.version)
+                B = v.prompts_per_step
+                self._buffers = StalenessBuffers(self.p.eta, B, v.trainer.version, spare(B, self.p.batch_redundancy))
         return self._buffers
 
     def coordinating(self, v: Views) -> bool:
@@ -113,17 +126,22 @@ class StaleFlowState:
         return self.issued.pop(name, []) if self.issued_seq == v.seq else []
 
     def sync_buffers(self, v: Views) -> None:
-        """Occupy groups that materialised, remove groups that became void (§4.2-4.3)."""
+        """Occupy groups that materialised, remove groups that became void (§4.2-4.3); the staleness manager's
+        filter and surplus (aborts.py) drop theirs."""
         if self.synced == (v.materialized, v.dropped):
             return                 # no group materialised or lost a sample since the last sync
         self.synced = (v.materialized, v.dropped)
         sb = self.buffers(v)
         for key in [k for k, (b, i) in sb.loc.items() if not sb.buf[b][i].occupied]:  # type: ignore[union-attr]
+            if key not in sb.loc:
+                continue           # dropped as surplus by an earlier completion in this loop
             g = v.groups.get(key)
             if g is None or g.void:
                 sb.remove(key)
             elif g.materialized:
                 sb.complete(key)
+                self.aborts.occupied(sb, g)
+        self.aborts.take_surplus(sb)
 
     def on_engine(self, v: Views) -> dict[int, list[Request]]:
         """Per engine, the requests StaleFlow routed there that are still on it, in id order; `routed` is pruned to
@@ -163,12 +181,14 @@ class StaleFlowState:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        out = self.aborts.state_dict()
         if self._buffers is None:
-            return {} if self._restore is None else {"buffers": self._restore}
-        return {"buffers": self._buffers.state_dict()}
+            return out if self._restore is None else {**out, "buffers": self._restore}
+        return {**out, "buffers": self._buffers.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._buffers, self._restore = None, state.get("buffers") or None
+        self.aborts.load_state_dict(state)
 
 
 def after_commands(snaps: Snaps, cmds: list[Any]) -> Snaps:

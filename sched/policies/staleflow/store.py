@@ -35,15 +35,18 @@ class TSQueue:
     reader iterates, and remembered, so routing that withholds after a few dozen never touches the rest.
 
     Iterate it within the decision call that took it (the tail reads the controller's pending index live; nothing
-    changes request states while a policy decides). Reading it yields exactly the list the eager sort would."""
+    changes request states while a policy decides). Reading it yields exactly the list the eager sort would.
+    Members of the groups in `skip` (being aborted by the staleness manager) are not in the TS."""
 
-    def __init__(self, v: Views, buffers: StalenessBuffers):
+    def __init__(self, v: Views, buffers: StalenessBuffers, skip: set[int] | frozenset[int] = frozenset()):
         loc, buf = buffers.loc, buffers.buf
-        self._reserved = set(loc)           # groups reserved when the queue was taken (routing adds to loc)
+        self._reserved = set(loc) | skip    # groups reserved when the queue was taken (routing adds to loc)
         gprio: dict[int, float] = {}
         buckets: dict[float, list[Item]] = {}
         for r in v.requests.iter_pending():
             vt = r.v_traj
+            if skip and r.group_id in skip:
+                continue
             if vt >= 0:
                 prio: float = vt
             else:
@@ -145,9 +148,10 @@ def commit(buffers: StalenessBuffers, it: Item, version: int) -> None:
 
 def ts_intake(v: Views, buffers: StalenessBuffers, ts_groups: int) -> int:
     """Prompts to pull: a round of `prompts_per_step` whenever fewer than `ts_groups` groups wait unreserved
-    (default (eta + 1) x batch, §5.1's capacity, counted in groups: the unit the paper leaves open)."""
+    (default (eta + 1) x batch, §5.1's capacity, counted in groups: the unit the paper leaves open; with batch
+    redundancy, (eta + 1) x the buffer's entries)."""
     B = v.prompts_per_step
-    cap = ts_groups or (buffers.eta + 1) * B
+    cap = ts_groups or (buffers.eta + 1) * (B + buffers.extra)
     loc = buffers.loc
     waiting = {r.group_id for r in v.requests.iter_pending() if r.v_traj < 0}
     waiting = {g for g in waiting if g not in loc}

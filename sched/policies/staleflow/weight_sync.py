@@ -55,7 +55,7 @@ class StaleFlowSync(WeightSync):
         if not lagging:
             return []
         buffers = st.buffers(v)
-        items = TSQueue(v, buffers)
+        items = TSQueue(v, buffers, st.aborts.dropping)
         ts = TSSummary(buffers, items)
         out: list[LoadWeights | Interrupt] = []
         for e in lagging:
