@@ -158,3 +158,42 @@ def test_streamrl_ranker_recall_and_scale_out_iterations():
     assert scale_outs(runs) == 2.0 and first_scale_out(runs) == 2.0   # after the step at t=20 (same instant) and t=25
     runs.cache["fig11"] = SimpleNamespace(events=steps)
     assert scale_outs(runs) == 0.0 and first_scale_out(runs) != first_scale_out(runs)   # none: nan, a miss
+
+
+@pytest.mark.parametrize("gen_busy,train_s,expected", [
+    (0.95, 61.0, 112),     # generation-bound (380 s of work against 61 s): x = 110.3, to a node
+    (0.02, 400.0, 8),      # trainer-bound: x = 2.5, kept at one node
+    (0.50, 200.0, 64),     # balanced already: the even split stays
+])
+def test_staleflow_balanced_split_divides_the_gpus_in_proportion_to_each_stages_work(monkeypatch, gen_busy,
+                                                                                       train_s, expected):
+    from sim.repro import staleflow
+    from sim.repro.core import Runs
+    seen = []
+
+    def fake_run(runs, preset, s, eta):
+        seen.append((preset, s, eta))
+        return SimpleNamespace(metrics={"makespan_s": 400.0, "engine_idle_ratio": 1.0 - gen_busy,
+                                        "train_compute_s": train_s})
+    monkeypatch.setattr(staleflow, "sf_run", fake_run)
+    runs = Runs(0)
+    s = staleflow.balanced(runs, "areal", 2)
+    # W_gen = 64 x 400 x busy, W_train = 64 x train_s; x = 128 W_gen / (W_gen + W_train), to a node, in [8, 120]
+    assert (s.num_engines, s.train_gpus) == (expected, 128 - expected)
+    assert seen == [("areal", staleflow.SF, 2)]              # measured once, at the even split, and memoised
+    assert staleflow.balanced(runs, "areal", 2) is s and len(seen) == 1
+
+
+@pytest.mark.parametrize("faster", ["even", "balanced"])
+def test_staleflow_tuned_split_takes_whichever_candidate_ran_faster(monkeypatch, faster):
+    from sim.repro import staleflow
+    from sim.repro.core import Runs
+
+    def fake_run(runs, preset, s, eta):   # generation-bound at the even split: the balance says 112 rollout GPUs
+        return SimpleNamespace(metrics={"makespan_s": 400.0, "engine_idle_ratio": 0.05, "train_compute_s": 61.0},
+                               gpus=s.num_engines)
+    speed = {64: 1.0, 112: 1.3 if faster == "balanced" else 0.8}
+    monkeypatch.setattr(staleflow, "sf_run", fake_run)
+    monkeypatch.setattr(staleflow, "tokens_per_s", lambda r: speed[r.gpus])
+    s = staleflow.tuned_split(Runs(0), "one_step", None)
+    assert s.num_engines == (112 if faster == "balanced" else 64) and s.num_engines + s.train_gpus == 128
