@@ -77,6 +77,17 @@ class BlockManager:
         seq.block_table = []
         seq.table_synced = 0
 
+    def hold(self, n: int) -> list[int]:
+        """Take n free blocks out of circulation (KV kept outside the pool, counted against it), at most what is
+        free."""
+        return [self._take() for _ in range(min(n, self.num_free))]
+
+    def release(self, ids: list[int]) -> None:
+        for b in ids:
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] == 0, f"held block {b} was shared"
+            self.free_ids.append(b)
+
     def _take(self) -> int:
         b = self.free_ids.popleft()  # callers check can_allocate first; an IndexError here is a scheduler bug
         assert self.ref_counts[b] == 0

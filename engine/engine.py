@@ -50,6 +50,7 @@ class LLMEngine:
         self.sampler = Sampler(self.device, config.seed)
         self.eos_ids = eos_ids(model.config.eos_token_id, tokenizer)
         self.seqs: dict[RequestId, Sequence] = {}  # unfinished requests by id
+        self.kept: dict[RequestId, list[int]] = {}  # blocks held for KV exported with its request (`export`)
         self.num_steps = self.num_tokens_decoded = self.num_prefill_tokens = 0
         self.last_step = StepStats()
 
@@ -152,7 +153,9 @@ class LLMEngine:
 
     def export(self, request_id: RequestId, with_kv: bool = False) -> UnfinishedRequest:
         """Take an unfinished request out of this engine, to be resumed elsewhere with `import_request`. `with_kv`:
-        carry a copy of the K/V of its cached tokens too (none when it holds none: waiting, or preempted)."""
+        carry a copy of the K/V of its cached tokens too (none when it holds none: waiting, or preempted). The copy
+        stays within this engine's KV budget: as many blocks as it fills are held out of the pool until
+        `release_kv` (the caller's, once the copy is sent or dropped)."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             raise KeyError(f"no unfinished request {request_id!r} in this engine")
@@ -160,9 +163,18 @@ class LLMEngine:
         if with_kv and seq.num_cached_tokens > 0:
             kv = KVState(self.runner.read_kv(seq.block_table, seq.num_cached_tokens), self.version)
         self.scheduler.remove(seq)
+        if kv is not None:
+            self.release_kv(request_id)
+            self.kept[request_id] = self.block_manager.hold(-(-kv.num_tokens // self.config.block_size))
         u = seq.unfinished()
         u.kv = kv
         return u
+
+    def release_kv(self, request_id: RequestId) -> None:
+        """The KV exported with `request_id` is gone (sent, dropped or imported back): its blocks return to the pool."""
+        ids = self.kept.pop(request_id, None)
+        if ids:
+            self.block_manager.release(ids)
 
     def import_request(self, unfinished: UnfinishedRequest) -> RequestId:
         """Resume a request exported from another engine. Its KV (`unfinished.kv`), when computed by the weights of
@@ -192,6 +204,7 @@ class LLMEngine:
         and the counters stay. Returns the ids dropped."""
         dropped = list(self.seqs)
         self.seqs.clear()
+        self.kept.clear()
         preemptions = self.scheduler.num_preemptions
         self.block_manager, self.scheduler = self._fresh_pool()
         self.scheduler.num_preemptions = preemptions

@@ -14,6 +14,8 @@ tokens means "no KV" (the source holds none for that request any more): the dest
                                    destination's engine keeps decoding too; `take` hands over what has arrived,
                                    `wait_all` waits for the rest
     recv_kv(req_id, src, group)    one blocking receive (what the receiving thread runs)
+    KeptKV(engine)                 the source's KV kept since a migrating Interrupt, by request id: its blocks stay
+                                   held out of the engine's pool (LLMEngine.export) until it is popped or cleared
 
 In the runtime (runtime/rollout_worker.py, runtime/backend.py): a Migrate becomes an Interrupt carrying its
 destination; the source exports the request with its KV, keeps the KV aside and tags the partial trajectory it hands
@@ -35,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from engine.engine import LLMEngine
 from engine.sequence import KVState
 from runtime.background import InOrder
 from runtime.watchdog import progress, waiting
@@ -135,3 +138,31 @@ class KVReceiver:
         for req_id, _ in done:
             self.pending.pop(req_id, None)
         return done
+
+
+class KeptKV:
+    """KV kept by request id since a migrating Interrupt, within the engine's KV budget: the engine holds as many
+    blocks out of its pool as the copy fills (LLMEngine.export), and gets them back when the copy leaves this map
+    (`pop`: sent, dropped or resumed here; `clear`: void after a weight load or a failure)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.kv: dict[int, KVState] = {}
+
+    def __setitem__(self, req_id: int, kv: KVState) -> None:
+        self.kv[req_id] = kv
+
+    def __contains__(self, req_id: int) -> bool:
+        return req_id in self.kv
+
+    def __len__(self) -> int:
+        return len(self.kv)
+
+    def pop(self, req_id: int, default: KVState | None = None) -> KVState | None:
+        self.engine.release_kv(req_id)
+        return self.kv.pop(req_id, default)
+
+    def clear(self) -> None:
+        for req_id in self.kv:
+            self.engine.release_kv(req_id)
+        self.kv.clear()

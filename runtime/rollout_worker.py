@@ -72,7 +72,7 @@ from rl.types import Trajectory
 from runtime.build import RunParts, reward_scorer
 from runtime.channel import WORKER, Channel, ChannelTimeout
 from runtime.background import InOrder
-from runtime.kv_transfer import KVReceiver, KVSender
+from runtime.kv_transfer import KeptKV, KVReceiver, KVSender
 from runtime.messages import ReceiveWeights, SendKV, Start, StartRequest, Stop
 from runtime.reward_scorer import AsyncRewardScorer
 from runtime.topology import Topology
@@ -149,7 +149,7 @@ class RolloutWorker:
         self.kv_sender = KVSender(kv_group) if kv_group is not None else None
         self.kv_receiver = KVReceiver(kv_group, engine.device) if kv_group is not None else None
         self.kv_incoming: dict[int, StartRequest] = {}         # req_id -> its Start, while its KV is on the way
-        self.kv_out: dict[int, KVState] = {}                   # req_id -> KV kept since its migrating Interrupt
+        self.kv_out = KeptKV(engine)                           # req_id -> KV kept since its migrating Interrupt
         self.kv_adopted = self.kv_refused = 0                  # tokens of received KV imported as cached / not
         self.failures_isolated = failures_isolated             # engine failures survived (0: a failure ends the run)
         self.health = Health.OK

@@ -43,6 +43,8 @@ def run_and_move(ours, reqs: list[GenRequest], steps: int, move: int, dst: LLMEn
     first = dst.last_step
     outs_dst = drain(dst)
     outs_src = drain(src)
+    assert len(src.kept) == (moved.kv is not None)   # the copy's blocks stay held until it is let go
+    src.release_kv(ids[move])
     assert_pool_whole(src)
     assert_pool_whole(dst)
     return outs_src, outs_dst, moved, dst.num_prefill_tokens - prefill0, first
@@ -95,6 +97,8 @@ def test_a_sibling_leaves_its_group_with_the_shared_prompt_blocks(qwen3):
     assert_same(got[0], want[1])
     for o in rest:
         assert_same(o, want[int(o.request_id[1])])
+    assert len(src.kept["g1"]) == 3   # the copy of 10 tokens counts 3 blocks, though the shared ones stayed
+    src.release_kv("g1")
     assert_pool_whole(src)
     assert_pool_whole(dst)
 
@@ -198,14 +202,39 @@ def test_a_migrated_request_aborted_while_pending_has_its_kept_kv_dropped_at_its
     w.handle(Start([StartRequest(REQ, 0, 0, 0, tok.encode(task.prompts()[0][0], add_special_tokens=False), "a")]))
     w.step()
     w.kv_sender = object()   # as on a rank with a KV group: the Interrupt keeps the KV
+    free = w.engine.block_manager.num_free
     w.handle(Interrupt(0, [REQ], dst=0))
-    assert REQ in w.kv_out
+    assert REQ in w.kv_out and w.engine.kept[REQ]
     w.handle(Abort(0, [REQ]))
     w.flush()
     assert not w.kv_out and not events_of(ch, "trajectory_aborted")
+    assert not w.engine.kept and w.engine.block_manager.num_free == w.engine.block_manager.num_blocks > free
 
 
 REQ = 7
+
+
+def test_kept_kv_counts_against_the_engines_pool_until_released(qwen3):
+    """The copy of an exported request's KV (a migration's, kept until the keeper sends it) holds as many of the
+    source pool's blocks as it fills: the engine cannot admit past its budget while it keeps KV for others."""
+    _, ours, _ = qwen3
+    src = engine(ours, num_kv_tokens=48, block_size=4)   # 12 blocks
+    src.add_request(GenRequest([1, 2, 3, 4, 5, 6, 7], SamplingParams(max_new_tokens=20), request_id="a"))
+    for _ in range(6):
+        src.step()
+    free0 = src.block_manager.num_free
+    u = src.export("a", with_kv=True)
+    assert u.kv.num_tokens == 12 and src.block_manager.num_free == free0 == 9   # its 3 blocks freed, 3 held
+    src.add_request(GenRequest(list(range(1, 38)), SamplingParams(max_new_tokens=2), request_id="b"))
+    src.step()
+    assert not src.scheduler.running            # 37 tokens need 10 blocks: the 12-block pool minus 3 held is 9
+    src.release_kv("a")
+    src.release_kv("a")                         # twice is harmless
+    assert src.block_manager.num_free == 12
+    src.step()
+    assert [q.request_id for q in src.scheduler.running] == ["b"]
+    drain(src)
+    assert_pool_whole(src)
 
 
 def _finished(ch):
