@@ -117,6 +117,29 @@ def test_bounded_staleness_preset_runs_on_real_ranks_within_its_bound(preset, et
     assert check_log_bounded(run, eta)["too_stale"]
 
 
+def test_staleflow_staleness_manager_aborts_run_on_real_ranks(tmp_path):
+    """Redundancy and the uniform-reward filter (§4.3, Fig. 8b-c) on real ranks: rounds of G + 2 samples, every
+    batch still 8 whole groups of G within the bound, the surplus and the filtered groups aborted, never trained."""
+    run = tmp_path / "staleflow"
+    torchrun(4, f"--log.dir={run}", "--sched.preset=staleflow", "--cluster.rollout_ranks=2", "--train.steps=4",
+             "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--sched.dispatch.batch_redundancy=0.25",
+             "--sched.dispatch.group_redundancy=0.25", "--sched.dispatch.filter_uniform=true")
+    assert [r["step"] for r in metrics(run)] == list(range(1, 5))
+    report = check_log_bounded(run, 3)
+    assert report["too_stale"] == [] and report["twice"] == [] and report["trained_groups"] == 4 * 8, report
+    stats = json.loads((run / "summary.json").read_text())["policy_stats"]["dispatch"]
+    assert stats["surplus_samples"] > 0 and stats["surplus_groups"] + stats["filtered_uniform"] > 0, stats
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    G = next(e["data"]["group_size"] for e in events if e["kind"] == "round_started")
+    dropped = {e["req_id"] for e in events if e["kind"] == "trajectory_aborted"}
+    scored: dict[int, list[float]] = {}
+    for e in events:
+        if e["kind"] == "reward_scored" and e["req_id"] not in dropped:
+            scored.setdefault(e["group_id"], []).append(e["data"]["reward"])
+    trained = [g for e in events if e["kind"] == "train_started" for g in e["data"]["groups"]]
+    assert G == 10 and all(len(scored[g]) == 8 and len(set(scored[g])) > 1 for g in trained)
+
+
 def test_the_log_checker_catches_an_off_policy_sample_and_a_double_handoff(tmp_path):
     """On a synchronous run's log (the simulator's: the same events as a real run's, in a run directory)."""
     from sim.run import simulate

@@ -100,6 +100,18 @@ def test_the_uniform_reward_filter_trains_only_groups_with_a_learning_signal_and
     assert any(len({t.reward for t in g.trajectories}) == 1 for g in trained_groups(plain))
 
 
+def test_the_filter_judges_a_redundant_group_by_the_samples_it_keeps():
+    """With group redundancy a group's surplus may finish and be scored before its Abort lands (on real ranks a
+    whole group often scores in one batch of events): the filter must look only at the first G finishers."""
+    ctl, events, trained = run("staleflow", 1, 2, seed=7, steps=6, samples=6,
+                               dispatch={"group_redundancy": 0.5, "filter_uniform": True})
+    assert ctl.v.trainer.steps_done == 6
+    for g in trained_groups(trained):
+        assert len(g.trajectories) == 4 and len({t.reward for t in g.trajectories}) > 1
+    stats = ctl.preset.dispatch.stats()
+    assert stats["filtered_uniform"] > 0 and stats["surplus_samples"] > 0
+
+
 @pytest.mark.parametrize("filter_s", [0.0, 0.5])
 def test_the_stuck_filter_stops_training_from_waiting_on_a_straggler(filter_s):
     """eta = 0 and one prompt in eight with a 3000-token sample: without the filter every batch holding it waits
@@ -118,3 +130,28 @@ def test_the_stuck_filter_stops_training_from_waiting_on_a_straggler(filter_s):
 def test_the_redundancy_knobs_are_validated_by_name():
     with pytest.raises(ValueError, match="batch_redundancy"):
         sched.load_preset("staleflow", {"dispatch": {"batch_redundancy": -0.1}})
+
+
+def test_a_group_scored_whole_before_its_surplus_abort_is_filtered_by_its_first_g_finishers():
+    """All six samples of a G = 4 group finished and were scored in one batch of events (common on real ranks):
+    its first four finishers all got reward 0, the two surplus ones 1. The group trains on the four, so it carries
+    no signal and is filtered; the two surplus samples and the filtered four are all aborted."""
+    from rl.types import Trajectory
+    from sched.views import GroupState, Request, RequestState, Views
+    p = sched.load_preset("staleflow", {"dispatch": {"group_redundancy": 0.5, "filter_uniform": True}})
+    v = Views(group_size=4, prompts_per_step=1)
+    g = GroupState(0, 0, 0, 6)
+    v.groups[0] = g
+    order = [5, 0, 3, 1, 2, 4]                          # finish order by sample index
+    for s in range(6):
+        v.requests[s] = Request(s, 0, s, 0, 0, 10, state=RequestState.FINISHED, engine=0, v_traj=0)
+        g.req_ids.append(s)
+    v.finishes[0] = list(order)
+    for s in order:
+        g.trajectories.append(Trajectory(0, s, [1], [2], [-0.1], [0], "stop", reward=0.0 if s in order[:4] else 1.0))
+    g.scored, v.materialized = 6, 1
+    p.dispatch.state.buffers(v).reserve(0, 0)
+    aborts = p.handoff.evict(v)
+    assert p.dispatch.state.buffers(v).where(0) is None             # filtered: no entry left
+    assert sorted(i for a in aborts for i in a.req_ids) == list(range(6))
+    assert p.dispatch.stats()["filtered_uniform"] == 1 and p.dispatch.stats()["surplus_samples"] == 2

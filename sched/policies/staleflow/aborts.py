@@ -50,6 +50,7 @@ class StalenessAborts:
         self.settled: set[int] = set()            # groups whose G-th finisher arrived (their surplus aborted)
         self.cursors: dict[int, int] = {}         # round -> its finishes read so far
         self.stuck_at: tuple[int, float] | None = None   # (buffer, since when) the next buffer has been Stuck
+        self.victims: list[int] = []              # surplus samples decided by `race`, to abort at the next plan
         self.counts = {"surplus_groups": 0, "surplus_samples": 0, "filtered_uniform": 0, "filtered_stuck": 0}
 
     @property
@@ -60,10 +61,15 @@ class StalenessAborts:
         return G + spare(G, self.group_r)
 
     # ------------------------------------------------------------------------- from the staleness buffers
-    def occupied(self, sb: StalenessBuffers, g: GroupState) -> None:
-        """Group g was just occupied: filter it if its rewards are all equal."""
-        rewards = {t.reward for t in g.trajectories}
-        if self.filter_uniform and len(g.trajectories) >= 2 and len(rewards) == 1:
+    def occupied(self, sb: StalenessBuffers, g: GroupState, v: Views) -> None:
+        """Group g was just occupied: filter it if the rewards it will train on (its first G finishers', under
+        group redundancy: the surplus may have been scored too before its Abort) are all equal."""
+        kept = self.kept.get(g.group_id)
+        trajs = g.trajectories
+        if kept is not None:
+            samples = {v.requests[i].sample_index for i in kept}
+            trajs = [t for t in trajs if t.sample_index in samples]
+        if self.filter_uniform and len(trajs) >= 2 and len({t.reward for t in trajs}) == 1:
             sb.remove(g.group_id)
             self.drop(g.group_id, "filtered_uniform")
 
@@ -79,11 +85,9 @@ class StalenessAborts:
     # ------------------------------------------------------------------------------------- the decisions
     def plan(self, v: Views, sb: StalenessBuffers) -> list[Abort]:
         """The Aborts due now: dropped groups' samples, and the trajectories beyond each group's first G."""
-        victims: list[int] = []
+        victims, self.victims = self.victims, []
         if self.stuck_filter_s:
             self._stuck(v, sb)
-        if self.group_r:
-            victims += self._race(v)
         for gid in sorted(self.dropping):
             g = v.groups.get(gid)
             if g is None or g.closed:
@@ -91,13 +95,16 @@ class StalenessAborts:
                 continue
             victims += [i for i in g.req_ids if v.requests[i].state in ABORTABLE]
         by_engine: dict[int, list[int]] = {}
-        for i in victims:
+        for i in dict.fromkeys(victims):    # once each (a surplus sample of a group also being dropped)
             by_engine.setdefault(v.requests[i].engine, []).append(i)
         return [Abort(e, ids) for e, ids in sorted(by_engine.items())]
 
-    def _race(self, v: Views) -> list[int]:
-        """Group redundancy: keep each group's first G finishers, abort the rest once the G-th arrives."""
-        G, out = v.group_size, []
+    def race(self, v: Views) -> None:
+        """Group redundancy: keep each group's first G finishers; once the G-th arrives, the rest are victims (run
+        before the buffers occupy anything, so the filter sees the kept samples)."""
+        if not self.group_r:
+            return
+        G, out = v.group_size, self.victims
         for r, fin in v.finishes.items():
             start = self.cursors.get(r, 0)
             self.cursors[r] = len(fin)
@@ -120,7 +127,6 @@ class StalenessAborts:
             self.cursors = {r: c for r, c in self.cursors.items() if r in v.finishes}
             self.kept = {k: x for k, x in self.kept.items() if k in v.groups}
             self.settled = {k for k in self.settled if k in v.groups}
-        return out
 
     def _stuck(self, v: Views, sb: StalenessBuffers) -> None:
         b = sb.v_next

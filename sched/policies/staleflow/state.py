@@ -128,6 +128,7 @@ class StaleFlowState:
     def sync_buffers(self, v: Views) -> None:
         """Occupy groups that materialised, remove groups that became void (§4.2-4.3); the staleness manager's
         filter and surplus (aborts.py) drop theirs."""
+        self.aborts.race(v)        # first: which samples of a redundant group are kept (the filter reads them)
         if self.synced == (v.materialized, v.dropped):
             return                 # no group materialised or lost a sample since the last sync
         self.synced = (v.materialized, v.dropped)
@@ -140,7 +141,7 @@ class StaleFlowState:
                 sb.remove(key)
             elif g.materialized:
                 sb.complete(key)
-                self.aborts.occupied(sb, g)
+                self.aborts.occupied(sb, g, v)
         self.aborts.take_surplus(sb)
 
     def on_engine(self, v: Views) -> dict[int, list[Request]]:
