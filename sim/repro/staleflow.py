@@ -12,8 +12,8 @@ from sim.run import SimResult, simulate
 # StaleFlow §6.1: Qwen3-30B-A3B on 128 H20, DAPO, batch 128 x 16, 20K responses; rollout instances of TP 1, as
 # Table 4's k2 implies; VeRL is colocated on all 128. The paper tunes every disaggregated system's GPU split "to
 # optimal values" and reports none; ours is chosen per system (and eta) by a stated rule, `tuned_split` below: the
-# better of the even split 64 + 64 and the stage-work balance measured there (the notes print both). Paper averages/maxima are
-# over 4 models x several eta (Fig. 13); ours over eta = 1, 2, 3 on this one model.
+# better of the even split 64 + 64 and the stage-work balance measured there (the notes print both). Paper
+# averages/maxima are over 4 models x several eta (Fig. 13); ours over eta = 1, 2, 3 on this one model.
 # Throughput is the paper's (§6.1): "the total number of tokens processed across multiple post-training steps
 # divided by the total execution time": trained tokens (prompt + response; whether the paper counts prompts is not
 # stated) from the first round's start to the last train call's end. Samples/s would favour the bounded-staleness

@@ -6,6 +6,7 @@ mechanisms of one design, sharing one parameter set and one state (state.py), bo
     weight_sync.py  staleflow / staleflow_vanilla  weight_sync  per-instance sync, Algorithm 4 / vanilla (§6.5)
     rebalance.py    staleflow                      rebalance    migration, Algorithm 5 (§5.3)
     buffers.py      the staleness manager's virtual buffers: Reserve / Occupy / Consume (§4.2-4.3)
+    aborts.py       the staleness manager's Aborts: batch / group redundancy, uniform and stuck filters (§4.3)
     store.py        the trajectory store (TS) in MLQ order, Alg. 2's routability check (§5.1, §5.3)
     cost.py         the throughput model of Eq. 2-4 (Table 4)
     state.py        the shared parameters and state; how the paper's pieces map onto the runtime's
