@@ -1,35 +1,31 @@
 """StaleFlow's global consistency protocol (§4.2-4.3, Fig. 7-8): virtual staleness buffers, pure bookkeeping.
 
-A sequence of buffers indexed by the trainer version V_buf that will consume them: buffer V_buf holds the
-`batch` entries trained as the model advances from V_buf to V_buf + 1. An entry is one GRPO GROUP (§4.3, "we
-maintain buffer entries at the granularity of trajectory groups and perform Reserve/Occupy per group") carrying
-the group's version V = min over its members of V_traj (the version of the engine a member was FIRST routed to,
-never changed by interrupts, partial rollout or migration). Each slot is empty, reserved (in flight) or
-occupied (all members generated and rewarded). Batch-level redundancy (§4.3, Fig. 8b) gives every buffer `extra`
-slots beyond `batch`: the buffer is Ready once `batch` of them are occupied, and its reserved entries are then
-surplus, dropped at once and listed in `surplus` for the staleness manager to abort.
+Buffer V_buf holds the `batch` entries trained as the model advances from V_buf to V_buf + 1. An entry is one GRPO
+GROUP (§4.3: "Reserve/Occupy per group") carrying the group's version V = min over its members of V_traj (the
+version of the engine a member was FIRST routed to, never changed by interrupts, partial rollout or migration).
+A slot is empty, reserved (in flight) or occupied (all members generated and rewarded). Batch redundancy (Fig. 8b)
+adds `extra` slots: the buffer is Ready at `batch` occupied, and its reserved entries are then dropped at once as
+`surplus`, for the staleness manager to abort (aborts.py).
 
     can_assign(v)   the discriminator: a Reserve with V_traj = v would succeed (an empty slot in [v, v + eta])
     reserve(k, v)   worst-case Reserve: backward scan from V_buf = v + eta down to v, the LATEST empty slot
     admits(k, v)    a later member of reserved group k, routed at version v: v + eta >= the group's buffer
     join(k, v)      record it (the group's version becomes min(V, v))
-    complete(k)     after reward of every member: delete the reserved entry, move the earliest reserved entry
-                    that may live there into the hole (cascading: "keeps ready-to-use entries in earlier buffers
-                    while pushing reserved entries toward later buffers"), then greedy Occupy at the EARLIEST empty
-                    slot
+    complete(k)     after reward of every member: delete the reserved entry, cascade the earliest reserved entry
+                    that may live there into the hole ("keeps ready-to-use entries in earlier buffers while pushing
+                    reserved entries toward later buffers"), then Occupy the EARLIEST empty slot
     remove(k)       filter / abort a group: its slot is refilled by moving occupied entries forward (§4.3)
-    consume()       only a Ready buffer (`batch` slots occupied), only the oldest one (V_buf = v_next), in order
+    consume()       only a Ready buffer, only the oldest one (V_buf = v_next), in order
 
-Buffer states: Waiting (an empty slot), Ready (`batch` occupied), Stuck (full with a reserved entry: training and
-more reservations wait for it). A Ready buffer takes no reservation and holds no reserved entry. The paper leaves
-open what happens to a member routed after its group's entry was reserved; ours is the sound rule: it joins only
-if its version still reaches the entry's buffer (`admits`), and the group's version becomes the smaller of the two.
+States: Waiting (an empty slot), Ready (`batch` occupied; it takes and holds no reservation), Stuck (full with a
+reserved entry: training and more reservations wait for it). The paper leaves open a member routed after its
+group's entry was reserved; ours joins only if its version still reaches the entry's buffer (`admits`), and the
+group's version becomes the smaller of the two.
 
-Invariants kept (checked by `check`, tested under random schedules in tests/test_staleness.py):
+Invariants kept (`check`; random schedules in tests/test_staleness.py):
     every entry in buffer b:  V + eta >= b  and  b >= V            (staleness b - V in [0, eta])
     buffers are consumed in version order, each only when Ready, with exactly `batch` occupied entries
-    live entries <= (eta + 1) x (batch + extra) (only buffers v_next .. v_next + eta can hold entries, since no
-    version newer than v_next exists: V_traj <= v_next is required of every call)
+    live entries <= (eta + 1) x (batch + extra): only buffers v_next .. v_next + eta hold entries (V_traj <= v_next)
 """
 from __future__ import annotations
 
@@ -107,11 +103,6 @@ class StalenessBuffers:
                 return i
         return -1
 
-    def _check_version(self, v: int) -> None:
-        if v < 0 or v > self.v_next:
-            raise ValueError(f"version {v} is outside [0, {self.v_next}]: no newer version than the buffer being "
-                             f"filled can exist")
-
     # ------------------------------------------------------------------------------------------ discriminator
     def can_assign(self, v: int) -> bool:
         """A simulated Reserve: would a new group of version v find an empty slot?"""
@@ -129,7 +120,9 @@ class StalenessBuffers:
     def reserve(self, key: int, v: int) -> int:
         if key in self.loc:
             raise ValueError(f"group {key} already holds an entry")
-        self._check_version(v)
+        if v < 0 or v > self.v_next:
+            raise ValueError(f"version {v} is outside [0, {self.v_next}]: no newer version than the buffer being "
+                             f"filled can exist")
         for b in self.window(v):
             i = self._empty(b)
             if i >= 0:
@@ -155,13 +148,10 @@ class StalenessBuffers:
         if e is None or e.occupied:
             raise ValueError(f"group {key} completed twice")
         self.buf[hole_b][hole_i] = None
-        while True:
-            mover = self._earliest(lambda x, b: not x.occupied and x.v + self.eta >= hole_b, self.v_next, hole_b)
-            if mover is None:
-                break
-            b, i = mover
-            self._move((b, i), (hole_b, hole_i))
-            hole_b, hole_i = b, i
+        while (mover := self._earliest(lambda x, b: not x.occupied and x.v + self.eta >= hole_b, self.v_next,
+                                       hole_b)) is not None:
+            self._move(mover, (hole_b, hole_i))
+            hole_b, hole_i = mover
         b = self.v_next
         while (i := self._empty(b)) < 0:
             b += 1
@@ -175,10 +165,7 @@ class StalenessBuffers:
         """Filter or abort group `key` (reserved or occupied); later occupied entries move forward into the hole."""
         hole_b, hole_i = self.loc.pop(key)
         self.buf[hole_b][hole_i] = None
-        while True:
-            mover = self._earliest(lambda x, b: x.occupied, hole_b + 1, self.v_next + self.eta + 1)
-            if mover is None:
-                break
+        while (mover := self._earliest(lambda x, b: x.occupied, hole_b + 1, self.v_next + self.eta + 1)) is not None:
             self._move(mover, (hole_b, hole_i))
             self._trim(hole_b)
             hole_b, hole_i = mover
