@@ -53,6 +53,8 @@ S = RequestState
 ON_ENGINE = (S.RUNNING, S.ABORTING, S.REQUEUEING, S.INTERRUPTING)  # an engine holds it: sent, not yet given back
 LIVE = (S.PENDING, S.RUNNING, S.REQUEUEING, S.INTERRUPTING)        # it will still yield a trajectory
 IN_FLIGHT = (S.PENDING,) + ON_ENGINE                               # not settled: indexed by the request table
+ABORTABLE = (S.PENDING, S.RUNNING, S.FINISHED, S.INTERRUPTING)     # an Abort(requeue=False) drops it (not yet
+#                                                                   aborting or aborted; interrupting: being moved)
 REGENERATE = LIVE + (S.RESTORED,)                                  # generated again after a resume
 # (tuples, not sets: a set of str-valued members iterates in a per-process hash order)
 

@@ -10,12 +10,7 @@ from sched.base import Rebalance, register
 from sched.decisions import Abort, LendEngines, Migrate, Reshard, ReturnEngines
 from sched.policies.rollpacker.planner import PlannerParams, TPPlanner
 from sched.policies.rollpacker.stream_trainer import ScaleDown, ScaleDownParams
-from sched.views import RequestState, Views
-
-S = RequestState
-
-
-ABORTABLE = (S.PENDING, S.RUNNING, S.FINISHED, S.INTERRUPTING)   # INTERRUPTING: being migrated (scale-down)
+from sched.views import ABORTABLE, Views
 
 
 @register

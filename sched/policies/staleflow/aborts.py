@@ -29,10 +29,7 @@ from typing import Any
 
 from sched.decisions import Abort
 from sched.policies.staleflow.buffers import STUCK, StalenessBuffers
-from sched.views import GroupState, RequestState, Views
-
-S = RequestState
-ABORTABLE = (S.PENDING, S.RUNNING, S.FINISHED, S.INTERRUPTING)
+from sched.views import ABORTABLE, GroupState, RequestState, Views
 
 
 def spare(n: int, ratio: float) -> int:
@@ -110,7 +107,7 @@ class StalenessAborts:
             self.cursors[r] = len(fin)
             for rid in fin[start:]:
                 q = v.requests.get(rid)
-                if q is None or q.state != S.FINISHED or q.group_id in self.settled:
+                if q is None or q.state != RequestState.FINISHED or q.group_id in self.settled:
                     continue             # a discarded finish (aborted first), or its group already has G
                 g = v.groups[q.group_id]
                 if g.size <= G:
