@@ -48,6 +48,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import deque
 from typing import Any
 
 from rl.types import Group, Trajectory
@@ -65,6 +66,7 @@ from sim.tokens import RunList
 from sim.workload import Workload
 
 FAKE_TOKEN, FAKE_LOGPROB = 7, -1.0
+_TICK = "counters-tick"           # a queue item: every busy engine reports its counters (SimBackend._tick)
 
 
 def _runs_of(values) -> list[tuple[int, int]]:
@@ -124,6 +126,12 @@ class SimBackend:
         self.lent: set[int] = set()            # engines lent to the trainer
         self.lent_gpu_s = 0.0                  # GPU-seconds of train calls run on lent engines
         self.samples_trained = 0   # samples of train calls whose train_step_done has been delivered
+        # Engine counters: every busy engine reports at each tick k x counters_every_s of the virtual clock, all in
+        # one batch (`has_pending`), as a coordinator pulling a snapshot from every instance at once would see them
+        # (StaleFlow §4.1); a report reads the engine's lazy state and does not end its segment.
+        self._burst: deque[Event] = deque()
+        self._bursting = False
+        self._tick_armed = False
         self.emit(Event("version_published", 0.0, rank=0, version=0))  # engines start from the trainer's weights
 
     @property
@@ -142,10 +150,40 @@ class SimBackend:
 
     # ------------------------------------------------------------------------------------------ engine host
     def emit(self, ev: Event) -> None:
+        if self._bursting:
+            self._burst.append(ev)
+            return
         self.q.push(ev.t, ev)
+        self._arm_tick()
 
     def wake(self, engine: int, t: float, gen: int) -> None:
         self.q.push(t, (engine, gen))
+        self._arm_tick()
+
+    def _arm_tick(self) -> None:
+        """Schedule the next counters tick while anything is pending (an idle, empty simulation has none, so a
+        stall is still detected)."""
+        if self.counters_every_s is None or self._tick_armed:
+            return
+        self._tick_armed = True
+        period = self.counters_every_s
+        self.q.push((math.floor(self.q.now / period + 1e-9) + 1) * period, _TICK)
+
+    def _tick(self, t: float) -> None:
+        self._tick_armed = False
+        self._bursting = True
+        try:
+            for e in self.engines:
+                if e.busy:
+                    e.counters(t)
+        finally:
+            self._bursting = False
+        if any(e.busy for e in self.engines):
+            self._arm_tick()
+
+    def has_pending(self) -> bool:
+        """More events of the same batch (a tick's counters) are ready: the controller takes them before deciding."""
+        return bool(self._burst)
 
     @staticmethod
     def trajectory(engine: int, r: SimRequest, reason: str, **kw) -> Trajectory:
@@ -309,27 +347,35 @@ class SimBackend:
     def run_until(self, t: float) -> list[Event]:
         """Advance the clock to t, returning the events due by then (for tests and tools driving engines directly)."""
         out = []
-        while self.q and self.q.peek_time() <= t:
+        while self._burst or (self.q and self.q.peek_time() <= t):
             out.append(self.next_event())
         self.q.now = max(self.q.now, t)
         return out
+
+    def _count(self, ev: Event) -> Event:
+        self.events_out += 1
+        if self.max_events is not None and self.events_out > self.max_events:
+            raise SimStalled(f"more than {self.max_events} events by t={ev.t:.3f} s: is the policy looping?")
+        if ev.kind == "train_step_done":
+            self.samples_trained += int(ev.data.get("samples", 0))
+        return ev
 
     def next_event(self) -> Event:
         if self.stop_after_samples is not None and self.samples_trained >= self.stop_after_samples:
             raise StopSimulation
         while True:
+            if self._burst:
+                return self._count(self._burst.popleft())
             if not self.q:
                 busy = [e.index for e in self.engines if e.running or e.waiting]
                 raise SimStalled(f"simulation stalled at t={self.q.now:.3f} s: nothing is in flight (engines with "
                                  f"work: {busy[:8]}, trainer idle) and the controller is still waiting")
             t, item = self.q.pop()
             if isinstance(item, Event):
-                self.events_out += 1
-                if self.max_events is not None and self.events_out > self.max_events:
-                    raise SimStalled(f"more than {self.max_events} events by t={t:.3f} s: is the policy looping?")
-                if item.kind == "train_step_done":
-                    self.samples_trained += int(item.data.get("samples", 0))
-                return item
+                return self._count(item)
+            if item is _TICK:
+                self._tick(t)
+                continue
             engine, gen = item
             if engine < len(self.engines):     # else: a wake-up of an engine gone in a reshard
                 self.engines[engine].on_wake(t, gen)

@@ -111,7 +111,6 @@ class SimEngine:
         self.shared_blocks = 0
         self.tokens_total = 0
         self._tokens_reported = 0
-        self._t_counter = -math.inf
         self.preemptions = 0
         self.prefill_s_total = 0.0    # seconds of prefill planned (recompute after preemption, load or resume included)
         self.peak_blocks = 0
@@ -252,8 +251,6 @@ class SimEngine:
             self.seg = None
             self.t = t
             self._finish_done()
-            if self.counters_every_s is not None and self.t - self._t_counter >= self.counters_every_s:
-                self.counters()
         self.t = max(self.t, t)
         if self.t >= self.hold_until and self.pending_version is not None:
             # As engine/engine.py load_weights: no KV computed by the old weights is read again; running sequences
@@ -293,8 +290,6 @@ class SimEngine:
         # admitted since the last step: recomputed, or (a migrated trajectory's) KV moved over the interconnect
         prefill_s = self.cost.prefill_s(self._prefill - self._moved) + self.cost.kv_move_s(self._moved)
         self.prefill_s_total += prefill_s
-        if self.counters_every_s is not None:
-            m = min(m, max(1, self.cost.steps_reaching(n, self.kv_tokens, self.counters_every_s - prefill_s)))
         self.peak_blocks = max(self.peak_blocks, self.need(m - 1))
         self.seg = _Segment(self.t, prefill_s, n, self.kv_tokens, m)
         self.host.wake(self.index, self.seg.boundary(self.cost, m), self.gen)
@@ -336,17 +331,36 @@ class SimEngine:
             if not busy and self.counters_every_s is not None:
                 self.counters()
 
-    def counters(self) -> None:
-        """A tokens_decoded event with the engine's counters (as the runtime's rollout worker sends)."""
+    def steps_by(self, now: float) -> int:
+        """Steps of the current segment completed by `now` (0 without a segment): the state a report at `now` sees,
+        read without ending the segment."""
+        seg = self.seg
+        if seg is None:
+            return 0
+        dt = now - seg.start - seg.prefill_s
+        j = self.cost.steps_reaching(seg.n, seg.kv0, dt)
+        if j > 0 and self.cost.steps_s(seg.n, seg.kv0, j) > dt + 1e-12:
+            j -= 1
+        return max(0, min(j, seg.m))
+
+    def counters(self, now: float | None = None) -> None:
+        """A tokens_decoded event with the engine's counters (as the runtime's rollout worker sends), as of the
+        last step boundary by `now` (default: the engine's exact instant); a mid-segment report leaves the
+        segment running."""
+        j = 0 if now is None else self.steps_by(now)
+        total = self.tokens_total + len(self._running) * j
         data: dict[str, Any] = {
-            "tokens": self.tokens_total - self._tokens_reported, "total": self.tokens_total,
-            "running": len(self._running), "waiting": len(self.waiting), "kv_used": self.need(0),
-            "kv_free": self.cap - self.need(0), "preemptions": self.preemptions}
+            "tokens": total - self._tokens_reported, "total": total,
+            "running": len(self._running), "waiting": len(self.waiting), "kv_used": self.need(j),
+            "kv_free": self.cap - self.need(j), "preemptions": self.preemptions}
         if self.progress:
-            data["progress"] = {r.req_id: self.done_of(r) for r in self.running + list(self.waiting)}
-        self._tokens_reported, self._t_counter = self.tokens_total, self.t
-        self.host.emit(Event("tokens_decoded", self.t, rank=self.rank, engine=self.index, version=self.version,
-                             data=data))
+            at = self.steps + j                 # done_of(r) + j, inlined (every running request, every report)
+            progress = {r.req_id: r.done + at - r.mark for r in self._running.values()}
+            progress.update((r.req_id, r.done) for r in self.waiting)
+            data["progress"] = progress
+        self._tokens_reported = total
+        self.host.emit(Event("tokens_decoded", self.t if now is None else now, rank=self.rank, engine=self.index,
+                             version=self.version, data=data))
 
     # ----------------------------------------------------------------------------------------- external calls
     def add(self, reqs: list[SimRequest], now: float) -> None:

@@ -33,6 +33,30 @@ def test_sync_preset_is_on_policy_loses_nothing_and_has_sane_metrics(seed, engin
     assert any(e.kind == "tokens_decoded" and e.data.get("progress") for e in r.events)
 
 
+def test_engine_counters_come_on_the_clock_ticks_and_leave_the_simulation_unchanged():
+    """Counters are read from the engines' lazy state at each tick k x period (one batch per tick), and at an
+    engine's going idle; reading them cuts no segment, so a preset that decides only on what happens (sync) logs
+    exactly the same events with and without them. Per engine the reported totals add up, and a request's reported
+    progress never goes back and never passes its final length."""
+    plain, counted = run(1), run(1, counters_every_s=0.5, progress=True)
+    assert [e.to_json() for e in plain.events] == [e.to_json() for e in counted.events if e.kind != "tokens_decoded"]
+    reports = [e for e in counted.events if e.kind == "tokens_decoded"]
+    idle = {(e.engine, e.t) for e in counted.events if e.kind == "engine_idle"}
+    assert len(reports) > 20
+    for e in reports:
+        assert abs(e.t / 0.5 - round(e.t / 0.5)) < 1e-9 or (e.engine, e.t) in idle
+    final = {e.req_id: e.data["tokens"] for e in counted.events if e.kind == "trajectory_finished"}
+    seen: dict[int, int] = {}
+    for eng in {e.engine for e in reports}:
+        mine = [e for e in reports if e.engine == eng]
+        assert [e.data["total"] for e in mine] == sorted(e.data["total"] for e in mine)
+        assert sum(e.data["tokens"] for e in mine) == mine[-1].data["total"]
+    for e in reports:
+        for rid, n in e.data["progress"].items():
+            assert n >= seen.get(rid, 0) and n <= final[rid]
+            seen[rid] = n
+
+
 def test_same_seed_same_event_log_other_seed_differs():
     a, b, c = run(7), run(7), run(8)
     assert [e.to_json() for e in a.events] == [e.to_json() for e in b.events]
