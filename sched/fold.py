@@ -63,9 +63,8 @@ class EventFold:
             e.preemptions = d.get("preemptions", e.preemptions)
             e.kv_used, e.kv_free = d.get("kv_used", e.kv_used), d.get("kv_free", e.kv_free)
             e.tokens_decoded = d.get("total", e.tokens_decoded)
-            for rid, n in d.get("progress", {}).items():
-                if int(rid) in v.requests:
-                    v.requests[int(rid)].tokens = n
+            if "progress" in d:
+                v.requests.set_tokens(d["progress"])
             if self.partials is not None and ev.payload:
                 for rid, chunk in ev.payload.get("partials", {}).items():
                     r = v.requests.get(rid)

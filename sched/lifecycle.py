@@ -118,9 +118,9 @@ class Lifecycle:
         for r in reqs:
             if r.state != S.PENDING:
                 raise InvariantError(f"request {r.req_id} submitted twice (state {r.state})")
-            if r.partial is not None and r.partial.versions and e.version < max(r.partial.versions):
+            if r.partial is not None and r.partial.versions and e.version < r.partial.newest_version:
                 raise InvariantError(f"request {r.req_id} resumed on engine {sub.engine} at version {e.version}, "
-                                     f"older than its tokens so far (version {max(r.partial.versions)})")
+                                     f"older than its tokens so far (version {r.partial.newest_version})")
             if r.v_traj < 0:
                 r.v_traj = e.version
             v.requests.set_state(r, S.RUNNING)

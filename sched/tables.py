@@ -93,6 +93,15 @@ class RequestTable(_Table):
             self._sorted = False
         idx[r.req_id] = r
 
+    def set_tokens(self, progress: dict) -> None:
+        """Each listed request's response tokens so far (an engine's progress report; ids may be JSON strings);
+        ids no longer held are skipped. Not indexed, so no index changes."""
+        get = self._all.get
+        for rid, n in progress.items():
+            r = get(int(rid))
+            if r is not None:
+                r.tokens = n
+
     def iter_pending(self) -> Iterator["Request"]:
         """The queue (pending requests) in id order, without a copy: change no request's state while iterating
         (use `pending()` for a list)."""

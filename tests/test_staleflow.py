@@ -61,6 +61,20 @@ def test_marginal_gain_is_zero_when_the_trajectory_would_queue():
     assert cm.ideal_gain(100) == pytest.approx(1 / (7.28e-8 * 100 + 1.72e-3 + 1.07e-2))
 
 
+snap_st = st.builds(InstanceSnap, engine=st.integers(0, 7), version=st.just(0), running=st.integers(0, 300),
+                    waiting=st.sampled_from([0, 0, 0, 2]), kv=st.floats(0, 2e6), budget=st.sampled_from([1e6, 3e6]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(snap_st, min_size=1, max_size=12), st.integers(1, 40_000))
+def test_best_gain_is_the_max_of_marginal_gain_with_the_lowest_engine_among_equals(snaps, length):
+    """Routing's inlined arithmetic (cost.py best_gain) picks what max over marginal_gain picks, bit for bit."""
+    cm = ThroughputModel()
+    gain, best = cm.best_gain(snaps, length)
+    want = max((cm.marginal_gain(s, length), -s.engine) for s in snaps)
+    assert (gain, -best.engine) == want and cm.marginal_gain(best, length) == gain
+
+
 # ---- routing (Alg. 2-3) ----------------------------------------------------------------------------------------
 def test_routing_serves_the_stalest_first_on_the_oldest_instance_that_gains_enough():
     sb = StalenessBuffers(eta=1, batch=8, v_next=1)

@@ -80,6 +80,26 @@ class ThroughputModel:
         after = (n + 1) / (p.k1 * kv + max(p.k2, p.k3 * (n + 1)) + p.k4)
         return after - (n / (p.k1 * s.kv + max(p.k2, p.k3 * n) + p.k4) if n > 0 else 0.0)
 
+    def best_gain(self, snaps: list[InstanceSnap], length: int) -> tuple[float, InstanceSnap]:
+        """The instance of `snaps` with the largest `marginal_gain` (the lowest engine id among equals), and its
+        gain: the same arithmetic, inlined (routing asks this for every trajectory of every pass)."""
+        p = self.p
+        k1, k2, k3, k4, dkv = p.k1, p.k2, p.k3, p.k4, p.k5 * length
+        best, top = snaps[0], -math.inf
+        for s in snaps:
+            kv, n = s.kv + dkv, s.running
+            if s.waiting != 0 or kv > s.budget:
+                g = 0.0
+            else:                               # max(k2, k3 x n) as a comparison: this loop is hot
+                c = k3 * (n + 1)
+                g = (n + 1) / (k1 * kv + (c if c > k2 else k2) + k4)
+                if n > 0:
+                    c = k3 * n
+                    g -= n / (k1 * s.kv + (c if c > k2 else k2) + k4)
+            if g > top or (g == top and s.engine < best.engine):
+                best, top = s, g
+        return top, best
+
     def ideal_gain(self, length: int) -> float:
         p = self.p
         return 1.0 / (p.k1 * p.k5 * length + max(p.k2, p.k3) + p.k4)

@@ -22,27 +22,24 @@ def marginal_routes(snaps: dict[int, InstanceSnap], items: Iterable[Item], buffe
     """Alg. 3 on a snapshot (mutated copy) and buffers (mutated: pass a copy for a tentative plan). `until`: stop
     at the first trajectory routed to that instance (Alg. 4 only asks whether there is one)."""
     snaps = dict(snaps)
+    # Alg. 2 per instance (routable()) depends only on the instance's version: candidates are grouped by version
+    # (instances without weights or mid-Pull take nothing), and each trajectory asks once per distinct version.
+    by_ver: dict[int, list[int]] = {}
+    for e in sorted(snaps):
+        if snaps[e].version >= 0 and not snaps[e].loading:
+            by_ver.setdefault(snaps[e].version, []).append(e)
+    versions = sorted(by_ver)
     out: list[tuple[int, Item]] = []
     for it in items:
-        # Alg. 2 per instance (routable()); its answer depends only on the instance's version, so ask once per
-        # distinct version: candidates grouped by version.
-        by_ver: dict[int, list[InstanceSnap]] = {}
-        ok: dict[int, bool] = {}
-        for s in snaps.values():
-            if s.version < 0 or s.loading:
-                continue
-            a = ok.get(s.version)
-            if a is None:
-                a = ok[s.version] = routable(buffers, it, s)
-            if a:
-                by_ver.setdefault(s.version, []).append(s)
-        if not by_ver:
+        gid, need = it.req.group_id, it.need
+        ok = [u for u in versions if buffers.admits(gid, u)] if it.initial else [u for u in versions if u >= need]
+        if not ok:
             break                                   # head-of-line: lower queues wait for this one
         L = it.length
         floor = mu * model.ideal_gain(L)
         chosen = None
-        for ver in sorted(by_ver):
-            gain, _, best = max((model.marginal_gain(s, L), -s.engine, s) for s in by_ver[ver])
+        for ver in ok:
+            gain, best = model.best_gain([snaps[e] for e in by_ver[ver]], L)
             if gain >= floor and model.fits(best, L):
                 chosen = best
                 break

@@ -37,6 +37,7 @@ How the paper's pieces map onto ours:
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -166,8 +167,8 @@ class StaleFlowState:
         out = {}
         for e in v.engines:
             reqs = on[e.engine]
-            running = [r for r in reqs if r.state == RequestState.RUNNING]
-            ids = tuple(r.req_id for r in running)
+            running = [r for r in reqs if r.state is RUNNING]
+            ids = tuple(map(_req_id, running))
             reported = e.running + e.waiting
             M = (e.kv_used + e.kv_free) * bs if e.kv_used + e.kv_free > 0 else budget
             if reported == len(running) and reported == e.assigned and not e.loading and (e.kv_used or not reqs):
@@ -212,5 +213,5 @@ def after_commands(snaps: Snaps, cmds: list[Any]) -> Snaps:
     return out
 
 
-def _req_id(r: Request) -> int:
-    return r.req_id
+_req_id = attrgetter("req_id")
+RUNNING = RequestState.RUNNING
