@@ -161,8 +161,8 @@ class SimBackend:
         self._arm_tick()
 
     def _arm_tick(self) -> None:
-        """Schedule the next counters tick while anything is pending (an idle, empty simulation has none, so a
-        stall is still detected)."""
+        """Schedule the next counters tick, if none is: on any push, and after a tick that found an engine busy (a
+        simulation with nothing left in its queue has none, so a stall is still detected)."""
         if self.counters_every_s is None or self._tick_armed:
             return
         self._tick_armed = True
