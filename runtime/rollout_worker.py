@@ -284,8 +284,7 @@ class RolloutWorker:
     def _rebuild(self) -> None:
         """Rebuild a failed engine and rejoin (`engine_recovered`): its pool is fresh (reset at the failure, and
         nothing entered it since: Starts are void until ResetEngine); weights that are not finite are reloaded from
-        the relay. A rebuild that fails retires the engine (§3.3: the fault
-        persists)."""
+        the relay. A rebuild that fails retires the engine (§3.3: the fault persists)."""
         if time.perf_counter() < self.down_until:
             return
         reloaded = False

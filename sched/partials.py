@@ -19,7 +19,6 @@ InvariantError: tokens would be missing from the resumed trajectory).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import Callable
 
 from rl.types import Trajectory

@@ -348,11 +348,11 @@ class SimEngine:
         last step boundary by `now` (default: the engine's exact instant); a mid-segment report leaves the
         segment running."""
         j = 0 if now is None else self.steps_by(now)
-        total = self.tokens_total + len(self._running) * j
+        total, used = self.tokens_total + len(self._running) * j, self.need(j)
         data: dict[str, Any] = {
             "tokens": total - self._tokens_reported, "total": total,
-            "running": len(self._running), "waiting": len(self.waiting), "kv_used": self.need(j),
-            "kv_free": self.cap - self.need(j), "preemptions": self.preemptions}
+            "running": len(self._running), "waiting": len(self.waiting), "kv_used": used,
+            "kv_free": self.cap - used, "preemptions": self.preemptions}
         if self.progress:
             at = self.steps + j                 # done_of(r) + j, inlined (every running request, every report)
             progress = {r.req_id: r.done + at - r.mark for r in self._running.values()}

@@ -219,6 +219,7 @@ PAPER = Paper(STALEFLOW, notes=[note_split, note_bias, note_areal], seeds=1,
               components="Simulated: StaleFlow's staleness buffers, cost-model routing, selective sync and "
                          "migration (Alg. 1-5) on the virtual clock; VeRL colocated and synchronous, VeRL-Pipeline as "
                          "a strict one-round pipeline, VeRL-Async as the strict-staleness areal mechanisms at verl's "
-                         "concurrency; each disaggregated system at its balanced GPU split. Not run: redundant rollout "
-                         "and filtering (implemented, sched/policies/staleflow/aborts.py, but off in §6's main runs). "
-                         "Not simulated: the parameter store's sharding and comm plan, the paper's 4 models.")
+                         "concurrency; each disaggregated system at its tuned GPU split (the faster of the even split "
+                         "and the stage-work balance). Not run: redundant rollout and filtering (implemented, "
+                         "sched/policies/staleflow/aborts.py, but off in §6's main runs). Not simulated: the "
+                         "parameter store's sharding and comm plan, the paper's 4 models.")

@@ -31,8 +31,7 @@ def marginal_routes(snaps: dict[int, InstanceSnap], items: Iterable[Item], buffe
     versions = sorted(by_ver)
     out: list[tuple[int, Item]] = []
     for it in items:
-        gid, need = it.req.group_id, it.need
-        ok = [u for u in versions if buffers.admits(gid, u)] if it.initial else [u for u in versions if u >= need]
+        ok = [u for u in versions if routable(buffers, it, snaps[by_ver[u][0]])]
         if not ok:
             break                                   # head-of-line: lower queues wait for this one
         L = it.length

@@ -37,8 +37,8 @@ How the paper's pieces map onto ours:
 from __future__ import annotations
 
 import math
-from operator import attrgetter
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Any, Callable
 
 from config import F
@@ -50,6 +50,8 @@ from sched.views import ON_ENGINE, Request, RequestState, Views
 
 Snaps = dict[int, InstanceSnap]
 PASS_STEPS = ("sync", "migrate")   # Algorithm 1's order before routing
+RUNNING = RequestState.RUNNING
+_req_id = attrgetter("req_id")
 
 
 @dataclass
@@ -212,6 +214,3 @@ def after_commands(snaps: Snaps, cmds: list[Any]) -> Snaps:
                                     requests=tuple(i for i in s.requests if i not in gone))
     return out
 
-
-_req_id = attrgetter("req_id")
-RUNNING = RequestState.RUNNING
