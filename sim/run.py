@@ -22,7 +22,7 @@ from typing import Any
 import sched
 from sched.base import Preset
 from sched.controller import Controller, PromptItem
-from sched.events import Event, EventLog
+from sched.events import Event, EventLog, from_columns, to_columns
 from sched.metrics import summarize
 from sim.backend import SimBackend, StopSimulation
 from sim.cost import CostModel
@@ -45,6 +45,15 @@ class SimResult:
     backend: SimBackend = field(repr=False)
     views: Any = field(default=None, repr=False)  # the controller's views at the end (what is still in flight)
     policy: Any = field(default=None, repr=False)  # the Preset as it ended (its mechanisms' own state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a reproduction's pool ships results, sim/repro/core.py) with the events as columns."""
+        state = dict(self.__dict__)
+        state["events"] = to_columns(state["events"])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, events=from_columns(state["events"]))
 
     def write(self, out_dir: str | Path, timeline: bool = True) -> Path:
         """events.jsonl + summary.json (+ timeline.png) like a real run directory."""

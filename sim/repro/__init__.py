@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="comma-separated seeds (default: 0..n-1, n the paper's default: 3, or 1 for the slow "
                          "StaleFlow and Laminar reproductions)")
-    ap.add_argument("--jobs", type=int, default=default_jobs(), help="seeds simulated in parallel processes")
+    ap.add_argument("--jobs", type=int, default=default_jobs(),
+                    help="simulations run in parallel worker processes, every seed's at once (default: one per "
+                         "core, at least 2; 1: all in this process)")
     ap.add_argument("--train-speed", type=float, default=1.0, metavar="F",
                     help="sensitivity, not the reproduction: every cost profile trains F times faster per token "
                          "(training speed is an assumption in most profiles: `python -m sim profiles`)")

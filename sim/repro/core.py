@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import statistics
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,6 +27,7 @@ from rl.reward_timeout import AdaptiveTimeout
 from sim.run import SimResult, simulate
 
 NA = "policy not available yet"
+WAVE_DEADLINE_S = 4 * 3600.0   # a backstop against a hung worker, far above any wave's time (minutes)
 LEVEL, SPEEDUP, ARITHMETIC = "level", "speedup", "arithmetic"
 
 
@@ -52,31 +54,79 @@ def sim_kwargs(s: Setting) -> dict[str, Any]:
     return kw
 
 
+@dataclass(frozen=True)
+class SimSpec:
+    """One simulation a row reads: everything simulate() takes, hashable (the memo's key) and picklable (a pool's
+    task). `overrides`: ((table, ((key, value), ...)), ...) over the preset; `counters_every_s` and `progress`: the
+    engines' counters (simulate())."""
+    preset: str
+    overrides: tuple
+    setting: Setting
+    seed: int
+    counters_every_s: float | None = None
+    progress: bool = False
+
+    def run(self) -> SimResult:
+        s = self.setting
+        policy = sched.load_preset(self.preset, {k: dict(v) for k, v in self.overrides})
+        r = simulate(policy, s.workload, s.cost, s.num_engines, s.train_gpus, steps=10**9, group_size=s.group_size,
+                     prompts_per_step=s.prompts, seed=self.seed, colocated=s.colocated,
+                     samples=s.rounds * s.prompts * s.group_size, counters_every_s=self.counters_every_s,
+                     progress=self.progress, **sim_kwargs(s))
+        r.preset = self.preset
+        return r
+
+
+class Missing(BaseException):
+    """A row read a simulation its Runs has not got yet, while the pool collects what a wave must run (`evaluate`).
+    A BaseException, so that a row's own `except Exception` lets it through."""
+
+
 class Runs:
-    """Memoised simulations of one seed: (preset or (preset, overrides), setting) -> SimResult; `memo` for any other
-    seeded computation a row shares with another (a profile of generation times, a chosen split)."""
+    """Memoised simulations of one seed: SimSpec -> SimResult; `memo` for any other seeded computation a row shares
+    with another (a profile of generation times, a chosen split). While `wanted` is a dict (`evaluate` with a pool),
+    a simulation not yet run is added to it and raises Missing instead of running here, so a row is computed once
+    per wave and again at the end: a row must be a pure function of its runs."""
 
     def __init__(self, seed: int):
         self.seed, self.cache = seed, {}
+        self.wanted: dict[SimSpec, None] | None = None
 
-    def get(self, preset: str, s: Setting, overrides: tuple = ()) -> SimResult | None:
+    def get(self, preset: str, s: Setting, overrides: tuple = (), counters_every_s: float | None = None,
+            progress: bool = False) -> SimResult | None:
         """None when the preset does not exist; raises what the simulation raised."""
         if not (sched.PRESET_DIR / f"{preset}.toml").is_file():
             return None
-        key = (preset, overrides, s)
-        if key not in self.cache:
-            policy = sched.load_preset(preset, {k: dict(v) for k, v in overrides})
-            self.cache[key] = simulate(policy, s.workload, s.cost, s.num_engines, s.train_gpus, steps=10**9,
-                                       group_size=s.group_size, prompts_per_step=s.prompts, seed=self.seed,
-                                       colocated=s.colocated, samples=s.rounds * s.prompts * s.group_size,
-                                       **sim_kwargs(s))
-            self.cache[key].preset = preset
-        return self.cache[key]
+        spec = SimSpec(preset, overrides, s, self.seed, counters_every_s, progress)
+        r = self.cache.get(spec)
+        if r is None:
+            if self.wanted is not None:
+                self.wanted[spec] = None
+                raise Missing
+            r = self.cache[spec] = spec.run()
+        if isinstance(r, Exception):    # the pool's run of it failed
+            raise r
+        return r
 
     def memo(self, key: Any, fn: Callable[[], Any]) -> Any:
         if key not in self.cache:
             self.cache[key] = fn()
         return self.cache[key]
+
+
+def gather(fns: list[Callable[[], Any]]) -> list[Any]:
+    """Every fn's value; when some read simulations not run yet (Missing), all are still called before Missing is
+    raised, so one wave of the pool runs every simulation they need (a loop that stopped at its first Missing would
+    take a wave per iteration)."""
+    out, missing = [], False
+    for fn in fns:
+        try:
+            out.append(fn())
+        except Missing:
+            missing = True
+    if missing:
+        raise Missing
+    return out
 
 
 @dataclass
@@ -123,20 +173,14 @@ def row_values(rows: list[Row], runs: Runs) -> list[Any]:
     return out
 
 
-def _seed_job(paper: str, seed: int, with_notes: bool, train_speed: float) -> tuple[list[Any], list[str]]:
-    from sim.repro import PAPERS
-    with _training_speed(train_speed):
-        p = PAPERS[paper]
-        runs = Runs(seed)
-        values = row_values(p.rows, runs)
-        notes = []
-        if with_notes:
-            for note in p.notes:
-                try:
-                    notes.append(note(runs))
-                except Exception as e:
-                    notes.append(f"note failed: {type(e).__name__}: {e}"[:160])
-        return values, notes
+def _notes(p: Paper, runs: Runs) -> list[str]:
+    out = []
+    for note in p.notes:
+        try:
+            out.append(note(runs))
+        except Exception as e:
+            out.append(f"note failed: {type(e).__name__}: {e}"[:160])
+    return out
 
 
 class _training_speed:
@@ -160,18 +204,71 @@ class _training_speed:
         PROFILES.update(self.saved)
 
 
+def _run_spec(job: tuple[SimSpec, float]) -> tuple[SimSpec, SimResult | Exception]:
+    """A pool's task: the simulation, or the error it raised (Runs.get raises it where a row reads it)."""
+    spec, train_speed = job
+    with _training_speed(train_speed):
+        try:
+            return spec, spec.run()
+        except Exception as e:
+            return spec, e
+
+
+def _wanted(p: Paper, all_runs: list[Runs]) -> dict[SimSpec, None]:
+    """The simulations the rows (and the first seed's notes) read that no Runs has yet: each row is computed up
+    to its reads, missing ones collected (not run)."""
+    wanted: dict[SimSpec, None] = {}
+    for i, runs in enumerate(all_runs):
+        runs.wanted = wanted
+        try:
+            for fn in [row.compute for row in p.rows] + (list(p.notes) if i == 0 else []):
+                try:
+                    fn(runs)
+                except (Missing, Exception):
+                    pass           # Missing: collected; an error: the final pass reports it
+        finally:
+            runs.wanted = None
+    return wanted
+
+
 def evaluate(paper: str, seeds: list[int], jobs: int, train_speed: float = 1.0
              ) -> tuple[list[list[Any]], list[str]]:
-    """Every row on every seed (seeds in parallel processes when jobs > 1): per row its values by seed, and the
-    notes from the first seed."""
-    if jobs <= 1 or len(seeds) <= 1:
-        results = [_seed_job(paper, s, i == 0, train_speed) for i, s in enumerate(seeds)]
-    else:
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=min(jobs, len(seeds)), mp_context=ctx) as pool:
-            futs = [pool.submit(_seed_job, paper, s, i == 0, train_speed) for i, s in enumerate(seeds)]
-            results = [f.result() for f in futs]
-    per_row = [[vals[i] for vals, _ in results] for i in range(len(results[0][0]))]
+    """Every row on every seed: per row its values by seed, and the notes from the first seed. With jobs > 1 the
+    simulations run in a pool of `jobs` processes, in waves: the rows are computed up to what they read, every
+    simulation missing on any seed runs in the pool at once, and again until none is missing (a split chosen
+    from one run's figures takes two waves); the final pass computes the rows from the results. A wave has a
+    deadline (WAVE_DEADLINE_S); a worker that dies fails the command with the pool's error."""
+    from sim.repro import PAPERS
+    p = PAPERS[paper]
+    all_runs = [Runs(s) for s in seeds]
+    by_seed = {runs.seed: runs for runs in all_runs}
+    if jobs > 1:
+        # submitted outside the speed block: the workers fork with the profiles as defined, and each task applies
+        # the speed itself
+        pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+        try:
+            while True:
+                with _training_speed(train_speed):
+                    wanted = _wanted(p, all_runs)
+                if not wanted:
+                    break
+                futs = [pool.submit(_run_spec, (spec, train_speed)) for spec in wanted]
+                try:
+                    for fut in as_completed(futs, timeout=WAVE_DEADLINE_S):
+                        spec, r = fut.result()
+                        by_seed[spec.seed].cache[spec] = r
+                except TimeoutError:
+                    raise TimeoutError(f"{paper}: a wave of {len(futs)} simulations did not finish within "
+                                       f"{WAVE_DEADLINE_S:.0f} s") from None
+        except BaseException:
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):   # no public way to stop a
+                proc.kill()                                                          # running task
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    with _training_speed(train_speed):
+        results = [(row_values(p.rows, runs), _notes(p, runs) if i == 0 else []) for i, runs in enumerate(all_runs)]
+    per_row = [[vals[i] for vals, _ in results] for i in range(len(p.rows))]
     return per_row, results[0][1]
 
 
@@ -192,6 +289,5 @@ def summary(row: Row, values: list[Any]) -> tuple[str, bool | None, float | None
 
 
 def default_jobs() -> int:
-    """One process per default seed (3), whatever the cores: the OS shares them, and the last seed does not run
-    alone after the others."""
-    return 3
+    """A worker per core (at least 2): the pool's tasks are single simulations, so more cores finish sooner."""
+    return max(2, os.cpu_count() or 1)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-import sched
 from sched.metrics import kv_utilisation
 from sim.cost import relay_broadcast_s
 from sim.profiles import BYTES_PER_PARAM, LAMINAR_CHUNK, LAMINAR_NIC_BW, LAMINAR_T_START, QWEN25_72B
 from sim.repro.core import SPEEDUP, Paper, Row, Runs, Setting
 from sim.repro.figures import (after_warmup_throughput, generation_tps, length_bias, metric, rollout_idle_ratio,
                                 round_figures)
-from sim.run import SimResult, simulate
+from sim.run import SimResult
 
 # Laminar §2.3/§8: verl colocated at the largest scale, Qwen2.5-72B on 1024 H800 (rollout TP 8), 512 prompts x 16,
 # max output 16K, math GRPO (the Laminar profile: rule-based reward, no reference model); two rounds.
@@ -46,19 +45,7 @@ AREAL_RUN = ("areal", LM_EVEN, AREAL_UNBOUNDED)
 def lm_get(runs: Runs, preset: str, s: Setting, overrides: tuple = ()) -> SimResult | None:
     """Runs.get, with engine counters every simulated second for Laminar's runs (repack's KV monitor, the
     KV-utilisation and generation-rate rows)."""
-    if preset != "laminar":
-        return runs.get(preset, s, overrides)
-    if not (sched.PRESET_DIR / f"{preset}.toml").is_file():
-        return None
-    key = ("counters", preset, overrides, s)
-    if key not in runs.cache:
-        policy = sched.load_preset(preset, {k: dict(v) for k, v in overrides})
-        runs.cache[key] = simulate(policy, s.workload, s.cost, s.num_engines, s.train_gpus, steps=10**9,
-                                   group_size=s.group_size, prompts_per_step=s.prompts, seed=runs.seed,
-                                   colocated=s.colocated, samples=s.rounds * s.prompts * s.group_size,
-                                   counters_every_s=1.0)
-        runs.cache[key].preset = preset
-    return runs.cache[key]
+    return runs.get(preset, s, overrides, counters_every_s=1.0 if preset == "laminar" else None)
 
 
 def steady_throughput(r: SimResult) -> float:

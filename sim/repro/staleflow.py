@@ -5,9 +5,9 @@ from dataclasses import replace
 from typing import Callable
 
 import sched
-from sim.repro.core import SPEEDUP, Paper, Row, Runs, Setting
+from sim.repro.core import SPEEDUP, Paper, Row, Runs, Setting, gather
 from sim.repro.figures import length_bias, throughput
-from sim.run import SimResult, simulate
+from sim.run import SimResult
 
 # StaleFlow §6.1: Qwen3-30B-A3B on 128 H20, DAPO, batch 128 x 16, 20K responses; rollout instances of TP 1, as
 # Table 4's k2 implies; VeRL is colocated on all 128. The paper tunes every disaggregated system's GPU split "to
@@ -40,17 +40,9 @@ def sf_run(runs: Runs, preset: str, s: Setting, eta: int | None = None) -> SimRe
     """A run of `preset` with every table that has an `eta` set to eta (memoised in `runs`)."""
     if not (sched.PRESET_DIR / f"{preset}.toml").is_file():
         return None
-    key = ("staleflow-row", preset, eta, s)
-    if key not in runs.cache:
-        tables = sched.preset_tables(preset)
-        over = {k: {"eta": eta} for k, t in tables.items() if "eta" in t and eta is not None}
-        snapshots = preset.startswith("staleflow")
-        runs.cache[key] = simulate(sched.load_preset(preset, over), s.workload, s.cost, s.num_engines, s.train_gpus,
-                                   steps=10**9, group_size=s.group_size, prompts_per_step=s.prompts, seed=runs.seed,
-                                   colocated=s.colocated, samples=s.rounds * s.prompts * s.group_size,
-                                   counters_every_s=SF_COUNTERS_S if snapshots else None, progress=snapshots)
-        runs.cache[key].preset = preset
-    return runs.cache[key]
+    over = tuple((k, (("eta", eta),)) for k, t in sched.preset_tables(preset).items() if "eta" in t and eta is not None)
+    snapshots = preset.startswith("staleflow")
+    return runs.get(preset, s, over, counters_every_s=SF_COUNTERS_S if snapshots else None, progress=snapshots)
 
 
 def tokens_per_s(r: SimResult) -> float:
@@ -97,19 +89,18 @@ def sf_tuned(runs: Runs, preset: str, eta: int | None) -> SimResult | None:
 
 def sf_gains(base: str, per_eta: bool, tuned: bool = True) -> Callable[[Runs], list[float] | None]:
     """StaleFlow over `base` at eta = 1, 2, 3, each at its tuned split (tuned=False: both at the even split)."""
+    def run(runs: Runs, preset: str, eta: int | None) -> SimResult | None:
+        if preset == "sync":
+            return sf_run(runs, preset, SF_VERL, None)
+        return sf_tuned(runs, preset, eta) if tuned else sf_run(runs, preset, SF, eta)
+
     def f(runs: Runs) -> list[float] | None:
-        out = []
-        for eta in SF_ETAS:
-            b_eta = eta if per_eta else None
-            if base == "sync":
-                b = sf_run(runs, base, SF_VERL, None)
-            else:
-                b = sf_tuned(runs, base, b_eta) if tuned else sf_run(runs, base, SF, b_eta)
-            a = sf_tuned(runs, "staleflow", eta) if tuned else sf_run(runs, "staleflow", SF, eta)
-            if a is None or b is None:
-                return None
-            out.append(tokens_per_s(a) / tokens_per_s(b))
-        return out
+        def pair(eta: int) -> list[SimResult | None]:
+            return gather([lambda: run(runs, "staleflow", eta), lambda: run(runs, base, eta if per_eta else None)])
+        pairs = gather([lambda eta=eta: pair(eta) for eta in SF_ETAS])   # every eta's runs in one wave of the pool
+        if any(a is None or b is None for a, b in pairs):
+            return None
+        return [tokens_per_s(a) / tokens_per_s(b) for a, b in pairs]
     return f
 
 
@@ -130,7 +121,7 @@ def sf_staleness(fn: Callable[[dict[int, int]], float]) -> Callable[[Runs], floa
 
 def vanilla_vs_async(runs: Runs) -> float | None:
     """Fig. 16 (§6.5 setting, eta = 3 as Fig. 18): StaleFlow with all three strategies vanilla over VeRL-Async."""
-    a, b = sf_tuned(runs, "staleflow_vanilla", 3), sf_tuned(runs, VERL_ASYNC, 3)
+    a, b = gather([lambda: sf_tuned(runs, "staleflow_vanilla", 3), lambda: sf_tuned(runs, VERL_ASYNC, 3)])
     return None if a is None or b is None else tokens_per_s(a) / tokens_per_s(b)
 
 

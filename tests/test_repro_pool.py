@@ -1,0 +1,88 @@
+"""The reproductions' pool (sim/repro/core.py `evaluate`): simulations run in waves of worker processes and come
+back pickled (SimResult's columns), giving the same rows as one process; a row whose run depends on another run's
+figures takes a second wave; a failing simulation is that row's error, not the command's; a hung wave ends at its
+deadline with a named error."""
+import pickle
+import time
+
+import pytest
+
+import sim.repro
+from sim.repro import core
+from sim.repro.core import Paper, Row, Runs, Setting, evaluate, gather
+from sim.run import simulate
+
+TINY = Setting("cpu_tiny", "cpu_tiny", 2, 2, 4, 4, 3)
+WIDE = Setting("cpu_tiny", "cpu_tiny", 3, 2, 4, 4, 3)
+BAD = (("dispatch", (("no_such_key", 1),)),)     # sync's dispatch takes no parameters: load_preset raises
+
+
+def _makespan(r) -> float:
+    return r.metrics["makespan_s"]
+
+
+def _chosen(runs: Runs) -> float:
+    """A run on a setting chosen from another run's figures (as StaleFlow's tuned split): two waves."""
+    s = runs.memo("pick", lambda: WIDE if _makespan(runs.get("one_step", TINY)) > 0 else TINY)
+    return _makespan(runs.get("staleflow", s))
+
+
+def _three(runs: Runs) -> float:
+    a, b, c = gather([lambda: runs.get("sync", TINY), lambda: runs.get("one_step", TINY),
+                      lambda: runs.get("sync", WIDE)])
+    return _makespan(a) + _makespan(b) + _makespan(c)
+
+
+FAKE = Paper([Row("a", (1, 1), "1", lambda runs: _makespan(runs.get("sync", TINY))),
+              Row("b", (1, 1), "1", _chosen),
+              Row("c", (1, 1), "1", _three),
+              Row("d", (1, 1), "1", lambda runs: _makespan(runs.get("sync", TINY, BAD)))],
+             notes=[lambda runs: f"note {_makespan(runs.get('one_step', WIDE)):.3f}"])
+
+
+def test_a_pickled_result_keeps_every_logged_field_of_every_event():
+    r = simulate("staleflow", "cpu_tiny", "cpu_tiny", 2, 2, steps=3, group_size=4, prompts_per_step=4)
+    back = pickle.loads(pickle.dumps(r))
+    assert [e.to_json() for e in back.events] == [e.to_json() for e in r.events] and back.events == r.events
+    assert all(e.payload is None for e in back.events) and back.metrics == r.metrics
+
+
+def test_the_pool_gives_the_rows_and_notes_one_process_gives_in_waves_that_follow_the_rows_reads(monkeypatch):
+    monkeypatch.setitem(sim.repro.PAPERS, "fake", FAKE)
+    waves = []
+    wanted = core._wanted
+
+    def counting(p, all_runs):
+        out = wanted(p, all_runs)
+        waves.append(sorted((s.preset, s.setting.num_engines, s.seed) for s in out))
+        return out
+    monkeypatch.setattr(core, "_wanted", counting)
+    pooled = evaluate("fake", [0, 1], jobs=2)
+    assert len(waves) == 3 and waves[2] == []           # the chosen setting's run waits for the run it is chosen from
+    assert ("staleflow", 3, 0) in waves[1] and ("staleflow", 3, 0) not in waves[0]
+    assert ("sync", 3, 1) in waves[0] and ("one_step", 3, 1) not in waves[0] + waves[1]   # notes: first seed only
+    monkeypatch.setattr(core, "_wanted", wanted)
+    alone = evaluate("fake", [0, 1], jobs=1)
+    assert pooled == alone
+    per_row, notes = pooled
+    assert all(isinstance(v, float) and v > 0 for row in per_row[:3] for v in row)
+    assert all(v.startswith("failed: ValueError") and "no_such_key" in v for v in per_row[3])
+    assert len(notes) == 1 and notes[0].startswith("note ")
+
+
+def test_a_hung_wave_ends_at_its_deadline_with_a_named_error(monkeypatch):
+    monkeypatch.setitem(sim.repro.PAPERS, "fake", FAKE)
+    monkeypatch.setattr(core, "WAVE_DEADLINE_S", 0.5)
+    monkeypatch.setattr(core.SimSpec, "run", lambda self: time.sleep(60))   # the forked workers inherit it
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within"):
+        evaluate("fake", [0], jobs=2)
+    assert time.monotonic() - t0 < 20                    # the workers were killed, not waited for
+
+
+def test_the_pools_workers_train_at_the_sensitivity_speed_the_rows_see(monkeypatch):
+    """--train-speed: the workers fork before the profiles change and apply the speed themselves, once."""
+    monkeypatch.setitem(sim.repro.PAPERS, "fake", Paper(FAKE.rows[:3]))
+    base, fast = evaluate("fake", [0], jobs=2), evaluate("fake", [0], jobs=2, train_speed=2.0)
+    assert fast == evaluate("fake", [0], jobs=1, train_speed=2.0)
+    assert all(f[0] < b[0] for f, b in zip(fast[0], base[0]))         # training faster: every run shorter
