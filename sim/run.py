@@ -11,13 +11,16 @@ reward draws come from one seeded generator consumed in event order, and queue t
 from __future__ import annotations
 
 import bisect
+import gc
 import itertools
 import json
+import pickle
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
-from typing import Any
+from typing import Any, Iterator
 
 import sched
 from sched.base import Preset
@@ -47,9 +50,13 @@ class SimResult:
     policy: Any = field(default=None, repr=False)  # the Preset as it ended (its mechanisms' own state)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled (a reproduction's pool ships results, sim/repro/core.py) with the events as columns."""
+        """Pickled (a reproduction's pool ships results, sim/repro/core.py) with the events as columns, and the views
+        and policy as one pickle of their own, loaded only when read (`_Late`)."""
         state = dict(self.__dict__)
         state["events"] = to_columns(state["events"])
+        late = {k: state.pop(k) for k in _LATE if k in state}
+        if late:
+            state[_PICKLED] = pickle.dumps(late, protocol=pickle.HIGHEST_PROTOCOL)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -66,6 +73,33 @@ class SimResult:
         if timeline:
             draw_timeline(self.events, out / "timeline.png", self.preset, self.num_engines)
         return out
+
+
+_LATE, _PICKLED = ("views", "policy"), "_late_pickle"
+
+
+class _Late:
+    """A SimResult field that a pickled result keeps pickled until it is first read: the views and the policy hold
+    every request and group of the run (loading them took 2-5 s of a large run's 3-7 s) and most reproduction rows
+    never read them."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return None
+        d = obj.__dict__
+        if self.name not in d and _PICKLED in d:
+            d.update(pickle.loads(d.pop(_PICKLED)))
+        return d.get(self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = value
+
+
+for _name in _LATE:            # after @dataclass made __init__ (its defaults are its own): reads go through _Late
+    setattr(SimResult, _name, _Late(_name))
 
 
 def draw_timeline(events: list[Event], out: str | Path, title: str, num_engines: int, max_lanes: int = 24) -> Path:
@@ -106,6 +140,26 @@ def prompt_source(workload: Workload):
     return source
 
 
+# The collector's thresholds while a simulation (or a reproduction's intake of results) runs: a simulation makes
+# millions of short-lived objects and keeps a growing heap of long-lived ones (requests, events), and CPython's default
+# (700, 10, 10) re-scans that heap so often that collection took 15-22% of a StaleFlow or AReaL run and half of a
+# reproduction's main process; almost nothing it makes is cyclic garbage (a run leaves ~20-70k objects of it, a
+# fraction of a MB), so collections 70x rarer change no result and no peak memory measurably (measured 2026-11-27).
+SIM_GC_THRESHOLD = (50_000, 20, 100)
+
+
+@contextmanager
+def rare_collections(threshold: tuple[int, int, int] = SIM_GC_THRESHOLD) -> Iterator[None]:
+    """Collect cyclic garbage at `threshold` (gc.set_threshold's; 0 first: no automatic collection) instead of the
+    interpreter's defaults inside the block; restored after."""
+    saved = gc.get_threshold()
+    gc.set_threshold(*threshold)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
+
+
 def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostModel, num_engines: int,
              train_gpus: int, steps: int, group_size: int, prompts_per_step: int, seed: int = 0, *,
              colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
@@ -132,14 +186,15 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     log = EventLog(log_path)
     ctl = Controller(policy, prompt_source(w), group_size, prompts_per_step, steps, log=log)
     t0 = time.perf_counter()
-    try:
-        ctl.run(backend)
-    except StopSimulation:
-        ctl.log_stats()
-    finally:
-        log.close()
-    wall = time.perf_counter() - t0
-    metrics = summarize(log.events, backend.num_engines)
+    with rare_collections():
+        try:
+            ctl.run(backend)
+        except StopSimulation:
+            ctl.log_stats()
+        finally:
+            log.close()
+        wall = time.perf_counter() - t0
+        metrics = summarize(log.events, backend.num_engines)
     gpus = train_gpus if colocated else train_gpus + backend.num_engines * c.gpus_per_engine
     metrics.update({"samples_trained": backend.samples_trained, "preemptions": backend.preemptions,
                     "reward_killed": backend.reward_killed, "reward_busy_s": backend.reward_busy_s,

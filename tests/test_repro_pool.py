@@ -45,6 +45,12 @@ def test_a_pickled_result_keeps_every_logged_field_of_every_event():
     back = pickle.loads(pickle.dumps(r))
     assert [e.to_json() for e in back.events] == [e.to_json() for e in r.events] and back.events == r.events
     assert all(e.payload is None for e in back.events) and back.metrics == r.metrics
+    assert "_late_pickle" in back.__dict__ and "views" not in back.__dict__    # not loaded until read
+    assert back.views.in_flight() == r.views.in_flight() and back.views.now == r.views.now
+    assert back.policy.dispatch.name == r.policy.dispatch.name and "_late_pickle" not in back.__dict__
+    assert back.policy.handoff.state_dict() == r.policy.handoff.state_dict()
+    fresh = pickle.loads(pickle.dumps(back))             # a loaded copy pickles again
+    assert fresh.views.in_flight() == r.views.in_flight()
 
 
 def test_the_pool_gives_the_rows_and_notes_one_process_gives_in_waves_that_follow_the_rows_reads(monkeypatch):
@@ -86,3 +92,44 @@ def test_the_pools_workers_train_at_the_sensitivity_speed_the_rows_see(monkeypat
     base, fast = evaluate("fake", [0], jobs=2), evaluate("fake", [0], jobs=2, train_speed=2.0)
     assert fast == evaluate("fake", [0], jobs=1, train_speed=2.0)
     assert all(f[0] < b[0] for f, b in zip(fast[0], base[0]))         # training faster: every run shorter
+
+
+def _spec(preset: str, seed: int) -> core.SimSpec:
+    return core.SimSpec(preset, (), TINY, seed)
+
+
+def test_a_free_worker_takes_each_untimed_kind_once_then_the_longest_timed_one():
+    a0, a1, b0, b1, c0 = _spec("sync", 0), _spec("sync", 1), _spec("one_step", 0), _spec("one_step", 1), \
+        _spec("areal", 0)
+    todo = [a0, a1, b0, b1, c0]
+    assert core._next_spec(todo, [], {}) == a0
+    assert core._next_spec(todo, [a0], {}) == b0                 # a's time is being learned: not a second one
+    assert core._next_spec(todo, [a0, b0], {}) == c0
+    assert core._next_spec([a1, b1], [c0], {a0.kind: 5.0, b0.kind: 9.0}) == b1       # longest first
+    assert core._next_spec([a1, b1], [b0], {a0.kind: 5.0}) == a1
+    assert core._next_spec([b1], [b0], {}) == b1                 # nothing else to do
+
+
+def _tuned_once(runs: Runs) -> float:
+    """A setting chosen on the first seed's run (StaleFlow's tuned split), then this seed's run at it."""
+    s = runs.first.memo("pick", lambda: WIDE if _makespan(runs.first.get("one_step", TINY)) > 0 else TINY)
+    return _makespan(runs.get("sync", s))
+
+
+def test_a_choice_made_on_the_first_seed_holds_for_every_seed_in_the_pool_as_in_one_process(monkeypatch):
+    monkeypatch.setitem(sim.repro.PAPERS, "fake", Paper([Row("t", (1, 1), "1", _tuned_once)]))
+    asked = []
+    wanted = core._wanted
+
+    def record(p, all_runs):
+        out = wanted(p, all_runs)
+        asked.extend((s.preset, s.setting.num_engines, s.seed) for s in out)
+        return out
+    monkeypatch.setattr(core, "_wanted", record)
+    pooled = evaluate("fake", [0, 1, 2], jobs=2)
+    assert [x for x in asked if x[0] == "one_step"] == [("one_step", 2, 0)]    # chosen on the first seed only
+    assert {("sync", 3, s) for s in (0, 1, 2)} <= set(asked)
+    monkeypatch.setattr(core, "_wanted", wanted)
+    alone = evaluate("fake", [0, 1, 2], jobs=1)
+    assert pooled == alone and all(isinstance(v, float) for v in pooled[0][0])
+    assert len(set(pooled[0][0])) > 1                     # each seed its own run, at the one chosen setting

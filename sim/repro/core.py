@@ -18,13 +18,14 @@ import math
 import multiprocessing
 import os
 import statistics
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import sched
 from rl.reward_timeout import AdaptiveTimeout
-from sim.run import SimResult, simulate
+from sim.run import SimResult, rare_collections, simulate
 
 NA = "policy not available yet"
 WAVE_DEADLINE_S = 4 * 3600.0   # a backstop against a hung worker, far above any wave's time (minutes)
@@ -66,6 +67,11 @@ class SimSpec:
     counters_every_s: float | None = None
     progress: bool = False
 
+    @property
+    def kind(self) -> tuple:
+        """The spec without its seed: runs of one kind on other seeds take about as long (the pool's ordering)."""
+        return (self.preset, self.overrides, self.setting, self.counters_every_s, self.progress)
+
     def run(self) -> SimResult:
         s = self.setting
         policy = sched.load_preset(self.preset, {k: dict(v) for k, v in self.overrides})
@@ -86,10 +92,12 @@ class Runs:
     """Memoised simulations of one seed: SimSpec -> SimResult; `memo` for any other seeded computation a row shares
     with another (a profile of generation times, a chosen split). While `wanted` is a dict (`evaluate` with a pool),
     a simulation not yet run is added to it and raises Missing instead of running here, so a row is computed once
-    per wave and again at the end: a row must be a pure function of its runs."""
+    per wave and again at the end: a row must be a pure function of its runs. `first`: the first seed's Runs (itself
+    for the first seed), where a choice made once for every seed (a tuned GPU split) reads its runs."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, first: "Runs | None" = None):
         self.seed, self.cache = seed, {}
+        self.first = self if first is None else first
         self.wanted: dict[SimSpec, None] | None = None
 
     def get(self, preset: str, s: Setting, overrides: tuple = (), counters_every_s: float | None = None,
@@ -204,31 +212,70 @@ class _training_speed:
         PROFILES.update(self.saved)
 
 
-def _run_spec(job: tuple[SimSpec, float]) -> tuple[SimSpec, SimResult | Exception]:
-    """A pool's task: the simulation, or the error it raised (Runs.get raises it where a row reads it)."""
+def _run_spec(job: tuple[SimSpec, float]) -> tuple[SimSpec, SimResult | Exception, float]:
+    """A pool's task: the simulation, or the error it raised (Runs.get raises it where a row reads it), and the
+    CPU seconds it took."""
     spec, train_speed = job
+    t0 = time.process_time()
     with _training_speed(train_speed):
         try:
-            return spec, spec.run()
+            r: SimResult | Exception = spec.run()
         except Exception as e:
-            return spec, e
+            r = e
+    return spec, r, time.process_time() - t0
 
 
 def _wanted(p: Paper, all_runs: list[Runs]) -> dict[SimSpec, None]:
     """The simulations the rows (and the first seed's notes) read that no Runs has yet: each row is computed up
-    to its reads, missing ones collected (not run)."""
+    to its reads, missing ones collected (not run). Every Runs collects at once (a row may read the first seed's)."""
     wanted: dict[SimSpec, None] = {}
-    for i, runs in enumerate(all_runs):
+    for runs in all_runs:
         runs.wanted = wanted
-        try:
+    try:
+        for i, runs in enumerate(all_runs):
             for fn in [row.compute for row in p.rows] + (list(p.notes) if i == 0 else []):
                 try:
                     fn(runs)
                 except (Missing, Exception):
                     pass           # Missing: collected; an error: the final pass reports it
-        finally:
+    finally:
+        for runs in all_runs:
             runs.wanted = None
     return wanted
+
+
+def _next_spec(todo: list[SimSpec], running: list[SimSpec], seconds: dict[tuple, float]) -> SimSpec:
+    """Which simulation a free worker takes: first one of each kind not timed yet (its time is learned), then the
+    longest by its kind's time on another seed (longest first: the wave does not end on one long run while the
+    other workers idle), then the rest in the order the rows asked."""
+    busy = {s.kind for s in running}
+    for s in todo:
+        if s.kind not in seconds and s.kind not in busy:
+            return s
+    timed = [s for s in todo if s.kind in seconds]
+    return max(timed, key=lambda s: seconds[s.kind]) if timed else todo[0]
+
+
+def _wave(pool: ProcessPoolExecutor, jobs: int, wanted: list[SimSpec], train_speed: float,
+          seconds: dict[tuple, float], deadline_s: float) -> Iterator[tuple[SimSpec, SimResult | Exception]]:
+    """Runs `wanted` in the pool, `jobs` + 1 at a time (one queued, so that no worker waits for the next pick),
+    yielding each result as it comes; `seconds` learns each kind's CPU time. TimeoutError past the deadline."""
+    todo, running = list(wanted), {}
+    end = time.monotonic() + deadline_s
+    while todo or running:
+        while todo and len(running) <= jobs:
+            s = _next_spec(todo, list(running.values()), seconds)
+            todo.remove(s)
+            running[pool.submit(_run_spec, (s, train_speed))] = s
+        done, _ = wait(list(running), timeout=max(0.0, end - time.monotonic()), return_when=FIRST_COMPLETED)
+        if not done:
+            raise TimeoutError(f"a wave of {len(wanted)} simulations did not finish within {deadline_s:.0f} s")
+        fut: Future
+        for fut in done:
+            del running[fut]
+            spec, r, secs = fut.result()
+            seconds.setdefault(spec.kind, secs)
+            yield spec, r
 
 
 def evaluate(paper: str, seeds: list[int], jobs: int, train_speed: float = 1.0
@@ -240,36 +287,44 @@ def evaluate(paper: str, seeds: list[int], jobs: int, train_speed: float = 1.0
     deadline (WAVE_DEADLINE_S); a worker that dies fails the command with the pool's error."""
     from sim.repro import PAPERS
     p = PAPERS[paper]
-    all_runs = [Runs(s) for s in seeds]
+    first = Runs(seeds[0])
+    all_runs = [first] + [Runs(s, first) for s in seeds[1:]]
     by_seed = {runs.seed: runs for runs in all_runs}
-    if jobs > 1:
-        # submitted outside the speed block: the workers fork with the profiles as defined, and each task applies
-        # the speed itself
-        pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
-        try:
-            while True:
-                with _training_speed(train_speed):
-                    wanted = _wanted(p, all_runs)
-                if not wanted:
-                    break
-                futs = [pool.submit(_run_spec, (spec, train_speed)) for spec in wanted]
-                try:
-                    for fut in as_completed(futs, timeout=WAVE_DEADLINE_S):
-                        spec, r = fut.result()
-                        by_seed[spec.seed].cache[spec] = r
-                except TimeoutError:
-                    raise TimeoutError(f"{paper}: a wave of {len(futs)} simulations did not finish within "
-                                       f"{WAVE_DEADLINE_S:.0f} s") from None
-        except BaseException:
-            for proc in list((getattr(pool, "_processes", None) or {}).values()):   # no public way to stop a
-                proc.kill()                                                          # running task
-            raise
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-    with _training_speed(train_speed):
-        results = [(row_values(p.rows, runs), _notes(p, runs) if i == 0 else []) for i, runs in enumerate(all_runs)]
+    # the results make a large long-lived heap and little cyclic garbage: collecting as the defaults do took half
+    # this process's time (rows and pool), at SIM_GC_THRESHOLD still a fifth; none until the rows are computed
+    with rare_collections((0, 0, 0)):
+        if jobs > 1:
+            _pooled(paper, p, all_runs, by_seed, jobs, train_speed)
+        with _training_speed(train_speed):
+            results = [(row_values(p.rows, runs), _notes(p, runs) if i == 0 else [])
+                       for i, runs in enumerate(all_runs)]
     per_row = [[vals[i] for vals, _ in results] for i in range(len(p.rows))]
     return per_row, results[0][1]
+
+
+def _pooled(paper: str, p: Paper, all_runs: list[Runs], by_seed: dict[int, Runs], jobs: int,
+            train_speed: float) -> None:
+    """Every simulation the rows read, run in a pool of `jobs` processes, wave after wave, into the Runs' caches."""
+    # the workers fork outside the speed block, with the profiles as defined; each task applies the speed itself
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+    seconds: dict[tuple, float] = {}
+    try:
+        while True:
+            with _training_speed(train_speed):
+                wanted = _wanted(p, all_runs)
+            if not wanted:
+                break
+            try:
+                for spec, r in _wave(pool, jobs, list(wanted), train_speed, seconds, WAVE_DEADLINE_S):
+                    by_seed[spec.seed].cache[spec] = r
+            except TimeoutError as e:
+                raise TimeoutError(f"{paper}: {e}") from None
+    except BaseException:
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):   # no public way to stop a
+            proc.kill()                                                          # running task
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def summary(row: Row, values: list[Any]) -> tuple[str, bool | None, float | None]:

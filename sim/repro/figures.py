@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from sched.metrics import engine_spans, trainer_spans
-from sim.repro.core import Runs
+from sim.repro.core import Runs, gather
 from sim.run import SimResult
 
 
@@ -142,7 +142,7 @@ def mean_batch(r: SimResult) -> float:
 def speedup(new: tuple, base: tuple, fn: Callable[[SimResult], float] = throughput) -> Callable[[Runs], float | None]:
     """Runs.get(*new) over Runs.get(*base) in `fn` (samples trained per second by default)."""
     def f(runs: Runs) -> float | None:
-        a, b = runs.get(*new), runs.get(*base)
+        a, b = gather([lambda: runs.get(*new), lambda: runs.get(*base)])   # both in one wave of the pool
         return None if a is None or b is None else fn(a) / fn(b)
     return f
 

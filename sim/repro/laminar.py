@@ -7,7 +7,7 @@ from typing import Callable
 from sched.metrics import kv_utilisation
 from sim.cost import relay_broadcast_s
 from sim.profiles import BYTES_PER_PARAM, LAMINAR_CHUNK, LAMINAR_NIC_BW, LAMINAR_T_START, QWEN25_72B
-from sim.repro.core import SPEEDUP, Paper, Row, Runs, Setting
+from sim.repro.core import SPEEDUP, Paper, Row, Runs, Setting, gather
 from sim.repro.figures import (after_warmup_throughput, generation_tps, length_bias, metric, rollout_idle_ratio,
                                 round_figures)
 from sim.run import SimResult
@@ -54,7 +54,7 @@ def steady_throughput(r: SimResult) -> float:
 
 
 def lm_ratio(runs: Runs, a: tuple, b: tuple, fn: Callable[[SimResult], float]) -> float | None:
-    ra, rb = lm_get(runs, *a), lm_get(runs, *b)
+    ra, rb = gather([lambda: lm_get(runs, *a), lambda: lm_get(runs, *b)])   # both in one wave of the pool
     return None if ra is None or rb is None else fn(ra) / fn(rb)
 
 
