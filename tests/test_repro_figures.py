@@ -195,5 +195,11 @@ def test_staleflow_tuned_split_takes_whichever_candidate_ran_faster(monkeypatch,
     speed = {64: 1.0, 112: 1.3 if faster == "balanced" else 0.8}
     monkeypatch.setattr(staleflow, "sf_run", fake_run)
     monkeypatch.setattr(staleflow, "tokens_per_s", lambda r: speed[r.gpus])
-    s = staleflow.tuned_split(Runs(0), "one_step", None)
+    seen = []
+    monkeypatch.setattr(staleflow, "sf_run", lambda runs, preset, s, eta: seen.append((runs.seed, s.num_engines))
+                        or fake_run(runs, preset, s, eta))
+    first = Runs(0)
+    s = staleflow.tuned_split(first, "one_step", None)
     assert s.num_engines == (112 if faster == "balanced" else 64) and s.num_engines + s.train_gpus == 128
+    assert staleflow.tuned_split(Runs(1, first), "one_step", None) is s    # chosen once, on the first seed
+    assert [x for x in seen if x[0] == 1] == [(1, 64)]          # another seed runs only its even split, up front

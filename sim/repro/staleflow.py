@@ -72,14 +72,20 @@ def balanced(runs: Runs, preset: str, eta: int | None) -> Setting:
 def tuned_split(runs: Runs, preset: str, eta: int | None) -> Setting:
     """The system's split by a stated rule (the paper tunes every system's "to optimal values" and reports none):
     of two candidates, the even split 64 + 64 and `balanced`, the one whose run has the higher throughput (tokens/s).
-    Both are simulated; a two-point search, not a sweep, so the optimum may lie elsewhere."""
+    Both are simulated; a two-point search, not a sweep, so the optimum may lie elsewhere. Chosen once, on the first
+    seed's runs, and kept for every seed, as an operator tunes a placement on a trial run before the runs that
+    count (choosing per seed would also pick each seed's luckier candidate)."""
+    first = runs.first
+
     def choose() -> Setting:
-        b = balanced(runs, preset, eta)
-        even, other = sf_run(runs, preset, SF, eta), sf_run(runs, preset, b, eta)
+        b = balanced(first, preset, eta)
+        even, other = gather([lambda: sf_run(first, preset, SF, eta), lambda: sf_run(first, preset, b, eta)])
         if even is None or other is None or b == SF:
             return SF
         return b if tokens_per_s(other) > tokens_per_s(even) else SF
-    return runs.memo(("staleflow-tuned", preset, eta), choose)
+    if first is not runs:   # the even split is almost always kept: ask for this seed's run in the same wave
+        gather([lambda: first.memo(("staleflow-tuned", preset, eta), choose), lambda: sf_run(runs, preset, SF, eta)])
+    return first.memo(("staleflow-tuned", preset, eta), choose)
 
 
 def sf_tuned(runs: Runs, preset: str, eta: int | None) -> SimResult | None:
