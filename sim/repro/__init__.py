@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paper", choices=sorted(PAPERS))
     ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                    help="comma-separated seeds (default: 0..n-1, n the paper's default: 3, or 1 for the slow "
-                         "StaleFlow and Laminar reproductions)")
+                    help="comma-separated seeds (default: 0, 1, 2)")
     ap.add_argument("--jobs", type=int, default=default_jobs(),
                     help="simulations run in parallel worker processes, every seed's at once (default: one per "
                          "core, at least 2; 1: all in this process)")

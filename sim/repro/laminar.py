@@ -109,7 +109,7 @@ def note_bias(runs: Runs) -> str:
     return "Trained vs generated mean response length (seed 0): " + "; ".join(parts) + "."
 
 
-PAPER = Paper(LAMINAR, notes=[note_bias], seeds=1,
+PAPER = Paper(LAMINAR, notes=[note_bias],
               components="Simulated: Laminar's per-engine batches, pull-latest weight sync from the relays (the App. C "
                          "broadcast time), FIFO experience buffer and repack (Alg. 1, a move sends the KV over the "
                          "NIC); verl colocated, one-step, stream generation (FIFO + streamed hand-off) and "

@@ -212,7 +212,7 @@ def note_split(runs: Runs) -> str:
             "instead: " + "; ".join(even) + ".")
 
 
-PAPER = Paper(STALEFLOW, notes=[note_split, note_bias, note_areal], seeds=1,
+PAPER = Paper(STALEFLOW, notes=[note_split, note_bias, note_areal],
               components="Simulated: StaleFlow's staleness buffers, cost-model routing, selective sync and "
                          "migration (Alg. 1-5) on the virtual clock; VeRL colocated and synchronous, VeRL-Pipeline as "
                          "a strict one-round pipeline, VeRL-Async as the strict-staleness areal mechanisms at verl's "
