@@ -14,6 +14,7 @@ The hit rule (sim/README.md, "The hit rule"):
 """
 from __future__ import annotations
 
+import gc
 import math
 import multiprocessing
 import os
@@ -292,9 +293,10 @@ def evaluate(paper: str, seeds: list[int], jobs: int, train_speed: float = 1.0
     by_seed = {runs.seed: runs for runs in all_runs}
     # the results make a large long-lived heap and little cyclic garbage: collecting as the defaults do took half
     # this process's time (rows and pool), at SIM_GC_THRESHOLD still a fifth; none until the rows are computed
+    threshold = gc.get_threshold()
     with rare_collections((0, 0, 0)):
         if jobs > 1:
-            _pooled(paper, p, all_runs, by_seed, jobs, train_speed)
+            _pooled(paper, p, all_runs, by_seed, jobs, train_speed, threshold)
         with _training_speed(train_speed):
             results = [(row_values(p.rows, runs), _notes(p, runs) if i == 0 else [])
                        for i, runs in enumerate(all_runs)]
@@ -303,10 +305,13 @@ def evaluate(paper: str, seeds: list[int], jobs: int, train_speed: float = 1.0
 
 
 def _pooled(paper: str, p: Paper, all_runs: list[Runs], by_seed: dict[int, Runs], jobs: int,
-            train_speed: float) -> None:
-    """Every simulation the rows read, run in a pool of `jobs` processes, wave after wave, into the Runs' caches."""
+            train_speed: float, threshold: tuple[int, int, int]) -> None:
+    """Every simulation the rows read, run in a pool of `jobs` processes, wave after wave, into the Runs' caches.
+    The workers collect garbage at `threshold` (this process's own setting outside `evaluate`): each result they
+    send leaves ~450k objects in reference cycles behind, which a worker that never collected would keep."""
     # the workers fork outside the speed block, with the profiles as defined; each task applies the speed itself
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=gc.set_threshold,
+                               initargs=threshold)
     seconds: dict[tuple, float] = {}
     try:
         while True:
