@@ -94,7 +94,7 @@ class SamplingConfig:
     top_k: int
     max_new_tokens: int
     seed: int
-    counters_every: int = 8  # send a tokens_decoded event every N engine steps
+    counters_every: int = 8  # send a tokens_decoded event every N engine steps, and at the step that empties it
     ignore_eos: bool = False
     report_progress: bool = False   # counters carry each request's tokens so far (Preset.reads_progress)
     counters_every_s: float | None = None   # and a busy engine sends them at least this often (Preset)
@@ -516,7 +516,8 @@ class RolloutWorker:
                 self.next_key += 1
         scored = self.collect_scores()
         period = self.sampling.counters_every_s
-        if self.steps % self.sampling.counters_every == 0 or (
+        idling = self.busy and not self.engine.has_unfinished()   # the last report of a busy span is its final state
+        if idling or self.steps % self.sampling.counters_every == 0 or (
                 period is not None and time.perf_counter() - self.counters_sent >= period):
             self.counters_sent = time.perf_counter()
             st = self.engine.stats()

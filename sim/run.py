@@ -14,7 +14,6 @@ import bisect
 import gc
 import itertools
 import json
-import pickle
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,13 +49,9 @@ class SimResult:
     policy: Any = field(default=None, repr=False)  # the Preset as it ended (its mechanisms' own state)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled (a reproduction's pool ships results, sim/repro/core.py) with the events as columns, and the views
-        and policy as one pickle of their own, loaded only when read (`_Late`)."""
+        """Pickled (a reproduction's pool ships results, sim/repro/core.py) with the events as columns."""
         state = dict(self.__dict__)
         state["events"] = to_columns(state["events"])
-        late = {k: state.pop(k) for k in _LATE if k in state}
-        if late:
-            state[_PICKLED] = pickle.dumps(late, protocol=pickle.HIGHEST_PROTOCOL)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -73,33 +68,6 @@ class SimResult:
         if timeline:
             draw_timeline(self.events, out / "timeline.png", self.preset, self.num_engines)
         return out
-
-
-_LATE, _PICKLED = ("views", "policy"), "_late_pickle"
-
-
-class _Late:
-    """A SimResult field that a pickled result keeps pickled until it is first read: the views and the policy hold
-    every request and group of the run (loading them took 2-5 s of a large run's 3-7 s) and most reproduction rows
-    never read them."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
-            return None
-        d = obj.__dict__
-        if self.name not in d and _PICKLED in d:
-            d.update(pickle.loads(d.pop(_PICKLED)))
-        return d.get(self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[self.name] = value
-
-
-for _name in _LATE:            # after @dataclass made __init__ (its defaults are its own): reads go through _Late
-    setattr(SimResult, _name, _Late(_name))
 
 
 def draw_timeline(events: list[Event], out: str | Path, title: str, num_engines: int, max_lanes: int = 24) -> Path:

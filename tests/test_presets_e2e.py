@@ -199,7 +199,9 @@ def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(
     """Laminar's repack forced often (bench/RESULTS.md "Migrated KV on real ranks"): with `rollout.migrate_kv` the
     migrated trajectories carry their KV and the resuming engines adopt it as cached; switched off, none carries KV,
     nothing is adopted and the resuming engines re-prefill. Either way every step trains and the off-policy
-    invariants hold; in colocated mode too (2 ranks, each an engine and a trainer shard)."""
+    invariants hold; in colocated mode too (2 ranks, each an engine and a trainer shard). The repack monitor runs
+    every 10 ms: on a fast host a round's tail lasts less than its old 50 ms period, and colocated runs saw 0-186
+    migrations (three runs) where every run now sees ~200."""
     from tests.test_offpolicy_presets import check_offpolicy_log
     run = tmp_path / "laminar"
     ranks = ["--cluster.colocate=true", "--cluster.world_size=2"] if colocate else ["--cluster.rollout_ranks=2"]
@@ -207,7 +209,7 @@ def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(
              "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--data.task=repeat",
              "--data.cap_at_answer=true", "--rollout.max_new_tokens=33", "--data.len_body_max=4",
              "--data.len_tail_min=24", "--data.len_tail_max=32", "--data.len_tail_frac=0.25",
-             "--sched.rebalance.period_s=0.05", "--sched.rebalance.idle_rule=drained",
+             "--sched.rebalance.period_s=0.01", "--sched.rebalance.idle_rule=drained",
              f"--rollout.migrate_kv={str(migrate_kv).lower()}")
     assert [r["step"] for r in metrics(run)] == list(range(1, 7))
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
@@ -236,20 +238,22 @@ def test_laminar_isolates_an_engine_failure_on_real_ranks_and_loses_nothing(tmp_
     20th engine step, unrebuildable for 1 s). The run goes on: its trajectories resume from the partial-response
     pool on the other engine, of their own version, and all finish; the engine rejoins and takes new batches; every
     step trains, nothing is dropped, and the off-policy invariants hold. (Responses run to their 24-32 token caps,
-    so the fault lands mid-batch, after two streams.)"""
+    so the fault lands mid-batch, after two streams.) Train rank 0 sleeps 0.8 s at each progress report of step 3,
+    so the run outlasts the engine's second of downtime on any host (on a fast one the six steps it ran before took
+    0.9 s in all, and the engine had nothing left to rejoin)."""
     from tests.test_offpolicy_presets import check_offpolicy_log
     run = tmp_path / "laminar"
-    env = {"TIDAL_FAULTS": "fail 2 decode 20 1.0"}
-    torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=6",
+    env = {"TIDAL_FAULTS": "fail 2 decode 20 1.0 & slow 0 train 3 0.8"}
+    torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=8",
              "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--data.task=repeat",
              "--data.cap_at_answer=true", "--rollout.max_new_tokens=33", "--data.len_body_max=4",
              "--data.len_tail_min=24", "--data.len_tail_max=32", "--data.len_tail_frac=1.0",
              "--rollout.ignore_eos=true", env=env)
-    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+    assert [r["step"] for r in metrics(run)] == list(range(1, 9))
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     report = check_offpolicy_log(events, None)
     assert report["twice"] == report["lost"] == report["unreturned"] == report["stale"] == [], report
-    assert report["unmaterialised_trained"] == [] and report["trained_groups"] == 6 * 8, report
+    assert report["unmaterialised_trained"] == [] and report["trained_groups"] == 8 * 8, report
     kinds = [e["kind"] for e in events]
     i, j = kinds.index("engine_failed"), kinds.index("engine_recovered")
     failed, recovered, rec = events[i], events[j], events[kinds.index("trajectories_recovered")]

@@ -511,3 +511,23 @@ def test_counters_carry_each_request_s_progress_when_the_preset_reads_it(report)
         assert all(0 < n <= 3 for n in last["progress"].values())
     else:
         assert "progress" not in last
+
+
+def test_the_step_that_empties_the_engine_reports_its_final_counters():
+    """An engine reports its counters every `counters_every` steps and at the step that empties it, so the last
+    report of a busy span is its final state (kv_adopted included), as a simulated engine's is."""
+    w, ch, task, tok = make_worker(verify=False, max_new_tokens=5)
+    w.sampling = dataclasses.replace(w.sampling, counters_every=1000, counters_every_s=None, ignore_eos=True)
+    prompts = task.prompts()
+    w.handle(Start([StartRequest(i, i, 0, i, tok.encode(p, add_special_tokens=False), a)
+                    for i, (p, a) in enumerate(prompts[:3])]))
+    for _ in range(20):
+        if not w.engine.has_unfinished():
+            break
+        w.step()
+    sent = [e for _, evs in ch.sent for e in evs] + w.outbox
+    kinds = [e.kind for e in sent]
+    counters = [e for e in sent if e.kind == "tokens_decoded"]
+    assert len(counters) == 1 and kinds.index("tokens_decoded") < kinds.index("engine_idle")
+    last = counters[-1].data
+    assert last["running"] == last["waiting"] == 0 and last["total"] == w.engine.num_tokens_decoded == 3 * 5
