@@ -337,3 +337,13 @@ def test_blocks_needed_in_closed_form_equal_the_sum_over_residues(bs, counts, q_
     e._m_count, e._q_sum, e.steps, e._m_suffix = counts[:bs], q_sum, steps, None
     want = e.shared_blocks + q_sum + sum(c * -(-(m + steps + j) // bs) for m, c in enumerate(counts[:bs]) if c)
     assert e.need(j) == want
+
+
+def test_a_runlist_pickles_as_its_runs_and_comes_back_equal_and_usable():
+    import pickle
+    r = RunList([(3, 2), (7, 4)])
+    r[5]                                            # builds its index: not pickled
+    back = pickle.loads(pickle.dumps(r))
+    assert type(back) is RunList and back == r and back.runs == r.runs and len(back) == 6
+    assert back.tolist() == [3, 3, 7, 7, 7, 7] and back[1] == 3 and back[-1] == 7
+    assert pickle.loads(pickle.dumps(RunList.of(1, 0))) == []
