@@ -163,7 +163,7 @@ def trl_job(spec: dict[str, Any]) -> None:
         per_device_train_batch_size=g * p, gradient_accumulation_steps=1, num_generations=g,
         generation_batch_size=g * p, max_completion_length=s.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group", num_iterations=1,
-        seed=0, use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to="none",
+        seed=spec.get("seed", 0), use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, dataloader_num_workers=0,
         generation_kwargs={"min_new_tokens": s.max_new_tokens} if s.task == "repeat" else None)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
@@ -239,9 +239,9 @@ def launch(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tupl
     return time.time() - t, peak
 
 
-def run_trl(s: Setting, work: Path, python: str, threads: int) -> Result:
+def run_trl(s: Setting, work: Path, python: str, threads: int, seed: int = 0) -> Result:
     model_dir, out = work / f"hf-{s.name}", work / f"trl-{s.name}.json"
-    spec = {"setting": vars(s), "model_dir": str(model_dir), "out": str(out), "threads": threads}
+    spec = {"setting": vars(s), "model_dir": str(model_dir), "out": str(out), "threads": threads, "seed": seed}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     total, peak = launch([python, str(Path(__file__).resolve()), "--trl-job", json.dumps(spec)],
                          work / f"trl-{s.name}.log", env)
@@ -250,11 +250,11 @@ def run_trl(s: Setting, work: Path, python: str, threads: int) -> Result:
     return Result("trl", s.name, t["steps"][-1] - t["begin"], total, round(sum(lengths) * 256), t["rewards"], peak)
 
 
-def run_ours(s: Setting, mode: str, work: Path, tag: str, threads: int) -> Result:
+def run_ours(s: Setting, mode: str, work: Path, tag: str, threads: int, seed: int = 0) -> Result:
     run_dir = work / f"{mode}-{s.name}-{tag}"
     nproc = 1 if mode == "colocated" else 4
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "train.py", "--config",
-           str(TINY_CONFIG), f"--log.dir={run_dir}", "--log.progress=false", *s.overrides()]
+           str(TINY_CONFIG), f"--log.dir={run_dir}", "--log.progress=false", f"--seed={seed}", *s.overrides()]
     if mode == "colocated":
         cmd += ["--cluster.colocate=true", "--cluster.world_size=1", f"--cluster.cpu_threads={threads}"]
     total, peak = launch(cmd, work / f"{mode}-{s.name}-{tag}.log")
@@ -285,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed of both sides (TRL's `seed`, our `seed`); the "
+                    "model's init and the prompts stay seed 0, so runs of other seeds compare reward curves")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the 1-process runs (TRL and ours "
                     "colocated alike; on a shared 2-core machine 2 threads can be 50x slower under load)")
     ap.add_argument("--quick", action="store_true", help="2 steps, tiny setting, colocated and TRL only")
@@ -322,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             order = modes[rep % len(modes):] + modes[:rep % len(modes)]
             for m in order:
                 load = load_avg()
-                r = (run_trl(s, work, a.trl_python, a.threads) if m == "trl"
-                     else run_ours(s, m, work, str(rep), a.threads))
+                r = (run_trl(s, work, a.trl_python, a.threads, a.seed) if m == "trl"
+                     else run_ours(s, m, work, str(rep), a.threads, a.seed))
                 results.append(r)
                 print(f"{r.line()}  load {load:.1f}->{load_avg():.1f}", flush=True)
     print(f"runs in {work}")

@@ -80,3 +80,17 @@ def test_role_profile_buckets_samples_per_process():
     assert per["3"]["engine steps (decode, sampling, inline rewards)"] == 20 and per["3"]["blocked (waiting)"] == 9
     out = roles.table(per, role, rate=10.0)
     assert "leader (pid 2): busy 3.7 s" in out and "rollout (pid 3): busy 2.0 s" in out
+
+
+def test_the_seed_reaches_both_sides(tmp_path, monkeypatch):
+    """--seed N: our run gets `--seed=N`, TRL's job spec N (its GRPOConfig seed); model and prompts stay seed 0."""
+    seen = []
+    monkeypatch.setattr(vs_trl, "launch", lambda cmd, log, env=None: seen.append(cmd) or (1.0, 1))
+    monkeypatch.setattr(vs_trl, "ours_result", lambda *a: None)
+    s = vs_trl.Setting("tiny", 2)
+    vs_trl.run_ours(s, "disagg", tmp_path, "0", 1, seed=3)
+    assert "--seed=3" in seen[-1]
+    (tmp_path / "trl-tiny.json").write_text(json.dumps({"steps": [2.0], "begin": 1.0, "lengths": [1.0],
+                                                         "rewards": [0.5]}))
+    vs_trl.run_trl(s, tmp_path, sys.executable, 1, seed=3)
+    assert json.loads(seen[-1][seen[-1].index("--trl-job") + 1])["seed"] == 3
