@@ -4,6 +4,7 @@
     python bench/vs_trl.py                         # tiny default (150 steps) + long generations, every mode
     python bench/vs_trl.py --trl-python /work/trl-venv/bin/python --repeats 2
     python bench/vs_trl.py --quick --skip-trl      # the machinery in a few steps (the suite runs this)
+    python bench/vs_trl.py --settings tiny --seed 1   # another sampling seed on both sides (reward curves)
 
 The job is the README's (configs/tiny.toml) on both sides: the same random-init tiny Qwen3-shaped model (our
 `Transformer.init_weights(seed=0)`, saved in the HF layout by model/hf_io.py), our character tokenizer as a HF
