@@ -164,8 +164,8 @@ def trl_job(spec: dict[str, Any]) -> None:
         per_device_train_batch_size=g * p, gradient_accumulation_steps=1, num_generations=g,
         generation_batch_size=g * p, max_completion_length=s.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group", num_iterations=1,
-        seed=spec.get("seed", 0), use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to="none",
-        disable_tqdm=True, dataloader_num_workers=0,
+        seed=spec.get("seed", 0), use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy="no",
+        report_to="none", disable_tqdm=True, dataloader_num_workers=0,
         generation_kwargs={"min_new_tokens": s.max_new_tokens} if s.task == "repeat" else None)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
                           callbacks=[Clock()])

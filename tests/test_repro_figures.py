@@ -193,7 +193,6 @@ def test_staleflow_tuned_split_takes_whichever_candidate_ran_faster(monkeypatch,
         return SimpleNamespace(metrics={"makespan_s": 400.0, "engine_idle_ratio": 0.05, "train_compute_s": 61.0},
                                gpus=s.num_engines)
     speed = {64: 1.0, 112: 1.3 if faster == "balanced" else 0.8}
-    monkeypatch.setattr(staleflow, "sf_run", fake_run)
     monkeypatch.setattr(staleflow, "tokens_per_s", lambda r: speed[r.gpus])
     seen = []
     monkeypatch.setattr(staleflow, "sf_run", lambda runs, preset, s, eta: seen.append((runs.seed, s.num_engines))

@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import statistics
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -271,7 +271,6 @@ def _wave(pool: ProcessPoolExecutor, jobs: int, wanted: list[SimSpec], train_spe
         done, _ = wait(list(running), timeout=max(0.0, end - time.monotonic()), return_when=FIRST_COMPLETED)
         if not done:
             raise TimeoutError(f"a wave of {len(wanted)} simulations did not finish within {deadline_s:.0f} s")
-        fut: Future
         for fut in done:
             del running[fut]
             spec, r, secs = fut.result()

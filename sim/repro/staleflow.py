@@ -75,7 +75,7 @@ def tuned_split(runs: Runs, preset: str, eta: int | None) -> Setting:
     Both are simulated; a two-point search, not a sweep, so the optimum may lie elsewhere. Chosen once, on the first
     seed's runs, and kept for every seed, as an operator tunes a placement on a trial run before the runs that
     count (choosing per seed would also pick each seed's luckier candidate)."""
-    first = runs.first
+    first, key = runs.first, ("staleflow-tuned", preset, eta)
 
     def choose() -> Setting:
         b = balanced(first, preset, eta)
@@ -84,8 +84,8 @@ def tuned_split(runs: Runs, preset: str, eta: int | None) -> Setting:
             return SF
         return b if tokens_per_s(other) > tokens_per_s(even) else SF
     if first is not runs:   # the even split is almost always kept: ask for this seed's run in the same wave
-        gather([lambda: first.memo(("staleflow-tuned", preset, eta), choose), lambda: sf_run(runs, preset, SF, eta)])
-    return first.memo(("staleflow-tuned", preset, eta), choose)
+        gather([lambda: first.memo(key, choose), lambda: sf_run(runs, preset, SF, eta)])
+    return first.memo(key, choose)
 
 
 def sf_tuned(runs: Runs, preset: str, eta: int | None) -> SimResult | None:
