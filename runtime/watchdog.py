@@ -59,6 +59,9 @@ if TYPE_CHECKING:
     from runtime.faults import Injector
 
 STALL_EXIT_CODE = 3
+# A SIGKILLed peer's sockets close while its process exits: the broken connection can reach this rank before /proc
+# shows the peer gone (seen on a fast host). A failing rank that finds no dead peer looks again for this long.
+PEER_EXIT_GRACE_S = 1.0
 KEY = "tidal/watchdog/"
 
 
@@ -294,8 +297,12 @@ class Watchdog:
 
     def fail(self, error: str) -> None:
         """An exception ended this rank's role: name the ranks on this host whose process is gone (a crash there
-        reaches this rank as a broken connection), then leave like `fire` (never returns)."""
-        gone = [r for r in range(self.world) if r != self.rank and self.process_gone(r)]
+        reaches this rank as a broken connection; PEER_EXIT_GRACE_S for its exit to show), then leave like `fire`
+        (never returns)."""
+        deadline = time.monotonic() + PEER_EXIT_GRACE_S
+        while not (gone := [r for r in range(self.world) if r != self.rank and self.process_gone(r)]) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
         cause = "; ".join(f"rank {r} ({self.role(r)}) died: its process (pid {self.info[r]['pid']}) is gone"
                           for r in gone) or "an error in this rank: " + error.strip().splitlines()[-1]
         self.leave("failed", [f"rank {self.rank} ({self.role(self.rank)}) stopped the job: {cause}", error.rstrip()],

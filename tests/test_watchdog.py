@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -214,6 +215,41 @@ def test_a_role_that_fails_names_the_rank_whose_process_died(tmp_path, monkeypat
     assert head[-2] == "RuntimeError: Connection closed by peer [127.0.0.1]:1234"
     assert capsys.readouterr().err.startswith("error: rank 0 (train leader, controller) stopped the job: rank 1 "
                                               "(train) died")
+
+
+def test_a_peer_whose_death_shows_just_after_the_broken_connection_is_still_named(tmp_path, monkeypatch):
+    """The broken connection can arrive before /proc shows the killed peer gone (seen on a fast host, where the fault
+    matrix's killed follower was reported as an error of the leader's own): the failing rank looks again for
+    PEER_EXIT_GRACE_S. Without a dead peer it names its own error, once the grace is over."""
+    def leave(code):
+        raise SystemExit(code)
+    monkeypatch.setattr(watchdog.os, "_exit", leave)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killer = threading.Timer(0.2, peer.kill)
+    try:
+        w = dog(0, tmp_path)
+        w.info = {1: {"pid": peer.pid, "host": os.uname().nodename}}
+        assert not w.process_gone(1)
+        killer.start()
+        with pytest.raises(SystemExit):
+            w.fail("Traceback (most recent call last):\nRuntimeError: Connection closed by peer [127.0.0.1]:1234\n")
+        head = (tmp_path / "failed-rank0.txt").read_text().splitlines()[0]
+        assert head == f"rank 0 (train leader, controller) stopped the job: rank 1 (train) died: its process (pid " \
+                       f"{peer.pid}) is gone"
+        peer.wait()
+        w.info = {1: {"pid": os.getpid(), "host": os.uname().nodename}}   # a peer that stays alive
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit):
+            w.fail("Traceback (most recent call last):\nValueError: bad batch\n")
+        assert time.monotonic() - t0 >= watchdog.PEER_EXIT_GRACE_S
+        assert (tmp_path / "failed-rank0.txt").read_text().splitlines()[0] == \
+            "rank 0 (train leader, controller) stopped the job: an error in this rank: ValueError: bad batch"
+    finally:
+        killer.cancel()
+        if peer.poll() is None:   # this test's own process, by id
+            peer.kill()
+        peer.wait()
 
 
 # -------------------------------------------------------------------------------------------------- fault plans
