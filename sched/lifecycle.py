@@ -185,12 +185,13 @@ class Lifecycle:
         return self.interrupt(cmd.req_ids, migrate_to=cmd.dst)
 
     def due_migrations(self) -> list[tuple[Submit, int]]:
-        """Migrated requests whose interrupt landed: (resubmission to the destination, source engine) each."""
+        """Migrated requests whose interrupt landed: (resubmission to the destination, source engine) each. One
+        whose destination failed meanwhile stays PENDING, to be resumed like a failed engine's (by dispatch)."""
         todo, self.v.migrations = self.v.migrations, []
         out = []
         for rid, src, dst in todo:
             r = self.v.requests.get(rid)
-            if r is not None and r.state == S.PENDING:
+            if r is not None and r.state == S.PENDING and not self.v.engines[dst].failed:
                 out.append((Submit(dst, [rid]), src))
         return out
 

@@ -11,7 +11,10 @@ closes when the request leaves its engine (finished, interrupted, aborted). When
 take work again once it reports itself rebuilt.
 
 The streaming granularity is not in the paper ([GAP] in ../shared/research/seeds_laminar.md, invariant 6); ours is
-the engines' counters period (every `counters_every` engine steps, runtime/rollout_worker.py).
+the engines' counters period (every `counters_every` engine steps, runtime/rollout_worker.py; the simulator's
+`counters_every_s`). The simulator's chunks are run-length sequences (rl.types.RunLengthSequence: fake ids, a few
+runs each) that carry a request's whole trajectory so far (start 0), cheap to resend at every tick; the pool keeps
+them as they are, never as per-token lists.
 
 Invariant kept: an entry only grows, and a chunk must start within what the entry holds (a gap is an
 InvariantError: tokens would be missing from the resumed trajectory).
@@ -19,9 +22,9 @@ InvariantError: tokens would be missing from the resumed trajectory).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
-from rl.types import Trajectory
+from rl.types import RunLengthSequence, Trajectory
 from sched.base import InvariantError
 from sched.events import Event
 from sched.views import ON_ENGINE, RequestState, Views
@@ -31,9 +34,9 @@ S = RequestState
 
 @dataclass
 class PartialEntry:
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    ids: Sequence[int] = field(default_factory=list)       # lists (the runtime's) or run-length (the simulator's)
+    logprobs: Sequence[float] = field(default_factory=list)
+    versions: Sequence[int] = field(default_factory=list)
     streamed: int = 0    # tokens that arrived by stream (not carried in from a resume)
 
 
@@ -52,6 +55,8 @@ class PartialPool:
         """A request admitted to an engine: its entry starts from the tokens it resumes from."""
         if partial is None:
             self.entries[req_id] = PartialEntry()
+        elif isinstance(partial.response_ids, RunLengthSequence):   # read-only: kept as they are
+            self.entries[req_id] = PartialEntry(partial.response_ids, partial.logprobs, partial.versions)
         else:
             self.entries[req_id] = PartialEntry(list(partial.response_ids), list(partial.logprobs),
                                                 list(partial.versions))
@@ -71,10 +76,18 @@ class PartialPool:
         new = start + len(ids) - len(entry.ids)
         if new <= 0:
             return
-        del entry.ids[start:], entry.logprobs[start:], entry.versions[start:]
-        entry.ids += ids
-        entry.logprobs += lps
-        entry.versions += versions
+        if isinstance(ids, RunLengthSequence):   # the simulator's: the whole trajectory so far
+            if start != 0:
+                raise InvariantError(f"run-length partial chunk for request {req_id} starts at token {start}, not 0")
+            entry.ids, entry.logprobs, entry.versions = ids, lps, versions
+        else:
+            if not isinstance(entry.ids, list):
+                entry.ids, entry.logprobs, entry.versions = (list(entry.ids), list(entry.logprobs),
+                                                             list(entry.versions))
+            del entry.ids[start:], entry.logprobs[start:], entry.versions[start:]
+            entry.ids += ids
+            entry.logprobs += lps
+            entry.versions += versions
         entry.streamed += new
         self.tokens_streamed += new
 

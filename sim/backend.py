@@ -42,6 +42,19 @@ the calls that start while it is lent. Colocated, a call made while engines are 
 pauses no other engine; a call with none lent runs on every GPU and pauses every engine, as before.
 `colocated=True` models engines and trainer time-sharing the same GPUs (veRL, our runtime's colocated mode): every
 engine stops decoding while the trainer works and publishes.
+
+Engine faults (Laminar §3.3, §8.5: "manually kill a rollout machine containing two replicas"): `faults`, each an
+`EngineFault(at_s, engines, down_s)`, kills those engines at `at_s` and brings them back `down_s` later, empty and
+without weights, as a replacement machine (math.inf: never; the controller retires them). The engines then stream
+their requests' tokens to the controller's partial-response pool every `stream_every_s` of the virtual clock, at
+the counters tick (`isolates_faults`; a kill loses what each request generated since), and a kill reports
+`engine_failed` with what each request held, as the runtime's rollout worker does; commands that reach a dead
+engine before the controller has folded its failure are void there (the runtime's rollout worker voids them until
+ResetEngine, a no-op here). The streaming period is an assumption ([GAP] in the paper, invariant 6 of
+../shared/research/seeds_laminar.md): our runtime streams at every counters report, a few engine steps; the
+simulator's default, 10 s, keeps a fault run of Laminar's 128-GPU setting within ~2x a fault-free one's CPU time
+(at 1 s, 10x: every running request's chunk at every tick), and bounds what a kill loses to ~10 s of decoding per
+request (the figure that reads it says so).
 """
 from __future__ import annotations
 
@@ -49,11 +62,13 @@ import heapq
 import math
 import random
 from collections import deque
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from rl.types import Group, Trajectory
 from sched.controller import PromptItem
-from sched.decisions import AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Reshard, ReturnEngines, TrainCall
+from sched.decisions import (AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Reshard, ResetEngine,
+                             ReturnEngines, TrainCall)
 from sched.events import Event
 from sched.metrics import rollout_stats
 from sched.resources import DecodeProfile
@@ -62,11 +77,25 @@ from sim.clock import EventQueue
 from sim.cost import CostModel
 from sim.engine import SimEngine, SimRequest
 from sim.profiles import at_tp, tp_sizes
-from sim.tokens import RunList
+from sim.tokens import FAKE_LOGPROB, FAKE_TOKEN, RunList
 from sim.workload import Workload
 
-FAKE_TOKEN, FAKE_LOGPROB = 7, -1.0
 _TICK = "counters-tick"           # a queue item: every busy engine reports its counters (SimBackend._tick)
+
+
+@dataclass(frozen=True)
+class EngineFault:
+    """Engines `engines` die at `at_s` of the virtual clock and come back `down_s` later (math.inf: never)."""
+    at_s: float
+    engines: tuple[int, ...]
+    down_s: float
+
+
+@dataclass(frozen=True)
+class _Up:
+    """A queue item: a failed engine is back (SimBackend._recover)."""
+    engine: int
+    down_s: float
 
 
 def _runs_of(values) -> list[tuple[int, int]]:
@@ -95,15 +124,29 @@ class SimBackend:
                  colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
                  max_events: int | None = None, stop_after_samples: int | None = None,
                  reward_timeout: Any = None, reward_workers: int = 0, reward_stage: bool = False,
-                 spare_gpus: int = 0):
+                 spare_gpus: int = 0, faults: Sequence[EngineFault] = (), stream_every_s: float = 10.0):
         if num_engines < 1 or train_gpus < 1:
             raise ValueError(f"need at least one engine and one train GPU, got {num_engines} and {train_gpus}")
+        for f in faults:
+            if not (f.at_s >= 0 and f.down_s > 0 and f.engines and all(0 <= i < num_engines for i in f.engines)):
+                raise ValueError(f"engine fault {f}: needs at_s >= 0, down_s > 0 and engines among "
+                                 f"0..{num_engines - 1}")
+        if faults and counters_every_s is None:
+            raise ValueError("engine faults need counters_every_s: the engines stream their partial trajectories to "
+                             "the controller at counters ticks")
+        self.isolates_faults = bool(faults)    # the controller keeps the partial-response pool (sched/partials.py)
+        self.stream_ticks = 0                  # stream at every this-many-th counters tick (0: never)
+        if faults:
+            k = stream_every_s / counters_every_s
+            if not (k >= 1 and abs(k - round(k)) < 1e-9):
+                raise ValueError(f"stream_every_s={stream_every_s:g} must be a whole multiple of counters_every_s="
+                                 f"{counters_every_s:g}")
+            self.stream_ticks = round(k)
         self.cost, self.workload, self.train_gpus, self.colocated = cost, workload, train_gpus, colocated
         self.q = EventQueue()
         first_rank = 0 if colocated else train_gpus
         self.first_rank, self.counters_every_s, self.progress = first_rank, counters_every_s, progress
-        self.engines = [SimEngine(i, first_rank + i * cost.gpus_per_engine, cost, self, counters_every_s, progress)
-                        for i in range(num_engines)]
+        self.engines = [self._engine(i, first_rank + i * cost.gpus_per_engine) for i in range(num_engines)]
         self.spare_gpus = spare_gpus           # GPUs the pool may still scale out onto (AddEngines)
         self.reshards: list[tuple[float, int]] = []   # (when, new TP) of every Reshard
         self.tp_sizes = tp_sizes(cost, num_engines * cost.gpus_per_engine)   # what Reshard may ask for
@@ -133,6 +176,11 @@ class SimBackend:
         self._bursting = False
         self._tick_armed = False
         self.emit(Event("version_published", 0.0, rank=0, version=0))  # engines start from the trainer's weights
+        for f in faults:
+            self.q.push(f.at_s, f)
+
+    def _engine(self, index: int, rank: int) -> SimEngine:
+        return SimEngine(index, rank, self.cost, self, self.counters_every_s, self.progress, self.isolates_faults)
 
     @property
     def decode_profile(self) -> DecodeProfile:
@@ -172,10 +220,11 @@ class SimBackend:
     def _tick(self, t: float) -> None:
         self._tick_armed = False
         self._bursting = True
+        stream = bool(self.stream_ticks) and round(t / self.counters_every_s) % self.stream_ticks == 0
         try:
             for e in self.engines:
                 if e.busy:
-                    e.counters(t)
+                    e.counters(t, stream)
         finally:
             self._bursting = False
         if any(e.busy for e in self.engines):
@@ -242,6 +291,8 @@ class SimBackend:
         return self.q.now
 
     def submit(self, engine: int, reqs: list[Request], prompts: dict[int, PromptItem]) -> None:
+        if self.engines[engine].failed:  # sent before the controller knew: it takes them back at engine_failed
+            return
         w = self.workload
         sims = []
         for r in reqs:
@@ -255,6 +306,7 @@ class SimBackend:
                 s.runs = [[v, c] for v, c in (vs.runs if isinstance(vs, RunList) else _runs_of(vs))]
                 s.preemptions = int(r.partial.meta.get("preemptions", 0))
                 s.moved = self.moving.pop(r.req_id, -1) == engine   # a migration: its KV arrives, not recomputed
+            s.streamed = s.done          # the pool's entry opens with them
             sims.append(s)
         self.engines[engine].add(sims, self.now())
 
@@ -263,7 +315,9 @@ class SimBackend:
         return self.cost.gpus_per_engine
 
     def command(self, cmd: Abort | Interrupt | LoadWeights | LendEngines | ReturnEngines | AddEngines | Reshard
-                ) -> None:
+                | ResetEngine) -> None:
+        if isinstance(cmd, ResetEngine) or (isinstance(cmd, LoadWeights) and self.engines[cmd.engine].failed):
+            return   # the engine dropped everything when it failed; a load sent before the controller knew is void
         if isinstance(cmd, Reshard):
             if self.lent or any(e.running or e.waiting for e in self.engines):
                 raise SimStalled(f"Reshard(tp={cmd.tp}) while engines hold requests or are lent")
@@ -271,8 +325,7 @@ class SimBackend:
             self.cost = at_tp(self.cost, cmd.tp)
             gen = max(e.gen for e in self.engines) + 1
             self.preemptions_gone += sum(e.preemptions for e in self.engines)
-            self.engines = [SimEngine(i, self.first_rank + i * cmd.tp, self.cost, self, self.counters_every_s,
-                                      self.progress) for i in range(gpus // cmd.tp)]
+            self.engines = [self._engine(i, self.first_rank + i * cmd.tp) for i in range(gpus // cmd.tp)]
             for e in self.engines:
                 e.gen = gen                    # the old engines' wake-ups in the queue are stale
             self.reshards.append((self.now(), cmd.tp))
@@ -283,8 +336,7 @@ class SimBackend:
             self.spare_gpus -= need
             for _ in range(cmd.count):
                 i = len(self.engines)
-                self.engines.append(SimEngine(i, self.first_rank + i * self.cost.gpus_per_engine, self.cost, self,
-                                              self.counters_every_s, self.progress))
+                self.engines.append(self._engine(i, self.first_rank + i * self.cost.gpus_per_engine))
         elif isinstance(cmd, LendEngines):
             for i in cmd.engines:
                 self.engines[i].hold(self.now(), until=math.inf)
@@ -344,6 +396,26 @@ class SimBackend:
             for e in self.engines:
                 e.hold(now, until=self.trainer_free)
 
+    def _fail(self, f: EngineFault, t: float) -> None:
+        for i in f.engines:
+            e = self.engines[i]
+            if e.failed:
+                continue
+            held = e.fail(t)
+            for r in held:
+                self.on_engine[r.round] = self.on_engine.get(r.round, 0) - 1   # resubmitted later: counted again
+            self.emit(Event("engine_failed", e.t, rank=e.rank, engine=i, version=e.version,
+                            data={"error": f"injected: engines {list(f.engines)} killed at {f.at_s:g} s (simulated)",
+                                  "held": {r.req_id: r.done for r in held}, "permanent": math.isinf(f.down_s)}))
+            if not math.isinf(f.down_s):
+                self.q.push(e.t + f.down_s, _Up(i, f.down_s))
+
+    def _recover(self, up: _Up, t: float) -> None:
+        e = self.engines[up.engine]
+        e.recover(t)
+        self.emit(Event("engine_recovered", e.t, rank=e.rank, engine=e.index, version=e.version,
+                        data={"down_s": up.down_s}))
+
     def run_until(self, t: float) -> list[Event]:
         """Advance the clock to t, returning the events due by then (for tests and tools driving engines directly)."""
         out = []
@@ -375,6 +447,12 @@ class SimBackend:
                 return self._count(item)
             if item is _TICK:
                 self._tick(t)
+                continue
+            if isinstance(item, EngineFault):
+                self._fail(item, t)
+                continue
+            if isinstance(item, _Up):
+                self._recover(item, t)
                 continue
             engine, gen = item
             if engine < len(self.engines):     # else: a wake-up of an engine gone in a reshard

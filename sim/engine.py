@@ -24,6 +24,12 @@ Partial trajectories: `remove` takes requests out with their state (tokens so fa
 accepts partially generated requests (their tokens are re-prefilled), so an interrupt is a remove, and a migration a
 remove here and an add there; `hold` pauses decoding (weight loads, colocated training). A weight load on a busy
 engine sends its running sequences back to the queue to re-prefill under the new version.
+
+Faults (Laminar §3.3, §8.5; sim/backend.py `EngineFault`): with `stream`, a counters report the backend marks (and
+the one an engine sends as it goes idle) carries every request whose tokens grew since it was last streamed, as a
+partial-response pool chunk (sim/tokens.py `partial_chunk`); `fail`
+drops everything the engine holds (tokens since a request's last report are lost, as on a dead GPU) and `recover`
+brings it back empty and without weights, like a replacement machine.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from typing import Any, Protocol, Sequence
 
 from sched.events import Event
 from sim.cost import CostModel
+from sim.tokens import partial_chunk
 
 
 @dataclass(eq=False)  # identity equality: list.remove must not compare field by field
@@ -53,6 +60,7 @@ class SimRequest:
     preemptions: int = 0
     prefill: int = 0                # tokens its next step must prefill (set on admission, 0 once computed)
     moved: bool = False             # its KV arrives over the interconnect (a migration) instead of a re-prefill
+    streamed: int = 0               # response tokens the controller's partial-response pool holds (`stream`)
     mark: int = 0                   # engine step count when `done` was last written (while running)
     slot: int = -1                  # admission number on its engine (running order; -1: not running)
 
@@ -86,9 +94,10 @@ class _Segment:
 
 class SimEngine:
     def __init__(self, index: int, rank: int, cost: CostModel, host: EngineHost,
-                 counters_every_s: float | None = None, progress: bool = False):
+                 counters_every_s: float | None = None, progress: bool = False, stream: bool = False):
         self.index, self.rank, self.cost, self.host = index, rank, cost, host
-        self.counters_every_s, self.progress = counters_every_s, progress
+        self.counters_every_s, self.progress, self.stream = counters_every_s, progress, stream
+        self.failed = False           # between `fail` and `recover`: holds nothing, decodes nothing
         self.bs, self.cap = cost.block_size, cost.kv_capacity_blocks
         self._running: dict[int, SimRequest] = {}  # slot -> request, in admission order
         self._slots = 0
@@ -329,7 +338,7 @@ class SimEngine:
             self.host.emit(Event("engine_busy" if busy else "engine_idle", self.t, rank=self.rank, engine=self.index,
                                  version=self.version))
             if not busy and self.counters_every_s is not None:
-                self.counters()
+                self.counters(stream=self.stream)
 
     def steps_by(self, now: float) -> int:
         """Steps of the current segment completed by `now` (0 without a segment): the state a report at `now` sees,
@@ -343,10 +352,10 @@ class SimEngine:
             j -= 1
         return max(0, min(j, seg.m))
 
-    def counters(self, now: float | None = None) -> None:
+    def counters(self, now: float | None = None, stream: bool = False) -> None:
         """A tokens_decoded event with the engine's counters (as the runtime's rollout worker sends), as of the
         last step boundary by `now` (default: the engine's exact instant); a mid-segment report leaves the
-        segment running."""
+        segment running. `stream`: with the requests' partial trajectories (`partials`)."""
         j = 0 if now is None else self.steps_by(now)
         total, used = self.tokens_total + len(self._running) * j, self.need(j)
         data: dict[str, Any] = {
@@ -360,7 +369,45 @@ class SimEngine:
             data["progress"] = progress
         self._tokens_reported = total
         self.host.emit(Event("tokens_decoded", self.t if now is None else now, rank=self.rank, engine=self.index,
-                             version=self.version, data=data))
+                             version=self.version, data=data,
+                             payload={"partials": self.partials(self.steps + j)} if stream else None))
+
+    def partials(self, at: int) -> dict[int, tuple]:
+        """Every request whose tokens grew since it was last streamed, as of engine step `at`: its whole trajectory
+        so far (the runtime's rollout worker streams the same, from the last streamed index)."""
+        out = {}
+        for r in self._running.values():
+            k = at - r.mark
+            if r.done + k > r.streamed:
+                out[r.req_id] = partial_chunk(r.done, r.runs, self.version, k)
+                r.streamed = r.done + k
+        for r in self.waiting:
+            if r.done > r.streamed:
+                out[r.req_id] = partial_chunk(r.done, r.runs, self.version, 0)
+                r.streamed = r.done
+        return out
+
+    def fail(self, now: float) -> list[SimRequest]:
+        """The engine dies at the step boundary by `now`: every request it held, with the tokens it had (for the
+        report; what was not streamed is lost), and nothing more from it until `recover`."""
+        self.sync(now)
+        held = self.running
+        for r in held:
+            self._detach(r)
+        held += self.waiting
+        self.waiting.clear()
+        self.failed, self.hold_until, self.pending_version = True, math.inf, None
+        self.gen += 1
+        if self.busy:   # no counters report: a dead engine streams nothing more
+            self.busy = False
+            self.host.emit(Event("engine_idle", self.t, rank=self.rank, engine=self.index, version=self.version))
+        return held
+
+    def recover(self, now: float) -> None:
+        """Back, empty and without weights (a replacement machine: it loads the latest version when told)."""
+        self.sync(now)
+        self.failed, self.version, self.hold_until = False, -1, self.t
+        self.schedule_segment()
 
     # ----------------------------------------------------------------------------------------- external calls
     def add(self, reqs: list[SimRequest], now: float) -> None:

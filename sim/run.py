@@ -14,19 +14,21 @@ import bisect
 import gc
 import itertools
 import json
+import math
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import sched
 from sched.base import Preset
 from sched.controller import Controller, PromptItem
 from sched.events import Event, EventLog, from_columns, to_columns
 from sched.metrics import summarize
-from sim.backend import SimBackend, StopSimulation
+from sim.backend import EngineFault, SimBackend, StopSimulation
 from sim.cost import CostModel
 from sim.profiles import get_profile
 from sim.tokens import RunList
@@ -133,7 +135,8 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
              colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
              log_path: str | Path | None = None, max_events: int | None = 50_000_000,
              samples: int | None = None, reward_timeout: Any = None, reward_workers: int = 0,
-             reward_stage: bool = False, spare_gpus: int = 0) -> SimResult:
+             reward_stage: bool = False, spare_gpus: int = 0, faults: Sequence[EngineFault] = (),
+             stream_every_s: float = 10.0) -> SimResult:
     """Run `steps` optimizer steps of `preset` (a configs/sched/*.toml name or a Preset) on simulated engines.
 
     num_engines engines of cost.gpus_per_engine GPUs each, and a train partition of train_gpus GPUs (with
@@ -142,15 +145,26 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     size; `steps` is then only an upper bound. `reward_timeout`: an AdaptiveTimeout (rl/reward_timeout.py) applied
     to every sandboxed reward call (RollPacker §4.3); `reward_workers` scorers (0: unlimited) and `reward_stage`
     (score a round only once all of it has left the engines: veRL's synchronous reward stage), sim/backend.py;
-    `spare_gpus` the rollout pool may scale out onto (StreamRL §4.2)."""
+    `spare_gpus` the rollout pool may scale out onto (StreamRL §4.2); `faults`: engines killed and brought back
+    (Laminar §8.5; sim/backend.py `EngineFault`, which needs counters_every_s and a preset that isolates engine
+    faults; the engines then stream partial trajectories every `stream_every_s`)."""
     name = preset if isinstance(preset, str) else "custom"
     policy = sched.load_preset(preset) if isinstance(preset, str) else preset
+    if faults:
+        allowed = policy.failures_isolated()
+        kills = Counter(i for f in faults if not math.isinf(f.down_s) for i in f.engines)
+        most = max(kills.values(), default=0)
+        if not allowed or most > allowed:
+            who = policy.isolator() or "no mechanism isolates engine faults; Laminar's rebalance does"
+            raise ValueError(f"preset {name!r} recovers from {allowed} failures per engine ({who}); the faults fail "
+                             f"an engine {most} times")
     w = get_workload(workload, seed)
     c = get_profile(cost)
     backend = SimBackend(c, w, num_engines, train_gpus, seed, colocated=colocated,
                          counters_every_s=counters_every_s, progress=progress, max_events=max_events,
                          stop_after_samples=samples, reward_timeout=reward_timeout,
-                         reward_workers=reward_workers, reward_stage=reward_stage, spare_gpus=spare_gpus)
+                         reward_workers=reward_workers, reward_stage=reward_stage, spare_gpus=spare_gpus,
+                         faults=faults, stream_every_s=stream_every_s)
     log = EventLog(log_path)
     ctl = Controller(policy, prompt_source(w), group_size, prompts_per_step, steps, log=log)
     t0 = time.perf_counter()

@@ -11,6 +11,8 @@ from typing import Any, Iterable, Iterator
 
 from rl.types import RunLengthSequence
 
+FAKE_TOKEN, FAKE_LOGPROB = 7, -1.0   # every simulated response token's id and behaviour log-probability
+
 
 class RunList(RunLengthSequence):
     __slots__ = ("_runs", "_len", "_ends")
@@ -70,3 +72,16 @@ def _trusted(runs: tuple[tuple[Any, int], ...], n: int) -> RunList:
     out = RunList.__new__(RunList)
     out._runs, out._len, out._ends = runs, n, None
     return out
+
+
+def partial_chunk(done: int, runs: list[list[int]], version: int, k: int) -> tuple[int, RunList, RunList, RunList]:
+    """A request's whole trajectory so far as a partial-response pool chunk (sched/partials.py): `done` settled
+    tokens under the version runs `runs`, plus `k` lazy ones under `version`; start 0, run-length."""
+    vs = [(v, c) for v, c in runs]
+    if k:
+        if vs and vs[-1][0] == version:
+            vs[-1] = (version, vs[-1][1] + k)
+        else:
+            vs.append((version, k))
+    n = done + k
+    return 0, _trusted(((FAKE_TOKEN, n),), n), _trusted(((FAKE_LOGPROB, n),), n), _trusted(tuple(vs), n)

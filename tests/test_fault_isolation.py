@@ -9,10 +9,11 @@ import sched
 from rl.types import Trajectory
 from sched.base import InvariantError
 from sched.controller import Controller, PromptItem
-from sched.decisions import Abort, LoadWeights, ResetEngine, Submit
+from sched.decisions import Abort, Interrupt, LoadWeights, Migrate, ResetEngine, Submit
 from sched.events import Event
 from sched.partials import PartialPool
 from sched.resources import EngineView
+from sim.tokens import RunList
 
 
 class Script:
@@ -189,6 +190,47 @@ def test_the_pool_refuses_a_gap_and_keeps_the_resume_s_tokens():
     t = pool.take(3, None, 1, 0, [1], 4)
     assert t.response_ids == [5, 6, 7] and t.versions == [0, 0, 1] and t.prompt_index == 4 and not pool
     assert pool.take(3, part, 1, 0, [1], 4) is part   # nothing pooled: what it resumed from
+
+
+def test_the_pool_keeps_the_simulator_s_run_length_chunks_as_they_are():
+    """The simulator streams a request's whole trajectory so far, run-length, at every stream: the pool holds it as
+    is (no per-token list), ignores a shorter one, refuses one that does not start at 0, and a list chunk after it
+    still splices."""
+    pool = PartialPool()
+    part = Trajectory(1, 0, [1], RunList.of(7, 4), RunList.of(-1.0, 4), versions=RunList([(0, 4)]))
+    pool.open(3, part)
+    assert pool.entries[3].ids is part.response_ids          # kept, not copied into a list
+    chunk = (0, RunList.of(7, 10), RunList.of(-1.0, 10), RunList([(0, 4), (1, 6)]))
+    pool.grow(3, chunk)
+    e = pool.entries[3]
+    assert isinstance(e.ids, RunList) and len(e.ids) == 10 and e.versions.runs == ((0, 4), (1, 6))
+    assert e.streamed == 6 and pool.tokens_streamed == 6
+    pool.grow(3, (0, RunList.of(7, 8), RunList.of(-1.0, 8), RunList.of(0, 8)))   # older than what it holds
+    assert len(pool.entries[3].ids) == 10 and pool.entries[3].versions.runs == ((0, 4), (1, 6))
+    with pytest.raises(InvariantError, match="run-length partial chunk for request 3 starts at token 2, not 0"):
+        pool.grow(3, (2, RunList.of(7, 9), RunList.of(-1.0, 9), RunList.of(1, 9)))
+    pool.grow(3, (10, [5], [-0.5], [2]))
+    t = pool.take(3, None, 1, 0, [1], 4)
+    assert list(t.response_ids) == [7] * 10 + [5] and list(t.versions) == [0] * 4 + [1] * 6 + [2]
+
+
+def test_a_migration_whose_destination_failed_meanwhile_is_resumed_elsewhere():
+    """Repack interrupted a trajectory on engine 0 to move it to engine 1; engine 1 fails before the interrupt
+    lands: the trajectory is not submitted to the dead engine but resumed like a failed engine's."""
+    ctl, b = started(engines=3)
+    rid = on(ctl, 0)[0]
+    interrupts = ctl.life.migrate(Migrate(0, 1, [rid]))
+    assert interrupts == [Interrupt(0, [rid], 1)] and ctl.v.migrating_to(1)
+    step(ctl, b, Event("engine_failed", 0.2, engine=1, version=0, data={"error": "boom", "held": {}}))
+    b.submits.clear()
+    r = ctl.v.requests[rid]
+    partial = Trajectory(r.group_id, r.sample_index, [1, 2, 3], [9, 9], [-1.0, -1.0], versions=[0, 0])
+    step(ctl, b, Event("trajectory_interrupted", 0.3, engine=0, req_id=rid, group_id=r.group_id, version=0,
+                       data={"tokens": 2}, payload=partial))
+    assert not ctl.v.migrating_to(1)
+    (eng, ids, parts), = b.submits
+    assert eng in (0, 2) and ids == [rid] and parts[0].response_ids == [9, 9]
+    assert not any(e.kind == "trajectory_migrated" for e in ctl.log.events)
 
 
 def test_the_summary_counts_engine_failures_and_the_policies_own_counters():

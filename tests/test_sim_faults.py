@@ -1,0 +1,123 @@
+"""Engine faults in the simulator (Laminar §3.3, §8.5; sim/backend.py `EngineFault`): a killed engine loses only what
+its requests generated since their last stream to the partial-response pool, its trajectories resume on the others,
+it comes back empty and without weights, loads the latest version and takes work again; nothing is lost or trained
+twice. Bad fault plans are named before anything runs."""
+from __future__ import annotations
+
+import pytest
+
+from sim import simulate
+from sim.backend import EngineFault
+from sim.repro.laminar_faults import check_nothing_lost, decoded_between, figures, step_ends
+
+RUN = dict(workload="rollpacker_7b_8k", cost="h800_7b", num_engines=4, train_gpus=4, steps=6, group_size=8,
+           prompts_per_step=32, seed=0, counters_every_s=1.0)
+KILL, DOWN = 6.5, 30.0     # not on a counters tick: the runs are identical until the kill
+
+
+def run(faults=(), stream_every_s: float = 2.0, preset: str = "laminar", **kw):
+    return simulate(preset, **{**RUN, **kw}, faults=faults, stream_every_s=stream_every_s)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return run(), run((EngineFault(KILL, (0, 1), DOWN),))
+
+
+def test_a_killed_engine_loses_only_what_was_not_streamed_and_its_work_resumes_elsewhere(pair):
+    ref, hit = pair
+    failed = [e for e in hit.events if e.kind == "engine_failed"]
+    assert sorted(e.engine for e in failed) == [0, 1] and all(abs(e.t - KILL) < 0.2 for e in failed)
+    held = {e.engine: e.data["held"] for e in failed}
+    assert all(held.values()), "the engines held nothing when killed: the test kills too late"
+    rec = {e.engine: e.data for e in hit.events if e.kind == "trajectories_recovered"}
+    for engine, d in rec.items():
+        h = held[engine]
+        assert d["resumed"] == len(h) and d["tokens_kept"] + d["tokens_lost"] == sum(h.values())
+        assert d["dropped"] == 0
+    kept, lost = sum(d["tokens_kept"] for d in rec.values()), sum(d["tokens_lost"] for d in rec.values())
+    assert kept > 0 and lost > 0
+    # what was lost is bounded by the stream period: at most one token per engine step since the last stream (2 s)
+    step_s = min(hit.backend.cost.steps_s(1, 0, 1), 1.0)
+    assert lost <= sum(len(h) for h in held.values()) * 2.0 / step_s
+    # the resumed trajectories went to the healthy engines while 0 and 1 were down
+    down = [e for e in hit.events if e.kind == "trajectory_finished" and KILL < e.t < KILL + DOWN]
+    assert down and {e.engine for e in down} <= {2, 3}
+    check_nothing_lost(hit)
+    assert hit.metrics["samples_trained"] == ref.metrics["samples_trained"]
+    assert hit.metrics["engine_failures"] == 2 and hit.metrics["failed_engine_resumed"] == sum(len(h) for h in
+                                                                                               held.values())
+
+
+def test_a_killed_engine_comes_back_empty_without_weights_then_loads_the_latest_and_decodes(pair):
+    _, hit = pair
+    for engine in (0, 1):
+        ev = [e for e in hit.events if e.engine == engine and e.t >= KILL - 0.2]
+        kinds = [e.kind for e in ev]
+        i, j = kinds.index("engine_failed"), kinds.index("engine_recovered")
+        assert abs(ev[j].t - ev[i].t - DOWN) < 1e-6 and ev[j].version == -1 and ev[j].data["down_s"] == DOWN
+        between = set(kinds[i + 1:j]) & {"engine_busy", "tokens_decoded", "trajectory_finished", "weights_loaded",
+                                         "trajectory_interrupted", "trajectory_aborted"}
+        assert not between, f"engine {engine} did something while dead: {between}"
+        k = kinds.index("weights_loaded", j)
+        latest = max(e.version for e in hit.events if e.kind == "version_published" and e.t <= ev[k].t)
+        assert ev[k].version == latest
+        assert "engine_busy" in kinds[k:], f"engine {engine} never decoded again"
+
+
+def test_the_outage_shows_in_the_generation_rate_and_the_figures_read_it(pair):
+    ref, hit = pair
+    assert decoded_between(hit, KILL, KILL + DOWN) < decoded_between(ref, KILL, KILL + DOWN)
+    assert len(step_ends(hit)) == len(step_ends(ref)) == 6
+    f = figures(ref, hit, KILL, DOWN)
+    assert f.resumed == hit.metrics["failed_engine_resumed"] and f.samples == (6 * 32 * 8, 6 * 32 * 8)
+    assert [w[:3] for w in f.windows] == [("before the kill", KILL - DOWN, KILL), ("outage", KILL, KILL + DOWN),
+                                          ("after recovery", KILL + DOWN, KILL + 2 * DOWN)]
+    assert f.windows[0][3] == f.windows[0][4] and f.windows[1][3] < f.windows[1][4]   # identical until the kill
+    assert DOWN < f.back_decoding_s < DOWN + 10 and f.tokens_lost > 0
+
+
+def test_streaming_more_often_loses_less():
+    lost = {}
+    for every in (1.0, 4.0):
+        r = run((EngineFault(KILL, (0,), DOWN),), stream_every_s=every)
+        lost[every] = sum(e.data["tokens_lost"] for e in r.events if e.kind == "trajectories_recovered")
+    assert lost[1.0] < lost[4.0]
+
+
+def test_nothing_lost_catches_a_lost_trajectory_and_a_group_trained_twice(pair):
+    _, hit = pair
+    check_nothing_lost(hit)
+
+    def doctored(events):
+        out = type(hit).__new__(type(hit))
+        out.__dict__.update(hit.__dict__, events=events)
+        return out
+    first = next(e for e in hit.events if e.kind == "train_started")
+    with pytest.raises(AssertionError, match=r"groups trained twice \[\d"):
+        check_nothing_lost(doctored([first] + list(hit.events)))
+    rid = int(next(iter(next(e for e in hit.events if e.kind == "engine_failed").data["held"])))
+    with pytest.raises(AssertionError, match=rf"never finished \[{rid}\]"):
+        check_nothing_lost(doctored([e for e in hit.events if not (e.kind == "trajectory_finished"
+                                                                   and e.req_id == rid)]))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(faults=(EngineFault(5.0, (0,), 10.0),), counters_every_s=None), "need counters_every_s"),
+    (dict(faults=(EngineFault(5.0, (7,), 10.0),)), r"engines among 0\.\.3"),
+    (dict(faults=(EngineFault(-1.0, (0,), 10.0),)), "at_s >= 0"),
+    (dict(faults=(EngineFault(5.0, (0,), 10.0),), stream_every_s=2.5), "whole multiple of counters_every_s"),
+    (dict(faults=(EngineFault(5.0, (0,), 10.0),), preset="sync"), "no mechanism isolates engine faults"),
+    (dict(faults=tuple(EngineFault(5.0 * k, (0,), 1.0) for k in range(1, 5))), "fail an engine 4 times"),
+])
+def test_a_bad_fault_plan_is_named_before_anything_runs(kw, match):
+    with pytest.raises(ValueError, match=match):
+        run(**{"stream_every_s": 2.0, **kw})
+
+
+def test_an_engine_killed_for_good_is_retired_and_the_run_finishes_on_the_others():
+    r = run((EngineFault(KILL, (3,), float("inf")),))
+    assert r.metrics["engines_retired"] == 1 and not any(e.kind == "engine_recovered" for e in r.events)
+    assert not any(e.engine == 3 and e.kind == "engine_busy" and e.t > KILL for e in r.events)
+    check_nothing_lost(r)
+    assert r.metrics["samples_trained"] == 6 * 32 * 8
