@@ -255,7 +255,8 @@ def test_staleflow_counts_the_snapshots_eq1_accepted_and_those_it_estimated():
     r = simulate("staleflow", "cpu_tiny", "cpu_tiny", 2, 2, steps=3, group_size=4, prompts_per_step=4,
                  progress=True, counters_every_s=0.05)
     st = r.metrics["policy_stats"]["dispatch"]
-    assert st["snapshots_accepted"] + st["snapshots_estimated"] > 0
-    assert 0.0 <= st["snapshots_accepted_frac"] <= 1.0
+    assert st["snapshots_accepted"] + st["snapshots_estimated"] > 0 and st["snapshots_empty_pull"] > 0
+    assert st["snapshots_accepted_frac"] == st["snapshots_accepted"] / (st["snapshots_accepted"]
+                                                                        + st["snapshots_estimated"])
     assert "policy_stats" not in simulate("sync", "cpu_tiny", "cpu_tiny", 2, 2, steps=2, group_size=4,
                                           prompts_per_step=4).metrics

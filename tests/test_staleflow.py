@@ -122,8 +122,19 @@ def test_an_engine_report_is_used_only_when_it_agrees_with_the_issued_commands()
     snaps = st_.snapshots(v, budget=float("inf"))
     assert snaps[0].kv == 1600.0 and snaps[0].budget == 16000.0          # valid: the engine's own numbers
     assert snaps[1].running == 2 and snaps[1].kv == 30.0                 # stale report: P's estimate
+    assert (st_.snaps_accepted, st_.snaps_estimated, st_.snaps_empty_pull) == (1, 1, 0)
     v.requests.set_state(v.requests[3], RequestState.FINISHED)
     assert st_.snapshots(v, float("inf"))[1].requests == (2,) and 3 not in st_.routed
+    # an empty instance mid-Pull: exact without a report, counted apart; one holding requests while it loads is not
+    v.engines.append(EngineView(2, version=0, loading=True))
+    st_ = StaleFlowState(StaleFlowParams(eta=1, block_size=16))
+    st_.routed = {0, 1, 2}
+    snaps = st_.snapshots(v, float("inf"))
+    assert snaps[2].loading and snaps[2].kv == 0.0 and snaps[2].requests == ()
+    assert (st_.snaps_accepted, st_.snaps_estimated, st_.snaps_empty_pull) == (1, 1, 1)
+    v.engines[0].loading = True
+    st_.snapshots(v, float("inf"))
+    assert (st_.snaps_accepted, st_.snaps_estimated, st_.snaps_empty_pull) == (1, 3, 2)
 
 
 # ---- migration (Alg. 5) ----------------------------------------------------------------------------------------

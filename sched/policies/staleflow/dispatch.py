@@ -139,9 +139,13 @@ class StaleFlowRouting(Dispatch):
         return [Submit(e, ids) for e, ids in sorted(out.items())]
 
     def stats(self) -> dict[str, float]:
+        """Eq. 1's snapshots: engine reports accepted, replaced by the estimate (they predated a command), and
+        empty instances mid-Pull (exact without a report; not in the accepted share); the staleness manager's
+        counts."""
         st = self.state
         n = st.snaps_accepted + st.snaps_estimated
-        out = {"snapshots_accepted": st.snaps_accepted, "snapshots_estimated": st.snaps_estimated}
+        out = {"snapshots_accepted": st.snaps_accepted, "snapshots_estimated": st.snaps_estimated,
+               "snapshots_empty_pull": st.snaps_empty_pull}
         if st.aborts.on:
             out.update(st.aborts.counts)
         return {**out, "snapshots_accepted_frac": st.snaps_accepted / n} if n else out

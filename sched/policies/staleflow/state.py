@@ -19,7 +19,9 @@ How the paper's pieces map onto ours:
   command; instead of discarding the whole snapshot and idling until the next one (the paper's choice, which
   assumes a fast periodic pull), the coordinator uses P's estimate for that engine: KV = sum over its requests of
   prompt + tokens so far. The tokens so far come with the counters (`tokens_decoded` data `progress`: the routing
-  declares `reads_progress`, so the runtime's rollout workers and the simulator's engines report them).
+  declares `reads_progress`, so the runtime's rollout workers and the simulator's engines report them). An empty
+  instance mid-Pull needs no report (P is exact: nothing is on it), so it counts in neither the accepted nor the
+  estimated snapshots (`Dispatch.stats`: `snapshots_empty_pull`).
 - Coordination period: Algorithm 1 runs at most once per `period_s` (the paper's snapshot period, unreported), on
   the first event after it elapsed, or at once whenever nothing is in flight (else no event would ever come).
 - Algorithm 1's order: one pass on one snapshot, sync (Alg. 4), then migration (Alg. 5), then routing (Alg. 2-3).
@@ -91,6 +93,7 @@ class StaleFlowState:
         self.issued_seq = -1                     # Views.seq of the pass that issued them
         self.snaps_accepted = 0                  # engine reports Eq. 1 accepted in a snapshot
         self.snaps_estimated = 0                 # ... and those it replaced by P's estimate (they predated a command)
+        self.snaps_empty_pull = 0                # empty instances mid-Pull: P is exact (nothing on it), no report read
 
     def buffers(self, v: Views) -> StalenessBuffers:
         """The staleness buffers, made at their first use: `prompts_per_step` entries each, starting at the
@@ -178,7 +181,10 @@ class StaleFlowState:
                                     ids)
                 self.snaps_accepted += 1
             else:
-                self.snaps_estimated += 1
+                if e.loading and not reqs and e.assigned == 0:
+                    self.snaps_empty_pull += 1
+                else:
+                    self.snaps_estimated += 1
                 kv = sum(r.prompt_len + r.tokens for r in running)
                 snap = InstanceSnap(e.engine, e.version, len(running), 0, float(kv), M, e.loading, ids)
             out[e.engine] = snap
