@@ -27,9 +27,9 @@ engine sends its running sequences back to the queue to re-prefill under the new
 
 Faults (Laminar §3.3, §8.5; sim/backend.py `EngineFault`): with `stream`, a counters report the backend marks (and
 the one an engine sends as it goes idle) carries every request whose tokens grew since it was last streamed, as a
-partial-response pool chunk (sim/tokens.py `partial_chunk`); `fail`
-drops everything the engine holds (tokens since a request's last report are lost, as on a dead GPU) and `recover`
-brings it back empty and without weights, like a replacement machine.
+partial-response pool chunk (sim/tokens.py `partial_chunk`); `fail` drops everything the engine holds (the tokens
+since a request's last stream are lost, as on a dead GPU) and `recover` brings it back empty and without weights,
+like a replacement machine.
 """
 from __future__ import annotations
 
