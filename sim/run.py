@@ -181,5 +181,7 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     metrics.update({"samples_trained": backend.samples_trained, "preemptions": backend.preemptions,
                     "reward_killed": backend.reward_killed, "reward_busy_s": backend.reward_busy_s,
                     "events": len(log.events), "wall_s": wall,
-                    "gpus": gpus, "cost_profile": c.name, "workload": w.name, "preset": name})
+                    "gpus": gpus, "cost_profile": c.name, "workload": w.name, "preset": name,
+                    # what is left when the run stops: materialised groups not trained, requests not settled
+                    "backlog_groups": len(ctl.v.ready_groups()), "in_flight": ctl.v.in_flight()})
     return SimResult(name, log.events, metrics, wall, backend.num_engines, train_gpus, gpus, backend, ctl.v, policy)

@@ -86,7 +86,7 @@ def test_token_throughputs_count_trained_tokens_not_samples():
 
 def test_length_bias_compares_trained_with_generated_lengths_and_reports_the_backlog():
     r = result(with_tokens(two_rounds()), samples=4)
-    r.views = SimpleNamespace(ready_groups=lambda: [1, 2], in_flight=lambda: 7)
+    r.metrics.update(backlog_groups=2, in_flight=7)
     b = figures.length_bias(r)
     assert b["trained_len"] == pytest.approx((90 + 90 + 30) / 4)         # 2 x 45, 90, 30 over 4 samples
     assert b["generated_len"] == pytest.approx((40 + 50 + 90 + 95 + 30) / 5)   # the dropped one was generated too

@@ -50,6 +50,16 @@ def test_a_pickled_result_keeps_every_logged_field_of_every_event():
     assert back.policy.handoff.state_dict() == r.policy.handoff.state_dict()
 
 
+def test_a_pooled_result_travels_without_its_views_and_its_metrics_carry_the_backlog():
+    spec = core.SimSpec("staleflow", (), Setting("cpu_tiny", "cpu_tiny", 2, 2, 4, 4, 2), 0)
+    whole = spec.run()
+    back, r, seconds = core._run_spec((spec, 1.0))
+    assert back == spec and seconds > 0 and r.views is None and r.policy is not None
+    assert (r.metrics["backlog_groups"], r.metrics["in_flight"]) == (len(whole.views.ready_groups()),
+                                                                    whole.views.in_flight())
+    assert r.metrics["in_flight"] > 0, "nothing was left in flight: the check above is vacuous"
+
+
 def test_the_pool_gives_the_rows_and_notes_one_process_gives_in_waves_that_follow_the_rows_reads(monkeypatch):
     monkeypatch.setitem(sim.repro.PAPERS, "fake", FAKE)
     waves = []

@@ -99,11 +99,9 @@ def length_bias(r: SimResult) -> dict[str, float]:
     if not n or not fin:
         raise RuntimeError(f"{r.preset}: nothing trained or finished")
     trained, generated = tok / n, sum(fin) / len(fin)
-    v = r.views
     return {"trained_len": trained, "generated_len": generated, "bias": trained / generated,
-            "overgeneration": len(fin) / n,
-            "backlog_groups": float(len(v.ready_groups())) if v is not None else float("nan"),
-            "in_flight": float(v.in_flight()) if v is not None else float("nan")}
+            "overgeneration": len(fin) / n, "backlog_groups": float(r.metrics.get("backlog_groups", float("nan"))),
+            "in_flight": float(r.metrics.get("in_flight", float("nan")))}
 
 
 def generation_tps(r: SimResult) -> float:
