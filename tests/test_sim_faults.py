@@ -143,3 +143,23 @@ def test_random_fault_plans_with_repack_lose_nothing(cost, train_gpus):
         # a kill of an engine already down, or after the run's end, does not fire
         assert r.metrics["samples_trained"] == 8 * 32 * 8 and 1 <= r.metrics["engine_failures"] <= sum(kills.values())
         assert r.metrics["policy_stats"]["rebalance"]["moves"] > 0
+
+
+def test_the_laminar_faults_command_runs_end_to_end_on_a_small_setting(monkeypatch, capsys):
+    """`python -m sim.repro.laminar_faults` on a small stand-in for the reproduction's setting: the kill lands at the
+    end of the fault-free run's 4th iteration, the table and the last line come out, bad options are named."""
+    from sim.repro import laminar_faults
+    from sim.repro.core import Setting
+    small = Setting("rollpacker_7b_8k", "h800_7b", 4, 4, 32, 8, 8)
+    monkeypatch.setattr(laminar_faults, "LAMINAR_RUN", ("laminar", small, ()))
+    monkeypatch.setattr(laminar_faults, "RECOVERY_S", 30.0)
+    assert laminar_faults.main(["--seed", "1", "--stream-every", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "(end of iteration 4), back after 30 s" in out[0] and "streamed every 2 s" in out[0]
+    assert [line.split(" | ")[0] for line in out[2:5]] == ["before the kill", "outage", "after recovery"]
+    assert out[-1].startswith("laminar §8.5: training throughput under a machine kill ")
+    for bad, named in ((["--train-speed", "0"], "--train-speed must be > 0"),
+                       (["--stream-every", "2.5"], "--stream-every must be a whole number of seconds >= 1")):
+        with pytest.raises(SystemExit):
+            laminar_faults.main(bad)
+        assert named in capsys.readouterr().err

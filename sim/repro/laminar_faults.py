@@ -78,7 +78,7 @@ def decoded_between(r: SimResult, t0: float, t1: float) -> float:
     return sum(e.data.get("tokens", 0) for e in r.events if e.kind == "tokens_decoded" and t0 < e.t <= t1)
 
 
-def figures(ref: SimResult, hit: SimResult, kill_s: float, down_s: float = RECOVERY_S) -> FaultFigures:
+def figures(ref: SimResult, hit: SimResult, kill_s: float, down_s: float) -> FaultFigures:
     """The fault run `hit` against the fault-free `ref`, for MACHINE killed at kill_s for down_s: windows of down_s
     before, during and after the outage."""
     back = kill_s + down_s
@@ -119,6 +119,11 @@ def check_nothing_lost(r: SimResult) -> None:
                              f"{r.metrics['samples_trained']} samples trained for {len(trained)} groups")
 
 
+def ratio(a: float, b: float) -> str:
+    """a / b as 'N.NNx', or 'n/a' where the fault-free run generated nothing in the window (it had ended)."""
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
@@ -129,20 +134,24 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.train_speed > 0:
         ap.error(f"--train-speed must be > 0, got {args.train_speed}")
+    if not (args.stream_every >= 1 and args.stream_every == int(args.stream_every)):
+        ap.error(f"--stream-every must be a whole number of seconds >= 1 (the engines' counters tick every second), "
+                 f"got {args.stream_every:g}")
     with _training_speed(args.train_speed):
         ref = reference_spec(args.seed).run()
         kill_s = step_ends(ref)[KILL_AFTER_ITERATION - 1]
         hit = fault_spec(args.seed, kill_s, args.stream_every).run()
     check_nothing_lost(hit)
-    f = figures(ref, hit, kill_s)
-    print(f"Laminar §8.5 on {LAMINAR_RUN[1].cost} (16 engines + 64 train GPUs), seed {args.seed}: engines "
-          f"{list(MACHINE)} killed at {kill_s:.0f} s (end of iteration {KILL_AFTER_ITERATION}), back after "
-          f"{RECOVERY_S:g} s (the paper's recovery, an input); partial trajectories streamed every "
+    f = figures(ref, hit, kill_s, RECOVERY_S)
+    setting = LAMINAR_RUN[1]
+    print(f"Laminar §8.5 on {setting.cost} ({setting.num_engines} engines + {setting.train_gpus} train GPUs), seed "
+          f"{args.seed}: engines {list(MACHINE)} killed at {kill_s:.0f} s (end of iteration {KILL_AFTER_ITERATION}), "
+          f"back after {RECOVERY_S:g} s (the paper's recovery, an input); partial trajectories streamed every "
           f"{args.stream_every:g} s" + (f"; training {args.train_speed:g}x faster per token (sensitivity)"
                                         if args.train_speed != 1 else ""))
     print("window | seconds | generation tokens/s with the fault | without | ratio")
     for name, a, b, with_, without in f.windows:
-        print(f"{name} | {a:.0f}-{b:.0f} | {with_:,.0f} | {without:,.0f} | {with_ / without:.2f}x")
+        print(f"{name} | {a:.0f}-{b:.0f} | {with_:,.0f} | {without:,.0f} | {ratio(with_, without)}")
     print(f"trained tokens/s after warm-up: {f.train_ratio:.3f}x the fault-free run's; the latest train step ended "
           f"{f.max_step_delay_s:.1f} s later (paper: training 'unaffected or ... a slight drop')")
     print(f"partial-response pool: {f.resumed} trajectories resumed on other engines, {f.tokens_kept:,} tokens "
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"the killed engines decode again {f.back_decoding_s:.0f} s after the kill (outage + weight load + "
           f"re-prefill; by construction of the 252 s input, not a result)")
     print(f"laminar §8.5: training throughput under a machine kill {f.train_ratio:.3f}x the fault-free run's, "
-          f"generation during the outage {f.windows[1][3] / f.windows[1][4]:.2f}x")
+          f"generation during the outage {ratio(f.windows[1][3], f.windows[1][4])}")
     return 0
 
 
