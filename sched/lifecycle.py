@@ -186,14 +186,23 @@ class Lifecycle:
 
     def due_migrations(self) -> list[tuple[Submit, int]]:
         """Migrated requests whose interrupt landed: (resubmission to the destination, source engine) each. One
-        whose destination failed meanwhile stays PENDING, to be resumed like a failed engine's (by dispatch)."""
+        whose destination can no longer take it (it failed or was lent meanwhile, or holds an older version than the
+        trajectory's tokens: in colocated mode the source may have loaded newer weights before the interrupt landed)
+        stays PENDING, to be resumed by dispatch like a failed engine's."""
         todo, self.v.migrations = self.v.migrations, []
         out = []
         for rid, src, dst in todo:
             r = self.v.requests.get(rid)
-            if r is not None and r.state == S.PENDING and not self.v.engines[dst].failed:
+            if r is not None and r.state == S.PENDING and self.takes(dst, r):
                 out.append((Submit(dst, [rid]), src))
         return out
+
+    def takes(self, engine: int, r: Request) -> bool:
+        """Whether `engine` can take request r now (what `admit` would refuse: failed, lent, no weights, or older
+        than r's tokens so far)."""
+        e = self.v.engines[engine]
+        older = r.partial is not None and bool(r.partial.versions) and e.version < r.partial.newest_version
+        return not (e.failed or e.lent or e.version < 0 or older)
 
     def migrated(self, sub: Submit, src: int) -> None:
         v = self.v

@@ -233,6 +233,29 @@ def test_a_migration_whose_destination_failed_meanwhile_is_resumed_elsewhere():
     assert not any(e.kind == "trajectory_migrated" for e in ctl.log.events)
 
 
+def test_a_migration_whose_source_moved_to_newer_weights_is_not_resubmitted_to_an_older_destination():
+    """Colocated, an engine may load newer weights while a repack interrupt is on its way to it (seen on real ranks:
+    "request 384 resumed on engine 1 at version 4, older than its tokens so far (version 5)"): the trajectory,
+    now holding tokens of the newer version, is not resubmitted to the older destination; dispatch resumes it on an
+    engine of its newest version once there is one."""
+    ctl, b = started(engines=3)
+    rid = on(ctl, 0)[0]
+    ctl.life.migrate(Migrate(0, 1, [rid]))
+    b.submits.clear()
+    r = ctl.v.requests[rid]
+    partial = Trajectory(r.group_id, r.sample_index, [1, 2, 3], [9, 9, 9], [-1.0] * 3, versions=[0, 1, 1])
+    step(ctl, b, Event("trajectory_interrupted", 0.3, engine=0, req_id=rid, group_id=r.group_id, version=1,
+                       data={"tokens": 3}, payload=partial))
+    assert not [s for s in b.submits if rid in s[1]], "resubmitted to an engine older than its tokens"
+    assert ctl.v.requests[rid].state == "pending" and not ctl.v.migrating_to(1)
+    for rid2 in on(ctl, 2):   # engine 2 finishes its batch and moves to version 1: the trajectory resumes there
+        g = ctl.v.requests[rid2].group_id
+        step(ctl, b, Event("trajectory_finished", 0.4, engine=2, req_id=rid2, group_id=g, version=0,
+                           data={"tokens": 3}))
+    step(ctl, b, Event("version_published", 0.5, version=1), Event("weights_loaded", 0.6, engine=2, version=1))
+    assert any(eng == 2 and rid in ids for eng, ids, _ in b.submits)
+
+
 def test_the_summary_counts_engine_failures_and_the_policies_own_counters():
     from sched.metrics import summarize
     ctl, b = started()
