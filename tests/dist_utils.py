@@ -33,16 +33,17 @@ def new_group(ranks: list[int]) -> dist.ProcessGroup:
 def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
-    try:
+    try:   # a failed rendezvous (a port taken meanwhile, a peer that never came) is reported like an error in fn
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(outdir, f"{rank}.pt"))
     except BaseException:
         with open(os.path.join(outdir, f"{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
+            f.write(f"rank {rank} of {world_size} (port {port}):\n" + traceback.format_exc())
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_world(fn: Callable, world_size: int, *args: Any, deadline_s: float = 240.0) -> list[Any]:
