@@ -107,20 +107,13 @@ class Lifecycle:
         """PENDING -> RUNNING on `sub.engine`, one `request_admitted` each; the requests to send."""
         v = self.v
         e = v.engines[sub.engine]
-        if e.lent:
-            raise InvariantError(f"requests {sub.req_ids[:4]} submitted to engine {sub.engine}, lent to the trainer")
-        if e.version < 0:
-            raise InvariantError(f"requests {sub.req_ids[:4]} submitted to engine {sub.engine}, which has no weights")
-        if e.failed:
-            raise InvariantError(f"requests {sub.req_ids[:4]} submitted to engine {sub.engine}, which failed")
         pool = self.fold.partials
         reqs = [v.requests[i] for i in sub.req_ids]
         for r in reqs:
+            if (why := self.refuses(sub.engine, r)) is not None:
+                raise InvariantError(f"request {r.req_id} submitted to engine {sub.engine}, {why}")
             if r.state != S.PENDING:
                 raise InvariantError(f"request {r.req_id} submitted twice (state {r.state})")
-            if r.partial is not None and r.partial.versions and e.version < r.partial.newest_version:
-                raise InvariantError(f"request {r.req_id} resumed on engine {sub.engine} at version {e.version}, "
-                                     f"older than its tokens so far (version {r.partial.newest_version})")
             if r.v_traj < 0:
                 r.v_traj = e.version
             v.requests.set_state(r, S.RUNNING)
@@ -193,16 +186,18 @@ class Lifecycle:
         out = []
         for rid, src, dst in todo:
             r = self.v.requests.get(rid)
-            if r is not None and r.state == S.PENDING and self.takes(dst, r):
+            if r is not None and r.state == S.PENDING and self.refuses(dst, r) is None:
                 out.append((Submit(dst, [rid]), src))
         return out
 
-    def takes(self, engine: int, r: Request) -> bool:
-        """Whether `engine` can take request r now (what `admit` would refuse: failed, lent, no weights, or older
-        than r's tokens so far)."""
+    def refuses(self, engine: int, r: Request) -> str | None:
+        """Why `engine` cannot take request r now (None: it can): what `admit` refuses."""
         e = self.v.engines[engine]
-        older = r.partial is not None and bool(r.partial.versions) and e.version < r.partial.newest_version
-        return not (e.failed or e.lent or e.version < 0 or older)
+        if e.lent or e.version < 0 or e.failed:
+            return "lent to the trainer" if e.lent else "which has no weights" if e.version < 0 else "which failed"
+        if r.partial is not None and r.partial.versions and e.version < r.partial.newest_version:
+            return f"at version {e.version}, older than its tokens so far (version {r.partial.newest_version})"
+        return None
 
     def migrated(self, sub: Submit, src: int) -> None:
         v = self.v

@@ -237,7 +237,7 @@ def test_a_peer_whose_death_shows_just_after_the_broken_connection_is_still_name
         head = (tmp_path / "failed-rank0.txt").read_text().splitlines()[0]
         assert head == f"rank 0 (train leader, controller) stopped the job: rank 1 (train) died: its process (pid " \
                        f"{peer.pid}) is gone"
-        peer.wait()
+        peer.wait(timeout=10)
         w.info = {1: {"pid": os.getpid(), "host": os.uname().nodename}}   # a peer that stays alive
         t0 = time.monotonic()
         with pytest.raises(SystemExit):
@@ -249,7 +249,7 @@ def test_a_peer_whose_death_shows_just_after_the_broken_connection_is_still_name
         killer.cancel()
         if peer.poll() is None:   # this test's own process, by id
             peer.kill()
-        peer.wait()
+        peer.wait(timeout=10)
 
 
 # -------------------------------------------------------------------------------------------------- fault plans
