@@ -150,7 +150,7 @@ class SimBackend:
         self.spare_gpus = spare_gpus           # GPUs the pool may still scale out onto (AddEngines)
         self.reshards: list[tuple[float, int]] = []   # (when, new TP) of every Reshard
         self.tp_sizes = tp_sizes(cost, num_engines * cost.gpus_per_engine)   # what Reshard may ask for
-        self.preemptions_gone = 0              # preemptions of engines replaced in a reshard
+        self.replaced: list[SimEngine] = []    # engines a reshard replaced (their counters still count)
         self.rng = random.Random(f"sim-backend:{seed}")
         self.trainer_version = 0
         self.trainer_free = 0.0
@@ -194,7 +194,12 @@ class SimBackend:
 
     @property
     def preemptions(self) -> int:
-        return self.preemptions_gone + sum(e.preemptions for e in self.engines)
+        return sum(e.preemptions for e in self.replaced + self.engines)
+
+    @property
+    def reprefill_s(self) -> float:
+        """Engine-seconds spent recomputing KV that a weight load discarded (partial rollout's re-prefill)."""
+        return sum(e.reprefill_s for e in self.replaced + self.engines)
 
     # ------------------------------------------------------------------------------------------ engine host
     def emit(self, ev: Event) -> None:
@@ -324,7 +329,7 @@ class SimBackend:
             gpus = len(self.engines) * self.cost.gpus_per_engine
             self.cost = at_tp(self.cost, cmd.tp)
             gen = max(e.gen for e in self.engines) + 1
-            self.preemptions_gone += sum(e.preemptions for e in self.engines)
+            self.replaced += self.engines
             self.engines = [self._engine(i, self.first_rank + i * cmd.tp) for i in range(gpus // cmd.tp)]
             for e in self.engines:
                 e.gen = gen                    # the old engines' wake-ups in the queue are stale

@@ -60,6 +60,7 @@ class SimRequest:
     preemptions: int = 0
     prefill: int = 0                # tokens its next step must prefill (set on admission, 0 once computed)
     moved: bool = False             # its KV arrives over the interconnect (a migration) instead of a re-prefill
+    reloaded: bool = False          # a weight load discarded its KV: its next prefill is partial rollout's re-prefill
     streamed: int = 0               # response tokens the controller's partial-response pool holds (`stream`)
     mark: int = 0                   # engine step count when `done` was last written (while running)
     slot: int = -1                  # admission number on its engine (running order; -1: not running)
@@ -108,6 +109,7 @@ class SimEngine:
         self._kv_base = 0             # kv_tokens = _kv_base + len(running) * steps
         self._prefill = 0             # prefill tokens of the requests admitted since the last step
         self._moved = 0               # of which moved in (KV transferred, cost.kv_move_s), not recomputed
+        self._reloaded = 0            # of which recompute KV a weight load discarded (`reprefill_s`)
         self.waiting: deque[SimRequest] = deque()
         self.version = -1
         self.t = 0.0                  # the state is exact at this instant
@@ -122,6 +124,8 @@ class SimEngine:
         self._tokens_reported = 0
         self.preemptions = 0
         self.prefill_s_total = 0.0    # seconds of prefill planned (recompute after preemption, load or resume included)
+        self.reprefill_s = 0.0        # seconds of prefill run to recompute KV a weight load discarded (partial
+        #                               rollout's re-prefill, Laminar §2.3)
         self.peak_blocks = 0
         self.steps = 0
 
@@ -147,6 +151,7 @@ class SimEngine:
             r.done += k
             r.add_tokens(self.version, k)
             r.prefill = 0
+            r.reloaded = False
         r.mark = self.steps
 
     # ------------------------------------------------------------------------------------------------ KV blocks
@@ -198,6 +203,8 @@ class SimEngine:
             self._prefill -= r.prefill
             if r.moved:
                 self._moved -= r.prefill
+            if r.reloaded:
+                self._reloaded -= r.prefill
         r.moved = False
         r.slot = -1
         left = self.group_ref[r.group_id] - 1
@@ -240,7 +247,8 @@ class SimEngine:
             return
         self.tokens_total += len(self._running) * j
         self.steps += j
-        self._prefill = self._moved = 0
+        self.reprefill_s += self.cost.prefill_s(self._reloaded)   # the segment's first step ran the prefill
+        self._prefill = self._moved = self._reloaded = 0
 
     def _finish_done(self) -> None:
         heap, done = self._heap, []
@@ -267,6 +275,7 @@ class SimEngine:
             # tokens so far under the new one.
             for r in reversed(self.running):
                 self._detach(r)
+                r.reloaded = True
                 self.waiting.appendleft(r)
             self.version, self.pending_version = self.pending_version, None
             self.host.emit(Event("weights_loaded", self.t, rank=self.rank, engine=self.index, version=self.version))
@@ -331,6 +340,8 @@ class SimEngine:
             self._prefill += r.prefill
             if r.moved:
                 self._moved += r.prefill
+            elif r.reloaded:
+                self._reloaded += r.prefill
 
     def _set_busy(self, busy: bool) -> None:
         if busy != self.busy:

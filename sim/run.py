@@ -179,6 +179,7 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
         metrics = summarize(log.events, backend.num_engines)
     gpus = train_gpus if colocated else train_gpus + backend.num_engines * c.gpus_per_engine
     metrics.update({"samples_trained": backend.samples_trained, "preemptions": backend.preemptions,
+                    "reprefill_s": backend.reprefill_s,
                     "reward_killed": backend.reward_killed, "reward_busy_s": backend.reward_busy_s,
                     "events": len(log.events), "wall_s": wall,
                     "gpus": gpus, "cost_profile": c.name, "workload": w.name, "preset": name,

@@ -106,6 +106,15 @@ def test_rollout_idle_ratio_and_generation_rate():
     assert figures.generation_tps(r) == pytest.approx(800 / 10)
 
 
+def test_reprefill_share_is_the_load_recompute_over_the_engines_busy_time():
+    ev = log(("engine_busy", 0.0, {"engine": 0}), ("engine_idle", 6.0, {"engine": 0}),
+             ("engine_busy", 2.0, {"engine": 1}), ("engine_idle", 4.0, {"engine": 1}),
+             ("engine_busy", 7.0, {"engine": 1}), ("train_step_done", 10.0, {"data": {}}))   # engine 1 busy to the end
+    r = result(ev, engines=2)
+    r.metrics["reprefill_s"] = 2.2
+    assert figures.reprefill_share(r) == pytest.approx(2.2 / (6 + 2 + 3))
+
+
 def test_the_recorded_rollpacker_training_speed_is_the_calibration():
     """ROLLPACKER_TRAIN_MFU is what calibrate_train_mfu gives (Table 1's 22% training share for veRL 14B/16k)."""
     from sim.profiles import ROLLPACKER_TRAIN_MFU

@@ -53,7 +53,7 @@ def test_a_pickled_result_keeps_every_logged_field_of_every_event():
 def test_a_pooled_result_travels_without_its_views_and_its_metrics_carry_the_backlog():
     spec = core.SimSpec("staleflow", (), Setting("cpu_tiny", "cpu_tiny", 2, 2, 4, 4, 2), 0)
     whole = spec.run()
-    back, r, seconds = core._run_spec((spec, 1.0))
+    back, r, seconds = core._run_spec((spec, core.Sensitivity()))
     assert back == spec and seconds > 0 and r.views is None and r.policy is not None
     assert (r.metrics["backlog_groups"], r.metrics["in_flight"]) == (len(whole.views.ready_groups()),
                                                                     whole.views.in_flight())
@@ -96,8 +96,8 @@ def test_a_hung_wave_ends_at_its_deadline_with_a_named_error(monkeypatch):
 def test_the_pools_workers_train_at_the_sensitivity_speed_the_rows_see(monkeypatch):
     """--train-speed: the workers fork before the profiles change and apply the speed themselves, once."""
     monkeypatch.setitem(sim.repro.PAPERS, "fake", Paper(FAKE.rows[:3]))
-    base, fast = evaluate("fake", [0], jobs=2), evaluate("fake", [0], jobs=2, train_speed=2.0)
-    assert fast == evaluate("fake", [0], jobs=1, train_speed=2.0)
+    base, fast = evaluate("fake", [0], jobs=2), evaluate("fake", [0], jobs=2, sens=core.Sensitivity(2.0))
+    assert fast == evaluate("fake", [0], jobs=1, sens=core.Sensitivity(2.0))
     assert all(f[0] < b[0] for f, b in zip(fast[0], base[0]))         # training faster: every run shorter
 
 

@@ -112,6 +112,7 @@ def test_kv_capacity_forces_preemption_and_is_never_exceeded():
     trajs = [x.payload for x in ev if x.kind == "reward_scored"]
     assert all(len(t.response_ids) == 200 and t.versions == [0] * 200 for t in trajs)
     assert sum(t.meta["preemptions"] for t in trajs) == e.preemptions
+    assert e.reprefill_s == 0 and e.prefill_s_total > 0   # a preemption's recompute is not a weight load's
 
 
 @given(lens=st.lists(st.lists(st.integers(1, 120), min_size=1, max_size=4), min_size=1, max_size=6),
@@ -189,6 +190,29 @@ def test_weights_loaded_under_running_requests_record_per_token_versions():
     runs = traj.versions.runs
     assert [v for v, _ in runs] == [0, 1] and sum(n for _, n in runs) == 400 and traj.version == 0
     assert finished(ev)[0].version == 0  # the oldest generating version
+
+
+def test_a_weight_load_under_running_requests_costs_the_re_prefill_of_their_kv_and_counts_it_apart():
+    """Partial rollout (AReaL): a load discards the running sequences' KV; each re-prefills prompt + tokens so far
+    under the new weights, and only that recompute counts as `reprefill_s` (Laminar §2.3's re-prefill share)."""
+    c = cost(prefill_s_per_token=1e-4, load_s=0.25)
+    b = backend(c, [[400, 300]])
+    submit(b, [[400, 300]])
+    b.run_until(0.1)
+    b.command(LoadWeights(0, 1))
+    ev = drain(b)
+    at_load = [t.payload.versions.runs[0][1] for t in ev if t.kind == "reward_scored"]   # tokens under version 0
+    assert len(at_load) == 2 and all(0 < k < 300 for k in at_load)
+    e = b.engines[0]
+    # the siblings share the prompt's whole blocks: the second re-prefills only the prompt's partial block (0 here)
+    assert e.reprefill_s == pytest.approx(c.prefill_s_per_token * (16 + sum(at_load)))
+    assert b.reprefill_s == e.reprefill_s
+    assert e.prefill_s_total == pytest.approx(c.prefill_s_per_token * 16 + e.reprefill_s)  # + the first prefill
+    idle = backend(c, [[50]])                       # a load on an idle engine discards nothing
+    idle.command(LoadWeights(0, 1))
+    submit(idle, [[50]])
+    drain(idle)
+    assert idle.engines[0].reprefill_s == 0
 
 
 def test_interrupt_hands_back_the_partial_and_a_resume_elsewhere_finishes_it_with_every_token():

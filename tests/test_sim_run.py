@@ -172,6 +172,26 @@ def test_repro_train_speed_is_a_labelled_sensitivity_that_restores_the_profiles(
     assert "--train-speed must be > 0" in capsys.readouterr().err
 
 
+def test_repro_prefill_cost_scales_every_prefill_with_the_training_speed_and_says_so(capsys, monkeypatch):
+    from sim.profiles import get_profile
+    base = get_profile("h800_laminar_32b")
+    seen = []
+    rows = [repro.Row("costs", (0.0, 1.0), "-", lambda runs: seen.append(
+        (get_profile("h800_laminar_32b").prefill_s_per_token, get_profile("h800_laminar_32b").train_s_per_token))
+        or 0.5)]
+    monkeypatch.setitem(repro.PAPERS, "laminar", repro.Paper(rows, seeds=1))
+    assert repro.main(["laminar", "--prefill-cost", "3", "--train-speed", "4"]) == 0
+    assert seen and all(p == pytest.approx(3 * base.prefill_s_per_token)
+                        and t == pytest.approx(base.train_s_per_token / 4) for p, t in seen)
+    assert get_profile("h800_laminar_32b").prefill_s_per_token == base.prefill_s_per_token
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "laminar: 1/1 headline figures within 20% (sensitivity run: training 4x faster per token, prefill 3x the "
+        "seconds per token)")
+    with pytest.raises(SystemExit):
+        repro.main(["laminar", "--prefill-cost", "-1"])
+    assert "--prefill-cost must be > 0" in capsys.readouterr().err
+
+
 def test_calibrate_recovers_a_known_step_time(tmp_path):
     k3, k4, lines, t, total = 5e-5, 2e-3, [], 0.0, 0
     lines.append({"kind": "engine_busy", "t": 0.0, "engine": 0, "rank": 1})

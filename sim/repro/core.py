@@ -192,20 +192,40 @@ def _notes(p: Paper, runs: Runs) -> list[str]:
     return out
 
 
-class _training_speed:
-    """Every cost profile trains `factor` times faster per token while in the block (the --train-speed
-    sensitivity), restored on exit."""
+@dataclass(frozen=True)
+class Sensitivity:
+    """A sensitivity run, not the reproduction: every cost profile trains `train_speed` times faster per token and
+    prefills at `prefill_cost` times its seconds per token (both are assumptions in most profiles: `python -m sim
+    profiles`). The default changes nothing."""
+    train_speed: float = 1.0
+    prefill_cost: float = 1.0
 
-    def __init__(self, factor: float):
-        self.factor = factor
+    def __post_init__(self) -> None:
+        for name in ("train_speed", "prefill_cost"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def label(self) -> str:
+        """What the run changed, for the command's last line ("" for the reproduction itself)."""
+        parts = ([f"training {self.train_speed:g}x faster per token"] if self.train_speed != 1.0 else []) + \
+                ([f"prefill {self.prefill_cost:g}x the seconds per token"] if self.prefill_cost != 1.0 else [])
+        return ", ".join(parts)
+
+
+class _scaled_profiles:
+    """Every cost profile scaled by `s` while in the block, restored on exit."""
+
+    def __init__(self, s: Sensitivity):
+        self.s = s
 
     def __enter__(self) -> None:
         from dataclasses import replace
         from sim.profiles import PROFILES
         self.saved = dict(PROFILES)
-        if self.factor != 1.0:
+        if self.s != Sensitivity():
             for name, c in self.saved.items():
-                PROFILES[name] = replace(c, train_s_per_token=c.train_s_per_token / self.factor)
+                PROFILES[name] = replace(c, train_s_per_token=c.train_s_per_token / self.s.train_speed,
+                                         prefill_s_per_token=c.prefill_s_per_token * self.s.prefill_cost)
 
     def __exit__(self, *exc: Any) -> None:
         from sim.profiles import PROFILES
@@ -213,13 +233,13 @@ class _training_speed:
         PROFILES.update(self.saved)
 
 
-def _run_spec(job: tuple[SimSpec, float]) -> tuple[SimSpec, SimResult | Exception, float]:
+def _run_spec(job: tuple[SimSpec, Sensitivity]) -> tuple[SimSpec, SimResult | Exception, float]:
     """A pool's task: the simulation, or the error it raised (Runs.get raises it where a row reads it), and the
     CPU seconds it took. The result travels without its views (every request and group of the run: about half its
     pickled bytes and time, ~1.4 s for a Laminar-sized AReaL run); rows read the backlog from its metrics."""
-    spec, train_speed = job
+    spec, sens = job
     t0 = time.process_time()
-    with _training_speed(train_speed):
+    with _scaled_profiles(sens):
         try:
             r: SimResult | Exception = spec.run()
             if isinstance(r, SimResult):
@@ -260,7 +280,7 @@ def _next_spec(todo: list[SimSpec], running: list[SimSpec], seconds: dict[tuple,
     return max(timed, key=lambda s: seconds[s.kind]) if timed else todo[0]
 
 
-def _wave(pool: ProcessPoolExecutor, jobs: int, wanted: list[SimSpec], train_speed: float,
+def _wave(pool: ProcessPoolExecutor, jobs: int, wanted: list[SimSpec], sens: Sensitivity,
           seconds: dict[tuple, float], deadline_s: float) -> Iterator[tuple[SimSpec, SimResult | Exception]]:
     """Runs `wanted` in the pool, `jobs` + 1 at a time (one queued, so that no worker waits for the next pick),
     yielding each result as it comes; `seconds` learns each kind's CPU time. TimeoutError past the deadline."""
@@ -270,7 +290,7 @@ def _wave(pool: ProcessPoolExecutor, jobs: int, wanted: list[SimSpec], train_spe
         while todo and len(running) <= jobs:
             s = _next_spec(todo, list(running.values()), seconds)
             todo.remove(s)
-            running[pool.submit(_run_spec, (s, train_speed))] = s
+            running[pool.submit(_run_spec, (s, sens))] = s
         done, _ = wait(list(running), timeout=max(0.0, end - time.monotonic()), return_when=FIRST_COMPLETED)
         if not done:
             raise TimeoutError(f"a wave of {len(wanted)} simulations did not finish within {deadline_s:.0f} s")
@@ -281,7 +301,7 @@ def _wave(pool: ProcessPoolExecutor, jobs: int, wanted: list[SimSpec], train_spe
             yield spec, r
 
 
-def evaluate(paper: str, seeds: list[int], jobs: int, train_speed: float = 1.0
+def evaluate(paper: str, seeds: list[int], jobs: int, sens: Sensitivity = Sensitivity()
              ) -> tuple[list[list[Any]], list[str]]:
     """Every row on every seed: per row its values by seed, and the notes from the first seed. With jobs > 1 the
     simulations run in a pool of `jobs` processes, in waves: the rows are computed up to what they read, every
@@ -298,8 +318,8 @@ def evaluate(paper: str, seeds: list[int], jobs: int, train_speed: float = 1.0
     threshold = gc.get_threshold()
     with rare_collections((0, 0, 0)):
         if jobs > 1:
-            _pooled(paper, p, all_runs, by_seed, jobs, train_speed, threshold)
-        with _training_speed(train_speed):
+            _pooled(paper, p, all_runs, by_seed, jobs, sens, threshold)
+        with _scaled_profiles(sens):
             results = [(row_values(p.rows, runs), _notes(p, runs) if i == 0 else [])
                        for i, runs in enumerate(all_runs)]
     per_row = [[vals[i] for vals, _ in results] for i in range(len(p.rows))]
@@ -307,22 +327,22 @@ def evaluate(paper: str, seeds: list[int], jobs: int, train_speed: float = 1.0
 
 
 def _pooled(paper: str, p: Paper, all_runs: list[Runs], by_seed: dict[int, Runs], jobs: int,
-            train_speed: float, threshold: tuple[int, int, int]) -> None:
+            sens: Sensitivity, threshold: tuple[int, int, int]) -> None:
     """Every simulation the rows read, run in a pool of `jobs` processes, wave after wave, into the Runs' caches.
     The workers collect garbage at `threshold` (this process's own setting outside `evaluate`): each result they
     send leaves ~450k objects in reference cycles behind, which a worker that never collected would keep."""
-    # the workers fork outside the speed block, with the profiles as defined; each task applies the speed itself
+    # the workers fork outside the sensitivity block, with the profiles as defined; each task applies it itself
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=gc.set_threshold,
                                initargs=threshold)
     seconds: dict[tuple, float] = {}
     try:
         while True:
-            with _training_speed(train_speed):
+            with _scaled_profiles(sens):
                 wanted = _wanted(p, all_runs)
             if not wanted:
                 break
             try:
-                for spec, r in _wave(pool, jobs, list(wanted), train_speed, seconds, WAVE_DEADLINE_S):
+                for spec, r in _wave(pool, jobs, list(wanted), sens, seconds, WAVE_DEADLINE_S):
                     by_seed[spec.seed].cache[spec] = r
             except TimeoutError as e:
                 raise TimeoutError(f"{paper}: {e}") from None

@@ -114,6 +114,14 @@ def generation_tps(r: SimResult) -> float:
     return sum(total.values()) / (max(e.t for e in r.events) - t0)
 
 
+def reprefill_share(r: SimResult) -> float:
+    """Partial rollout's re-prefill (Laminar §2.3): engine-seconds spent recomputing KV that a weight load discarded
+    (metrics["reprefill_s"], sim/engine.py), over the engines' busy seconds (rollout time) in the whole run."""
+    ev = r.events
+    busy = sum(b - a for spans in engine_spans(ev, max(e.t for e in ev)).values() for a, b in spans)
+    return r.metrics["reprefill_s"] / busy if busy > 0 else 0.0
+
+
 def round_rollout(r: SimResult) -> dict[int, float]:
     """Per trained round, its rollout time: round start -> the last finish of a response it trained (a kept one:
     scored into a trained group and not discarded)."""

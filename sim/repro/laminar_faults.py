@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from sched.views import IN_FLIGHT
 from sim.backend import EngineFault
-from sim.repro.core import SimSpec, _training_speed
+from sim.repro.core import Sensitivity, SimSpec, _scaled_profiles
 from sim.repro.figures import after_warmup_throughput
 from sim.repro.laminar import LAMINAR_RUN, LM_WARMUP
 from sim.run import SimResult
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.stream_every >= 1 and args.stream_every == int(args.stream_every)):
         ap.error(f"--stream-every must be a whole number of seconds >= 1 (the engines' counters tick every second), "
                  f"got {args.stream_every:g}")
-    with _training_speed(args.train_speed):
+    with _scaled_profiles(Sensitivity(train_speed=args.train_speed)):
         ref = reference_spec(args.seed).run()
         kill_s = step_ends(ref)[KILL_AFTER_ITERATION - 1]
         hit = fault_spec(args.seed, kill_s, args.stream_every).run()
