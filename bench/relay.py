@@ -8,18 +8,23 @@ bucket), on one gloo world of 1 + R CPU processes, alternating.
 The weights are a stack of random fp32 Linear layers of `--mib` MiB in all, published by trainer/publish.py's
 WeightPublisher to WeightReceivers (the runtime's own code; checksums with `--verify`) with `--bucket-mib` buckets. Per
 publication: the trainer's stall (the leader's `publish` call: what the train step waits for when the publication
-is not overlapped) and the time until the last relay holds the whole version (from the leader's start to the latest
-receiver's end, one machine's clock). Last line: broadcast over chain for both (medians).
+is not overlapped), the time until the last relay holds the whole version (from the leader's start to the latest
+receiver's end, one machine's clock), and the bytes each process wrote to its sockets meanwhile (Linux
+/proc/self/io `wchar`, every thread: gloo sends on its own), over the weights' bytes: the copies the leader sends,
+which bound its stall wherever its link is the bottleneck (across nodes), whatever this machine's cores do. Last
+line: broadcast over chain for the stall and the last relay's fill (medians), and the leader's copies per mode.
 
-On this 2-core machine the R + 1 processes share two cores, so the copies a broadcast makes one after another and
-the copies a chain makes side by side compete for the same cores; read the stall ratio as the mechanism's (the
-leader copies once instead of R times) and the end-to-end ratio with that in mind.
+On this 2-core machine the R + 1 processes share two cores, so the copies a broadcast makes and the copies a chain
+makes side by side compete for the same cores; read the time ratios with that in mind, and the leader's copies as the
+mechanism's own measure (gloo's broadcast is a binomial tree: the root sends ceil(log2(R + 1)) copies; the chain's
+leader sends one).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
@@ -50,6 +55,16 @@ def _model(mib: int) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
 
 
+def _written() -> int:
+    """Bytes this process has written (files and sockets, every thread), or -1 where /proc/self/io is missing
+    (the copies then print as nan)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    except (OSError, StopIteration, ValueError):
+        return -1
+
+
 def _rank(rank: int, world: int, port: int, out: str, mib: int, bucket_mib: int, repeats: int, verify: bool
           ) -> None:
     from trainer.publish import WeightPublisher, WeightReceiver
@@ -68,13 +83,14 @@ def _rank(rank: int, world: int, port: int, out: str, mib: int, bucket_mib: int,
                 if rank == 0:
                     p = WeightPublisher(_model(mib), pub, train, bucket_bytes=bucket_mib << 20, verify=verify,
                                         chain=route)
-                    t0 = time.time()
+                    w0, t0 = _written(), time.time()
                     p.publish(rep)
-                    rows.append((mode, t0, time.time()))
+                    rows.append((mode, t0, time.time(), _written() - w0 if w0 >= 0 else math.nan, sum(p.sizes)))
                 else:
                     rx = WeightReceiver(pub, src=0, chain=route)
+                    w0 = _written()
                     rx.receive(lambda it, v: [None for _ in it])
-                    rows.append((mode, 0.0, time.time()))
+                    rows.append((mode, 0.0, time.time(), _written() - w0 if w0 >= 0 else math.nan, 0))
         with open(os.path.join(out, f"{rank}.json"), "w") as f:
             json.dump(rows, f)
     finally:
@@ -102,16 +118,23 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(json.load(f))
     stall: dict[str, list[float]] = {"broadcast": [], "chain": []}
     filled: dict[str, list[float]] = {"broadcast": [], "chain": []}
-    for i, (mode, t0, t1) in enumerate(rows[0]):
+    copies: dict[str, list[list[float]]] = {"broadcast": [], "chain": []}   # per publication, per rank
+    for i, (mode, t0, t1, _, size) in enumerate(rows[0]):
         stall[mode].append(t1 - t0)
         filled[mode].append(max(r[i][2] for r in rows[1:]) - t0)
+        copies[mode].append([r[i][3] / size for r in rows])
     for mode in ("broadcast", "chain"):
+        sent = [statistics.median(c[k] for c in copies[mode]) for k in range(world)]
         print(f"{mode:9s}  {a.mib} MiB to {a.relays} relays: trainer stall median "
               f"{statistics.median(stall[mode]) * 1e3:7.1f} ms, last relay filled "
-              f"{statistics.median(filled[mode]) * 1e3:7.1f} ms  ({len(stall[mode])} publications)")
+              f"{statistics.median(filled[mode]) * 1e3:7.1f} ms; copies of the weights sent by the leader "
+              f"{sent[0]:.2f}, by relays 1..{a.relays} {' / '.join(f'{x:.2f}' for x in sent[1:])}  "
+              f"({len(stall[mode])} publications)")
     s = statistics.median(stall["broadcast"]) / statistics.median(stall["chain"])
     f = statistics.median(filled["broadcast"]) / statistics.median(filled["chain"])
-    print(f"broadcast / chain: trainer stall {s:.2f}x, last relay filled {f:.2f}x")
+    lead = {m: statistics.median(c[0] for c in copies[m]) for m in copies}
+    print(f"broadcast / chain: trainer stall {s:.2f}x, last relay filled {f:.2f}x; leader's copies of the weights "
+          f"sent {lead['broadcast']:.2f} / {lead['chain']:.2f}")
     return 0
 
 

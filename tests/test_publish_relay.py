@@ -79,6 +79,10 @@ def test_the_routes_bench_runs_and_prints_its_ratio_line(capsys):
     assert relay.main(["--mib", "1", "--relays", "2", "--bucket-mib", "1", "--repeats", "1"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("broadcast / chain: trainer stall ") and "last relay filled" in last
+    # the chain's leader sends the weights once (Laminar App. C: the trainer's stall is one copy); gloo's broadcast
+    # root sends one copy per level of its tree (2 for 2 receivers): bytes written to the sockets, every thread
+    broadcast, chain = (float(x) for x in last.split("leader's copies of the weights sent ")[1].split(" / "))
+    assert 0.99 <= chain <= 1.05 and broadcast >= 1.9
 
 
 @pytest.mark.parametrize("frozen", [2, 3])

@@ -116,6 +116,6 @@ PAPER = Paper(LAMINAR, notes=[note_bias],
               components="Simulated: Laminar's per-engine batches, pull-latest weight sync from the relays (the App. C "
                          "broadcast time), FIFO experience buffer and repack (Alg. 1, a move sends the KV over the "
                          "NIC); verl colocated, one-step, stream generation (FIFO + streamed hand-off) and "
-                         "AReaL (unbounded, 1024 trajectories per replica). Not simulated: fault isolation, the "
-                         "partial response pool, relays' decode-path isolation (the runtime's concern), 7B/72B and "
-                         "the other 4 scales of Fig. 11.")
+                         "AReaL (unbounded, 1024 trajectories per replica). Fault isolation and the partial response "
+                         "pool run in `python -m sim.repro.laminar_faults` (§8.5, not rows). Not simulated: relays' "
+                         "decode-path isolation (the runtime's concern), 7B/72B and the other 4 scales of Fig. 11.")
