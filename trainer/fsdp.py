@@ -111,7 +111,7 @@ def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         send[off:off + flat.numel()].copy_(flat)
         off += n
     out = torch.empty(world, send.numel(), dtype=send.dtype, device=send.device)
-    dist.all_gather_into_tensor(out.view(-1), send, group=mesh.get_group())
+    _all_gather_single(out.view(-1), send, group=mesh.get_group())
     full, off = {}, 0
     for t, c, n in zip(dts, chunks, segs):
         rows = t.shape[0]
@@ -119,6 +119,13 @@ def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         full[id(t)] = torch.cat(parts)
         off += n
     return [full[id(t)] if isinstance(t, DTensor) else t for t in tensors]
+
+
+def _all_gather_single(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Every rank's `send` laid end to end in `out`: `all_gather_single` where torch has it, else the same collective
+    under its older name, `all_gather_into_tensor` (which newer torch deprecates, warning on every call)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, send, group=group)
 
 
 def _nbytes(t: torch.Tensor) -> int:
