@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import new_group, run_world
+from tests.dist_utils import PG_TIMEOUT, new_group, run_world
 
 pytestmark = pytest.mark.dist
 
@@ -105,3 +105,33 @@ def test_a_frozen_relay_in_the_chain_ends_the_job_with_a_report_naming_it(frozen
     assert proc.returncode != 0 and time.monotonic() - t0 < 90
     reports = [p.read_text() for p in run.glob("stall-rank*.txt")]
     assert reports and all(f"rank {frozen} (rollout, engine {frozen - 2})" in r for r in reports), reports
+
+
+def _gpu_world(rank: int, world: int, route: str):
+    """The runtime's publication group on a GPU host (runtime/topology.py: gloo for CPU tensors, NCCL for CUDA ones):
+    the leader's weights on the GPU, the relay's buffers in host memory, as train.py's rollout ranks receive them."""
+    import trainer.publish as publish
+    pub = dist.new_group([0, 1], backend="cpu:gloo,cuda:nccl", timeout=PG_TIMEOUT)
+    train = new_group([0])
+    chain = [1] if route == "chain" else None
+    if rank == 0:
+        m = model().to("cuda")
+        publish.WeightPublisher(m, pub, train, bucket_bytes=1024, verify=True, chain=chain).publish(1)
+        return None
+    got = {}
+    publish.WeightReceiver(pub, src=0, device="cpu", chain=chain).receive(
+        lambda it, v: got.update({n: t.clone() for n, t in it}))
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("route", ["broadcast", "chain"])
+def test_weights_on_the_gpu_reach_a_host_relay_over_the_mixed_group(route):
+    """A CUDA bucket on the leader and a CPU buffer on the relay would run the two ends on different backends (NCCL
+    and gloo) and hang until the group's timeout: publications travel in host memory. One GPU suffices (the relay
+    process never touches it)."""
+    _, got = run_world(_gpu_world, 2, route, deadline_s=90)
+    want = model().state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -4,8 +4,11 @@ Every train rank calls `WeightPublisher.publish(version)` together: each paramet
 `DTensor.full_tensor()` inside the train group (not `get_model_state_dict` with `full_state_dict=True,
 cpu_offload=True`, which gives the values to global rank 0 only, an empty dict to every other rank: PyTorch's
 `StateDictOptions`), in buckets of about `bucket_bytes`. The train leader (train group rank 0) packs each bucket
-into one byte buffer and broadcasts it over the publication group (train leader + rollout ranks; NCCL on GPU, gloo
-on CPU). Receivers call `WeightReceiver.receive(loader)` and get `loader(iterable of (name, tensor), version)` (the
+into one byte buffer, copies it to host memory and broadcasts it over the publication group (train leader + rollout
+ranks): publications travel in host memory whatever the device, so on GPU they go over the group's gloo backend and
+land in the rollout ranks' CPU relays without touching an engine's GPU memory or its SMs (Laminar §2.4 C1, §4; a
+CUDA buffer on one side and a CPU one on the other would put the two ends on different backends, NCCL and gloo,
+and hang). Receivers call `WeightReceiver.receive(loader)` and get `loader(iterable of (name, tensor), version)` (the
 engine's `load_weights`), streamed bucket by bucket.
 
 Routes (`cluster.relay`): `broadcast` (every piece one broadcast from the train leader to every rollout rank) or
@@ -192,7 +195,7 @@ class WeightPublisher:
         buf = pack_bucket(tensors, [self.offsets[i] for i in bucket], total, tensors[0].device)
         if self.verify:  # of the gathered tensors, not of the packed bytes: a bad pack is caught too
             buf[size:].view(torch.int64).copy_(torch.tensor([checksum(t) for t in tensors], dtype=torch.int64))
-        return buf
+        return buf.cpu()   # publications travel in host memory (module docstring); a no-op on CPU
 
     def _out(self, t: torch.Tensor) -> None:
         """One piece from the leader: to every rollout rank, or to the chain's first relay only."""
@@ -218,7 +221,8 @@ class WeightPublisher:
     @torch.no_grad()
     def pack(self, version: int) -> PackedWeights | None:
         """The gathering half of an overlapped publication (every train rank; collective on the train group): the
-        leader keeps every bucket packed (a full copy of the weights), to `send` while the next step trains."""
+        leader keeps every bucket packed in host memory (a full copy of the weights), to `send` while the next step
+        trains."""
         t0 = time.perf_counter()
         buckets = []
         for i, (b, s) in enumerate(zip(self.buckets, self.sizes)):
