@@ -1,7 +1,8 @@
 """The GPU campaign in one command: every GPU figure the project reports, measured side by side in one run.
 
     python bench/gpu.py                        # all of it, < 20 min on one H100/H200
-    python bench/gpu.py --part 1               # tests, kernels       (each part well inside 10 min: one device call)
+    python bench/gpu.py --part 1               # tests, kernels, disaggregated run (each part well inside 10 min: one
+                                               # device call)
     python bench/gpu.py --part 2               # trainer MFU, engine vs transformers
     python bench/gpu.py --part 3               # one colocated GRPO step, train.py end to end
     python bench/gpu.py --dry-run              # the same code paths on CPU at tiny sizes, < 2 min (the suite runs it)
@@ -22,6 +23,9 @@ Sections, each in its own process (a CUDA error or an OOM ends that section only
   e2e        `train.py --check` then `torchrun train.py` colocated on the GPU with configs/qwen3-0.6b-gsm8k.toml (a
              random Qwen3-0.6B, Qwen3's tokenizer, generated GSM8K-style data), 3 steps; `sim.calibrate` on its run
              directory: the simulator's cost-model constants measured on this device
+  disagg     `torchrun train.py` disaggregated on one GPU: a train rank and a rollout rank sharing it (tiny model,
+             the reverse task), so every publication goes trainer -> host relay -> engine as on a cluster; both relay
+             routes (broadcast, chain), 6 steps each
 Results go to one JSON file (--out; an existing file of the same mode is merged, so the two parts add up) and the
 rows for bench/RESULTS.md are printed last, then one line of ratios. Exit 1 if a section failed.
 
@@ -54,9 +58,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: bench/ would shadow the engine and kernels packages
     sys.path[0] = str(ROOT)
 
-SECTIONS = ("tests", "kernels", "engine", "train", "grpo_step", "e2e")
-PARTS = {1: ("tests", "kernels"), 2: ("train", "engine"), 3: ("grpo_step", "e2e")}  # each well inside 10 min
-LIMIT_S = {"tests": 420, "kernels": 240, "engine": 420, "train": 240, "grpo_step": 300, "e2e": 300}  # on a GPU
+SECTIONS = ("tests", "kernels", "engine", "train", "grpo_step", "e2e", "disagg")
+PARTS = {1: ("tests", "kernels", "disagg"), 2: ("train", "engine"), 3: ("grpo_step", "e2e")}  # each inside 10 min
+LIMIT_S = {"tests": 420, "kernels": 240, "engine": 420, "train": 240, "grpo_step": 300, "e2e": 300,
+           "disagg": 150}  # on a GPU
 DRY_LIMIT_S = 90
 DEFAULT_OUT = ROOT / "runs" / "gpu-campaign.json"
 
@@ -344,9 +349,39 @@ def section_e2e(s: Sizes, dry: bool) -> dict[str, Any]:
             "reward_last": summary.get("reward_last"), "calibration": measure(run_dir, train_ranks=1)}
 
 
+DISAGG_STEPS = 6
+
+
+def section_disagg(s: Sizes, dry: bool) -> dict[str, Any]:
+    """train.py disaggregated on one device: global rank 0 trains, rank 1 runs the engine (on a GPU both share it:
+    runtime/topology.py), once per relay route; every step's weights cross trainer -> host relay -> engine, checked."""
+    runs = []
+    for route in ("broadcast", "chain"):
+        run_dir = Path(tempfile.mkdtemp(prefix=f"tidal-disagg-{route}-")) / "run"
+        args = ["train.py", "--config", "configs/tiny.toml", f"--train.steps={DISAGG_STEPS}", "--log.progress=false",
+                f"--log.dir={run_dir}", "--checkpoint.export_hf=false", "--cluster.rollout_ranks=1",
+                "--cluster.backend=auto", "--deterministic=false", f"--cluster.relay={route}",
+                "--rollout.gpu_memory_fraction=0.1"]
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               *args], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S["disagg"] // 2 - 10)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            return {"ok": False, "route": route, "log": (proc.stdout + proc.stderr)[-3000:], "runs": runs}
+        summary = json.loads((run_dir / "summary.json").read_text())
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+        steps = sum(1 for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip())
+        loaded = [e for e in events if e.get("kind") == "weights_loaded"]
+        runs.append({"route": route, "wall_s": wall, "makespan_s": summary.get("makespan_s"),
+                     "steps": steps, "weights_loaded": len(loaded),
+                     "reward_first": summary.get("reward_first"), "reward_last": summary.get("reward_last")})
+    ok = all(r["steps"] == DISAGG_STEPS and r["weights_loaded"] >= DISAGG_STEPS for r in runs)
+    return {"ok": ok, "runs": runs}
+
+
 SECTION_FNS: dict[str, Callable[[Sizes, bool], dict[str, Any]]] = {
     "tests": section_tests, "kernels": section_kernels, "engine": section_engine, "train": section_train,
-    "grpo_step": section_grpo_step, "e2e": section_e2e}
+    "grpo_step": section_grpo_step, "e2e": section_e2e, "disagg": section_disagg}
 
 
 # ------------------------------------------------------------------------------------------------- orchestrating
@@ -495,6 +530,12 @@ def rows(results: dict[str, Any]) -> list[str]:
                    f"{_f(cal.get('k3'), '.3g')}, k4 {_f(cal.get('k4'), '.3g')}, train "
                    f"{_f(cal.get('train_s_per_token_one_rank'), '.3g')} s/token, load {_f(cal.get('load_s'), '.3g')}"
                    f" s | - | - |")
+    if (r := res("disagg")) is not None:
+        for x in r["runs"]:
+            out.append(f"| `torchrun train.py` disaggregated on one device (1 train + 1 rollout rank), relay "
+                       f"{x['route']}, tiny model, {x['steps']} steps | {x['weights_loaded']} publications loaded, "
+                       f"{_f(x['makespan_s'], '.1f')} s of run, {x['wall_s']:.0f} s wall; reward "
+                       f"{_f(x['reward_first'], '.3f')} -> {_f(x['reward_last'], '.3f')} | runs | yes |")
     return out
 
 

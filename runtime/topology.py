@@ -2,7 +2,7 @@
 
     global rank 0 .. T-1     train ranks (FSDP2 over `train_group`); rank 0 is the train leader and the controller
     global rank T .. W-1     rollout ranks, one decode engine each
-    publish_group            train leader + every rollout rank (weights: NCCL on GPU, gloo on CPU)
+    publish_group            train leader + every rollout rank (weights, in host memory: gloo; trainer/publish.py)
     kv_group                 the rollout ranks, when there are two or more: a migrated request's KV
                              (runtime/kv_transfer.py; NCCL on GPU, gloo on CPU)
     control_group            every rank, gloo, for the control channel (requests, trajectories, events)
@@ -16,6 +16,11 @@ every blocking call is declared to runtime/watchdog.py instead, whose deadlines 
 The train leader is global rank 0 on purpose: torch.distributed.checkpoint's full-state-dict helpers gather to
 global rank 0 (with cpu_offload=True; every other rank gets an empty dict). In colocated mode every rank is both a
 train and a rollout rank and the engine shares the trainer's weights in place, so there is no publish group.
+
+Devices: a rank takes cuda:(LOCAL_RANK mod the node's GPUs), so a node with fewer GPUs than ranks shares them between
+the partitions (a trainer and an engine on one GPU: a small model, or a one-GPU test of the disaggregated runtime;
+`rollout.gpu_memory_fraction` then bounds the engine's share), but never between two ranks of one NCCL group (the train group, the KV group): `shared_devices` refuses such a split
+before any group exists, naming the ranks.
 """
 from __future__ import annotations
 
@@ -93,6 +98,30 @@ def split_ranks(world: int, rollout_ranks: int, rollout_fraction: float, colocat
     return list(range(world - n)), list(range(world - n, world))
 
 
+def local_device(local_rank: int, gpus: int) -> torch.device:
+    """A rank's device: cuda:(local_rank mod gpus), or the CPU without GPUs."""
+    return torch.device("cuda", local_rank % gpus) if gpus > 0 else torch.device("cpu")
+
+
+def shared_devices(train: list[int], rollout: list[int], local_world: int, gpus: int, colocate: bool) -> None:
+    """Raise ValueError if two ranks of one NCCL group (the train ranks; the rollout ranks, which move KV to each
+    other) would share a GPU of one node. Global rank r runs on node r // local_world (torchrun's contiguous
+    numbering) as local rank r % local_world."""
+    if gpus <= 0:
+        return
+    groups = [("train", train)] + ([] if colocate or len(rollout) < 2 else [("rollout", rollout)])
+    for name, ranks in groups:
+        seen: dict[tuple[int, int], int] = {}
+        for r in ranks:
+            node, dev = r // local_world, (r % local_world) % gpus
+            if (node, dev) in seen:
+                raise ValueError(f"{name} ranks {seen[node, dev]} and {r} would share cuda:{dev} of node {node} "
+                                 f"({local_world} ranks a node on {gpus} GPUs): NCCL cannot run two ranks of one "
+                                 f"group on one GPU. Launch at most {gpus} {name} ranks a node (cluster.rollout_ranks "
+                                 f"sets the split), or more GPUs")
+            seen[node, dev] = r
+
+
 def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colocate: bool = False,
                      backend: str = "auto", timeout_s: float = 300.0) -> Topology:
     """Initialise torch.distributed from torchrun's environment (or a world of one without it)."""
@@ -100,8 +129,9 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29555"))
     cuda = torch.cuda.is_available() and backend != "gloo"
+    gpus = torch.cuda.device_count() if cuda else 0
     local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    device = local_device(local, gpus)
     if cuda:
         torch.cuda.set_device(device)
     pg_backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
@@ -112,6 +142,7 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
     store = dist.PrefixStore(f"attempt{attempt}/", store)
     dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world, timeout=timeout)
     train, rollout = split_ranks(world, rollout_ranks, rollout_fraction, colocate)
+    shared_devices(train, rollout, int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpus, colocate)
     topo = Topology(rank, world, train, rollout, colocate, device, store=store)
     # every rank creates every group, in the same order
     topo.control_group = dist.new_group(list(range(world)), backend="gloo", timeout=NO_PG_TIMEOUT)

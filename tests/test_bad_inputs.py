@@ -27,7 +27,7 @@ from model.hf_io import INDEX
 from model.tokenizer import build_char_tokenizer
 from rl.data import DataError, PromptDataset
 from rl.rewards import REWARD_KINDS, CheckedReward, RewardError, RewardResult, get_reward_fn
-from runtime.topology import split_ranks
+from runtime.topology import local_device, shared_devices, split_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 ?+="
@@ -156,6 +156,21 @@ def test_impossible_rank_splits(world, rollout_ranks, needles):
     with pytest.raises(ValueError) as e:
         split_ranks(world, rollout_ranks, 0.25, colocate=False)
     assert all(n in str(e.value) for n in needles), str(e.value)
+
+
+def test_ranks_share_a_gpu_across_partitions_but_never_within_an_nccl_group():
+    assert local_device(1, 1).index == 0 and local_device(5, 4).index == 1 and local_device(3, 0).type == "cpu"
+    shared_devices([0], [1], 2, 1, colocate=False)             # a trainer and an engine on one GPU
+    shared_devices([0, 1], [2, 3], 4, 2, colocate=False)       # each partition's ranks on distinct GPUs
+    shared_devices([0, 2], [1, 3], 2, 1, colocate=False)       # two nodes of 2 ranks, 1 GPU each: one rank of a
+    #                                                            group per node
+    shared_devices([0, 1, 2], [3], 4, 0, colocate=False)       # no GPU: nothing to share
+    for args, needles in [(([0, 1, 2], [3], 4, 2, False), ["train ranks 0 and 2", "cuda:0 of node 0", "at most 2"]),
+                          (([0], [1, 2], 3, 1, False), ["rollout ranks 1 and 2"]),   # KV moves between them: NCCL
+                          (([0, 1], [0, 1], 2, 1, True), ["train ranks 0 and 1", "cuda:0"])]:   # colocated
+        with pytest.raises(ValueError) as e:
+            shared_devices(*args[:4], colocate=args[4])
+        assert all(n in str(e.value) for n in needles), str(e.value)
 
 
 def test_rank_split_fractions_are_clamped_to_leave_both_partitions():
