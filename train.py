@@ -47,7 +47,8 @@ from runtime.messages import ExportHF, Publish, SaveCheckpoint
 from runtime.rollout_worker import RolloutWorker
 from runtime.rundir import (checkpoint_dir, finish_run, leader_state, periodic_checkpoints, prepare_run_dir,
                             restart_count, restore, resume_path)
-from runtime.topology import Topology, init_distributed, partition_cores, pin_to_cores, split_ranks
+from runtime.topology import (Topology, gpu_count, init_distributed, partition_cores, pin_to_cores, shared_devices,
+                              split_ranks)
 from runtime.watchdog import Phase, waiting
 from sched.base import Preset
 from sched.controller import Controller
@@ -78,6 +79,9 @@ def default_off_policy(cfg: Config, preset: Preset) -> None:
         cfg.train.off_policy = "decoupled"
 
 
+SHARED_GPU_FRACTION = 0.5   # a rule of thumb for an engine beside a trainer on one GPU (the warning in main)
+
+
 def main(argv: list[str]) -> int:
     # 1. configuration: every mistake is reported here, before any process group or model exists
     path, overrides = parse_args(argv)
@@ -90,10 +94,18 @@ def main(argv: list[str]) -> int:
         default_off_policy(cfg, preset)
         c = cfg.cluster
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        train_ranks, _ = split_ranks(world, c.rollout_ranks, c.rollout_fraction, c.colocate)
+        train_ranks, rollout_ranks = split_ranks(world, c.rollout_ranks, c.rollout_fraction, c.colocate)
+        shared = shared_devices(train_ranks, rollout_ranks, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                                gpu_count(c.backend), c.colocate)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if shared and rank == 0 and cfg.rollout.gpu_memory_fraction > SHARED_GPU_FRACTION:
+        node, dev, ranks = shared[0]
+        print(f"warning: cuda:{dev} of node {node} holds train and rollout ranks {ranks} (and {len(shared) - 1} "
+              f"more GPUs like it): its engine takes rollout.gpu_memory_fraction = "
+              f"{cfg.rollout.gpu_memory_fraction} of the memory free when it starts, before the trainer's optimizer "
+              f"state exists; <= {SHARED_GPU_FRACTION} leaves the trainer room", file=sys.stderr, flush=True)
 
     # 2. the model, data and reward (each rank builds what its role needs): bad files fail here, in one line
     try:

@@ -22,7 +22,7 @@ from rl.rewards import RewardResult, get_reward_fn
 from rl.tasks import LengthDist, SyntheticTask
 from rl.reward_timeout import AdaptiveTimeout
 from runtime.reward_scorer import AsyncRewardScorer
-from runtime.topology import Topology, local_device
+from runtime.topology import Topology, gpu_count, local_device
 from runtime.watchdog import progress
 from sched.controller import PromptItem
 
@@ -130,8 +130,7 @@ def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 def device_for_rank(backend: str) -> torch.device:
     """This rank's device, from torchrun's LOCAL_RANK (runtime/topology.py's rule, which init_distributed applies)."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() and backend != "gloo" else 0
-    return local_device(int(os.environ.get("LOCAL_RANK", 0)), gpus)
+    return local_device(int(os.environ.get("LOCAL_RANK", 0)), gpu_count(backend))
 
 
 def model_for_rank(cfg: Config, parts: RunParts, device: torch.device, is_train: bool) -> Transformer:

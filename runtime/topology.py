@@ -19,8 +19,9 @@ train and a rollout rank and the engine shares the trainer's weights in place, s
 
 Devices: a rank takes cuda:(LOCAL_RANK mod the node's GPUs), so a node with fewer GPUs than ranks shares them between
 the partitions (a trainer and an engine on one GPU: a small model, or a one-GPU test of the disaggregated runtime;
-`rollout.gpu_memory_fraction` then bounds the engine's share), but never between two ranks of one NCCL group (the train group, the KV group): `shared_devices` refuses such a split
-before any group exists, naming the ranks.
+`rollout.gpu_memory_fraction` then bounds the engine's share), but never between two ranks of one NCCL group (the
+train group, the KV group): `shared_devices` refuses such a split before any group exists, naming the ranks
+(train.py asks it while it reads the config).
 """
 from __future__ import annotations
 
@@ -98,17 +99,23 @@ def split_ranks(world: int, rollout_ranks: int, rollout_fraction: float, colocat
     return list(range(world - n)), list(range(world - n, world))
 
 
+def gpu_count(backend: str) -> int:
+    """The GPUs this node's ranks run on: none with cluster.backend = "gloo" or without CUDA."""
+    return torch.cuda.device_count() if torch.cuda.is_available() and backend != "gloo" else 0
+
+
 def local_device(local_rank: int, gpus: int) -> torch.device:
     """A rank's device: cuda:(local_rank mod gpus), or the CPU without GPUs."""
     return torch.device("cuda", local_rank % gpus) if gpus > 0 else torch.device("cpu")
 
 
-def shared_devices(train: list[int], rollout: list[int], local_world: int, gpus: int, colocate: bool) -> None:
-    """Raise ValueError if two ranks of one NCCL group (the train ranks; the rollout ranks, which move KV to each
-    other) would share a GPU of one node. Global rank r runs on node r // local_world (torchrun's contiguous
-    numbering) as local rank r % local_world."""
+def shared_devices(train: list[int], rollout: list[int], local_world: int, gpus: int, colocate: bool
+                   ) -> list[tuple[int, int, list[int]]]:
+    """The GPUs a train rank and a rollout rank share, as (node, device index, ranks); raises ValueError if two
+    ranks of one NCCL group (the train ranks; the rollout ranks, which move KV to each other) would share one. Global
+    rank r runs on node r // local_world (torchrun's contiguous numbering) as local rank r % local_world."""
     if gpus <= 0:
-        return
+        return []
     groups = [("train", train)] + ([] if colocate or len(rollout) < 2 else [("rollout", rollout)])
     for name, ranks in groups:
         seen: dict[tuple[int, int], int] = {}
@@ -120,6 +127,13 @@ def shared_devices(train: list[int], rollout: list[int], local_world: int, gpus:
                                  f"group on one GPU. Launch at most {gpus} {name} ranks a node (cluster.rollout_ranks "
                                  f"sets the split), or more GPUs")
             seen[node, dev] = r
+    if colocate:
+        return []
+    on: dict[tuple[int, int], list[int]] = {}
+    for r in sorted(train + rollout):
+        on.setdefault((r // local_world, (r % local_world) % gpus), []).append(r)
+    return [(node, dev, ranks) for (node, dev), ranks in on.items()
+            if any(r in train for r in ranks) and any(r in rollout for r in ranks)]
 
 
 def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colocate: bool = False,
@@ -129,7 +143,7 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29555"))
     cuda = torch.cuda.is_available() and backend != "gloo"
-    gpus = torch.cuda.device_count() if cuda else 0
+    gpus = gpu_count(backend)
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = local_device(local, gpus)
     if cuda:

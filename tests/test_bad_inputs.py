@@ -160,7 +160,8 @@ def test_impossible_rank_splits(world, rollout_ranks, needles):
 
 def test_ranks_share_a_gpu_across_partitions_but_never_within_an_nccl_group():
     assert local_device(1, 1).index == 0 and local_device(5, 4).index == 1 and local_device(3, 0).type == "cpu"
-    shared_devices([0], [1], 2, 1, colocate=False)             # a trainer and an engine on one GPU
+    assert shared_devices([0], [1], 2, 1, colocate=False) == [(0, 0, [0, 1])]   # a trainer and an engine, one GPU
+    assert shared_devices([0], [1], 2, 2, colocate=False) == []                # a GPU each
     shared_devices([0, 1], [2, 3], 4, 2, colocate=False)       # each partition's ranks on distinct GPUs
     shared_devices([0, 2], [1, 3], 2, 1, colocate=False)       # two nodes of 2 ranks, 1 GPU each: one rank of a
     #                                                            group per node
@@ -171,6 +172,34 @@ def test_ranks_share_a_gpu_across_partitions_but_never_within_an_nccl_group():
         with pytest.raises(ValueError) as e:
             shared_devices(*args[:4], colocate=args[4])
         assert all(n in str(e.value) for n in needles), str(e.value)
+
+
+def _rank0_of(monkeypatch, world: int, gpus: int) -> object:
+    import train
+    monkeypatch.setattr(train, "gpu_count", lambda backend: gpus)
+    for k, v in dict(RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)).items():
+        monkeypatch.setenv(k, v)
+    return train
+
+
+def test_a_split_that_puts_two_train_ranks_on_one_gpu_is_a_config_error(monkeypatch, capsys):
+    train = _rank0_of(monkeypatch, world=4, gpus=2)                  # 3 train ranks on 2 GPUs
+    assert train.main(["--config", str(ROOT / "configs/tiny.toml")]) == 2
+    assert "config error: train ranks 0 and 2 would share cuda:0 of node 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fraction, warned", [(0.85, True), (0.4, False)])
+def test_a_gpu_shared_by_a_trainer_and_an_engine_warns_about_the_engines_memory_share(monkeypatch, capsys, fraction,
+                                                                                    warned):
+    train = _rank0_of(monkeypatch, world=2, gpus=1)                  # a trainer and an engine on one GPU
+    def stop(*a, **kw):
+        raise OSError("stopped after the config")
+    monkeypatch.setattr(train, "build_run", stop)
+    assert train.main(["--config", str(ROOT / "configs/tiny.toml"), "--cluster.rollout_ranks=1",
+                       f"--rollout.gpu_memory_fraction={fraction}"]) == 2
+    err = capsys.readouterr().err
+    assert ("warning: cuda:0 of node 0 holds train and rollout ranks [0, 1]" in err) == warned, err
+    assert "stopped after the config" in err
 
 
 def test_rank_split_fractions_are_clamped_to_leave_both_partitions():
