@@ -116,11 +116,14 @@ def shared_devices(train: list[int], rollout: list[int], local_world: int, gpus:
     rank r runs on node r // local_world (torchrun's contiguous numbering) as local rank r % local_world."""
     if gpus <= 0:
         return []
+
+    def place(r: int) -> tuple[int, int]:
+        return r // local_world, local_device(r % local_world, gpus).index
     groups = [("train", train)] + ([] if colocate or len(rollout) < 2 else [("rollout", rollout)])
     for name, ranks in groups:
         seen: dict[tuple[int, int], int] = {}
         for r in ranks:
-            node, dev = r // local_world, (r % local_world) % gpus
+            node, dev = place(r)
             if (node, dev) in seen:
                 raise ValueError(f"{name} ranks {seen[node, dev]} and {r} would share cuda:{dev} of node {node} "
                                  f"({local_world} ranks a node on {gpus} GPUs): NCCL cannot run two ranks of one "
@@ -131,7 +134,7 @@ def shared_devices(train: list[int], rollout: list[int], local_world: int, gpus:
         return []
     on: dict[tuple[int, int], list[int]] = {}
     for r in sorted(train + rollout):
-        on.setdefault((r // local_world, (r % local_world) % gpus), []).append(r)
+        on.setdefault(place(r), []).append(r)
     return [(node, dev, ranks) for (node, dev), ranks in on.items()
             if any(r in train for r in ranks) and any(r in rollout for r in ranks)]
 
@@ -142,21 +145,18 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29555"))
-    cuda = torch.cuda.is_available() and backend != "gloo"
     gpus = gpu_count(backend)
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = local_device(local, gpus)
-    if cuda:
+    device = local_device(int(os.environ.get("LOCAL_RANK", 0)), gpus)
+    if gpus:
         torch.cuda.set_device(device)
-    pg_backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    pg_backend = "cpu:gloo,cuda:nccl" if gpus else "gloo"
     timeout = timedelta(seconds=max(timeout_s, STARTUP_MIN_S))   # the default group serves start-up only
     # a job torchrun restarted (--max-restarts) gets its own keys: the store still holds the dead attempt's
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     store = dist.PrefixStore(f"attempt{attempt}/", store)
     dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    train, rollout = split_ranks(world, rollout_ranks, rollout_fraction, colocate)
-    shared_devices(train, rollout, int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpus, colocate)
+    train, rollout = split_ranks(world, rollout_ranks, rollout_fraction, colocate)   # devices: train.py's check
     topo = Topology(rank, world, train, rollout, colocate, device, store=store)
     # every rank creates every group, in the same order
     topo.control_group = dist.new_group(list(range(world)), backend="gloo", timeout=NO_PG_TIMEOUT)
