@@ -16,6 +16,11 @@ import torch.nn.functional as F
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
+def uses_flash_attn(q: torch.Tensor) -> bool:
+    """Whether packed causal attention over `q` runs flash-attn's varlen kernel (else a padded causal SDPA)."""
+    return HAS_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
 class AttentionBackend(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
@@ -63,7 +68,7 @@ class PackedCausal:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        if HAS_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if uses_flash_attn(q):
             from flash_attn import flash_attn_varlen_func
             cu = self.cu_seqlens.to(q.device)
             return flash_attn_varlen_func(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen,
@@ -83,7 +88,7 @@ class PackedCausal:
 
 class SharedPrefixCausal:
     """Causal attention over a prefix-shared packing: a GRPO group's G samples share one prompt, which is laid out
-    (and computed) once instead of G times.
+    (and run through the model's projections and MLPs) once instead of G times.
 
     Layout of the packed [T, ...] tensors: every family's prompt, end to end (`prompt_lengths`, Tp tokens in all),
     then every child's own tokens, end to end (`child_lengths`; a child is one sample's response minus its last
@@ -93,9 +98,12 @@ class SharedPrefixCausal:
     it — and, since every child reads the one copy of its prompt's keys and values, the gradient that reaches the
     prompt is the sum over the children, as with G copies.
 
-    Two SDPA calls: the prompts as PackedCausal; the children padded to [C, Rmax] queries over [C, Pmax + Rmax]
-    keys (their family's prompt, then themselves) under a boolean mask. A padded query row still sees its
-    prompt (every prompt has a token), so no row is fully masked.
+    Two causal calls of `PackedCausal`: the prompts, then one row per non-empty child made of its family's prompt
+    followed by the child (gathered from the packed tensors, so the prompt's keys and values are shared and their
+    gradients summed by the gather's backward). A row is an ordinary causal sequence, so the row call takes the
+    fast causal kernels (flash-attn varlen on CUDA; SDPA's `is_causal`, which skips the blocks above the diagonal,
+    elsewhere) with no mask in memory; the prompt's queries in a row are computed again and dropped (P^2 / 2 of a
+    row's (P + R)^2 / 2 pairs), the children's outputs are read from their positions after the prompt.
     """
 
     def __init__(self, prompt_lengths: list[int], child_lengths: list[int], child_family: list[int],
@@ -107,50 +115,55 @@ class SharedPrefixCausal:
         self.prompt_lengths, self.child_lengths, self.child_family = prompt_lengths, child_lengths, child_family
         self.num_prompt_tokens = sum(prompt_lengths)
         self.prompts = PackedCausal(cu_seqlens_from_lengths(prompt_lengths), scale)
+        kids = [c for c, n in enumerate(child_lengths) if n]
+        self.rows = PackedCausal(cu_seqlens_from_lengths([prompt_lengths[child_family[c]] + child_lengths[c]
+                                                          for c in kids]), scale) if kids else None
         self.scale = scale
-        self._plan: tuple[torch.Tensor, ...] | None = None
+        self._plans: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _index(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(prompt rows in the padded [F * Pmax] prompts, child rows in the padded [C' * Rmax] children, the
-        family of each non-empty child, the [C', 1, Rmax, Pmax + Rmax] mask), C' the children with tokens."""
-        if self._plan is None:
-            P, F_ = max(self.prompt_lengths), len(self.prompt_lengths)
-            kids = [c for c, n in enumerate(self.child_lengths) if n]
-            lens = torch.tensor([self.child_lengths[c] for c in kids], dtype=torch.long)
-            plens = torch.tensor(self.prompt_lengths, dtype=torch.long)
-            fam = torch.tensor([self.child_family[c] for c in kids], dtype=torch.long)
-            R = int(lens.max()) if kids else 0
-            prow = torch.repeat_interleave(torch.arange(F_), plens) * P + positions_from_cu_seqlens(
-                cu_seqlens_from_lengths(self.prompt_lengths))
-            crow = torch.repeat_interleave(torch.arange(len(kids)), lens) * R + positions_from_cu_seqlens(
-                cu_seqlens_from_lengths(lens))
-            sees_prompt = torch.arange(P)[None, :] < plens[fam][:, None]                    # [C', P]
-            causal = torch.ones(R, R, dtype=torch.bool).tril()                               # [R, R]
-            mask = torch.cat([sees_prompt[:, None, :].expand(-1, R, -1), causal.expand(len(kids), -1, -1)], -1)
-            self._plan = tuple(t.to(device) for t in (prow, crow, fam, mask[:, None]))
-        return self._plan
+    def _index(self, device: torch.device, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the packed token behind each position of the rows, the rows' positions of the children's tokens in
+        the packing's order). Rows end to end (flash-attn varlen), or `padded` into [rows, Lmax], a padding
+        position reading token T (a zero row appended to the packed tensor)."""
+        if self._plans.get(padded) is None:
+            T = self.num_prompt_tokens + sum(self.child_lengths)
+            width = self.rows.max_seqlen if padded else 0
+            pstart = cu_seqlens_from_lengths(self.prompt_lengths).tolist()
+            cstart = (cu_seqlens_from_lengths(self.child_lengths) + self.num_prompt_tokens).tolist()
+            src: list[int] = []
+            child_pos: list[int] = []
+            for c, n in enumerate(self.child_lengths):
+                if n:
+                    f = self.child_family[c]
+                    row = len(src)
+                    src.extend(range(pstart[f], pstart[f + 1]))
+                    child_pos.extend(range(len(src), len(src) + n))
+                    src.extend(range(cstart[c], cstart[c] + n))
+                    src.extend([T] * (row + width - len(src)))
+            self._plans[padded] = (torch.tensor(src, dtype=torch.long, device=device),
+                                   torch.tensor(child_pos, dtype=torch.long, device=device))
+        return self._plans[padded]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         Tp = self.num_prompt_tokens
         out_p = self.prompts(layer, q[:Tp], k[:Tp], v[:Tp])
-        if q.shape[0] == Tp:
+        if q.shape[0] == Tp or self.rows is None:
             return out_p
-        prow, crow, fam, mask = self._index(q.device)
-        F_, P = len(self.prompt_lengths), max(self.prompt_lengths)
-        C, R = mask.shape[0], mask.shape[2]
+        if uses_flash_attn(q):
+            src, child_pos = self._index(q.device, padded=False)
+            out = self.rows(layer, q.index_select(0, src), k.index_select(0, src), v.index_select(0, src))
+            return torch.cat([out_p, out.index_select(0, child_pos)])
+        src, child_pos = self._index(q.device, padded=True)
+        B, L = len(self.rows.lengths), self.rows.max_seqlen
+
+        def rows(x: torch.Tensor) -> torch.Tensor:   # [T, H, D] -> [B, H, L, D], padding zeros after each row
+            x = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, src)
+            return x.view(B, L, *x.shape[1:]).transpose(1, 2)
+
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-
-        def pad(x: torch.Tensor, rows: torch.Tensor, n: int, L: int) -> torch.Tensor:   # [t, H, D] -> [n, L, H, D]
-            return x.new_zeros(n * L, *x.shape[1:]).index_copy(0, rows, x).view(n, L, *x.shape[1:])
-
-        def keys(x: torch.Tensor) -> torch.Tensor:   # [T, H, D] -> [C', H, P + R, D]: its prompt, then itself
-            prompt = pad(x[:Tp], prow, F_, P).index_select(0, fam)
-            return torch.cat([prompt, pad(x[Tp:], crow, C, R)], 1).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(pad(q[Tp:], crow, C, R).transpose(1, 2), keys(k), keys(v),
-                                             attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-        out_c = out.transpose(1, 2).reshape(C * R, *q.shape[1:]).index_select(0, crow)
-        return torch.cat([out_p, out_c])
+        out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), is_causal=True, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+        return torch.cat([out_p, out.transpose(1, 2).reshape(B * L, *q.shape[1:]).index_select(0, child_pos)])
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

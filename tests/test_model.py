@@ -47,6 +47,43 @@ def test_packed_attention_equals_a_block_causal_mask():
     assert torch.allclose(PackedCausal.from_lengths(lens)(0, q, k, v), ref, atol=1e-6)
 
 
+def test_shared_prefix_attention_equals_each_prompt_plus_child_packed_alone_outputs_and_gradients():
+    """Families with prompts of different lengths, an empty child and a family whose only child is empty: the
+    outputs and the gradients of q, k, v (the prompt's summed over its children) equal packing every prompt + child
+    as its own sequence, with each prompt's own outputs taken from its first sample."""
+    from model.attention import PackedCausal, SharedPrefixCausal
+    g = torch.Generator().manual_seed(6)
+    plens, clens, fam = [3, 5, 1], [4, 0, 2, 6, 0], [0, 0, 1, 1, 2]
+    T = sum(plens) + sum(clens)
+    q0, k0, v0 = (torch.randn(T, h, 8, generator=g) for h in (4, 2, 2))
+    dout = torch.randn(T, 4, 8, generator=g)
+    q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+    out = SharedPrefixCausal(plens, clens, fam)(0, q, k, v)
+    (out * dout).sum().backward()
+    # the reference: each child's prompt copied in front of it; a prompt's outputs come from its family's first row
+    pstart = [0, 3, 8]
+    cstart = [sum(plens) + sum(clens[:c]) for c in range(len(clens))]
+    rows, first = [], {}
+    for c, f in enumerate(fam):
+        rows.append(list(range(pstart[f], pstart[f] + plens[f])) + list(range(cstart[c], cstart[c] + clens[c])))
+        first.setdefault(f, c)
+    src = torch.tensor([i for r in rows for i in r])
+    q2, k2, v2 = (x.clone().requires_grad_() for x in (q0, k0, v0))
+    ref_rows = PackedCausal.from_lengths([len(r) for r in rows])(0, q2[src], k2[src], v2[src])
+    at = {}
+    offset = 0
+    for c, r in enumerate(rows):
+        for j, i in enumerate(r):
+            if i >= sum(plens) or first[fam[c]] == c:   # a child's token, or its prompt's in the family's first row
+                at[i] = offset + j
+        offset += len(r)
+    ref = ref_rows[torch.tensor([at[i] for i in range(T)])]
+    assert torch.allclose(out, ref, atol=1e-5)
+    (ref * dout).sum().backward()
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5)
+
+
 def test_gradients_match_transformers(pair):
     hf, ours, _ = pair
     ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(4))
