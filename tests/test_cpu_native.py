@@ -78,9 +78,10 @@ def test_a_row_does_not_depend_on_its_batch():
         assert torch.equal(alone[0], together[b])
 
 
-def test_nan_in_a_sequence_poisons_only_that_sequence():
-    g, kc, vc, bt, ctx = pool(4, [10, 10, 10], 2, 64, 4)
-    kc[bt[1, 1], 2, 0, 5] = float("nan")  # a K entry of sequence 1 (position 6, kv head 0)
+@pytest.mark.parametrize("bs", [4, 16])   # 16: the bad token is scored in a group of 8 (the AVX path)
+def test_nan_in_a_sequence_poisons_only_that_sequence(bs):
+    g, kc, vc, bt, ctx = pool(4, [10, 10, 10], 2, 64, bs)
+    kc[bt[1, 6 // bs], 6 % bs, 0, 5] = float("nan")  # a K entry of sequence 1 (position 6, kv head 0)
     q = torch.randn(3, 4, 64, generator=g)
     out = cpu_native.paged_decode_native(q, kc, vc, bt, ctx, 0.125)
     assert torch.isnan(out[1]).all()

@@ -10,7 +10,10 @@
  * One work item = one query row, all its heads, one head at a time: scores (q . k * scale) into a scratch row,
  * softmax, then the probability-weighted sum of V in registers. The row's blocks lie anywhere in the pool, so
  * while a row is computed every cache line of the next row's K and V is requested (the hardware prefetcher
- * cannot guess a block table); the query heads of a GQA group then read their kv head from cache. Head dims
+ * cannot guess a block table); the query heads of a GQA group then read their kv head from cache. With AVX, the
+ * scores of up to 8 consecutive tokens of a block are reduced across lanes together (dot8), every token of the
+ * row through it, so a token's score does not depend on the block size (a request's KV moves between engines of
+ * different block sizes and decodes on bit for bit). Head dims
  * that are a multiple of 8 use 8-lane vectors explicitly (GCC/Clang vector extensions: the compiler otherwise
  * vectorised the V sum across tokens, with gathers); 16, 32, 64 and 128 are compiled as constants. Rows are
  * spread over OpenMP threads (torch's own libgomp when torch is loaded first). A row's arithmetic does not depend
@@ -24,6 +27,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 /* 8 floats as one value (GCC/Clang vector extension): arithmetic on it is lane-wise; v8u loads and stores at any
  * float alignment. */
@@ -66,6 +72,33 @@ static inline void prefetch_row(const float *k_cache, const float *v_cache, cons
     }
 }
 
+#if defined(__AVX__)
+/* The dot products of q with up to 8 consecutive tokens' keys (D a multiple of 8): per token a vector of lane-wise
+ * products, then the 8 vectors summed across lanes together (a transpose by horizontal adds), one score per lane.
+ * A lane's sum involves only its own token, in an order fixed by D, so a token's score has the same bits in a
+ * full group or a partial one: a row's output depends neither on its batch nor on the block size. */
+static inline __m256 dot8(const float *restrict k, int64_t tok_stride, const v8u *qv, const int64_t D, int cnt) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) {  /* lanes past the cnt tokens there are repeat the last one (never stored) */
+        const v8u *kv = (const v8u *)(k + (i < cnt ? i : cnt - 1) * tok_stride);
+        v8 p = qv[0] * kv[0];
+        for (int64_t c = 1; c < D / 8; c++) p += qv[c] * kv[c];
+        a[i] = (__m256)p;
+    }
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);  /* half sums, 128-bit lanes */
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+#endif
+
 /* All query heads of one row over the first n pool tokens of its sequence, one query head at a time: its scores
  * (q . k * scale, token order) into a scratch row, softmax, then the probability-weighted sum of V in a local
  * accumulator (registers when D is a compile-time constant). A head reads its kv head's D values in each token's
@@ -84,7 +117,33 @@ attend(const float *restrict q, const float *restrict k_cache, const float *rest
         for (int64_t t0 = 0; t0 < n; t0 += bs) {
             const int64_t m = n - t0 < bs ? n - t0 : bs;
             const float *restrict kb = k_cache + (int64_t)table[t0 / bs] * blk_stride + h * D;
-            for (int64_t j = 0; j < m; j++) {
+            int64_t j = 0;
+#if defined(__AVX__)
+            if (D % 8 == 0) {  /* 8 tokens at a time: their 8 lane-wise product vectors reduced together */
+                const v8u *qv = (const v8u *)qh;
+                const __m256 sc = _mm256_set1_ps(scale);
+                __m256 vmx = _mm256_set1_ps(mx), bad = _mm256_setzero_ps();
+                for (; j + 8 <= m; j += 8) {
+                    const __m256 s8 = _mm256_mul_ps(dot8(kb + j * tok_stride, tok_stride, qv, D, 8), sc);
+                    bad = _mm256_or_ps(bad, _mm256_cmp_ps(s8, s8, _CMP_UNORD_Q));
+                    vmx = _mm256_max_ps(vmx, s8);
+                    _mm256_storeu_ps(sh + t0 + j, s8);
+                }
+                nan |= _mm256_movemask_ps(bad) != 0;
+                mx = hmax8(vmx);
+                if (j < m) {  /* the block's last m - j < 8 tokens: the same arithmetic, the valid lanes kept */
+                    float s8[8];
+                    _mm256_storeu_ps(s8, _mm256_mul_ps(dot8(kb + j * tok_stride, tok_stride, qv, D, (int)(m - j)),
+                                                       sc));
+                    for (int i = 0; j < m; i++, j++) {
+                        nan |= s8[i] != s8[i];
+                        mx = s8[i] > mx ? s8[i] : mx;
+                        sh[t0 + j] = s8[i];
+                    }
+                }
+            }
+#endif
+            for (; j < m; j++) {
                 const float *restrict kt = kb + j * tok_stride;
                 float s = 0.0f;
                 if (D % 8 == 0) {  /* lane-wise products summed in a vector, then across its 8 lanes */
