@@ -62,22 +62,23 @@ def _compiler() -> str | None:
     return next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
 
 
-def build(force: bool = False) -> Path:
-    """Compile the kernels (unless a cached build exists) and return the shared object's path. Raises
-    RuntimeError naming the compiler command and its output on failure."""
+def build(force: bool = False, source: Path = SOURCE) -> Path:
+    """Compile `source` (the paged-attention kernel unless told; kernels/cpu_train.py builds its own) unless a
+    cached build exists, and return the shared object's path. Raises RuntimeError naming the compiler command and
+    its output on failure."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
-    src = SOURCE.read_bytes()
+    src = source.read_bytes()
     key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), cc.encode(), _cpu_fingerprint().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
-    out = cache_dir() / f"paged_attention-{key}.so"
+    out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".paged_attention-", suffix=".so", dir=out.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cc, *CFLAGS, str(SOURCE), "-o", tmp]
+    cmd = [cc, *CFLAGS, str(source), "-o", tmp]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
@@ -89,6 +90,11 @@ def build(force: bool = False) -> Path:
     return out
 
 
+def disabled() -> bool:
+    """TIDAL_CPU_NATIVE=0 switches every C kernel off (the engine's and the trainer's)."""
+    return os.environ.get("TIDAL_CPU_NATIVE", "1").lower() in ("0", "false", "off", "no")
+
+
 def _load() -> ctypes.CDLL | None:
     global _lib, _error
     if _lib is not None or _error is not None:
@@ -96,7 +102,7 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if _lib is not None or _error is not None:
             return _lib
-        if os.environ.get("TIDAL_CPU_NATIVE", "1").lower() in ("0", "false", "off", "no"):
+        if disabled():
             _error = "disabled by TIDAL_CPU_NATIVE=0"
             return None
         try:

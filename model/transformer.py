@@ -31,6 +31,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    rotate = staticmethod(apply_rotary)  # the rotary embedding of q and k (a trainer may swap in a fused one)
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -50,7 +52,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         out = attn(self.layer, q, k, v)
         return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
 

@@ -1,0 +1,168 @@
+"""Fused SwiGLU, RMSNorm and rotary embedding for the trainer on CPU: autograd functions over the C kernels of
+`kernels/csrc/train_ops.c`, built and cached like the engine's paged attention (kernels/cpu_native.py).
+
+Eager PyTorch computes `silu(g) * u` as two passes forward and four backward (keeping silu(g) alive in between),
+RMSNorm's backward as about six, the rotary embedding as four each way; on a CPU those element-wise passes over
+[tokens, intermediate] activations are memory-bound, about a fifth of a small model's train step. Each function
+here makes one pass each way, keeps only its inputs (and RMSNorm's per-row 1/rms) for backward, and gives the same
+values as the eager formulas to fp32 rounding (tests/test_cpu_train.py; the sigmoid uses the kernels' exp
+polynomial, relative error ~2e-7). Results do not depend on the thread count (see the C file).
+
+Only fp32 CPU tensors take these paths (`fused(x)`); anything else, a build failure or `TIDAL_CPU_NATIVE=0` keeps the
+eager ops (`trainer/cpu_fused.py` decides per call).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_native
+
+SOURCE = Path(__file__).with_name("csrc") / "train_ops.c"
+CHUNK = 512  # train_ops.c's CHUNK: rows per partial sum of RMSNorm's weight gradient
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+_P, _I, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "swiglu_fwd": [_P, _P, _P, _I, _T],
+    "swiglu_bwd": [_P, _P, _P, _P, _P, _I, _T],
+    "rmsnorm_fwd": [_P, _P, _P, _P, _I, _I, ctypes.c_float, _T],
+    "rmsnorm_bwd": [_P, _P, _P, _P, _P, _P, _I, _I, _T],
+    "rope_fwd": [_P, _P, _P, _P, _I, _I, _I, _T],
+    "rope_bwd": [_P, _P, _P, _P, _I, _I, _I, _T],
+}
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _error
+    if _lib is not None or _error is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _error is None:
+            if cpu_native.disabled():
+                _error = "disabled by TIDAL_CPU_NATIVE=0"
+                return None
+            try:
+                lib = ctypes.CDLL(str(cpu_native.build(source=SOURCE)))
+                for name, args in _SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes, fn.restype = args, None
+                _lib = lib
+            except (RuntimeError, OSError, AttributeError) as e:
+                _error = str(e)
+                warnings.warn(f"fused CPU train ops unavailable, the trainer keeps the eager ops: {e}")
+    return _lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _error
+
+
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors take the fused path: fp32 on the CPU, with the kernels built."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+class SwiGLU(torch.autograd.Function):
+    """silu(g) * u."""
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if g.shape != u.shape:
+            raise ValueError(f"swiglu: gate {tuple(g.shape)} and up {tuple(u.shape)} differ")
+        g, u = g.contiguous(), u.contiguous()
+        h = torch.empty_like(g)
+        _lib.swiglu_fwd(g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel(), _threads())
+        ctx.save_for_backward(g, u)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g, u = ctx.saved_tensors
+        dh = dh.contiguous()
+        dg, du = torch.empty_like(g), torch.empty_like(u)
+        _lib.swiglu_bwd(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dg.data_ptr(), du.data_ptr(), g.numel(),
+                        _threads())
+        return dg, du
+
+
+class RMSNorm(torch.autograd.Function):
+    """weight * x / rms(x) over the last dim (model.transformer.RMSNorm's fp32 math)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        D = x.shape[-1]
+        if weight.shape != (D,):
+            raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for rows of {D}")
+        rows = x.contiguous().view(-1, D)
+        weight = weight.contiguous()
+        y, rstd = torch.empty_like(rows), rows.new_empty(rows.shape[0])
+        _lib.rmsnorm_fwd(rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows.shape[0], D,
+                         float(eps), _threads())
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        rows, weight, rstd = ctx.saved_tensors
+        n, D = rows.shape
+        dy = dy.contiguous().view(n, D)
+        dx, part = torch.empty_like(rows), rows.new_empty(max(1, -(-n // CHUNK)), D)
+        _lib.rmsnorm_bwd(rows.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dy.data_ptr(), dx.data_ptr(),
+                         part.data_ptr(), n, D, _threads())
+        if n == 0:
+            part.zero_()
+        return dx.view(ctx.shape), part.sum(0), None
+
+
+class Rotary(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin (model.rope.apply_rotary): x [T, H, D], cos and sin [T, D], constants."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T, H, D = x.shape
+        if cos.shape != (T, D) or sin.shape != (T, D) or D % 2:
+            raise ValueError(f"rotary: x {tuple(x.shape)} with cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        out = torch.empty_like(x)
+        _lib.rope_fwd(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), T, H, D, _threads())
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        dy = dy.contiguous()
+        T, H, D = dy.shape
+        dx = torch.empty_like(dy)
+        _lib.rope_bwd(dy.data_ptr(), cos.data_ptr(), sin.data_ptr(), dx.data_ptr(), T, H, D, _threads())
+        return dx, None, None
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return SwiGLU.apply(g, u)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return RMSNorm.apply(x, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return Rotary.apply(x, cos, sin)

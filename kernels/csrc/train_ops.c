@@ -1,0 +1,136 @@
+/* Fused element-wise ops of the trainer's CPU forward and backward (kernels/cpu_train.py): SwiGLU, RMSNorm and
+ * rotary embedding, each one pass over memory where eager PyTorch makes three to six (and keeps the intermediates
+ * alive for backward). fp32, contiguous tensors; rows spread over OpenMP threads.
+ *
+ * Every output element's arithmetic depends only on its own row, and RMSNorm's weight gradient is summed in fixed
+ * chunks of CHUNK rows (one partial row per chunk, added in order by the caller), so results do not depend on the
+ * thread count: a deterministic run stays bit-exact on resume with another `cpu_threads`.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define CHUNK 512  /* rows per partial sum of RMSNorm's weight gradient (cpu_train.py reads it: keep in step) */
+
+/* exp(x) for x <= 0: the polynomial of paged_attention.c (relative error ~2e-7), plain arithmetic that vectorises. */
+static inline float exp_nonpos(float x) {
+    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * log2e + 0.5f);
+    float r = x - n * ln2_hi - n * ln2_lo;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* sigmoid(g) from exp(-|g|), which never overflows; NaN in, NaN out. */
+static inline float sigmoid(float g) {
+    const float e = exp_nonpos(-fabsf(g)), inv = 1.0f / (1.0f + e);
+    return g >= 0.0f ? inv : (g < 0.0f ? e * inv : g);
+}
+
+/* h = silu(g) * u over n elements. */
+void swiglu_fwd(const float *restrict g, const float *restrict u, float *restrict h, int64_t n, int nt) {
+#pragma omp parallel for simd num_threads(nt) schedule(static)
+    for (int64_t i = 0; i < n; i++) h[i] = g[i] * sigmoid(g[i]) * u[i];
+}
+
+/* dg = dh * u * silu'(g), du = dh * silu(g); silu'(g) = s + silu(g) (1 - s), s = sigmoid(g). */
+void swiglu_bwd(const float *restrict g, const float *restrict u, const float *restrict dh, float *restrict dg,
+                float *restrict du, int64_t n, int nt) {
+#pragma omp parallel for simd num_threads(nt) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float s = sigmoid(g[i]), silu = g[i] * s;
+        du[i] = dh[i] * silu;
+        dg[i] = dh[i] * u[i] * (s + silu * (1.0f - s));
+    }
+}
+
+/* y = w * (x * rstd), rstd = 1 / sqrt(mean(x^2) + eps), per row of D; rstd kept for backward. */
+void rmsnorm_fwd(const float *restrict x, const float *restrict w, float *restrict y, float *restrict rstd,
+                 int64_t rows, int64_t D, float eps, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict xr = x + r * D;
+        float *restrict yr = y + r * D;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t d = 0; d < D; d++) ss += xr[d] * xr[d];
+        const float rs = 1.0f / sqrtf(ss / (float)D + eps);
+        rstd[r] = rs;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) yr[d] = w[d] * (xr[d] * rs);
+    }
+}
+
+/* dx = rstd * (dy w) - x * rstd^3 * mean(dy w x); dw_part[c] = sum over chunk c's rows of dy * x * rstd. */
+void rmsnorm_bwd(const float *restrict x, const float *restrict w, const float *restrict rstd,
+                 const float *restrict dy, float *restrict dx, float *restrict dw_part, int64_t rows, int64_t D,
+                 int nt) {
+    const int64_t chunks = (rows + CHUNK - 1) / CHUNK;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        float *restrict dwc = dw_part + c * D;
+        for (int64_t d = 0; d < D; d++) dwc[d] = 0.0f;
+        const int64_t end = (c + 1) * CHUNK < rows ? (c + 1) * CHUNK : rows;
+        for (int64_t r = c * CHUNK; r < end; r++) {
+            const float *restrict xr = x + r * D, *restrict dyr = dy + r * D;
+            float *restrict dxr = dx + r * D;
+            const float rs = rstd[r];
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; d++) dot += dyr[d] * w[d] * xr[d];
+            const float k = rs * rs * rs * dot / (float)D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) {
+                dxr[d] = dyr[d] * w[d] * rs - xr[d] * k;
+                dwc[d] += dyr[d] * (xr[d] * rs);
+            }
+        }
+    }
+}
+
+/* Rotary embedding, "rotate_half" layout: x [T, H, D], cos and sin [T, D].
+ * forward:  out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+ * backward: dx = dy * cos + rotate_half^T(dy * sin), rotate_half^T(z) = (z2, -z1) */
+void rope_fwd(const float *restrict x, const float *restrict cs, const float *restrict sn, float *restrict out,
+              int64_t T, int64_t H, int64_t D, int nt) {
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *restrict c = cs + t * D, *restrict s = sn + t * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *restrict xr = x + (t * H + h) * D;
+            float *restrict o = out + (t * H + h) * D;
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                o[d] = xr[d] * c[d] - xr[d + half] * s[d];
+                o[d + half] = xr[d + half] * c[d + half] + xr[d] * s[d + half];
+            }
+        }
+    }
+}
+
+void rope_bwd(const float *restrict dy, const float *restrict cs, const float *restrict sn, float *restrict dx,
+              int64_t T, int64_t H, int64_t D, int nt) {
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *restrict c = cs + t * D, *restrict s = sn + t * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *restrict g = dy + (t * H + h) * D;
+            float *restrict o = dx + (t * H + h) * D;
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                o[d] = g[d] * c[d] + g[d + half] * s[d + half];
+                o[d + half] = g[d + half] * c[d + half] - g[d] * s[d];
+            }
+        }
+    }
+}
