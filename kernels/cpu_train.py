@@ -75,6 +75,13 @@ def fused(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
 
 
+def _kernels() -> ctypes.CDLL:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"fused CPU train ops unavailable: {_error}")
+    return lib
+
+
 def _threads() -> int:
     return torch.get_num_threads()
 
@@ -88,7 +95,7 @@ class SwiGLU(torch.autograd.Function):
             raise ValueError(f"swiglu: gate {tuple(g.shape)} and up {tuple(u.shape)} differ")
         g, u = g.contiguous(), u.contiguous()
         h = torch.empty_like(g)
-        _lib.swiglu_fwd(g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel(), _threads())
+        _kernels().swiglu_fwd(g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel(), _threads())
         ctx.save_for_backward(g, u)
         return h
 
@@ -97,7 +104,7 @@ class SwiGLU(torch.autograd.Function):
         g, u = ctx.saved_tensors
         dh = dh.contiguous()
         dg, du = torch.empty_like(g), torch.empty_like(u)
-        _lib.swiglu_bwd(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dg.data_ptr(), du.data_ptr(), g.numel(),
+        _kernels().swiglu_bwd(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dg.data_ptr(), du.data_ptr(), g.numel(),
                         _threads())
         return dg, du
 
@@ -113,7 +120,7 @@ class RMSNorm(torch.autograd.Function):
         rows = x.contiguous().view(-1, D)
         weight = weight.contiguous()
         y, rstd = torch.empty_like(rows), rows.new_empty(rows.shape[0])
-        _lib.rmsnorm_fwd(rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows.shape[0], D,
+        _kernels().rmsnorm_fwd(rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows.shape[0], D,
                          float(eps), _threads())
         ctx.save_for_backward(rows, weight, rstd)
         ctx.shape = x.shape
@@ -125,7 +132,7 @@ class RMSNorm(torch.autograd.Function):
         n, D = rows.shape
         dy = dy.contiguous().view(n, D)
         dx, part = torch.empty_like(rows), rows.new_empty(max(1, -(-n // CHUNK)), D)
-        _lib.rmsnorm_bwd(rows.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dy.data_ptr(), dx.data_ptr(),
+        _kernels().rmsnorm_bwd(rows.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dy.data_ptr(), dx.data_ptr(),
                          part.data_ptr(), n, D, _threads())
         if n == 0:
             part.zero_()
@@ -142,7 +149,7 @@ class Rotary(torch.autograd.Function):
             raise ValueError(f"rotary: x {tuple(x.shape)} with cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         out = torch.empty_like(x)
-        _lib.rope_fwd(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), T, H, D, _threads())
+        _kernels().rope_fwd(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), T, H, D, _threads())
         ctx.save_for_backward(cos, sin)
         return out
 
@@ -152,7 +159,7 @@ class Rotary(torch.autograd.Function):
         dy = dy.contiguous()
         T, H, D = dy.shape
         dx = torch.empty_like(dy)
-        _lib.rope_bwd(dy.data_ptr(), cos.data_ptr(), sin.data_ptr(), dx.data_ptr(), T, H, D, _threads())
+        _kernels().rope_bwd(dy.data_ptr(), cos.data_ptr(), sin.data_ptr(), dx.data_ptr(), T, H, D, _threads())
         return dx, None, None
 
 
