@@ -98,12 +98,12 @@ class SharedPrefixCausal:
     it — and, since every child reads the one copy of its prompt's keys and values, the gradient that reaches the
     prompt is the sum over the children, as with G copies.
 
-    Two causal calls of `PackedCausal`: the prompts, then one row per non-empty child made of its family's prompt
-    followed by the child (gathered from the packed tensors, so the prompt's keys and values are shared and their
-    gradients summed by the gather's backward). A row is an ordinary causal sequence, so the row call takes the
-    fast causal kernels (flash-attn varlen on CUDA; SDPA's `is_causal`, which skips the blocks above the diagonal,
-    elsewhere) with no mask in memory; the prompt's queries in a row are computed again and dropped (P^2 / 2 of a
-    row's (P + R)^2 / 2 pairs), the children's outputs are read from their positions after the prompt.
+    One causal call over rows: a row per non-empty child, its family's prompt followed by the child (a family with
+    no non-empty child gets a row of its prompt alone), gathered from the packed tensors, so the prompt's keys and
+    values are shared and their gradients summed by the gather's backward. A row is an ordinary causal sequence,
+    so the call takes the fast causal kernels (flash-attn varlen on CUDA; SDPA's `is_causal` elsewhere) with no
+    mask in memory. A prompt's outputs are read from its family's first row; in the other rows its queries are
+    computed again and dropped (P^2 / 2 of a row's (P + R)^2 / 2 pairs), as are padding rows' on the SDPA path.
     """
 
     def __init__(self, prompt_lengths: list[int], child_lengths: list[int], child_family: list[int],
@@ -114,46 +114,51 @@ class SharedPrefixCausal:
             raise ValueError("child_family must name a family for each child")
         self.prompt_lengths, self.child_lengths, self.child_family = prompt_lengths, child_lengths, child_family
         self.num_prompt_tokens = sum(prompt_lengths)
-        self.prompts = PackedCausal(cu_seqlens_from_lengths(prompt_lengths), scale)
         kids = [c for c, n in enumerate(child_lengths) if n]
-        self.rows = PackedCausal(cu_seqlens_from_lengths([prompt_lengths[child_family[c]] + child_lengths[c]
-                                                          for c in kids]), scale) if kids else None
+        alone = sorted(set(range(len(prompt_lengths))) - {child_family[c] for c in kids})
+        # (family, child or -1) of each row: the children with tokens, then the families that have none
+        self.row_of = [(child_family[c], c) for c in kids] + [(f, -1) for f in alone]
+        self.rows = PackedCausal(cu_seqlens_from_lengths(
+            [prompt_lengths[f] + (child_lengths[c] if c >= 0 else 0) for f, c in self.row_of]), scale)
         self.scale = scale
         self._plans: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _index(self, device: torch.device, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the packed token behind each position of the rows, the rows' positions of the children's tokens in
-        the packing's order). Rows end to end (flash-attn varlen), or `padded` into [rows, Lmax], a padding
-        position reading token T (a zero row appended to the packed tensor)."""
+        """(the packed token behind each position of the rows, the rows' position of each packed token's output).
+        Rows end to end (flash-attn varlen), or `padded` into [rows, Lmax], a padding position reading token T (a
+        zero row appended to the packed tensor)."""
         if self._plans.get(padded) is None:
             T = self.num_prompt_tokens + sum(self.child_lengths)
             width = self.rows.max_seqlen if padded else 0
             pstart = cu_seqlens_from_lengths(self.prompt_lengths).tolist()
             cstart = (cu_seqlens_from_lengths(self.child_lengths) + self.num_prompt_tokens).tolist()
             src: list[int] = []
-            child_pos: list[int] = []
-            for c, n in enumerate(self.child_lengths):
-                if n:
-                    f = self.child_family[c]
-                    row = len(src)
-                    src.extend(range(pstart[f], pstart[f + 1]))
-                    child_pos.extend(range(len(src), len(src) + n))
-                    src.extend(range(cstart[c], cstart[c] + n))
-                    src.extend([T] * (row + width - len(src)))
+            out_pos = [-1] * T
+            for f, c in self.row_of:
+                row = len(src)
+                if out_pos[pstart[f]] < 0:   # the family's first row: its prompt's outputs
+                    out_pos[pstart[f]:pstart[f + 1]] = range(row, row + pstart[f + 1] - pstart[f])
+                src.extend(range(pstart[f], pstart[f + 1]))
+                if c >= 0:
+                    out_pos[cstart[c]:cstart[c + 1]] = range(len(src), len(src) + cstart[c + 1] - cstart[c])
+                    src.extend(range(cstart[c], cstart[c + 1]))
+                src.extend([T] * (row + width - len(src)))
             self._plans[padded] = (torch.tensor(src, dtype=torch.long, device=device),
-                                   torch.tensor(child_pos, dtype=torch.long, device=device))
+                                   torch.tensor(out_pos, dtype=torch.long, device=device))
         return self._plans[padded]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        Tp = self.num_prompt_tokens
-        out_p = self.prompts(layer, q[:Tp], k[:Tp], v[:Tp])
-        if q.shape[0] == Tp or self.rows is None:
-            return out_p
-        if uses_flash_attn(q):
-            src, child_pos = self._index(q.device, padded=False)
-            out = self.rows(layer, q.index_select(0, src), k.index_select(0, src), v.index_select(0, src))
-            return torch.cat([out_p, out.index_select(0, child_pos)])
-        src, child_pos = self._index(q.device, padded=True)
+        return self.packed(layer, q, k, v) if uses_flash_attn(q) else self.padded(layer, q, k, v)
+
+    def packed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The rows end to end through PackedCausal (flash-attn's varlen kernel on CUDA)."""
+        src, out_pos = self._index(q.device, padded=False)
+        out = self.rows(layer, q.index_select(0, src), k.index_select(0, src), v.index_select(0, src))
+        return out.index_select(0, out_pos)
+
+    def padded(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The rows gathered straight into a padded [rows, H, Lmax, D] batch for one causal SDPA call."""
+        src, out_pos = self._index(q.device, padded=True)
         B, L = len(self.rows.lengths), self.rows.max_seqlen
 
         def rows(x: torch.Tensor) -> torch.Tensor:   # [T, H, D] -> [B, H, L, D], padding zeros after each row
@@ -163,7 +168,7 @@ class SharedPrefixCausal:
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), is_causal=True, scale=scale,
                                              enable_gqa=k.shape[1] != q.shape[1])
-        return torch.cat([out_p, out.transpose(1, 2).reshape(B * L, *q.shape[1:]).index_select(0, child_pos)])
+        return out.transpose(1, 2).reshape(B * L, *q.shape[1:]).index_select(0, out_pos)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

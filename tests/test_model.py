@@ -57,9 +57,17 @@ def test_shared_prefix_attention_equals_each_prompt_plus_child_packed_alone_outp
     T = sum(plens) + sum(clens)
     q0, k0, v0 = (torch.randn(T, h, 8, generator=g) for h in (4, 2, 2))
     dout = torch.randn(T, 4, 8, generator=g)
+    attn = SharedPrefixCausal(plens, clens, fam)
     q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
-    out = SharedPrefixCausal(plens, clens, fam)(0, q, k, v)
+    out = attn(0, q, k, v)
     (out * dout).sum().backward()
+    # the rows end to end (the path flash-attn takes on CUDA; here PackedCausal pads them itself) agree
+    q3, k3, v3 = (x.clone().requires_grad_() for x in (q0, k0, v0))
+    out3 = attn.packed(0, q3, k3, v3)
+    (out3 * dout).sum().backward()
+    assert torch.allclose(out3, out, atol=1e-6)
+    for a, b in ((q, q3), (k, k3), (v, v3)):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6)
     # the reference: each child's prompt copied in front of it; a prompt's outputs come from its family's first row
     pstart = [0, 3, 8]
     cstart = [sum(plens) + sum(clens[:c]) for c in range(len(clens))]
