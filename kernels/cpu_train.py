@@ -105,7 +105,7 @@ class SwiGLU(torch.autograd.Function):
         dh = dh.contiguous()
         dg, du = torch.empty_like(g), torch.empty_like(u)
         _kernels().swiglu_bwd(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dg.data_ptr(), du.data_ptr(), g.numel(),
-                        _threads())
+                              _threads())
         return dg, du
 
 
@@ -117,26 +117,25 @@ class RMSNorm(torch.autograd.Function):
         D = x.shape[-1]
         if weight.shape != (D,):
             raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for rows of {D}")
-        rows = x.contiguous().view(-1, D)
-        weight = weight.contiguous()
-        y, rstd = torch.empty_like(rows), rows.new_empty(rows.shape[0])
-        _kernels().rmsnorm_fwd(rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows.shape[0], D,
-                         float(eps), _threads())
-        ctx.save_for_backward(rows, weight, rstd)
-        ctx.shape = x.shape
-        return y.view(x.shape)
+        x, weight = x.contiguous(), weight.contiguous()   # rows of D, end to end
+        n = x.numel() // D if D else 0
+        y, rstd = torch.empty_like(x), x.new_empty(n)      # y is no view (FSDP2 warns of a module output that is)
+        _kernels().rmsnorm_fwd(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), n, D, float(eps),
+                               _threads())
+        ctx.save_for_backward(x, weight, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        rows, weight, rstd = ctx.saved_tensors
-        n, D = rows.shape
-        dy = dy.contiguous().view(n, D)
-        dx, part = torch.empty_like(rows), rows.new_empty(max(1, -(-n // CHUNK)), D)
-        _kernels().rmsnorm_bwd(rows.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dy.data_ptr(), dx.data_ptr(),
-                         part.data_ptr(), n, D, _threads())
+        x, weight, rstd = ctx.saved_tensors
+        D, n = x.shape[-1], rstd.numel()
+        dy = dy.contiguous()
+        dx, part = torch.empty_like(x), x.new_empty(max(1, -(-n // CHUNK)), D)
+        _kernels().rmsnorm_bwd(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dy.data_ptr(), dx.data_ptr(),
+                               part.data_ptr(), n, D, _threads())
         if n == 0:
             part.zero_()
-        return dx.view(ctx.shape), part.sum(0), None
+        return dx, part.sum(0), None
 
 
 class Rotary(torch.autograd.Function):
