@@ -128,6 +128,18 @@ def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
+def test_a_header_the_source_includes_is_part_of_the_cache_key(tmp_path, monkeypatch):
+    """The kernels share kernels/csrc/exp_nonpos.h: an edited header must rebuild them, not reuse a stale object."""
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "k.c"
+    src.write_text('#include "k.h"\nint f(void) { return K; }\n')
+    (tmp_path / "k.h").write_text("#define K 1\n")
+    first = cpu_native.build(source=src)
+    (tmp_path / "k.h").write_text("#define K 2\n")
+    second = cpu_native.build(source=src)
+    assert first != second and first.exists() and second.exists()
+
+
 def test_without_a_compiler_the_engine_falls_back_with_the_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))

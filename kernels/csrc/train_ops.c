@@ -9,25 +9,9 @@
 #include <math.h>
 #include <stdint.h>
 
-#define CHUNK 512  /* rows per partial sum of RMSNorm's weight gradient (cpu_train.py reads it: keep in step) */
+#include "exp_nonpos.h"
 
-/* exp(x) for x <= 0: the polynomial of paged_attention.c (relative error ~2e-7), plain arithmetic that vectorises. */
-static inline float exp_nonpos(float x) {
-    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * log2e + 0.5f);
-    float r = x - n * ln2_hi - n * ln2_lo;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
+#define CHUNK 512  /* rows per partial sum of RMSNorm's weight gradient (cpu_train.py reads it: keep in step) */
 
 /* sigmoid(g) from exp(-|g|), which never overflows; NaN in, NaN out. */
 static inline float sigmoid(float g) {
@@ -98,39 +82,34 @@ void rmsnorm_bwd(const float *restrict x, const float *restrict w, const float *
 
 /* Rotary embedding, "rotate_half" layout: x [T, H, D], cos and sin [T, D].
  * forward:  out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
- * backward: dx = dy * cos + rotate_half^T(dy * sin), rotate_half^T(z) = (z2, -z1) */
-void rope_fwd(const float *restrict x, const float *restrict cs, const float *restrict sn, float *restrict out,
-              int64_t T, int64_t H, int64_t D, int nt) {
+ * backward: dx = dy * cos + rotate_half^T(dy * sin), rotate_half^T(z) = (z2, -z1)
+ * Both: o1 = x1 c1 - sign x2 sa, o2 = x2 c2 + sign x1 sb, with (sign, sa, sb) = (+1, s1, s2) forward and
+ * (-1, s2, s1) backward. */
+static void rope(const float *restrict x, const float *restrict cs, const float *restrict sn, float *restrict out,
+                 int64_t T, int64_t H, int64_t D, int backward, int nt) {
     const int64_t half = D / 2;
+    const float sign = backward ? -1.0f : 1.0f;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t t = 0; t < T; t++) {
-        const float *restrict c = cs + t * D, *restrict s = sn + t * D;
+        const float *restrict c = cs + t * D;
+        const float *restrict sa = sn + t * D + (backward ? half : 0);
+        const float *restrict sb = sn + t * D + (backward ? 0 : half);
         for (int64_t h = 0; h < H; h++) {
             const float *restrict xr = x + (t * H + h) * D;
             float *restrict o = out + (t * H + h) * D;
 #pragma omp simd
             for (int64_t d = 0; d < half; d++) {
-                o[d] = xr[d] * c[d] - xr[d + half] * s[d];
-                o[d + half] = xr[d + half] * c[d + half] + xr[d] * s[d + half];
+                o[d] = xr[d] * c[d] - sign * xr[d + half] * sa[d];
+                o[d + half] = xr[d + half] * c[d + half] + sign * xr[d] * sb[d];
             }
         }
     }
 }
 
-void rope_bwd(const float *restrict dy, const float *restrict cs, const float *restrict sn, float *restrict dx,
-              int64_t T, int64_t H, int64_t D, int nt) {
-    const int64_t half = D / 2;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const float *restrict c = cs + t * D, *restrict s = sn + t * D;
-        for (int64_t h = 0; h < H; h++) {
-            const float *restrict g = dy + (t * H + h) * D;
-            float *restrict o = dx + (t * H + h) * D;
-#pragma omp simd
-            for (int64_t d = 0; d < half; d++) {
-                o[d] = g[d] * c[d] + g[d + half] * s[d + half];
-                o[d + half] = g[d + half] * c[d + half] - g[d] * s[d];
-            }
-        }
-    }
+void rope_fwd(const float *x, const float *cs, const float *sn, float *out, int64_t T, int64_t H, int64_t D, int nt) {
+    rope(x, cs, sn, out, T, H, D, 0, nt);
+}
+
+void rope_bwd(const float *dy, const float *cs, const float *sn, float *dx, int64_t T, int64_t H, int64_t D, int nt) {
+    rope(dy, cs, sn, dx, T, H, D, 1, nt);
 }
