@@ -98,13 +98,25 @@ class SharedPrefixCausal:
     it — and, since every child reads the one copy of its prompt's keys and values, the gradient that reaches the
     prompt is the sum over the children, as with G copies.
 
-    One causal call over rows: a row per non-empty child, its family's prompt followed by the child (a family with
-    no non-empty child gets a row of its prompt alone), gathered from the packed tensors, so the prompt's keys and
-    values are shared and their gradients summed by the gather's backward. A row is an ordinary causal sequence,
-    so the call takes the fast causal kernels (flash-attn varlen on CUDA; SDPA's `is_causal` elsewhere) with no
-    mask in memory. A prompt's outputs are read from its family's first row; in the other rows its queries are
-    computed again and dropped (P^2 / 2 of a row's (P + R)^2 / 2 pairs), as are padding rows' on the SDPA path.
+    Two ways, chosen per micro-batch by how much of it is prompt:
+      * rows (short prompts, the GRPO norm): one causal call over rows, a row per non-empty child made of its
+        family's prompt followed by the child (a family with no non-empty child gets a row of its prompt alone),
+        gathered from the packed tensors, so the prompt's keys and values are shared and their gradients summed by
+        the gather's backward. A row is an ordinary causal sequence, so the call takes the fast causal kernels
+        (flash-attn varlen on CUDA; SDPA's `is_causal` elsewhere) with no mask in memory. A prompt's outputs are
+        read from its family's first row; in the other rows its queries are computed again and dropped.
+      * masked (long prompts): the prompts through one causal call, then each child's queries alone over its
+        prompt's keys and its own under a [C, 1, Rmax, Pmax + Rmax] boolean mask: no prompt query computed twice,
+        but the mask costs memory and keeps SDPA off its flash kernels.
+    Rows while the prompts they copy are at most ROWS_MAX_PROMPT_SHARE of the children's tokens: a row computes
+    (P + R)^2 query-key pairs where the masked call computes R (P + R), an excess that grows like P / R and that
+    the mask's own cost repays only while P is small. Measured on CPU (one layer's forward + backward, 8 prompts x 8
+    children of R = 256 tokens, head_dim 16, one thread), rows / masked: 74.8 / 83.6 ms at P = 32, 91.1 / 100.1 at
+    P = 64, 119.0 / 115.2 at P = 96, 208.1 / 168.6 at P = 256. Untested on a GPU, where a causal flash kernel
+    computes only half of a row's pairs (the rows would win further).
     """
+
+    ROWS_MAX_PROMPT_SHARE = 0.25
 
     def __init__(self, prompt_lengths: list[int], child_lengths: list[int], child_family: list[int],
                  scale: float | None = None):
@@ -121,7 +133,10 @@ class SharedPrefixCausal:
         self.rows = PackedCausal(cu_seqlens_from_lengths(
             [prompt_lengths[f] + (child_lengths[c] if c >= 0 else 0) for f, c in self.row_of]), scale)
         self.scale = scale
+        self.use_rows = (sum(prompt_lengths[child_family[c]] for c in kids)
+                         <= self.ROWS_MAX_PROMPT_SHARE * sum(child_lengths[c] for c in kids))
         self._plans: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mask_plan: tuple[torch.Tensor, ...] | None = None
 
     def _index(self, device: torch.device, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(the packed token behind each position of the rows, the rows' position of each packed token's output).
@@ -148,6 +163,8 @@ class SharedPrefixCausal:
         return self._plans[padded]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self.use_rows:
+            return self.masked(layer, q, k, v)
         return self.packed(layer, q, k, v) if uses_flash_attn(q) else self.padded(layer, q, k, v)
 
     def packed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -170,6 +187,49 @@ class SharedPrefixCausal:
                                              enable_gqa=k.shape[1] != q.shape[1])
         return out.transpose(1, 2).reshape(B * L, *q.shape[1:]).index_select(0, out_pos)
 
+
+    def _masked_plan(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(prompt rows in the padded [F * Pmax] prompts, child rows in the padded [C' * Rmax] children, the
+        family of each non-empty child, the [C', 1, Rmax, Pmax + Rmax] mask), C' the children with tokens."""
+        if self._mask_plan is None:
+            P, F_ = max(self.prompt_lengths), len(self.prompt_lengths)
+            kids = [c for c, n in enumerate(self.child_lengths) if n]
+            lens = torch.tensor([self.child_lengths[c] for c in kids], dtype=torch.long)
+            plens = torch.tensor(self.prompt_lengths, dtype=torch.long)
+            fam = torch.tensor([self.child_family[c] for c in kids], dtype=torch.long)
+            R = int(lens.max()) if kids else 0
+            prow = torch.repeat_interleave(torch.arange(F_), plens) * P + positions_from_cu_seqlens(
+                cu_seqlens_from_lengths(self.prompt_lengths))
+            crow = torch.repeat_interleave(torch.arange(len(kids)), lens) * R + positions_from_cu_seqlens(
+                cu_seqlens_from_lengths(lens))
+            sees_prompt = torch.arange(P)[None, :] < plens[fam][:, None]                    # [C', P]
+            causal = torch.ones(R, R, dtype=torch.bool).tril()                               # [R, R]
+            mask = torch.cat([sees_prompt[:, None, :].expand(-1, R, -1), causal.expand(len(kids), -1, -1)], -1)
+            self._mask_plan = tuple(t.to(device) for t in (prow, crow, fam, mask[:, None]))
+        return self._mask_plan
+
+    def masked(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The prompts causally, then the children's queries over their prompt and themselves under a mask."""
+        Tp = self.num_prompt_tokens
+        out_p = PackedCausal(cu_seqlens_from_lengths(self.prompt_lengths, q.device), self.scale)(
+            layer, q[:Tp], k[:Tp], v[:Tp])
+        if q.shape[0] == Tp:
+            return out_p
+        prow, crow, fam, mask = self._masked_plan(q.device)
+        F_, P = len(self.prompt_lengths), max(self.prompt_lengths)
+        C, R = mask.shape[0], mask.shape[2]
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+
+        def pad(x: torch.Tensor, rows: torch.Tensor, n: int, L: int) -> torch.Tensor:   # [t, H, D] -> [n, L, H, D]
+            return x.new_zeros(n * L, *x.shape[1:]).index_copy(0, rows, x).view(n, L, *x.shape[1:])
+
+        def keys(x: torch.Tensor) -> torch.Tensor:   # [T, H, D] -> [C', H, P + R, D]: its prompt, then itself
+            prompt = pad(x[:Tp], prow, F_, P).index_select(0, fam)
+            return torch.cat([prompt, pad(x[Tp:], crow, C, R)], 1).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(pad(q[Tp:], crow, C, R).transpose(1, 2), keys(k), keys(v),
+                                             attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        return torch.cat([out_p, out.transpose(1, 2).reshape(C * R, *q.shape[1:]).index_select(0, crow)])
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
           is_causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:

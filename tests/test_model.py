@@ -58,16 +58,19 @@ def test_shared_prefix_attention_equals_each_prompt_plus_child_packed_alone_outp
     q0, k0, v0 = (torch.randn(T, h, 8, generator=g) for h in (4, 2, 2))
     dout = torch.randn(T, 4, 8, generator=g)
     attn = SharedPrefixCausal(plens, clens, fam)
+    assert not attn.use_rows   # 13 prompt tokens copied for 12 children's tokens: the masked way
     q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
-    out = attn(0, q, k, v)
+    out = attn.padded(0, q, k, v)
     (out * dout).sum().backward()
-    # the rows end to end (the path flash-attn takes on CUDA; here PackedCausal pads them itself) agree
-    q3, k3, v3 = (x.clone().requires_grad_() for x in (q0, k0, v0))
-    out3 = attn.packed(0, q3, k3, v3)
-    (out3 * dout).sum().backward()
-    assert torch.allclose(out3, out, atol=1e-6)
-    for a, b in ((q, q3), (k, k3), (v, v3)):
-        assert torch.allclose(a.grad, b.grad, atol=1e-6)
+    # the other two ways agree: the masked call, and the rows end to end (the path flash-attn takes on CUDA; here
+    # PackedCausal pads them itself)
+    for way in (attn, attn.packed):
+        q3, k3, v3 = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        out3 = way(0, q3, k3, v3)
+        (out3 * dout).sum().backward()
+        assert torch.allclose(out3, out, atol=1e-5)
+        for a, b in ((q, q3), (k, k3), (v, v3)):
+            assert torch.allclose(a.grad, b.grad, atol=1e-5)
     # the reference: each child's prompt copied in front of it; a prompt's outputs come from its family's first row
     pstart = [0, 3, 8]
     cstart = [sum(plens) + sum(clens[:c]) for c in range(len(clens))]
@@ -90,6 +93,14 @@ def test_shared_prefix_attention_equals_each_prompt_plus_child_packed_alone_outp
     (ref * dout).sum().backward()
     for a, b in ((q, q2), (k, k2), (v, v2)):
         assert torch.allclose(a.grad, b.grad, atol=1e-5)
+
+
+def test_shared_prefix_attention_takes_rows_for_short_prompts_and_the_mask_for_long_ones():
+    from model.attention import SharedPrefixCausal
+    grpo = SharedPrefixCausal([12, 20], [255] * 8 + [200] * 8, [0] * 8 + [1] * 8)    # prompts 6% of the rows
+    assert grpo.use_rows
+    long_context = SharedPrefixCausal([2048], [256] * 8, [0] * 8)                    # 8 x 2048 copied for 8 x 256
+    assert not long_context.use_rows
 
 
 def test_gradients_match_transformers(pair):
