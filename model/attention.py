@@ -108,15 +108,16 @@ class SharedPrefixCausal:
       * masked (long prompts): the prompts through one causal call, then each child's queries alone over its
         prompt's keys and its own under a [C, 1, Rmax, Pmax + Rmax] boolean mask: no prompt query computed twice,
         but the mask costs memory and keeps SDPA off its flash kernels.
-    Rows while the prompts they copy are at most ROWS_MAX_PROMPT_SHARE of the children's tokens: a row computes
-    (P + R)^2 query-key pairs where the masked call computes R (P + R), an excess that grows like P / R and that
-    the mask's own cost repays only while P is small. Measured on CPU (one layer's forward + backward, 8 prompts x 8
-    children of R = 256 tokens, head_dim 16, one thread), rows / masked: 74.8 / 83.6 ms at P = 32, 91.1 / 100.1 at
-    P = 64, 119.0 / 115.2 at P = 96, 208.1 / 168.6 at P = 256. Untested on a GPU, where a causal flash kernel
-    computes only half of a row's pairs (the rows would win further).
+    Rows while the prompts they copy are at most a share of the children's tokens (`rows_max_prompt_share`): a row
+    computes (P + R)^2 query-key pairs where the masked call computes R (P + R), an excess that grows like P / R.
+      * CPU, 0.25, measured (one layer's forward + backward, 8 prompts x 8 children of R = 256 tokens, head_dim 16,
+        one thread), rows / masked: 74.8 / 83.6 ms at P = 32, 91.1 / 100.1 at P = 64, 119.0 / 115.2 at P = 96,
+        208.1 / 168.6 at P = 256 (the mask's own cost repays the rows' excess up to about P = R / 4).
+      * CUDA, 1.0, an assumption from the pair counts, not yet measured: a causal flash kernel computes half of a
+        row's (P + R)^2 pairs, and (P + R)^2 / 2 <= R (P + R) while P <= R.
     """
 
-    ROWS_MAX_PROMPT_SHARE = 0.25
+    ROWS_MAX_PROMPT_SHARE = {"cpu": 0.25, "cuda": 1.0}
 
     def __init__(self, prompt_lengths: list[int], child_lengths: list[int], child_family: list[int],
                  scale: float | None = None):
@@ -133,8 +134,9 @@ class SharedPrefixCausal:
         self.rows = PackedCausal(cu_seqlens_from_lengths(
             [prompt_lengths[f] + (child_lengths[c] if c >= 0 else 0) for f, c in self.row_of]), scale)
         self.scale = scale
-        self.use_rows = (sum(prompt_lengths[child_family[c]] for c in kids)
-                         <= self.ROWS_MAX_PROMPT_SHARE * sum(child_lengths[c] for c in kids))
+        # the prompt tokens the rows copy, per child token
+        self.prompt_share = (sum(prompt_lengths[child_family[c]] for c in kids)
+                             / max(1, sum(child_lengths[c] for c in kids)))
         self._plans: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mask_plan: tuple[torch.Tensor, ...] | None = None
 
@@ -162,8 +164,12 @@ class SharedPrefixCausal:
                                    torch.tensor(out_pos, dtype=torch.long, device=device))
         return self._plans[padded]
 
+    def use_rows(self, device: torch.device) -> bool:
+        """Whether the rows (else the masked call) attend on this device (see the class docstring)."""
+        return self.prompt_share <= self.ROWS_MAX_PROMPT_SHARE.get(device.type, self.ROWS_MAX_PROMPT_SHARE["cpu"])
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if not self.use_rows:
+        if not self.use_rows(q.device):
             return self.masked(layer, q, k, v)
         return self.packed(layer, q, k, v) if uses_flash_attn(q) else self.padded(layer, q, k, v)
 

@@ -58,7 +58,7 @@ def test_shared_prefix_attention_equals_each_prompt_plus_child_packed_alone_outp
     q0, k0, v0 = (torch.randn(T, h, 8, generator=g) for h in (4, 2, 2))
     dout = torch.randn(T, 4, 8, generator=g)
     attn = SharedPrefixCausal(plens, clens, fam)
-    assert not attn.use_rows   # 13 prompt tokens copied for 12 children's tokens: the masked way
+    assert not attn.use_rows(torch.device("cpu"))   # 13 prompt tokens copied for 12 children's: the masked way
     q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
     out = attn.padded(0, q, k, v)
     (out * dout).sum().backward()
@@ -97,10 +97,13 @@ def test_shared_prefix_attention_equals_each_prompt_plus_child_packed_alone_outp
 
 def test_shared_prefix_attention_takes_rows_for_short_prompts_and_the_mask_for_long_ones():
     from model.attention import SharedPrefixCausal
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")   # a device's type is all the choice reads
     grpo = SharedPrefixCausal([12, 20], [255] * 8 + [200] * 8, [0] * 8 + [1] * 8)    # prompts 6% of the rows
-    assert grpo.use_rows
+    assert grpo.use_rows(cpu) and grpo.use_rows(cuda)
+    unshared = SharedPrefixCausal([512], [1535], [0])   # bench/train.py's GPU shape: one sample per prompt
+    assert not unshared.use_rows(cpu) and unshared.use_rows(cuda)
     long_context = SharedPrefixCausal([2048], [256] * 8, [0] * 8)                    # 8 x 2048 copied for 8 x 256
-    assert not long_context.use_rows
+    assert not long_context.use_rows(cpu) and not long_context.use_rows(cuda)
 
 
 def test_gradients_match_transformers(pair):
