@@ -24,6 +24,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,10 +32,6 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 # Reassociation lets the compiler vectorise the dot products; no -ffinite-math-only, so the NaN checks stay.
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
           "-fopenmp", "-shared", "-fPIC"]
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None  # why the library is unavailable, once a build was tried
 
 
 def cache_dir() -> Path:
@@ -95,36 +92,56 @@ def disabled() -> bool:
     return os.environ.get("TIDAL_CPU_NATIVE", "1").lower() in ("0", "false", "off", "no")
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _error
-    if _lib is not None or _error is not None:
-        return _lib
-    with _lock:
-        if _lib is not None or _error is not None:
-            return _lib
-        if disabled():
-            _error = "disabled by TIDAL_CPU_NATIVE=0"
-            return None
-        try:
-            lib = ctypes.CDLL(str(build()))
-            fn = lib.paged_attention_f32
-            fn.restype = ctypes.c_int
-            fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
-                           + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int])
-            _lib = lib
-        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            _error = str(e)
-            warnings.warn(f"CPU native kernels unavailable, using the batched PyTorch path: {e}")
-    return _lib
+class NativeLibrary:
+    """One C source of kernels/csrc, built (`build`) and loaded on first use, once per process (thread-safe).
+    `load()` gives the library with its functions' signatures declared, or None where it cannot be had (no
+    compiler, a failed build, TIDAL_CPU_NATIVE=0; `error` says why), after one warning naming what runs instead."""
+
+    def __init__(self, source: Path, signatures: dict[str, tuple[list[Any], Any]], instead: str):
+        self.source, self.signatures, self.instead = source, signatures, instead
+        self.lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> ctypes.CDLL | None:
+        if self.lib is not None or self.error is not None:
+            return self.lib
+        with self._lock:
+            if self.lib is None and self.error is None:
+                if disabled():
+                    self.error = "disabled by TIDAL_CPU_NATIVE=0"
+                    return None
+                try:
+                    lib = ctypes.CDLL(str(build(source=self.source)))
+                    for name, (args, result) in self.signatures.items():
+                        fn = getattr(lib, name)
+                        fn.argtypes, fn.restype = args, result
+                    self.lib = lib
+                except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError) as e:
+                    self.error = str(e)
+                    warnings.warn(f"CPU native kernels of {self.source.name} unavailable, {self.instead}: {e}")
+        return self.lib
+
+    def require(self) -> ctypes.CDLL:
+        """The library, or RuntimeError naming why it cannot be had."""
+        lib = self.load()
+        if lib is None:
+            raise RuntimeError(f"CPU native kernels of {self.source.name} unavailable: {self.error}")
+        return lib
+
+
+PAGED = NativeLibrary(SOURCE, {"paged_attention_f32": (
+    [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7
+    + [ctypes.c_float, ctypes.c_int], ctypes.c_int)}, "using the batched PyTorch path")
 
 
 def native_available() -> bool:
-    return _load() is not None
+    return PAGED.load() is not None
 
 
 def unavailable_reason() -> str | None:
-    _load()
-    return _error
+    PAGED.load()
+    return PAGED.error
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -137,9 +154,7 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            row_seq: torch.Tensor, row_len: torch.Tensor, scale: float) -> torch.Tensor:
     """q [R, Hq, D] -> out [R, Hq, D]: row r attends over the first row_len[r] pool tokens of sequence row_seq[r]
     (a row of block_tables [S, W]). Raises on tensors it does not take and on sequence or block ids out of range."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"CPU native kernels unavailable: {_error}")
+    lib = PAGED.require()
     if not supports(q, k_cache):
         raise ValueError(f"native paged attention needs fp32 CPU tensors and Hq % Hkv == 0, got q {q.dtype} "
                          f"{tuple(q.shape)} on {q.device}, cache {k_cache.dtype} {tuple(k_cache.shape)}")

@@ -14,8 +14,6 @@ eager ops (`trainer/cpu_fused.py` decides per call).
 from __future__ import annotations
 
 import ctypes
-import threading
-import warnings
 from pathlib import Path
 
 import torch
@@ -23,51 +21,26 @@ import torch
 from kernels import cpu_native
 
 SOURCE = Path(__file__).with_name("csrc") / "train_ops.c"
-CHUNK = 512  # train_ops.c's CHUNK: rows per partial sum of RMSNorm's weight gradient
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+CHUNK = 512  # rows per partial sum of RMSNorm's weight gradient (fixed: results independent of threads)
 
 _P, _I, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "swiglu_fwd": [_P, _P, _P, _I, _T],
-    "swiglu_bwd": [_P, _P, _P, _P, _P, _I, _T],
-    "rmsnorm_fwd": [_P, _P, _P, _P, _I, _I, ctypes.c_float, _T],
-    "rmsnorm_bwd": [_P, _P, _P, _P, _P, _P, _I, _I, _T],
-    "rope_fwd": [_P, _P, _P, _P, _I, _I, _I, _T],
-    "rope_bwd": [_P, _P, _P, _P, _I, _I, _I, _T],
-}
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib, _error
-    if _lib is not None or _error is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _error is None:
-            if cpu_native.disabled():
-                _error = "disabled by TIDAL_CPU_NATIVE=0"
-                return None
-            try:
-                lib = ctypes.CDLL(str(cpu_native.build(source=SOURCE)))
-                for name, args in _SIGNATURES.items():
-                    fn = getattr(lib, name)
-                    fn.argtypes, fn.restype = args, None
-                _lib = lib
-            except (RuntimeError, OSError, AttributeError) as e:
-                _error = str(e)
-                warnings.warn(f"fused CPU train ops unavailable, the trainer keeps the eager ops: {e}")
-    return _lib
+TRAIN_OPS = cpu_native.NativeLibrary(SOURCE, {
+    "swiglu_fwd": ([_P, _P, _P, _I, _T], None),
+    "swiglu_bwd": ([_P, _P, _P, _P, _P, _I, _T], None),
+    "rmsnorm_fwd": ([_P, _P, _P, _P, _I, _I, ctypes.c_float, _T], None),
+    "rmsnorm_bwd": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _T], None),
+    "rope_fwd": ([_P, _P, _P, _P, _I, _I, _I, _T], None),
+    "rope_bwd": ([_P, _P, _P, _P, _I, _I, _I, _T], None),
+}, "the trainer keeps the eager ops")
 
 
 def available() -> bool:
-    return _load() is not None
+    return TRAIN_OPS.load() is not None
 
 
 def unavailable_reason() -> str | None:
-    _load()
-    return _error
+    TRAIN_OPS.load()
+    return TRAIN_OPS.error
 
 
 def fused(*tensors: torch.Tensor) -> bool:
@@ -76,10 +49,7 @@ def fused(*tensors: torch.Tensor) -> bool:
 
 
 def _kernels() -> ctypes.CDLL:
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"fused CPU train ops unavailable: {_error}")
-    return lib
+    return TRAIN_OPS.require()
 
 
 def _threads() -> int:
@@ -132,7 +102,7 @@ class RMSNorm(torch.autograd.Function):
         dy = dy.contiguous()
         dx, part = torch.empty_like(x), x.new_empty(max(1, -(-n // CHUNK)), D)
         _kernels().rmsnorm_bwd(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dy.data_ptr(), dx.data_ptr(),
-                               part.data_ptr(), n, D, _threads())
+                               part.data_ptr(), n, D, CHUNK, _threads())
         if n == 0:
             part.zero_()
         return dx, part.sum(0), None

@@ -139,6 +139,7 @@ class SharedPrefixCausal:
                              / max(1, sum(child_lengths[c] for c in kids)))
         self._plans: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mask_plan: tuple[torch.Tensor, ...] | None = None
+        self._prompts: PackedCausal | None = None   # the masked way's prompt call
 
     def _index(self, device: torch.device, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(the packed token behind each position of the rows, the rows' position of each packed token's output).
@@ -217,8 +218,9 @@ class SharedPrefixCausal:
     def masked(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The prompts causally, then the children's queries over their prompt and themselves under a mask."""
         Tp = self.num_prompt_tokens
-        out_p = PackedCausal(cu_seqlens_from_lengths(self.prompt_lengths, q.device), self.scale)(
-            layer, q[:Tp], k[:Tp], v[:Tp])
+        if self._prompts is None:   # built once: every layer's call reuses its padding index
+            self._prompts = PackedCausal(cu_seqlens_from_lengths(self.prompt_lengths, q.device), self.scale)
+        out_p = self._prompts(layer, q[:Tp], k[:Tp], v[:Tp])
         if q.shape[0] == Tp:
             return out_p
         prow, crow, fam, mask = self._masked_plan(q.device)

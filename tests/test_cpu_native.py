@@ -143,8 +143,8 @@ def test_a_header_the_source_includes_is_part_of_the_cache_key(tmp_path, monkeyp
 def test_without_a_compiler_the_engine_falls_back_with_the_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(cpu_native, "_lib", None)
-    monkeypatch.setattr(cpu_native, "_error", None)
+    monkeypatch.setattr(cpu_native.PAGED, "lib", None)
+    monkeypatch.setattr(cpu_native.PAGED, "error", None)
     with pytest.warns(UserWarning, match="batched PyTorch path"):
         assert not cpu_native.native_available()
     assert "no-such-cc" in cpu_native.unavailable_reason()

@@ -121,19 +121,19 @@ def test_without_the_kernels_nothing_is_swapped(monkeypatch):
     from model.presets import preset_config
     from model.transformer import Transformer
     from trainer.cpu_fused import use_fused_cpu_ops
-    monkeypatch.setattr(cpu_train, "_lib", None)
-    monkeypatch.setattr(cpu_train, "_error", "disabled by TIDAL_CPU_NATIVE=0")
+    monkeypatch.setattr(cpu_train.TRAIN_OPS, "lib", None)
+    monkeypatch.setattr(cpu_train.TRAIN_OPS, "error", "disabled by TIDAL_CPU_NATIVE=0")
     model = Transformer(preset_config("tiny", vocab_size=40, eos_token_id=1))
     assert use_fused_cpu_ops(model) == 0
     assert not [m for m in model.modules() if type(m).__module__ == "trainer.cpu_fused"]
 
 
 def test_the_ops_load_the_kernels_on_first_use_and_name_why_they_cannot(monkeypatch):
-    monkeypatch.setattr(cpu_train, "_lib", None)
-    monkeypatch.setattr(cpu_train, "_error", None)
+    monkeypatch.setattr(cpu_train.TRAIN_OPS, "lib", None)
+    monkeypatch.setattr(cpu_train.TRAIN_OPS, "error", None)
     g = torch.randn(3, 8)
     assert close(cpu_train.swiglu(g, g), F.silu(g) * g)   # no available() call first
-    monkeypatch.setattr(cpu_train, "_lib", None)
-    monkeypatch.setattr(cpu_train, "_error", "no C compiler found")
+    monkeypatch.setattr(cpu_train.TRAIN_OPS, "lib", None)
+    monkeypatch.setattr(cpu_train.TRAIN_OPS, "error", "no C compiler found")
     with pytest.raises(RuntimeError, match="no C compiler found"):
         cpu_train.rms_norm(g, torch.ones(8), 1e-6)

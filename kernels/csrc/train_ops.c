@@ -3,7 +3,7 @@
  * alive for backward). fp32, contiguous tensors; rows spread over OpenMP threads.
  *
  * Every output element's arithmetic depends only on its own row, and RMSNorm's weight gradient is summed in fixed
- * chunks of CHUNK rows (one partial row per chunk, added in order by the caller), so results do not depend on the
+ * chunks of `chunk` rows (one partial row per chunk, added in order by the caller), so results do not depend on the
  * thread count: a deterministic run stays bit-exact on resume with another `cpu_threads`.
  */
 #include <math.h>
@@ -11,7 +11,6 @@
 
 #include "exp_nonpos.h"
 
-#define CHUNK 512  /* rows per partial sum of RMSNorm's weight gradient (cpu_train.py reads it: keep in step) */
 
 /* sigmoid(g) from exp(-|g|), which never overflows; NaN in, NaN out. */
 static inline float sigmoid(float g) {
@@ -53,17 +52,18 @@ void rmsnorm_fwd(const float *restrict x, const float *restrict w, float *restri
     }
 }
 
-/* dx = rstd * (dy w) - x * rstd^3 * mean(dy w x); dw_part[c] = sum over chunk c's rows of dy * x * rstd. */
+/* dx = rstd * (dy w) - x * rstd^3 * mean(dy w x); dw_part[c] = sum over rows [c chunk, (c + 1) chunk) of
+ * dy * x * rstd. */
 void rmsnorm_bwd(const float *restrict x, const float *restrict w, const float *restrict rstd,
                  const float *restrict dy, float *restrict dx, float *restrict dw_part, int64_t rows, int64_t D,
-                 int nt) {
-    const int64_t chunks = (rows + CHUNK - 1) / CHUNK;
+                 int64_t chunk, int nt) {
+    const int64_t chunks = (rows + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         float *restrict dwc = dw_part + c * D;
         for (int64_t d = 0; d < D; d++) dwc[d] = 0.0f;
-        const int64_t end = (c + 1) * CHUNK < rows ? (c + 1) * CHUNK : rows;
-        for (int64_t r = c * CHUNK; r < end; r++) {
+        const int64_t end = (c + 1) * chunk < rows ? (c + 1) * chunk : rows;
+        for (int64_t r = c * chunk; r < end; r++) {
             const float *restrict xr = x + r * D, *restrict dyr = dy + r * D;
             float *restrict dxr = dx + r * D;
             const float rs = rstd[r];
