@@ -4,14 +4,20 @@ same run, with activation checkpointing off and on.
     python bench/train.py                   # CPU: a small Qwen3 shape, fp32 (a smoke run: CPU MFU means little)
     python bench/train.py --device cuda     # GPU: the Qwen3-1.7B shape, bf16 compute (FSDP2 mixed precision)
 
-Workload: `--seqs` sequences of `--prompt` + `--response` random tokens (one GRPO batch, rewards alternating so every
-advantage is non-zero), packed into micro-batches of `--micro-batch-tokens`, one optimizer step per train_step.
+Workload: `--seqs` sequences of `--prompt` + `--response` random tokens (one GRPO batch: groups of 8 sharing a
+prompt, rewards alternating so every advantage is non-zero), packed into micro-batches of `--micro-batch-tokens`,
+one optimizer step per train_step.
 The trainer runs exactly as in a run: FSDP2 over a process group (here of one rank), chunked logprobs, the GRPO loss,
 AdamW. MFU = model FLOPs per step / step time / the measured dense matmul rate (bf16 8192^3 on GPU, fp32 on CPU):
-model FLOPs are 3 x forward (6 per parameter per token for the decoder's matmuls, causal attention 2 x 2 x heads x
-head_dim x s^2 / 2 per layer, lm_head on response tokens only, as the trainer computes it); checkpointing's
-recomputed forward is not counted (it is what HFU would add). On GPU the peak memory of the timed steps is printed
-beside `train.py --check`'s plan for the same settings (runtime/preflight.py), checking that plan on the device.
+model FLOPs are 3 x forward over the micro-batches the trainer actually packs (6 per parameter per packed token for
+the decoder's matmuls, 2 x 2 x heads x head_dim per layer for each causal query-key pair, lm_head on the trained
+positions only). With `train.share_prompts` (the default; `--share-prompts off` turns it off) a group's prompt is
+packed once per micro-batch, so its tokens count once, not once per sample: the sharing's saving is not counted as
+work done. Checkpointing's recomputed forward and the rows' recomputed prompt queries (model/attention.py
+`SharedPrefixCausal`) are not counted either (they are what HFU would add). `--shared-attention rows|masked` forces
+one of SharedPrefixCausal's two ways (default: its own rule for the device). On GPU the peak memory of the timed
+steps is printed beside `train.py --check`'s plan for the same settings (runtime/preflight.py), checking that plan
+on the device.
 The last line is the headline, e.g. `trainer_mfu: 0.41 (checkpointing off), 0.33 (on)`.
 """
 from __future__ import annotations
@@ -36,8 +42,10 @@ from config import load_config  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.presets import preset_config  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
+from model.attention import SharedPrefixCausal  # noqa: E402
 from rl.types import Group, Trajectory  # noqa: E402
 
+SHIPPED_ROWS_RULE = dict(SharedPrefixCausal.ROWS_MAX_PROMPT_SHARE)
 SHAPES = {  # beside the presets: CPU-sized Qwen3 shapes ("tiny" is what `bench/gpu.py --dry-run` runs)
     "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=64),
@@ -56,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=int)
     p.add_argument("--steps", type=int, default=3, help="timed train steps (after one warm-up step)")
     p.add_argument("--checkpointing", default="off,on", help="activation checkpointing modes to run")
+    p.add_argument("--share-prompts", choices=["on", "off"], default="on", help="train.share_prompts")
+    p.add_argument("--shared-attention", choices=["auto", "rows", "masked"], default="auto",
+                   help="SharedPrefixCausal's way: its rule for the device, or always one")
     a = p.parse_args(argv)
     cpu = a.device == "cpu"
     for k, cpu_v, gpu_v in [("shape", "small", "qwen3-1.7b"), ("seqs", 8, 32), ("prompt", 16, 512),
@@ -95,9 +106,12 @@ def random_model(m: ModelConfig, device: str, seed: int = 0) -> Transformer:
 
 def synthetic_groups(n: int, prompt: int, response: int, vocab: int, group_size: int = 8, seed: int = 0
                      ) -> list[Group]:
+    """`n` samples in GRPO groups of `group_size`: a group's samples share one prompt (so `train.share_prompts`
+    packs it once per micro-batch), each has its own random response."""
     rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt)] for _ in range(-(-n // group_size))]
     trajs = [Trajectory(group_id=i // group_size, sample_index=i % group_size,
-                        prompt_ids=[rng.randrange(vocab) for _ in range(prompt)],
+                        prompt_ids=list(prompts[i // group_size]),
                         response_ids=[rng.randrange(vocab) for _ in range(response)],
                         logprobs=[-rng.uniform(0.5, 3.0) for _ in range(response)], versions=[0] * response,
                         reward=float(i % 2)) for i in range(n)]
@@ -105,15 +119,36 @@ def synthetic_groups(n: int, prompt: int, response: int, vocab: int, group_size:
 
 
 def train_flops(m: ModelConfig, lengths: list[tuple[int, int]]) -> float:
-    """Model FLOPs of one train_step over (prompt, response) pairs: 3 x forward. The trainer's input is prompt +
-    response[:-1]; lm_head runs on the response positions only."""
+    """Model FLOPs of one train_step over unshared (prompt, response) pairs, each packed as prompt + response[:-1]
+    with lm_head on its response positions: 3 x forward."""
+    return 3 * sum(forward_flops(m, p + r - 1, (p + r - 1) ** 2 / 2, r) for p, r in lengths)
+
+
+def forward_flops(m: ModelConfig, tokens: int, pairs: float, trained: int) -> float:
+    """One forward over `tokens` packed tokens with `pairs` causal query-key pairs and lm_head on `trained` rows."""
     qkvo = m.hidden_size * (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim
     dense = m.num_layers * (qkvo + 3 * m.hidden_size * m.intermediate_size)
+    attention = 4 * m.num_layers * m.num_heads * m.head_dim * pairs  # QK^T and PV, 2 FLOPs a multiply-add each
+    return 2 * dense * tokens + attention + 2 * m.vocab_size * m.hidden_size * trained
+
+
+def micro_batch_flops(m: ModelConfig, batches: list[Any]) -> float:
+    """Model FLOPs of a train step over the micro-batches the trainer packed (trainer/batch.py MicroBatch): every
+    packed token once, so a shared prompt counts once per micro-batch; dummy batches (mask 0) count nothing."""
+    from model.attention import PackedCausal
     fwd = 0.0
-    for p, r in lengths:
-        s = p + r - 1
-        attention = 2 * m.num_layers * m.num_heads * m.head_dim * s * s  # QK^T and PV over s^2 / 2 causal pairs
-        fwd += 2 * dense * s + attention + 2 * m.vocab_size * m.hidden_size * r
+    for b in batches:
+        if not b.num_loss_tokens:
+            continue
+        a = b.attn
+        if isinstance(a, SharedPrefixCausal):
+            P, C = a.prompt_lengths, a.child_lengths
+            pairs = sum(p * p / 2 for p in P) + sum(n * P[f] + n * n / 2 for n, f in zip(C, a.child_family))
+        elif isinstance(a, PackedCausal):
+            pairs = sum(n * n / 2 for n in a.lengths)
+        else:
+            raise TypeError(f"no FLOP count for attention {type(a).__name__}")
+        fwd += forward_flops(m, b.input_ids.numel(), pairs, b.loss_index.numel())
     return 3 * fwd
 
 
@@ -140,17 +175,31 @@ def matmul_rate(device: str) -> float:
     return 2 * n ** 3 / secs
 
 
+def force_shared_attention(way: str) -> None:
+    """SharedPrefixCausal's way on every device: "rows", "masked", or "auto" (its own rule, as shipped)."""
+    if way == "auto":
+        SharedPrefixCausal.ROWS_MAX_PROMPT_SHARE = dict(SHIPPED_ROWS_RULE)
+    else:
+        SharedPrefixCausal.ROWS_MAX_PROMPT_SHARE = {k: float("inf") if way == "rows" else -1.0
+                                                    for k in SHIPPED_ROWS_RULE}
+
+
 def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, rate: float) -> dict[str, Any]:
     """One trainer (fresh model, FSDP2 over one rank), one warm-up step, `args.steps` timed steps."""
     from runtime.preflight import train_items
     from trainer.trainer import Trainer
     cfg = load_config(None, [f"--train.micro_batch_tokens={args.micro_batch_tokens}", "--train.lr=1e-6",
                              f"--train.activation_checkpointing={str(checkpointing).lower()}",
+                             f"--train.share_prompts={str(args.share_prompts == 'on').lower()}",
                              f"--data.max_prompt_tokens={args.prompt}", f"--rollout.max_new_tokens={args.response}"])
     trainer = Trainer(random_model(m, args.device), cfg.train, group=dist.group.WORLD, device=args.device,
                       max_response_len=args.response)
     groups = synthetic_groups(args.seqs, args.prompt, args.response, m.vocab_size)
-    trainer.train_step(groups)  # warm-up: allocator, kernels, AdamW state
+    packed: list[Any] = []
+    micro_batches = trainer._micro_batches
+    trainer._micro_batches = lambda chunk: (packed.append(b) or b for b in micro_batches(chunk))  # type: ignore
+    trainer.train_step(groups)  # warm-up: allocator, kernels, AdamW state; records the packing (the same each step)
+    trainer._micro_batches = micro_batches  # type: ignore[method-assign]
     sync(args.device)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -161,8 +210,11 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
         sync(args.device)
         times.append(time.perf_counter() - t0)
     secs = statistics.median(times)
-    flops = train_flops(m, [(args.prompt, args.response)] * args.seqs)
-    out = {"checkpointing": checkpointing, "step_s": secs, "tokens": args.seqs * (args.prompt + args.response - 1),
+    flops = micro_batch_flops(m, packed)
+    out = {"checkpointing": checkpointing, "share_prompts": args.share_prompts == "on",
+           "shared_attention": args.shared_attention, "packed_tokens": sum(b.input_ids.numel() for b in packed),
+           "unshared_flops_ratio": train_flops(m, [(args.prompt, args.response)] * args.seqs) / flops, "step_s": secs,
+           "tokens": args.seqs * (args.prompt + args.response - 1),
            "tflops": flops / secs / 1e12, "mfu": flops / secs / rate, "loss": float(metrics["loss"])}
     if args.device == "cuda":
         plan = sum(i.nbytes for i in train_items(m, cfg, 1, 2, True))
@@ -177,6 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/train.py: --device cuda but CUDA is not available")
     init_one_rank(args.device)
+    force_shared_attention(args.shared_attention)
     m = shape(args.shape)
     rate = matmul_rate(args.device)
     print(f"model {args.shape}: {m.num_params() / 1e6:.4g}M params; {args.seqs} sequences of {args.prompt} + "
@@ -186,7 +239,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for mode in args.checkpointing.split(","):
         r = bench_mode(args, m, mode == "on", rate)
         mem = f", peak {r['peak_gib']:.1f} GiB (--check plans {r['plan_gib']:.1f})" if "peak_gib" in r else ""
-        print(f"checkpointing {mode}: {r['step_s']:.3f} s/step, {r['tokens'] / r['step_s']:.0f} tokens/s, "
+        print(f"checkpointing {mode}: {r['packed_tokens']} packed tokens, {r['step_s']:.3f} s/step, "
+              f"{r['tokens'] / r['step_s']:.0f} tokens/s, "
               f"{r['tflops']:.3g} TFLOP/s, MFU {r['mfu']:.3f}{mem}", flush=True)
         modes.append(r)
     return {"shape": args.shape, "matmul_tflops": rate / 1e12, "modes": modes}

@@ -116,3 +116,24 @@ def test_each_section_is_saved_as_it_ends(monkeypatch, tmp_path):
     results: dict = {"sections": {}}
     gpu.run_sections(["kernels", "train", "engine"], False, results, lambda: seen.append(list(results["sections"])))
     assert seen == [["kernels"], ["kernels", "train"], ["kernels", "train", "engine"]]
+
+
+def test_train_bench_counts_the_flops_of_what_it_packs():
+    """bench/train.py's MFU counts every packed token once: unshared, the closed form over (prompt, response)
+    pairs; with shared prompts, one prompt per family and micro-batch, and its children's query-key pairs over it."""
+    from bench.train import micro_batch_flops, shape, synthetic_groups, train_flops
+    from trainer.batch import build_samples, collate
+    from rl.advantages import compute_advantages
+    m = shape("tiny")
+    groups = synthetic_groups(8, 5, 7, m.vocab_size, group_size=4)
+    samples = build_samples(compute_advantages(groups, "std", False))
+    assert all(s.tokens[:5] == samples[4 * (i // 4)].tokens[:5] for i, s in enumerate(samples))  # groups share
+    unshared = collate(samples, share_prompts=False)
+    assert micro_batch_flops(m, [unshared]) == pytest.approx(train_flops(m, [(5, 7)] * 8))
+    shared = collate(samples, share_prompts=True)
+    assert shared.input_ids.numel() == 2 * 5 + 8 * 6
+    dense = m.num_layers * (m.hidden_size * (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+                            + 3 * m.hidden_size * m.intermediate_size)       # multiply-adds per token
+    pair = 4 * m.num_layers * m.num_heads * m.head_dim                       # FLOPs per causal query-key pair
+    saved = 3 * 6 * (5 * 2 * dense + 5 * 5 / 2 * pair)  # 6 of the 8 prompt copies: their tokens and their pairs
+    assert micro_batch_flops(m, [shared]) == pytest.approx(train_flops(m, [(5, 7)] * 8) - saved)
