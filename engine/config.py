@@ -31,6 +31,9 @@ class EngineConfig:
     # nothing to repack per load; batch-invariant either way)
     cpu_packed_linear: bool = True
     cpu_packed_min_weight: int = 1 << 20
+    # RMSNorm (+ the residual add), rotary embedding and SwiGLU through the Triton kernels (engine/gpu_fused.py)
+    # wherever the kernel dispatcher picks Triton: on CUDA, or anywhere with TIDAL_KERNELS=triton
+    fused_ops: bool = True
     seed: int = 0  # the engine's generator, used by requests without their own seed
 
     def __post_init__(self) -> None:

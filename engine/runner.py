@@ -4,7 +4,8 @@ Owns the KV pool (one [num_blocks, block_size, Hkv, D] K and V tensor per layer)
 GPU memory, and a block-table tensor with one row per running seat, kept in sync incrementally (a sequence's row is
 only rewritten from the first entry that changed). All batch tensors are built with a handful of vectorised ops on
 the host and moved to the device once. Logits are computed only for the last token of sequences that sample. On
-CUDA, pure-decode steps replay CUDA graphs captured per batch-size bucket (engine/cuda_graphs.py). On CPU in fp32, the
+CUDA, the model's norms, rotary embedding and SwiGLU run as Triton kernels (engine/gpu_fused.py) and pure-decode
+steps replay CUDA graphs captured per batch-size bucket (engine/cuda_graphs.py). On CPU in fp32, the
 Linear layers run through oneDNN on pre-packed weights (engine/cpu_linear.py) and attention through the C kernel
 of kernels/cpu_native.py.
 """
@@ -21,7 +22,9 @@ from engine import cpu_linear
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.block_manager import cdiv
 from engine.config import EngineConfig
+from engine.gpu_fused import use_fused_gpu_ops
 from engine.scheduler import ScheduledBatch
+from kernels.dispatch import resolve_impl
 from model.attention import PackedCausal
 from model.transformer import Transformer
 
@@ -34,6 +37,8 @@ class ModelRunner:
         self.device = torch.device(config.device) if config.device is not None else next(model.parameters()).device
         self.dtype = config.dtype or next(model.parameters()).dtype
         self.model = model.to(self.device, self.dtype).eval()
+        if config.fused_ops and (self.device.type == "cuda" or resolve_impl(None) == "triton"):
+            use_fused_gpu_ops(self.model)
         cfg = model.config
         self.block_size = bs = config.block_size
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
@@ -147,15 +152,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [len(batch.logit_indices), vocab] in fp32."""
+        """Logits [len(batch.logit_indices), vocab] in the model's dtype (the sampler computes in fp32)."""
         if batch.copies:
             self.copy_blocks(batch.copies)
         decode_only = batch.num_decode == len(batch.seqs)
         if self.graphs is not None and decode_only and len(batch.seqs) <= self.graphs.max_bs:
             ids, pos, meta, logit_idx = self.prepare(batch, width=self.max_blocks_per_seq)
-            return self.graphs.run(ids, pos, meta)[logit_idx].float()
+            logits = self.graphs.run(ids, pos, meta)
+            # a decode step's rows all end a sequence's computed tokens: its logits rows are the batch's, in order
+            return logits if len(batch.logit_indices) == len(batch.seqs) else logits[logit_idx]
         ids, pos, meta, logit_idx = self.prepare(batch)
-        return self.forward(ids, pos, meta, logit_idx).float()
+        return self.forward(ids, pos, meta, logit_idx)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                 logit_idx: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""The engine's model on CUDA runs RMSNorm (fused with the residual add before it), the rotary embedding and
+SwiGLU's elementwise part through the Triton kernels of kernels/ (rmsnorm.py, rope.py, swiglu.py), applied from
+outside like the trainer's CPU kernels (trainer/cpu_fused.py): the model stays a plain `nn.Module` with its
+Hugging Face parameters and state dict, so weight loads and publications are unchanged; `use_fused_gpu_ops(model)`
+swaps the class of the `Transformer`, of each `Attention` and of each `MLP` for a subclass whose forward calls the
+kernels when the kernel dispatcher picks Triton for its tensors (kernels/dispatch.py: CUDA; or TIDAL_KERNELS=triton
+under TRITON_INTERPRET=1, the tests' path) and no gradient is being recorded (the kernels are forward-only), and the
+eager forward otherwise.
+
+Why: the eager ops launch one kernel per elementwise step. A decode step of Qwen3-0.6B at batch 255 (H200,
+bench/RESULTS.md) ran ~700 small kernels beside its 28 attention calls: RMSNorm alone is seven (pow, mean, add,
+rsqrt, mul, cast, mul) for each of the four norms of a layer, the residual add one more, the rotary embedding five
+per tensor. Fused: one kernel per norm (the residual add inside it), one per rotated tensor, one for silu * up.
+
+Same math as the eager model: the residual stream is carried into the next norm (x + attn(...) is the fused norm's
+`residual` output, so the sum is rounded exactly as torch's add), each norm rounds the normalised value to the
+activation dtype before the weight multiply, silu is rounded before the product. Only the order of the fp32 sums
+inside a norm differs, so outputs agree to rounding (tests/test_gpu_fused.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.dispatch import use_triton
+from kernels.rmsnorm import rms_norm
+from kernels.rope import rope
+from kernels.swiglu import silu_mul
+from model.attention import AttentionBackend
+from model.transformer import MLP, Attention, Transformer
+
+
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernels run on these tensors: Triton is the dispatcher's choice and no graph is recorded."""
+    return not torch.is_grad_enabled() and use_triton(None, *tensors)
+
+
+class FusedAttention(Attention):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        if not fused(x, cos):
+            return super().forward(x, cos, sin, attn)
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = rope(q, k, cos, sin, inplace=True)  # fresh tensors (the norms' or the projections' outputs)
+        out = attn(self.layer, q, k, v)
+        return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
+
+
+class FusedMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_mul(g, u) if fused(g, u) else F.silu(g) * u)
+
+
+class FusedTransformer(Transformer):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """As Transformer.forward; with the kernels, each block's two residual adds happen inside the next norm."""
+        if not fused(input_ids):
+            return super().forward(input_ids, positions, attn)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
+        for block in self.model.layers:
+            n1, n2 = block.input_layernorm, block.post_attention_layernorm
+            if residual is None:
+                h, residual = rms_norm(x, n1.weight, n1.eps), x
+            else:
+                h, residual = rms_norm(x, n1.weight, n1.eps, residual)
+            h, residual = rms_norm(block.self_attn(h, cos, sin, attn), n2.weight, n2.eps, residual)
+            x = block.mlp(h)
+        norm = self.model.norm
+        return rms_norm(x, norm.weight, norm.eps) if residual is None else rms_norm(x, norm.weight, norm.eps,
+                                                                                     residual)[0]
+
+
+SWAPS: dict[type, type] = {Transformer: FusedTransformer, Attention: FusedAttention, MLP: FusedMLP}
+
+
+def use_fused_gpu_ops(model: nn.Module) -> int:
+    """Swap the model's Transformer, Attention and MLP modules to their fused subclasses, in place; returns how
+    many were swapped (a module already swapped, or of another class, is left alone)."""
+    n = 0
+    for m in model.modules():
+        cls = SWAPS.get(type(m))
+        if cls is not None:
+            m.__class__ = cls
+            n += 1
+    return n
