@@ -96,9 +96,10 @@ class LLMEngine:
         logits = self.runner.run(batch)
         tokens, logprobs, sampling_logprobs = [], [], []
         if batch.sample_seqs:
-            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=logits.device)
+            if len(batch.sample_rows) != logits.shape[0]:  # else every row samples, in order (sample_rows ascend)
+                logits = logits[torch.tensor(batch.sample_rows, dtype=torch.long).to(logits.device, non_blocking=True)]
             tokens, logprobs, sampling_logprobs = self.sampler(
-                logits[rows], [s.params for s in batch.sample_seqs], [s.num_generated for s in batch.sample_seqs])
+                logits, [s.params for s in batch.sample_seqs], [s.num_generated for s in batch.sample_seqs])
         self.scheduler.postprocess(batch)
         now, finished = self.clock(), []
         for seq, tok, lp, slp in zip(batch.sample_seqs, tokens, logprobs, sampling_logprobs):

@@ -14,7 +14,9 @@ once. Its tokens therefore depend on nothing else in the batch and carry no gene
 after n tokens and resumed anywhere, on another engine or device, draws the same u for token n), and a batch of
 256 seeded rows costs one copy, not 256 generator launches (4.6 ms of an 18 ms decode step on an H100 before,
 bench/RESULTS.md). Rows without a seed share one draw from the engine's generator. The host waits only for the
-sampled tokens.
+sampled tokens. A batch of plain temperature sampling (no greedy row, no truncation: GRPO's rollouts) on CUDA
+runs as one Triton kernel (kernels/sample.py), which reads the logits twice instead of materialising the scaled
+logits, log-probs, probabilities and their cumulative sum over the whole vocabulary.
 
 A row whose logits are not finite (NaN or +inf anywhere, or every entry -inf: its log-softmax is NaN) samples no
 token: it gets `ERROR_TOKEN` (and NaN logprobs), and the engine finishes that request with finish_reason "error"
@@ -30,6 +32,8 @@ import torch
 ERROR_TOKEN = -1  # sampled for a row with non-finite logits: no token, the request ends with an error
 
 from engine.sampling import SamplingParams
+from kernels.dispatch import use_triton
+from kernels.sample import sample, sample_inverse_cdf
 
 
 class Sampler:
@@ -42,11 +46,15 @@ class Sampler:
                  ) -> tuple[list[int], list[float], list[float]]:
         """logits [B, V] (any float dtype; computed in fp32), each row's params and the index of the token it draws
         (its request's generated-token count) -> (tokens, logprobs, sampling_logprobs), lists of B."""
-        logits = logits.float()
         B = logits.shape[0]
         greedy = [p.greedy for p in params]
-        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=logits.device)
-        scaled = logits / temps[:, None]
+        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
+        temps = temps.to(logits.device, non_blocking=True)
+        if not any(greedy) and not any(p.truncates for p in params) and use_triton(None, logits):
+            # plain temperature sampling (GRPO's rollouts): one fused kernel, no [B, V] intermediates
+            tokens, lp = sample(logits, temps, self._uniforms(params, counters, logits.device))
+            return self._lists(tokens, lp, lp, greedy)
+        scaled = logits / temps[:, None]  # fp32 (promoted), in one pass
         logprobs = torch.log_softmax(scaled, dim=-1)
         if any(p.truncates and not g for p, g in zip(params, greedy)):
             top_k = torch.tensor([p.top_k for p in params], device=logits.device)
@@ -61,8 +69,12 @@ class Sampler:
             if any(greedy):
                 tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), tokens)
         rows = torch.arange(B, device=logits.device)
-        lp = logprobs[rows, tokens]
-        slp = sampling_logprobs[rows, tokens]
+        return self._lists(tokens, logprobs[rows, tokens], sampling_logprobs[rows, tokens], greedy)
+
+    @staticmethod
+    def _lists(tokens: torch.Tensor, lp: torch.Tensor, slp: torch.Tensor, greedy: list[bool]
+               ) -> tuple[list[int], list[float], list[float]]:
+        """The host's lists (the one wait for the device); ERROR_TOKEN where the logprob is NaN."""
         tokens_l, lp_l, slp_l = tokens.tolist(), lp.tolist(), slp.tolist()
         tokens_l = [ERROR_TOKEN if math.isnan(x) else t for t, x in zip(tokens_l, lp_l)]
         return tokens_l, lp_l, [0.0 if g else x for g, x in zip(greedy, slp_l)]
@@ -97,20 +109,6 @@ def counter_uniform(seeds: list[int], counters: list[int]) -> np.ndarray:
     h = _mix32(h ^ c)
     h = _mix32(h ^ np.uint32(0x85EBCA6B))  # a last round so that neighbouring counters differ in every bit
     return (h >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / (1 << 24))
-
-
-def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs [B, V] (unnormalised is fine), u [B] uniform in [0, 1) -> one index per row, i with probability
-    probs_i / sum(probs). Never an index of zero probability (cdf ties are skipped, rounding is clamped)."""
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    # idx lands on a token of positive probability (a zero-probability token repeats the cdf value before it, and
-    # right=True skips ties), except past the end when rounding makes u * total reach the total: those rows take
-    # their last token of positive probability instead
-    V = probs.shape[-1]
-    over = idx >= V
-    last_nonzero = V - 1 - (probs.flip(-1) > 0).int().argmax(-1) if probs.is_cuda or bool(over.any()) else idx
-    return torch.where(over, last_nonzero, idx)
 
 
 def truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

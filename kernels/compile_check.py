@@ -18,7 +18,8 @@ from typing import Any
 
 FLOATS = {"scale_log2", "eps", "inv_temp"}
 PTR_TYPES = dict(bt_ptr="i32", lens_ptr="i32", cu_q_ptr="i32", part_ptr="fp32", lse_ptr="fp32", slot_ptr="i64",
-                 tgt_ptr="i64", zt_ptr="fp32", ez_ptr="fp32", glp_ptr="fp32", gent_ptr="fp32")
+                 tgt_ptr="i64", zt_ptr="fp32", ez_ptr="fp32", glp_ptr="fp32", gent_ptr="fp32", temp_ptr="fp32",
+                 u_ptr="fp32", tok_ptr="i64", lp_ptr="fp32")
 
 
 def compile_sm90(kernel: Any, consts: dict[str, Any], num_warps: int = 4, num_stages: int = 3) -> Any:
@@ -62,6 +63,8 @@ def cases() -> list[tuple[str, Any, dict[str, Any], dict[str, int]]]:
     import kernels.triton_ops.paged_prefill as pp
     import kernels.triton_ops.rmsnorm as rn
     import kernels.triton_ops.rope as rp
+    import kernels.triton_ops.sample as sm
+    import kernels.triton_ops.swiglu as sg
     out = []
     for group, splits, window in ((2, 1, False), (4, 4, True)):  # Qwen3-0.6B and Qwen3-8B heads, D = 128
         cfg = pa.decode_config(group, 128, interpret=False)
@@ -81,6 +84,8 @@ def cases() -> list[tuple[str, Any, dict[str, Any], dict[str, int]]]:
     out.append(("logprob_grad", lp._grad_kernel, dict(HAS_ENT=True, BLOCK_V=4096), dict(num_warps=8)))
     out.append(("rms_norm", rn._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK_D=1024), dict(num_warps=4)))
     out.append(("rope", rp._rope_kernel, dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64), dict(num_warps=4)))
+    out.append(("silu_mul", sg._silu_mul_kernel, dict(BLOCK=1024), dict(num_warps=4)))
+    out.append(("sample", sm._sample_kernel, dict(BLOCK_V=4096), dict(num_warps=8)))
     return out
 
 

@@ -7,7 +7,7 @@ import torch
 
 from engine.attention import batched_decode, batched_prefill
 from engine.block_manager import BlockManager
-from engine.sampler import Sampler, counter_uniform
+from engine.sampler import Sampler, counter_uniform, sample_inverse_cdf
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import GenRequest, Sequence
@@ -233,6 +233,25 @@ def test_sampling_distribution_matches_softmax_with_truncation():
         tok = toks[0]
         assert slps[0] == pytest.approx(math.log(want[tok]), abs=1e-5)
         assert lps[0] == pytest.approx(torch.log_softmax(base / max(p.temperature, 1e-9), -1)[tok].item(), abs=1e-5)
+
+
+def test_inverse_cdf_never_picks_a_token_of_zero_probability():
+    """u at both ends of [0, 1), where u * total rounds up to the total, zero-probability tokens before, between
+    and after the positive ones, and a row with no positive probability (an error row: kept in bounds)."""
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0],
+                          [0.1, 0.0, 0.0, 0.0, 0.0, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 1e-30],
+                          [1 / 3, 1 / 3, 0.0, 1 / 3, 0.0, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    top = 1 - 2 ** -24  # the largest float32 below 1
+    for u in (0.0, 1e-8, 0.3 / 1.0, 0.5, top):
+        idx = sample_inverse_cdf(probs, torch.full((5,), u, dtype=torch.float32)).tolist()
+        assert all(probs[r, i] > 0 for r, i in enumerate(idx[:4])), (u, idx)
+        assert 0 <= idx[4] < 6
+    assert sample_inverse_cdf(probs[:1], torch.tensor([top])).item() == 3
+    assert sample_inverse_cdf(probs[:1], torch.tensor([0.0])).item() == 1
+    assert sample_inverse_cdf(probs[:1], torch.tensor([0.3 - 1e-6])).item() == 1
+    assert sample_inverse_cdf(probs[:1], torch.tensor([0.3 + 1e-6])).item() == 3
 
 
 def test_params_validation():

@@ -23,6 +23,6 @@ def test_all_kernels_compile_for_sm90_without_spills():
         pytest.skip("this triton build has no NVIDIA backend")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
-    assert len(lines) == 9, proc.stdout
-    for label in ("decode_g2_s1", "decode_g4_s4", "prefill_g2"):
+    assert len(lines) == 11, proc.stdout
+    for label in ("decode_g2_s1", "decode_g4_s4", "prefill_g2", "sample"):
         assert "spill=0 " in lines[label] or "spill=-1 " in lines[label], f"{label}: {lines[label]}"
