@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-hf-cb", action="store_true", help="skip transformers continuous batching")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--phases", action="store_true", help="also print ms per engine step in each phase")
+    p.add_argument("--unfused-baseline", action="store_true",
+                   help="also run our engine without its fused ops and sampling kernel, first, and print the ratio")
     p.add_argument("--hf-cb-deadline", type=float, default=600.0, help="seconds before continuous batching gives up")
     p.add_argument("--threads", type=int, help="torch CPU threads for both (default: torch's)")
     p.add_argument("--repeats", type=int, default=2, help="alternate engine and hf generate runs; keep each's best")
@@ -88,10 +90,13 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_engine(model, prompts, outs, args):
+def run_engine(model, prompts, outs, args, fused: bool = True):
+    """(seconds, decode bytes per second, stats) of our engine on the workload; `fused=False`: without the fused
+    model ops and sampling kernel (engine/gpu_fused.py, kernels/sample.py), the engine as it was before them."""
     pool = None if args.device == "cuda" else args.max_num_seqs * 2 * args.max_len  # CPU: room for all at full length
     eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=max(2048, args.max_num_seqs),
-                                        num_kv_tokens=pool, memory_fraction=0.5))
+                                        num_kv_tokens=pool, memory_fraction=0.5, fused_ops=fused,
+                                        fused_sampling=fused))
     eng.generate([GenRequest(p[:16], SamplingParams(temperature=0, max_new_tokens=4)) for p in prompts[:4]])  # warm-up
     reqs = [GenRequest(p, SamplingParams(temperature=1.0, max_new_tokens=o, ignore_eos=True, seed=i))
             for i, (p, o) in enumerate(zip(prompts, outs))]
@@ -136,6 +141,14 @@ def run_hf_generate(hf, prompts, outs, args):
     return time.perf_counter() - t0
 
 
+class Unfinished(TimeoutError):
+    """transformers' continuous batching still running at its deadline, having finished `done` of `total` requests:
+    its time is at least `secs`, so our engine's speed-up over it is at least `secs` / ours."""
+    def __init__(self, done: int, total: int, secs: float):
+        super().__init__(f"transformers continuous batching finished {done} of {total} requests in {secs:.0f} s")
+        self.done, self.total, self.secs = done, total, secs
+
+
 class _Errors(logging.Handler):
     """ERROR records of a logger, kept: transformers' continuous batching reports a failed step only in its log."""
     def __init__(self) -> None:
@@ -166,7 +179,7 @@ def run_hf_continuous(hf, prompts, outs, args, deadline_s: float = 600.0, stall_
     """transformers' continuous batching (what generate_batch runs), with each request's own max_new_tokens.
     Raises RuntimeError with transformers' logged error when one is followed by `stall_s` without a result (its
     generation thread can live on without making progress; some logged errors are harmless), and TimeoutError
-    naming how far it got when not done within `deadline_s`."""
+    naming how far it got (`Unfinished`: a lower bound on its time) when not done within `deadline_s`."""
     from transformers import GenerationConfig
     if not hasattr(hf, "continuous_batching_context_manager"):
         return None
@@ -187,8 +200,7 @@ def run_hf_continuous(hf, prompts, outs, args, deadline_s: float = 600.0, stall_
                     raise RuntimeError(f"transformers continuous batching failed after {done} of {len(prompts)} "
                                        f"requests: {errors.messages[0]}")
                 if time.perf_counter() > deadline:
-                    raise TimeoutError(f"transformers continuous batching finished {done} of {len(prompts)} "
-                                       f"requests in {deadline_s:.0f} s")
+                    raise Unfinished(done, len(prompts), time.perf_counter() - t0)
                 r = manager.get_result(timeout=1)
                 if r is not None:
                     last = time.perf_counter()
@@ -280,15 +292,19 @@ def main(argv=None):
     print(f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {total} output tokens, "
           f"lengths in [{args.min_len}, {args.max_len}], model {args.shape}, device {args.device}, "
           f"{torch.get_num_threads()} threads, {args.max_num_seqs} sequences at a time")
-    secs, hf_secs = float("inf"), float("inf")
+    secs, hf_secs, base_s = float("inf"), float("inf"), float("inf")
     for _ in range(args.repeats):  # alternating, best of each: shared machines are noisy
         with torch.inference_mode():
+            if args.unfused_baseline:
+                base_s = min(base_s, run_engine(ours, prompts, outs, args, fused=False)[0])
             s, bw_, snap_ = run_engine(ours, prompts, outs, args)
             if s < secs:
                 secs, decode_bw, snap = s, bw_, snap_
             if not args.skip_hf:
                 hf_secs = min(hf_secs, run_hf_generate(hf, prompts, outs, args))
     ours_tps = total / secs
+    if args.unfused_baseline:
+        print(f"engine without fused ops and sampling kernel: {total / base_s:.1f} tok/s ({base_s:.2f} s)")
     print(f"engine: {ours_tps:.1f} tok/s ({secs:.2f} s, {snap.num_steps} steps, {snap.num_preemptions} preemptions)")
     if args.device == "cuda":
         bw = copy_bandwidth("cuda")
@@ -299,12 +315,18 @@ def main(argv=None):
             ph = engine_phases(ours, prompts, outs, args)
         print("engine step phases (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
     del ours
+    if args.unfused_baseline:  # the last line when transformers is skipped
+        print(f"engine_vs_unfused: {base_s / secs:.2f}x")
     if args.skip_hf:
         return
     peers = {"hf_generate": hf_secs}
     print(f"hf generate (static batches of {args.hf_batch_size}): {total / hf_secs:.1f} tok/s ({hf_secs:.2f} s)")
     if not args.skip_hf_cb:
-        cb = run_hf_continuous(hf, prompts, outs, args, args.hf_cb_deadline)
+        try:
+            cb = run_hf_continuous(hf, prompts, outs, args, args.hf_cb_deadline)
+        except Unfinished as e:
+            cb = None
+            print(f"hf continuous batching: {e}; engine_vs_hf_continuous_batching: at least {e.secs / secs:.1f}x")
         if cb is not None:
             peers["hf_continuous_batching"] = cb
             print(f"hf continuous batching: {total / cb:.1f} tok/s ({cb:.2f} s)")

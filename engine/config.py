@@ -34,6 +34,8 @@ class EngineConfig:
     # RMSNorm (+ the residual add), rotary embedding and SwiGLU through the Triton kernels (engine/gpu_fused.py)
     # wherever the kernel dispatcher picks Triton: on CUDA, or anywhere with TIDAL_KERNELS=triton
     fused_ops: bool = True
+    # plain temperature sampling as one Triton kernel where the dispatcher picks Triton (kernels/sample.py)
+    fused_sampling: bool = True
     seed: int = 0  # the engine's generator, used by requests without their own seed
 
     def __post_init__(self) -> None:

@@ -47,7 +47,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, config)
         self.device = self.runner.device
         self.block_manager, self.scheduler = self._fresh_pool()
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.seed, fused=config.fused_sampling)
         self.eos_ids = eos_ids(model.config.eos_token_id, tokenizer)
         self.seqs: dict[RequestId, Sequence] = {}  # unfinished requests by id
         self.kept: dict[RequestId, list[int]] = {}  # blocks held for KV exported with its request (`export`)

@@ -22,7 +22,7 @@ from engine import cpu_linear
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.block_manager import cdiv
 from engine.config import EngineConfig
-from engine.gpu_fused import use_fused_gpu_ops
+from engine.gpu_fused import use_eager_ops, use_fused_gpu_ops
 from engine.scheduler import ScheduledBatch
 from kernels.dispatch import resolve_impl
 from model.attention import PackedCausal
@@ -39,6 +39,8 @@ class ModelRunner:
         self.model = model.to(self.device, self.dtype).eval()
         if config.fused_ops and (self.device.type == "cuda" or resolve_impl(None) == "triton"):
             use_fused_gpu_ops(self.model)
+        elif not config.fused_ops:  # the model may come from an engine that swapped it: eager, as configured
+            use_eager_ops(self.model)
         cfg = model.config
         self.block_size = bs = config.block_size
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings

@@ -37,8 +37,9 @@ from kernels.sample import sample, sample_inverse_cdf
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, fused: bool = True):
         self.device = device
+        self.fused = fused  # plain temperature batches through kernels/sample.py where Triton is chosen
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()
@@ -50,7 +51,7 @@ class Sampler:
         greedy = [p.greedy for p in params]
         temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
         temps = temps.to(logits.device, non_blocking=True)
-        if not any(greedy) and not any(p.truncates for p in params) and use_triton(None, logits):
+        if self.fused and not any(greedy) and not any(p.truncates for p in params) and use_triton(None, logits):
             # plain temperature sampling (GRPO's rollouts): one fused kernel, no [B, V] intermediates
             tokens, lp = sample(logits, temps, self._uniforms(params, counters, logits.device))
             return self._lists(tokens, lp, lp, greedy)

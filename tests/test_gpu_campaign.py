@@ -30,6 +30,7 @@ def test_gpu_campaign_dry_run_runs_every_section_and_reports(tmp_path):
     assert len(decode) == 3 and all(v > 0 for v in decode.values())
     assert r["kernels"]["logprob"]["memory_vs_naive"] > 0 and r["kernels"]["copy_gbs"] > 0
     assert r["engine"]["engine_tok_s"] > 0 and r["engine"]["vs_hf_cb"] > 0 and r["engine"]["roofline"] > 0
+    assert r["engine"]["vs_unfused"] > 0
     assert [m["checkpointing"] for m in r["train"]["modes"]] == [False, True]
     assert all(m["mfu"] > 0 for m in r["train"]["modes"])
     g = r["grpo_step"]
@@ -95,8 +96,9 @@ def test_transformers_continuous_batching_fails_fast_and_named(monkeypatch):
     with pytest.raises(RuntimeError, match="failed after 0 of 3 requests: Error in generation loop: size mismatch"):
         be.run_hf_continuous(HF(True), [[1], [2], [3]], [1, 1, 1], args, deadline_s=30, stall_s=0.2)
     assert be.run_hf_continuous(HF("harmless"), [[1], [2], [3]], [1, 1, 1], args, stall_s=0.2) > 0
-    with pytest.raises(TimeoutError, match="finished 0 of 3 requests in 0 s"):
+    with pytest.raises(TimeoutError, match="finished 0 of 3 requests in 0 s") as e:
         be.run_hf_continuous(HF(False), [[1], [2], [3]], [1, 1, 1], args, deadline_s=0.2)
+    assert isinstance(e.value, be.Unfinished) and (e.value.done, e.value.total) == (0, 3) and e.value.secs >= 0.2
     assert time.perf_counter() - t0 < 5
     assert logging.getLogger("ContinuousBatchingLogger").handlers == before  # the bench's handler is gone again
 
@@ -137,3 +139,20 @@ def test_train_bench_counts_the_flops_of_what_it_packs():
     pair = 4 * m.num_layers * m.num_heads * m.head_dim                       # FLOPs per causal query-key pair
     saved = 3 * 6 * (5 * 2 * dense + 5 * 5 / 2 * pair)  # 6 of the 8 prompt copies: their tokens and their pairs
     assert micro_batch_flops(m, [shared]) == pytest.approx(train_flops(m, [(5, 7)] * 8) - saved)
+
+
+def test_report_gives_a_lower_bound_when_the_peer_is_stopped_unfinished():
+    """A peer still running at its deadline took at least that long: the row says '>= x', met only when x >= 10."""
+    import bench.gpu as gpu
+    eng = dict(shape="qwen3-0.6b", prompts=256, lengths=[100, 1024], engine_tok_s=15589.0, hf_batch=64,
+               vs_hf_generate=20.0, roofline=0.52, decode_gbs=2226.0, copy_gbs=4257.0,
+               hf_cb_unfinished=dict(done=93, total=256, secs=122.0), vs_hf_cb_at_least=13.0)
+    results = {"meta": {"date": "d", "device": "dev", "torch": "t", "transformers": "x", "triton": "y",
+                        "commit": "c", "command": "cmd", "campaign_s": 1.0, "dry_run": False},
+               "sections": {"engine": {"status": "ok", "results": eng}}}
+    row = next(r for r in gpu.rows(results) if "continuous batching" in r)
+    assert ">= 13.0x" in row and "93 of 256 requests when stopped at 122 s" in row and row.endswith("| yes |")
+    assert "engine >=13.0x hf continuous batching" in gpu.headline(results)
+    eng["vs_hf_cb_at_least"] = 6.0
+    row = next(r for r in gpu.rows(results) if "continuous batching" in r)
+    assert ">= 6.0x" in row and row.endswith("| - |")

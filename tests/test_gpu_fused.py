@@ -122,6 +122,19 @@ def test_engine_with_fused_ops_generates_as_without(family_model, monkeypatch):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
 
 
+def test_fused_ops_off_gives_the_eager_model_back(family_model, monkeypatch):
+    """`fused_ops=False` is authoritative: a model an earlier engine swapped runs eager again (the bench's
+    unfused baseline reuses one model), and `fused_sampling=False` keeps the sampler off its kernel."""
+    monkeypatch.setenv("TIDAL_KERNELS", "triton")
+    model = load_model(family_model[1])
+    LLMEngine(model, EngineConfig(block_size=4, num_kv_tokens=64, max_num_seqs=2, cuda_graphs=False))
+    assert type(model) is FusedTransformer
+    eng = LLMEngine(model, EngineConfig(block_size=4, num_kv_tokens=64, max_num_seqs=2, fused_ops=False,
+                                        fused_sampling=False))
+    assert type(model).__name__ == "Transformer" and type(model.model.layers[0].mlp).__name__ == "MLP"
+    assert not eng.sampler.fused
+
+
 def test_engine_on_cpu_keeps_the_eager_model(family_model, monkeypatch):
     monkeypatch.delenv("TIDAL_KERNELS", raising=False)
     eng = LLMEngine(load_model(family_model[1]), EngineConfig(block_size=4, num_kv_tokens=64, max_num_seqs=2))
