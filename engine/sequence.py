@@ -10,8 +10,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # KVState's annotation only: this module stays importable without touching torch
+    import torch
 
 _ids = itertools.count()
 RequestId = int | str   # the caller's (the rollout worker uses the controller's int req_id); "req-N" when not given
