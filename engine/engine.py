@@ -101,12 +101,12 @@ class LLMEngine:
             tokens, logprobs, sampling_logprobs = self.sampler(
                 logits, [s.params for s in batch.sample_seqs], [s.num_generated for s in batch.sample_seqs])
         self.scheduler.postprocess(batch)
-        now, finished = self.clock(), []
+        now, finished, version = self.clock(), [], self.version
         for seq, tok, lp, slp in zip(batch.sample_seqs, tokens, logprobs, sampling_logprobs):
             if tok == ERROR_TOKEN:  # non-finite logits (engine/sampler.py): ends the request, no token appended
                 reason = "error"
             else:
-                seq.append(tok, lp, slp, self.version, now)
+                seq.append(tok, lp, slp, version, now)
                 reason = self._stop_reason(seq, tok)
             if reason is not None:
                 seq.finish_reason, seq.finish_time = reason, now
@@ -121,10 +121,10 @@ class LLMEngine:
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
+        p, n = seq.params, len(seq.token_ids)  # plain attributes: this runs for every token of every step
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             return "stop"
-        if seq.num_generated >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+        if n - seq.num_prompt_tokens >= p.max_new_tokens or n >= self.runner.max_model_len:
             return "length"
         return None
 

@@ -159,6 +159,10 @@ class Scheduler:
         return copies
 
     def _batch(self, chosen: list[tuple[Sequence, int]], copies: list, forked: dict) -> ScheduledBatch:
+        if not forked and all(n == 1 and s.num_cached_tokens + 1 == len(s.token_ids) for s, n in chosen):
+            # a pure decode step (the common one): every sequence computes its last token and samples, in order
+            seqs, rows = [s for s, _ in chosen], list(range(len(chosen)))
+            return ScheduledBatch(seqs, [1] * len(seqs), len(seqs), rows, list(seqs), list(rows), copies)
         order = [c for c in chosen if c[1] == 1] + [c for c in chosen if c[1] > 1]
         seqs, num_tokens = [c[0] for c in order], [c[1] for c in order]
         logit_indices, sample_seqs, sample_rows = [], [], []
