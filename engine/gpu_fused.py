@@ -33,7 +33,7 @@ from kernels.rmsnorm import rms_norm
 from kernels.rope import rope
 from kernels.swiglu import silu_mul
 from model.attention import AttentionBackend
-from model.transformer import MLP, Attention, Transformer
+from model.transformer import MLP, Attention, Transformer, swap_classes
 
 
 def fused(*tensors: torch.Tensor) -> bool:
@@ -89,23 +89,10 @@ SWAPS: dict[type, type] = {Transformer: FusedTransformer, Attention: FusedAttent
 
 def use_eager_ops(model: nn.Module) -> int:
     """Undo `use_fused_gpu_ops`: the swapped modules get their eager classes back; returns how many."""
-    back = {v: k for k, v in SWAPS.items()}
-    n = 0
-    for m in model.modules():
-        cls = back.get(type(m))
-        if cls is not None:
-            m.__class__ = cls
-            n += 1
-    return n
+    return swap_classes(model, {v: k for k, v in SWAPS.items()})
 
 
 def use_fused_gpu_ops(model: nn.Module) -> int:
     """Swap the model's Transformer, Attention and MLP modules to their fused subclasses, in place; returns how
     many were swapped (a module already swapped, or of another class, is left alone)."""
-    n = 0
-    for m in model.modules():
-        cls = SWAPS.get(type(m))
-        if cls is not None:
-            m.__class__ = cls
-            n += 1
-    return n
+    return swap_classes(model, SWAPS)

@@ -14,7 +14,7 @@ from torch import nn
 
 from kernels import cpu_train
 from model.rope import apply_rotary
-from model.transformer import MLP, Attention, RMSNorm
+from model.transformer import MLP, Attention, RMSNorm, swap_classes
 
 
 class FusedRMSNorm(RMSNorm):
@@ -46,10 +46,4 @@ def use_fused_cpu_ops(model: nn.Module) -> int:
     returns how many were swapped, 0 when the kernels are unavailable (the model is left as it was)."""
     if not cpu_train.available():
         return 0
-    n = 0
-    for m in model.modules():
-        cls = SWAPS.get(type(m))
-        if cls is not None:
-            m.__class__ = cls
-            n += 1
-    return n
+    return swap_classes(model, SWAPS)
