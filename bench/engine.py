@@ -53,8 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-hf-cb", action="store_true", help="skip transformers continuous batching")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--phases", action="store_true", help="also print ms per engine step in each phase")
-    p.add_argument("--unfused-baseline", action="store_true",
-                   help="also run our engine without its fused ops and sampling kernel, first, and print the ratio")
+    p.add_argument("--unfused-baseline", action="store_true", help="also run our engine without its fused ops and "
+                   "sampling kernel (alternating) and print the ratio")
     p.add_argument("--hf-cb-deadline", type=float, default=600.0, help="seconds before continuous batching gives up")
     p.add_argument("--threads", type=int, help="torch CPU threads for both (default: torch's)")
     p.add_argument("--repeats", type=int, default=2, help="alternate engine and hf generate runs; keep each's best")

@@ -42,7 +42,7 @@ from config import load_config  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.presets import preset_config  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
-from model.attention import SharedPrefixCausal  # noqa: E402
+from model.attention import PackedCausal, SharedPrefixCausal  # noqa: E402
 from rl.types import Group, Trajectory  # noqa: E402
 
 SHIPPED_ROWS_RULE = dict(SharedPrefixCausal.ROWS_MAX_PROMPT_SHARE)
@@ -135,7 +135,6 @@ def forward_flops(m: ModelConfig, tokens: int, pairs: float, trained: int) -> fl
 def micro_batch_flops(m: ModelConfig, batches: list[Any]) -> float:
     """Model FLOPs of a train step over the micro-batches the trainer packed (trainer/batch.py MicroBatch): every
     packed token once, so a shared prompt counts once per micro-batch; dummy batches (mask 0) count nothing."""
-    from model.attention import PackedCausal
     fwd = 0.0
     for b in batches:
         if not b.num_loss_tokens:

@@ -48,17 +48,16 @@ class Sampler:
         """logits [B, V] (any float dtype; computed in fp32), each row's params and the index of the token it draws
         (its request's generated-token count) -> (tokens, logprobs, sampling_logprobs), lists of B."""
         B = logits.shape[0]
-        greedy = [p.temperature == 0 for p in params]
+        greedy = [p.greedy for p in params]
         temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
         temps = temps.to(logits.device, non_blocking=True)
-        truncating = any(p.top_k > 0 or p.top_p < 1 for p in params)
-        if self.fused and use_triton(None, logits) and not any(greedy) and not truncating:
+        if self.fused and use_triton(None, logits) and not any(greedy) and not any(p.truncates for p in params):
             # plain temperature sampling (GRPO's rollouts): one fused kernel, no [B, V] intermediates
             tokens, lp = sample(logits, temps, self._uniforms(params, counters, logits.device))
             return self._lists(tokens, lp, lp, greedy)
         scaled = logits / temps[:, None]  # fp32 (promoted), in one pass
         logprobs = torch.log_softmax(scaled, dim=-1)
-        if truncating and any(p.truncates and not g for p, g in zip(params, greedy)):
+        if any(p.truncates and not g for p, g in zip(params, greedy)):
             top_k = torch.tensor([p.top_k for p in params], device=logits.device)
             top_p = torch.tensor([p.top_p for p in params], device=logits.device)
             sampling_logprobs = torch.log_softmax(truncate(scaled, top_k, top_p), dim=-1)
