@@ -8,7 +8,7 @@ paged backend (engine/attention.py) also attends to each sequence's cached prefi
 from __future__ import annotations
 
 import importlib.util
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,24 @@ class AttentionBackend(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+# Who attends to whom in a packing, as rows a kernel can read in place (kernels/cpu_attention.py): a list of tasks,
+# each a list of rows (first query token, query count, first prefix token, prefix count). Query i of a row sees
+# the whole prefix and its own row's tokens up to i; a task is the rows whose keys share tokens (a prompt's row
+# and its children's), so their key and value gradients are summed in one place.
+RowSpans = list[list[tuple[int, int, int, int]]]
+
+
+class _Derived:
+    """A backend's memo of plans derived from it by whoever runs it (built on first use, reused by every layer and
+    by the backward)."""
+
+    def derived(self, key: str, build: Callable[[], Any]) -> Any:
+        memo = self.__dict__.setdefault("_derived", {})
+        if key not in memo:
+            memo[key] = build()
+        return memo[key]
+
+
 def cu_seqlens_from_lengths(lengths: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
     lengths = torch.as_tensor(lengths, dtype=torch.int32, device=device)
     return F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
@@ -38,7 +56,7 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, device=cu_seqlens.device) - starts
 
 
-class PackedCausal:
+class PackedCausal(_Derived):
     """Causal self-attention within each of several sequences packed into one [T, ...] tensor.
 
     flash-attn's varlen kernel on CUDA when importable; otherwise the sequences are scattered into a padded
@@ -50,6 +68,7 @@ class PackedCausal:
         self.cu_seqlens = cu_seqlens.to(torch.int32)
         self.lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         self.max_seqlen = max(self.lengths) if self.lengths else 0
+        self.num_tokens = sum(self.lengths)
         self.scale = scale
         self._index: torch.Tensor | None = None
 
@@ -65,6 +84,11 @@ class PackedCausal:
             pos = positions_from_cu_seqlens(self.cu_seqlens.to(device))
             self._index = seq * self.max_seqlen + pos
         return self._index
+
+    def row_spans(self) -> RowSpans:
+        """Each sequence a row of its own task, no prefix."""
+        starts = self.cu_seqlens[:-1].tolist()
+        return [[(s, n, 0, 0)] for s, n in zip(starts, self.lengths) if n]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
@@ -86,7 +110,7 @@ class PackedCausal:
         return out.transpose(1, 2).reshape(B * L, *q.shape[1:]).index_select(0, idx)
 
 
-class SharedPrefixCausal:
+class SharedPrefixCausal(_Derived):
     """Causal attention over a prefix-shared packing: a GRPO group's G samples share one prompt, which is laid out
     (and run through the model's projections and MLPs) once instead of G times.
 
@@ -115,6 +139,8 @@ class SharedPrefixCausal:
         208.1 / 168.6 at P = 256 (the mask's own cost repays the rows' excess up to about P = R / 4).
       * CUDA, 1.0, an assumption from the pair counts, not yet measured: a causal flash kernel computes half of a
         row's (P + R)^2 pairs, and (P + R)^2 / 2 <= R (P + R) while P <= R.
+    The trainer's swapped model on CPU (fp32) takes neither way: `row_spans()` gives kernels/cpu_attention.py the
+    same rows without a copy, a prompt's queries once (trainer/cpu_fused.py).
     """
 
     ROWS_MAX_PROMPT_SHARE = {"cpu": 0.25, "cuda": 1.0}
@@ -127,6 +153,7 @@ class SharedPrefixCausal:
             raise ValueError("child_family must name a family for each child")
         self.prompt_lengths, self.child_lengths, self.child_family = prompt_lengths, child_lengths, child_family
         self.num_prompt_tokens = sum(prompt_lengths)
+        self.num_tokens = self.num_prompt_tokens + sum(child_lengths)
         kids = [c for c, n in enumerate(child_lengths) if n]
         alone = sorted(set(range(len(prompt_lengths))) - {child_family[c] for c in kids})
         # (family, child or -1) of each row: the children with tokens, then the families that have none
@@ -164,6 +191,17 @@ class SharedPrefixCausal:
             self._plans[padded] = (torch.tensor(src, dtype=torch.long, device=device),
                                    torch.tensor(out_pos, dtype=torch.long, device=device))
         return self._plans[padded]
+
+    def row_spans(self) -> RowSpans:
+        """A task per family: its prompt's row (causal, computed once), then a row per child with tokens, whose
+        prefix is that prompt (no copy, no query computed twice)."""
+        pstart = cu_seqlens_from_lengths(self.prompt_lengths).tolist()
+        cstart = (cu_seqlens_from_lengths(self.child_lengths) + self.num_prompt_tokens).tolist()
+        tasks: RowSpans = [[(pstart[f], n, 0, 0)] for f, n in enumerate(self.prompt_lengths)]
+        for c, (n, f) in enumerate(zip(self.child_lengths, self.child_family)):
+            if n:
+                tasks[f].append((cstart[c], n, pstart[f], self.prompt_lengths[f]))
+        return tasks
 
     def use_rows(self, device: torch.device) -> bool:
         """Whether the rows (else the masked call) attend on this device (see the class docstring)."""

@@ -30,8 +30,13 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def _attend(attn: AttentionBackend, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return attn(layer, q, k, v)
+
+
 class Attention(nn.Module):
     rotate = staticmethod(apply_rotary)  # the rotary embedding of q and k (a trainer may swap in a fused one)
+    attend = staticmethod(_attend)       # q, k, v through the backend (a trainer may swap in a fused kernel)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -53,7 +58,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-        out = attn(self.layer, q, k, v)
+        out = self.attend(attn, self.layer, q, k, v)
         return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
 
 

@@ -1,10 +1,11 @@
 """The trainer's model on CPU computes SwiGLU, RMSNorm and the rotary embedding with fused kernels
-(kernels/cpu_train.py), applied from outside like the engine's packed linears (engine/cpu_linear.py): the model
+(kernels/cpu_train.py), and its causal attention with one C kernel each way (kernels/cpu_attention.py, for the
+packings whose backend lists its rows: `row_spans`), applied from outside like the engine's packed linears (engine/cpu_linear.py): the model
 stays a plain `nn.Module` with its Hugging Face parameters and state dict; `use_fused_cpu_ops(model)` swaps the
 class of each `RMSNorm`, `MLP` and `Attention` module for a subclass whose forward calls the fused op when its
 tensors are fp32 on the CPU and the eager one otherwise (so the same modules still run anywhere). Same values to
-fp32 rounding; the long vs-TRL job's train step (256 x 268 tokens, one thread) 1.62-1.69 -> 1.30-1.39 s
-(bench/RESULTS.md). The swap changes the caller's model in place: the trainer owns it from then on.
+fp32 rounding; the long vs-TRL job's train step (256 x 268 tokens, one thread) 1.62-1.69 -> 1.30-1.39 s with
+the element-wise kernels, 1.20-1.25 -> 0.94-0.97 s with the attention kernel (bench/RESULTS.md). The swap changes the caller's model in place: the trainer owns it from then on.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_train
+from kernels import cpu_attention, cpu_train
+from model.attention import AttentionBackend
 from model.rope import apply_rotary
 from model.transformer import MLP, Attention, RMSNorm, swap_classes
 
@@ -34,8 +36,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return cpu_train.rotary(x, cos, sin) if cpu_train.fused(x, cos, sin) else apply_rotary(x, cos, sin)
 
 
+def _attend(attn: AttentionBackend, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The packing's rows through the C kernel when the backend can say them (`row_spans`), else its own call."""
+    spans = getattr(attn, "row_spans", None)
+    if spans is None or not cpu_attention.fused(q, k, v):
+        return attn(layer, q, k, v)
+    plan = attn.derived("cpu_rows", lambda: cpu_attention.CausalRows.build(spans(), q.shape[0]))
+    return cpu_attention.causal_rows_attention(q, k, v, plan, attn.scale)
+
+
 class FusedAttention(Attention):
     rotate = staticmethod(_rotate)
+    attend = staticmethod(_attend)
 
 
 SWAPS: dict[type, type] = {RMSNorm: FusedRMSNorm, MLP: FusedMLP, Attention: FusedAttention}

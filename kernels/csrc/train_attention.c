@@ -1,0 +1,421 @@
+/* Causal self-attention of the trainer on CPU, forward and backward, over packed rows (kernels/cpu_attention.py).
+ *
+ * Layout: q, o, dq, do [T, Hq, D]; k, v, dk, dv [T, Hkv, D]; lse [T, Hq]; fp32, contiguous. Hq a multiple of Hkv
+ * (GQA: query head h reads kv head h / (Hq / Hkv)). rows [R, 4] int64: a row is the query tokens
+ * [qs, qs + nq) of the packed tensors; it attends to every token of a prefix [ps, ps + np) (np may be 0) and
+ * causally to its own tokens, so query i of the row sees np + i + 1 keys. A packed causal sequence is a row with
+ * no prefix; a GRPO child is a row whose prefix is its group's one copy of the prompt, whose own row (no prefix)
+ * computes the prompt's queries once (model/attention.py SharedPrefixCausal). tasks [ntasks + 1]: task t is rows
+ * [tasks[t], tasks[t + 1]). The caller guarantees (cpu_attention.CausalRows checks): every token is the query of
+ * exactly one row, and a row's prefix tokens are queries of rows of its own task.
+ *
+ * One work item = one task x one kv head, over OpenMP threads: its rows in order, the query heads of the kv head in
+ * order. Keys and values of the row, transposed into a [D][L16] scratch, give the scores of 16 keys in one
+ * vector per head dimension (no reduction across lanes); then softmax (exp of non-positive arguments,
+ * exp_nonpos.h) and the probability-weighted sum of V rows in registers. The backward recomputes the scores from
+ * the saved log-sum-exp (FlashAttention-2's recurrence, one query at a time): dq in registers, the row's dk and dv
+ * summed in a [L][D] scratch and added to the task's tokens after the row. A key's gradient is summed inside its
+ * own task only, in that fixed order, so results do not depend on the thread count. A NaN score or an infinite
+ * maximum makes the query's output and lse NaN (as softmax would).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "exp_nonpos.h"
+
+#pragma GCC target("prefer-vector-width=512")
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    int64_t qs, nq, ps, np;
+} Row;
+
+/* Queries of a row computed together: they share every load of a key, a value and a key's gradient. */
+#define QB 4
+
+/* The row's keys (prefix, then its own tokens) of kv head g transposed to dst[d * L16 + j], zero past L. */
+INLINE void transpose_keys(const float *restrict src, float *restrict dst, const Row *r, int64_t Hkv, int64_t g,
+                           const int64_t D, int64_t L16) {
+    const int64_t L = r->np + r->nq;
+    for (int64_t j = 0; j < L; j++) {
+        const int64_t tok = j < r->np ? r->ps + j : r->qs + j - r->np;
+        const float *restrict x = src + (tok * Hkv + g) * D;
+        for (int64_t d = 0; d < D; d++) dst[d * L16 + j] = x[d];
+    }
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t j = L; j < L16; j++) dst[d * L16 + j] = 0.0f;
+}
+
+/* s[u * L16 + j] = sum_d x[u * D + d] * kT[d * L16 + j] for the QB rows x and j < nb (a multiple of 16): 16 keys
+ * per vector, two vectors a step, so eight independent sums hide the multiply-add's latency. */
+INLINE void scores(const float *restrict x, const float *restrict kT, float *restrict s, int64_t nb, const int64_t D,
+                   int64_t L16) {
+    int64_t jb = 0;
+    for (; jb + 32 <= nb; jb += 32) {
+        v16 a[2][QB];
+        for (int u = 0; u < QB; u++) a[0][u] = a[1][u] = (v16){0};
+        for (int64_t d = 0; d < D; d++) {
+            const v16 k0 = *(const v16 *)(kT + d * L16 + jb), k1 = *(const v16 *)(kT + d * L16 + jb + 16);
+            for (int u = 0; u < QB; u++) {
+                a[0][u] += x[u * D + d] * k0;
+                a[1][u] += x[u * D + d] * k1;
+            }
+        }
+        for (int u = 0; u < QB; u++) {
+            *(v16 *)(s + u * L16 + jb) = a[0][u];
+            *(v16 *)(s + u * L16 + jb + 16) = a[1][u];
+        }
+    }
+    if (jb < nb) {
+        v16 a[QB];
+        for (int u = 0; u < QB; u++) a[u] = (v16){0};
+        for (int64_t d = 0; d < D; d++) {
+            const v16 k0 = *(const v16 *)(kT + d * L16 + jb);
+            for (int u = 0; u < QB; u++) a[u] += x[u * D + d] * k0;
+        }
+        for (int u = 0; u < QB; u++) *(v16 *)(s + u * L16 + jb) = a[u];
+    }
+}
+
+/* Head dims that take 16-lane vectors held in registers (the compiler otherwise vectorises the loops over keys,
+ * with scalar loads, and keeps the accumulators in memory). */
+#define VEC(D) ((D) % 16 == 0 && (D) <= 128)
+
+/* out[u][0..D) += sum_{j < lim[u]} w[u * L16 + j] * x_j for the QB queries, x_j the rows of tokens from tok0
+ * (stride floats apart); w and out advanced to the segment by the caller. A query never multiplies a key past its
+ * own (a zero weight times a non-finite value would still be NaN). */
+INLINE void weighted_sum(float *restrict out, const float *restrict w, int64_t L16, const float *restrict base,
+                         int64_t tok0, const int64_t *lim, int64_t stride, const int64_t D) {
+    int64_t all = lim[0], n = lim[0];
+    for (int u = 1; u < QB; u++) {
+        all = lim[u] < all ? lim[u] : all;
+        n = lim[u] > n ? lim[u] : n;
+    }
+    if (VEC(D)) {
+        const int64_t C = D / 16;
+        v16 a[QB][8];
+        for (int u = 0; u < QB; u++)
+            for (int64_t c = 0; c < C; c++) a[u][c] = *(const v16u *)(out + u * D + 16 * c);
+        for (int64_t j = 0; j < all; j++) {
+            const float *restrict x = base + (tok0 + j) * stride;
+            for (int64_t c = 0; c < C; c++) {
+                const v16 xv = *(const v16u *)(x + 16 * c);
+                for (int u = 0; u < QB; u++) a[u][c] += w[u * L16 + j] * xv;
+            }
+        }
+        for (int64_t j = all; j < n; j++) {
+            const float *restrict x = base + (tok0 + j) * stride;
+            for (int64_t c = 0; c < C; c++)
+                for (int u = 0; u < QB; u++)
+                    if (j < lim[u]) a[u][c] += w[u * L16 + j] * *(const v16u *)(x + 16 * c);
+        }
+        for (int u = 0; u < QB; u++)
+            for (int64_t c = 0; c < C; c++) *(v16u *)(out + u * D + 16 * c) = a[u][c];
+    } else {
+        for (int64_t j = 0; j < n; j++)
+            for (int u = 0; u < QB; u++)
+                if (j < lim[u])
+                    for (int64_t d = 0; d < D; d++) out[u * D + d] += w[u * L16 + j] * base[(tok0 + j) * stride + d];
+    }
+}
+
+INLINE void backward_key(v16 a[QB][8], int all, const float *restrict p, const float *restrict ds, int64_t L16,
+                         int64_t j, const int64_t *lim, const float *restrict x, float *restrict dkj,
+                         float *restrict dvj, const v16 *qr, const v16 *dr, const int64_t C) {
+    for (int64_t c = 0; c < C; c++) {
+        const v16 xv = *(const v16u *)(x + 16 * c);
+        v16 gk = *(const v16u *)(dkj + 16 * c), gv = *(const v16u *)(dvj + 16 * c);
+        for (int u = 0; u < QB; u++) {
+            if (all || j < lim[u]) a[u][c] += ds[u * L16 + j] * xv;   /* (0 * a non-finite key is NaN) */
+            gk += ds[u * L16 + j] * qr[u * 8 + c];
+            gv += p[u * L16 + j] * dr[u * 8 + c];
+        }
+        *(v16u *)(dkj + 16 * c) = gk;
+        *(v16u *)(dvj + 16 * c) = gv;
+    }
+}
+
+/* For the keys (rows of k from tok0) with the QB queries' probabilities p and score gradients ds (rows L16 apart,
+ * advanced to the segment; zero from a query's lim[u] on): dq[u] += sum_{j < lim[u]} ds[u][j] k_j, and each key's
+ * dkr_j += sum_u ds[u][j] qv[u], dvr_j += sum_u p[u][j] dout[u]. */
+INLINE void backward_keys(float *restrict dq, const float *restrict p, const float *restrict ds, int64_t L16,
+                          const float *restrict base, int64_t tok0, const int64_t *lim, int64_t stride,
+                          float *restrict dkr, float *restrict dvr, const float *restrict qv,
+                          const float *restrict dout, const int64_t D) {
+    int64_t all = lim[0], n = lim[0];
+    for (int u = 1; u < QB; u++) {
+        all = lim[u] < all ? lim[u] : all;
+        n = lim[u] > n ? lim[u] : n;
+    }
+    if (VEC(D)) {
+        const int64_t C = D / 16;
+        v16 a[QB][8], qr[QB * 8], dr[QB * 8];
+        for (int u = 0; u < QB; u++)
+            for (int64_t c = 0; c < C; c++) {
+                a[u][c] = *(const v16u *)(dq + u * D + 16 * c);
+                qr[u * 8 + c] = *(const v16u *)(qv + u * D + 16 * c);
+                dr[u * 8 + c] = *(const v16u *)(dout + u * D + 16 * c);
+            }
+        for (int64_t j = 0; j < all; j++)
+            backward_key(a, 1, p, ds, L16, j, lim, base + (tok0 + j) * stride, dkr + j * D, dvr + j * D, qr, dr, C);
+        for (int64_t j = all; j < n; j++)
+            backward_key(a, 0, p, ds, L16, j, lim, base + (tok0 + j) * stride, dkr + j * D, dvr + j * D, qr, dr, C);
+        for (int u = 0; u < QB; u++)
+            for (int64_t c = 0; c < C; c++) *(v16u *)(dq + u * D + 16 * c) = a[u][c];
+    } else {
+        for (int64_t j = 0; j < n; j++)
+            for (int u = 0; u < QB; u++)
+                for (int64_t d = 0; d < D; d++) {
+                    if (j < lim[u]) dq[u * D + d] += ds[u * L16 + j] * base[(tok0 + j) * stride + d];
+                    dkr[j * D + d] += ds[u * L16 + j] * qv[u * D + d];
+                    dvr[j * D + d] += p[u * L16 + j] * dout[u * D + d];
+                }
+    }
+}
+
+/* Query u of the block starting at ib: the row's query min(ib + u, nq - 1) (a block past the row's end repeats
+ * its last query, computed and not stored). */
+INLINE int64_t block_query(const Row *r, int64_t ib, int u) {
+    return ib + u < r->nq ? ib + u : r->nq - 1;
+}
+
+INLINE void row_fwd(const float *restrict q, const float *restrict k, const float *restrict v, float *restrict o,
+                    float *restrict lse, const Row *r, int64_t Hq, int64_t Hkv, int64_t g, const int64_t D, float scale,
+                    float *restrict kT, float *restrict s, float *restrict qv, float *restrict acc) {
+    const int64_t L = r->np + r->nq, L16 = (L + 15) & ~(int64_t)15, rep = Hq / Hkv, stride = Hkv * D;
+    transpose_keys(k, kT, r, Hkv, g, D, L16);
+    for (int64_t hh = 0; hh < rep; hh++) {
+        const int64_t h = g * rep + hh;
+        for (int64_t ib = 0; ib < r->nq; ib += QB) {
+            const int64_t nmax = r->np + block_query(r, ib, QB - 1) + 1, nb = (nmax + 15) & ~(int64_t)15;
+            for (int u = 0; u < QB; u++) {
+                const float *restrict qi = q + ((r->qs + block_query(r, ib, u)) * Hq + h) * D;
+                for (int64_t d = 0; d < D; d++) qv[u * D + d] = qi[d] * scale;
+            }
+            scores(qv, kT, s, nb, D, L16);
+            float m[QB], l[QB];
+            for (int u = 0; u < QB; u++) {
+                float *restrict su = s + u * L16;
+                const int64_t n = r->np + block_query(r, ib, u) + 1;
+                float mu = -INFINITY, lu = 0.0f;   /* whole vectors: keys from n on count as -inf */
+#pragma omp simd reduction(max : mu)
+                for (int64_t j = 0; j < nb; j++) mu = j < n && su[j] > mu ? su[j] : mu;
+#pragma omp simd reduction(+ : lu)
+                for (int64_t j = 0; j < nb; j++) {
+                    const float p = j < n ? exp_nonpos(su[j] - mu) : 0.0f;   /* NaN for a NaN score, and for
+                                                                                 every one if mu is NaN or inf */
+                    su[j] = p;
+                    lu += p;
+                }
+                m[u] = mu;
+                l[u] = lu;
+                for (int64_t d = 0; d < D; d++) acc[u * D + d] = 0.0f;
+            }
+            int64_t pre[QB], own[QB];   /* keys each query sees: the whole prefix, its row up to itself */
+            for (int u = 0; u < QB; u++) {
+                pre[u] = r->np;
+                own[u] = block_query(r, ib, u) + 1;
+            }
+            weighted_sum(acc, s, L16, v + g * D, r->ps, pre, stride, D);
+            weighted_sum(acc, s + r->np, L16, v + g * D, r->qs, own, stride, D);
+            for (int u = 0; u < QB && ib + u < r->nq; u++) {
+                const int64_t t = r->qs + ib + u;
+                float *restrict oi = o + (t * Hq + h) * D;
+                const int bad = l[u] != l[u] || isinf(m[u]);
+                const float inv = 1.0f / l[u];
+                for (int64_t d = 0; d < D; d++) oi[d] = bad ? NAN : acc[u * D + d] * inv;
+                lse[t * Hq + h] = bad ? NAN : m[u] + logf(l[u]);
+            }
+        }
+    }
+}
+
+INLINE void row_bwd(const float *restrict q, const float *restrict k, const float *restrict v,
+                    const float *restrict o, const float *restrict dout, const float *restrict lse,
+                    float *restrict dq, float *restrict dk, float *restrict dv, const Row *r, int64_t Hq, int64_t Hkv,
+                    int64_t g, const int64_t D, float scale, float *restrict kT, float *restrict vT,
+                    float *restrict s, float *restrict dp, float *restrict qv, float *restrict dov,
+                    float *restrict acc, float *restrict dkr, float *restrict dvr) {
+    const int64_t L = r->np + r->nq, L16 = (L + 15) & ~(int64_t)15, rep = Hq / Hkv, stride = Hkv * D;
+    transpose_keys(k, kT, r, Hkv, g, D, L16);
+    transpose_keys(v, vT, r, Hkv, g, D, L16);
+    memset(dkr, 0, (size_t)(L * D) * sizeof(float));
+    memset(dvr, 0, (size_t)(L * D) * sizeof(float));
+    for (int64_t hh = 0; hh < rep; hh++) {
+        const int64_t h = g * rep + hh;
+        for (int64_t ib = 0; ib < r->nq; ib += QB) {
+            const int64_t nmax = r->np + block_query(r, ib, QB - 1) + 1, nb = (nmax + 15) & ~(int64_t)15;
+            float delta[QB], li[QB];
+            for (int u = 0; u < QB; u++) {   /* a repeated query gets a zero output gradient: it adds nothing */
+                const int64_t t = r->qs + block_query(r, ib, u);
+                const float *restrict qi = q + (t * Hq + h) * D, *restrict oi = o + (t * Hq + h) * D;
+                const float *restrict doi = dout + (t * Hq + h) * D;
+                const float live = ib + u < r->nq ? 1.0f : 0.0f;
+                float dl = 0.0f;
+                for (int64_t d = 0; d < D; d++) {
+                    qv[u * D + d] = qi[d] * scale;
+                    dov[u * D + d] = doi[d] * live;
+                    dl += dov[u * D + d] * oi[d];
+                    acc[u * D + d] = 0.0f;
+                }
+                delta[u] = dl;
+                li[u] = lse[t * Hq + h];
+            }
+            scores(qv, kT, s, nb, D, L16);
+            scores(dov, vT, dp, nb, D, L16);
+            for (int u = 0; u < QB; u++) {   /* s: probabilities, dp: the scores' gradients */
+                float *restrict su = s + u * L16, *restrict du = dp + u * L16;
+                const int64_t n = r->np + block_query(r, ib, u) + 1;
+                const float lu = li[u], de = delta[u];
+#pragma omp simd
+                for (int64_t j = 0; j < nb; j++) {   /* whole vectors: keys from n on get zeros */
+                    const float x = su[j] - lu, p = j < n ? exp_nonpos(x > 0.0f ? 0.0f : x) : 0.0f;   /* x > 0
+                                                                                        only by rounding */
+                    su[j] = p;
+                    du[j] = j < n ? p * (du[j] - de) : 0.0f;
+                }
+            }
+            int64_t pre[QB], own[QB];
+            for (int u = 0; u < QB; u++) {
+                pre[u] = r->np;
+                own[u] = block_query(r, ib, u) + 1;
+            }
+            backward_keys(acc, s, dp, L16, k + g * D, r->ps, pre, stride, dkr, dvr, qv, dov, D);
+            backward_keys(acc, s + r->np, dp + r->np, L16, k + g * D, r->qs, own, stride, dkr + r->np * D,
+                          dvr + r->np * D, qv, dov, D);
+            for (int u = 0; u < QB && ib + u < r->nq; u++) {
+                float *restrict dqi = dq + ((r->qs + ib + u) * Hq + h) * D;
+                for (int64_t d = 0; d < D; d++) dqi[d] = acc[u * D + d] * scale;
+            }
+        }
+    }
+    for (int64_t j = 0; j < L; j++) {
+        const int64_t tok = j < r->np ? r->ps + j : r->qs + j - r->np;
+        float *restrict a = dk + (tok * Hkv + g) * D, *restrict b = dv + (tok * Hkv + g) * D;
+        for (int64_t d = 0; d < D; d++) {
+            a[d] += dkr[j * D + d];
+            b[d] += dvr[j * D + d];
+        }
+    }
+}
+
+static int64_t max_len(const Row *rows, int64_t nrows) {
+    int64_t m = 1;
+    for (int64_t i = 0; i < nrows; i++) m = rows[i].np + rows[i].nq > m ? rows[i].np + rows[i].nq : m;
+    return (m + 15) & ~(int64_t)15;
+}
+
+static float *scratch(int64_t n) {
+    return (float *)aligned_alloc(64, (size_t)(((n * (int64_t)sizeof(float)) + 63) & ~(int64_t)63));
+}
+
+#define FWD_CASE(DD) fwd_task(q, k, v, o, lse, rows, tasks, t, Hq, Hkv, g, DD, scale, kT, s, qv, acc)
+#define BWD_CASE(DD) bwd_task(q, k, v, o, dout, lse, dq, dk, dv, rows, tasks, t, Hq, Hkv, g, DD, scale, kT, vT, s, \
+                              dp, qv, dov, acc, dkr, dvr)
+
+INLINE void fwd_task(const float *q, const float *k, const float *v, float *o, float *lse, const Row *rows,
+                     const int64_t *tasks, int64_t t, int64_t Hq, int64_t Hkv, int64_t g, const int64_t D, float scale,
+                     float *kT, float *s, float *qv, float *acc) {
+    for (int64_t ri = tasks[t]; ri < tasks[t + 1]; ri++)
+        row_fwd(q, k, v, o, lse, rows + ri, Hq, Hkv, g, D, scale, kT, s, qv, acc);
+}
+
+INLINE void bwd_task(const float *q, const float *k, const float *v, const float *o, const float *dout,
+                     const float *lse, float *dq, float *dk, float *dv, const Row *rows, const int64_t *tasks,
+                     int64_t t, int64_t Hq, int64_t Hkv, int64_t g, const int64_t D, float scale, float *kT, float *vT,
+                     float *s, float *dp, float *qv, float *dov, float *acc, float *dkr, float *dvr) {
+    for (int64_t ri = tasks[t]; ri < tasks[t + 1]; ri++) {   /* the task's keys start from zero */
+        const Row *r = rows + ri;
+        for (int64_t i = 0; i < r->nq; i++) {
+            memset(dk + ((r->qs + i) * Hkv + g) * D, 0, (size_t)D * sizeof(float));
+            memset(dv + ((r->qs + i) * Hkv + g) * D, 0, (size_t)D * sizeof(float));
+        }
+    }
+    for (int64_t ri = tasks[t]; ri < tasks[t + 1]; ri++)
+        row_bwd(q, k, v, o, dout, lse, dq, dk, dv, rows + ri, Hq, Hkv, g, D, scale, kT, vT, s, dp, qv, dov, acc, dkr,
+                dvr);
+}
+
+/* Returns 0, or -1 when scratch memory could not be had. */
+int attention_fwd(const float *q, const float *k, const float *v, float *o, float *lse, const int64_t *row_data,
+                  int64_t nrows, const int64_t *tasks, int64_t ntasks, int64_t Hq, int64_t Hkv, int64_t D,
+                  float scale, int nt) {
+    const Row *rows = (const Row *)row_data;
+    const int64_t L16 = max_len(rows, nrows);
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        float *kT = scratch(D * L16), *s = scratch(QB * L16), *qv = scratch(QB * D), *acc = scratch(QB * D);
+        if (!kT || !s || !qv || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < ntasks * Hkv; item++) {
+                const int64_t t = item / Hkv, g = item % Hkv;
+                switch (D) {
+                case 16: FWD_CASE(16); break;
+                case 32: FWD_CASE(32); break;
+                case 64: FWD_CASE(64); break;
+                case 128: FWD_CASE(128); break;
+                default: FWD_CASE(D);
+                }
+            }
+        }
+        free(kT);
+        free(s);
+        free(qv);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
+
+int attention_bwd(const float *q, const float *k, const float *v, const float *o, const float *dout,
+                  const float *lse, float *dq, float *dk, float *dv, const int64_t *row_data, int64_t nrows,
+                  const int64_t *tasks, int64_t ntasks, int64_t Hq, int64_t Hkv, int64_t D, float scale, int nt) {
+    const Row *rows = (const Row *)row_data;
+    const int64_t L16 = max_len(rows, nrows);
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        float *kT = scratch(D * L16), *vT = scratch(D * L16), *s = scratch(QB * L16), *dp = scratch(QB * L16);
+        float *qv = scratch(QB * D), *dov = scratch(QB * D), *acc = scratch(QB * D);
+        float *dkr = scratch(L16 * D), *dvr = scratch(L16 * D);
+        if (!kT || !vT || !s || !dp || !qv || !dov || !acc || !dkr || !dvr) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < ntasks * Hkv; item++) {
+                const int64_t t = item / Hkv, g = item % Hkv;
+                switch (D) {
+                case 16: BWD_CASE(16); break;
+                case 32: BWD_CASE(32); break;
+                case 64: BWD_CASE(64); break;
+                case 128: BWD_CASE(128); break;
+                default: BWD_CASE(D);
+                }
+            }
+        }
+        free(kT);
+        free(vT);
+        free(s);
+        free(dp);
+        free(qv);
+        free(dov);
+        free(acc);
+        free(dkr);
+        free(dvr);
+    }
+    return failed ? -1 : 0;
+}
