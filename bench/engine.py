@@ -92,7 +92,7 @@ def sync(device):
 
 def run_engine(model, prompts, outs, args, fused: bool = True):
     """(seconds, decode bytes per second, stats) of our engine on the workload; `fused=False`: without the fused
-    model ops and sampling kernel (engine/gpu_fused.py, kernels/sample.py), the engine as it was before them."""
+    model ops and sampling kernel (engine/fused.py, kernels/sample.py), the engine as it was before them."""
     pool = None if args.device == "cuda" else args.max_num_seqs * 2 * args.max_len  # CPU: room for all at full length
     eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=max(2048, args.max_num_seqs),
                                         num_kv_tokens=pool, memory_fraction=0.5, fused_ops=fused,

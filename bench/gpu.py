@@ -521,7 +521,7 @@ def rows(results: dict[str, Any]) -> list[str]:
                    f"batches of {r.get('hf_batch', r['prompts'])}: {_f(r['vs_hf_generate'], '.1f')}x) | >= 10x | "
                    f"{_met(met)} |")
         if r.get("vs_unfused") is not None:
-            out.append(f"| engine vs itself without the fused ops and sampling kernel (engine/gpu_fused.py, "
+            out.append(f"| engine vs itself without the fused ops and sampling kernel (engine/fused.py, "
                        f"kernels/sample.py), same workload | {r['vs_unfused']:.2f}x ({r['unfused_s']:.1f} -> "
                        f"{r['engine_s']:.1f} s) | - | - |")
         out.append(f"| engine decode steps: weights + KV read per second vs copy bandwidth | {_f(r['roofline'])} "

@@ -31,8 +31,8 @@ class EngineConfig:
     # nothing to repack per load; batch-invariant either way)
     cpu_packed_linear: bool = True
     cpu_packed_min_weight: int = 1 << 20
-    # RMSNorm (+ the residual add), rotary embedding and SwiGLU through the Triton kernels (engine/gpu_fused.py)
-    # wherever the kernel dispatcher picks Triton: on CUDA, or anywhere with TIDAL_KERNELS=triton
+    # RMSNorm (+ the residual add), rotary embedding and SwiGLU as one kernel each (engine/fused.py): Triton where
+    # the kernel dispatcher picks it (CUDA, or anywhere with TIDAL_KERNELS=triton), C for fp32 on the CPU
     fused_ops: bool = True
     # plain temperature sampling as one Triton kernel where the dispatcher picks Triton (kernels/sample.py)
     fused_sampling: bool = True

@@ -3,11 +3,11 @@
 Owns the KV pool (one [num_blocks, block_size, Hkv, D] K and V tensor per layer), sized from the config or from free
 GPU memory, and a block-table tensor with one row per running seat, kept in sync incrementally (a sequence's row is
 only rewritten from the first entry that changed). All batch tensors are built with a handful of vectorised ops on
-the host and moved to the device once. Logits are computed only for the last token of sequences that sample. On
-CUDA, the model's norms, rotary embedding and SwiGLU run as Triton kernels (engine/gpu_fused.py) and pure-decode
-steps replay CUDA graphs captured per batch-size bucket (engine/cuda_graphs.py). On CPU in fp32, the
-Linear layers run through oneDNN on pre-packed weights (engine/cpu_linear.py) and attention through the C kernel
-of kernels/cpu_native.py.
+the host and moved to the device once. Logits are computed only for the last token of sequences that sample. The
+model's norms (with the residual adds), rotary embedding and SwiGLU run as one kernel each (engine/fused.py):
+Triton on CUDA, C on the CPU in fp32. On CUDA pure-decode steps replay CUDA graphs captured per batch-size bucket
+(engine/cuda_graphs.py). On CPU in fp32, the Linear layers run through oneDNN on pre-packed weights
+(engine/cpu_linear.py) and attention through the C kernel of kernels/cpu_native.py.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from engine import cpu_linear
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.block_manager import cdiv
 from engine.config import EngineConfig
-from engine.gpu_fused import use_eager_ops, use_fused_gpu_ops
+from engine.fused import has_kernels, use_eager_ops, use_fused_ops
 from engine.scheduler import ScheduledBatch
 from kernels.dispatch import resolve_impl
 from model.attention import PackedCausal
@@ -37,8 +37,9 @@ class ModelRunner:
         self.device = torch.device(config.device) if config.device is not None else next(model.parameters()).device
         self.dtype = config.dtype or next(model.parameters()).dtype
         self.model = model.to(self.device, self.dtype).eval()
-        if config.fused_ops and (self.device.type == "cuda" or resolve_impl(None) == "triton"):
-            use_fused_gpu_ops(self.model)
+        if config.fused_ops and (self.device.type == "cuda" or resolve_impl(None) == "triton"
+                                 or has_kernels(self.device, self.dtype)):
+            use_fused_ops(self.model)
         elif not config.fused_ops:  # the model may come from an engine that swapped it: eager, as configured
             use_eager_ops(self.model)
         cfg = model.config

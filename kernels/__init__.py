@@ -8,8 +8,8 @@ num_kv_heads, head_dim]. A token's slot is block_id * block_size + offset; slot 
   paged_prefill.py    paged_prefill (extend attention over a paged prefix; flash-attn when importable)
   kv_cache.py         write_kv (scatter new K/V by slot mapping)
   logprobs.py         token_logprobs (chunked logprob + entropy from hidden states, an autograd Function)
-  rmsnorm.py, rope.py rms_norm (+ residual), rope (q and k) for the engine's GPU path (engine/gpu_fused.py)
-  swiglu.py           silu_mul (SwiGLU's silu(gate) * up), the engine's GPU path too
+  rmsnorm.py, rope.py rms_norm (+ residual), rope (q and k) for the engine (engine/fused.py): Triton or C
+  swiglu.py           silu_mul (SwiGLU's silu(gate) * up), the engine's too
   dispatch.py         the implementation choice (impl / TIDAL_KERNELS)
   triton_ops/         the Triton kernels and their launchers, one module per op above (imports triton)
   memtrack.py         LiveBytes: peak tensor memory on any device (tests and bench/)

@@ -31,7 +31,9 @@ TRAIN_OPS = cpu_native.NativeLibrary(SOURCE, {
     "rmsnorm_bwd": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _T], None),
     "rope_fwd": ([_P, _P, _P, _P, _I, _I, _I, _T], None),
     "rope_bwd": ([_P, _P, _P, _P, _I, _I, _I, _T], None),
-}, "the trainer keeps the eager ops")
+    "rmsnorm_infer": ([_P, _P, _P, _P, _P, _I, _I, ctypes.c_float, _T], None),
+    "rope_inplace": ([_P, _P, _P, _I, _I, _I, _T], None),
+}, "the eager ops run instead")
 
 
 def available() -> bool:
@@ -142,3 +144,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return Rotary.apply(x, cos, sin)
+
+
+# Forward only, no autograd (the engine's CPU path, through the dispatchers of kernels/rmsnorm.py, rope.py and
+# swiglu.py): fp32 CPU tensors, contiguous rows.
+
+def rms_norm_infer(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """weight * x / rms(x), or with a residual (y, x + residual) with y the norm of the sum."""
+    D = x.shape[-1]
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    s = None
+    if residual is not None:
+        residual = residual.contiguous()
+        s = torch.empty_like(x)
+    _kernels().rmsnorm_infer(x.data_ptr(), None if s is None else residual.data_ptr(), weight.contiguous().data_ptr(),
+                             y.data_ptr(), None if s is None else s.data_ptr(), x.numel() // D if D else 0, D,
+                             float(eps), _threads())
+    return y if s is None else (y, s)
+
+
+def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (contiguous) rotated in place by cos, sin [T, D]; returns x."""
+    T, H, D = x.shape
+    if not x.is_contiguous() or cos.shape != (T, D) or sin.shape != (T, D) or D % 2:
+        raise ValueError(f"rotary_inplace: x {tuple(x.shape)} (contiguous: {x.is_contiguous()}) with cos "
+                         f"{tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    _kernels().rope_inplace(x.data_ptr(), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), T, H, D,
+                            _threads())
+    return x
+
+
+def silu_mul_infer(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    g, u = g.contiguous(), u.contiguous()
+    h = torch.empty_like(g)
+    _kernels().swiglu_fwd(g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel(), _threads())
+    return h

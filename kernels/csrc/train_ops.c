@@ -52,6 +52,35 @@ void rmsnorm_fwd(const float *restrict x, const float *restrict w, float *restri
     }
 }
 
+/* Inference (the engine's CPU forward): with a residual, s = x + residual is written to s_out and normalised;
+ * y = w * (s * rstd) per row of D, nothing kept for backward. residual and s_out may be NULL (then s = x). */
+void rmsnorm_infer(const float *restrict x, const float *restrict residual, const float *restrict w,
+                   float *restrict y, float *restrict s_out, int64_t rows, int64_t D, float eps, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows * D >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict xr = x + r * D;
+        float *restrict yr = y + r * D;
+        float ss = 0.0f;
+        if (residual) {
+            const float *restrict rr = residual + r * D;
+            float *restrict sr = s_out + r * D;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < D; d++) {
+                const float v = xr[d] + rr[d];
+                sr[d] = v;
+                ss += v * v;
+            }
+            xr = sr;
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < D; d++) ss += xr[d] * xr[d];
+        }
+        const float rs = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) yr[d] = w[d] * (xr[d] * rs);
+    }
+}
+
 /* dx = rstd * (dy w) - x * rstd^3 * mean(dy w x); dw_part[c] = sum over rows [c chunk, (c + 1) chunk) of
  * dy * x * rstd. */
 void rmsnorm_bwd(const float *restrict x, const float *restrict w, const float *restrict rstd,
@@ -112,4 +141,24 @@ void rope_fwd(const float *x, const float *cs, const float *sn, float *out, int6
 
 void rope_bwd(const float *dy, const float *cs, const float *sn, float *dx, int64_t T, int64_t H, int64_t D, int nt) {
     rope(dy, cs, sn, dx, T, H, D, 1, nt);
+}
+
+/* The engine's rotary embedding in place (forward only): x [T, H, D] rotated by cos, sin [T, D]; each pair
+ * (d, d + D/2) is read before either is written. */
+void rope_inplace(float *x, const float *restrict cs, const float *restrict sn, int64_t T, int64_t H, int64_t D,
+                  int nt) {
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(nt) schedule(static) if (T * H * D >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *restrict c = cs + t * D, *restrict s = sn + t * D;
+        for (int64_t h = 0; h < H; h++) {
+            float *restrict x1 = x + (t * H + h) * D, *restrict x2 = x1 + half;
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                const float a = x1[d], b = x2[d];
+                x1[d] = a * c[d] - b * s[d];
+                x2[d] = b * c[d + half] + a * s[d + half];
+            }
+        }
+    }
 }

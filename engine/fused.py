@@ -1,21 +1,25 @@
-"""The engine's model on CUDA runs RMSNorm (fused with the residual add before it), the rotary embedding and
-SwiGLU's elementwise part through the Triton kernels of kernels/ (rmsnorm.py, rope.py, swiglu.py), applied from
-outside like the trainer's CPU kernels (trainer/cpu_fused.py): the model stays a plain `nn.Module` with its
-Hugging Face parameters and state dict, so weight loads and publications are unchanged; `use_fused_gpu_ops(model)`
-swaps the class of the `Transformer`, of each `Attention` and of each `MLP` for a subclass whose forward calls the
-kernels when the kernel dispatcher picks Triton for its tensors (kernels/dispatch.py: CUDA; or TIDAL_KERNELS=triton
-under TRITON_INTERPRET=1, the tests' path) and no gradient is being recorded (the kernels are forward-only), and the
-eager forward otherwise.
+"""The engine's model runs RMSNorm (fused with the residual add before it), the rotary embedding and SwiGLU's
+elementwise part as one kernel each, through the dispatchers of kernels/ (rmsnorm.py, rope.py, swiglu.py): the
+Triton kernels on CUDA (or TIDAL_KERNELS=triton under TRITON_INTERPRET=1, the tests' path), the C kernels of
+kernels/cpu_train.py for fp32 on the CPU. Applied from outside like the trainer's CPU kernels
+(trainer/cpu_fused.py): the model stays a plain `nn.Module` with its Hugging Face parameters and state dict, so
+weight loads and publications are unchanged; `use_fused_ops(model)` swaps the class of the `Transformer`, of each
+`Attention` and of each `MLP` for a subclass whose forward calls the kernels when a dispatcher picks one for its
+tensors and no gradient is being recorded (the kernels are forward-only), and the eager forward otherwise.
 
 Why: the eager ops launch one kernel per elementwise step. A decode step of Qwen3-0.6B at batch 255 (H200,
 bench/RESULTS.md) ran ~700 small kernels beside its 28 attention calls: RMSNorm alone is seven (pow, mean, add,
 rsqrt, mul, cast, mul) for each of the four norms of a layer, the residual add one more, the rotary embedding five
 per tensor. Fused: one kernel per norm (the residual add inside it), one per rotated tensor, one for silu * up.
 
+On the CPU (one thread, fp32) the eager ops cost a few microseconds each of dispatch and allocation over a
+[256, 64] batch: RMSNorm's seven ops took ~45 us a call, nine calls a decode step of the tiny model; the long
+vs-TRL job's engine round (256 sequences x 256 tokens) 1.11-1.12 -> 1.00-1.02 s with the C kernels.
+
 Same math as the eager model: the residual stream is carried into the next norm (x + attn(...) is the fused norm's
 `residual` output, so the sum is rounded exactly as torch's add), each norm rounds the normalised value to the
 activation dtype before the weight multiply, silu is rounded before the product. Only the order of the fp32 sums
-inside a norm differs, so outputs agree to rounding (tests/test_gpu_fused.py). Measured (H200, 2026-11-27, with
+inside a norm differs, so outputs agree to rounding (tests/test_engine_fused.py). Measured (H200, 2026-11-27, with
 the sampling kernel of kernels/sample.py): the 256-sequence engine benchmark 16.4 -> 9.4 s, a decode step at batch
 255 12.6 -> 8.7 ms, 0.36 -> 0.52 of the memory roofline.
 
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import use_cpu_c, use_triton
 from kernels.rmsnorm import rms_norm
 from kernels.rope import rope
 from kernels.swiglu import silu_mul
@@ -37,8 +41,16 @@ from model.transformer import MLP, Attention, Transformer, swap_classes
 
 
 def fused(*tensors: torch.Tensor) -> bool:
-    """Whether the fused kernels run on these tensors: Triton is the dispatcher's choice and no graph is recorded."""
-    return not torch.is_grad_enabled() and use_triton(None, *tensors)
+    """Whether the fused kernels run on these tensors: no graph is recorded and the dispatchers pick a kernel (Triton,
+    or C for fp32 CPU tensors)."""
+    return not torch.is_grad_enabled() and (use_triton(None, *tensors) or use_cpu_c(None, *tensors))
+
+
+def has_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model on this device and dtype would run the kernels (what `ModelRunner` swaps for)."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    with torch.no_grad():
+        return fused(probe)
 
 
 class FusedAttention(Attention):
@@ -66,7 +78,7 @@ class FusedMLP(MLP):
 class FusedTransformer(Transformer):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """As Transformer.forward; with the kernels, each block's two residual adds happen inside the next norm."""
-        if not fused(input_ids):
+        if not fused(self.model.embed_tokens.weight):   # (the ids are integers: the weights say device and dtype)
             return super().forward(input_ids, positions, attn)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
@@ -88,11 +100,11 @@ SWAPS: dict[type, type] = {Transformer: FusedTransformer, Attention: FusedAttent
 
 
 def use_eager_ops(model: nn.Module) -> int:
-    """Undo `use_fused_gpu_ops`: the swapped modules get their eager classes back; returns how many."""
+    """Undo `use_fused_ops`: the swapped modules get their eager classes back; returns how many."""
     return swap_classes(model, {v: k for k, v in SWAPS.items()})
 
 
-def use_fused_gpu_ops(model: nn.Module) -> int:
+def use_fused_ops(model: nn.Module) -> int:
     """Swap the model's Transformer, Attention and MLP modules to their fused subclasses, in place; returns how
     many were swapped (a module already swapped, or of another class, is left alone)."""
     return swap_classes(model, SWAPS)
