@@ -137,13 +137,17 @@ class SharedPrefixCausal(_Derived):
       * CPU, 0.25, measured (one layer's forward + backward, 8 prompts x 8 children of R = 256 tokens, head_dim 16,
         one thread), rows / masked: 74.8 / 83.6 ms at P = 32, 91.1 / 100.1 at P = 64, 119.0 / 115.2 at P = 96,
         208.1 / 168.6 at P = 256 (the mask's own cost repays the rows' excess up to about P = R / 4).
-      * CUDA, 1.0, an assumption from the pair counts, not yet measured: a causal flash kernel computes half of a
-        row's (P + R)^2 pairs, and (P + R)^2 / 2 <= R (P + R) while P <= R.
+      * CUDA, always rows. The masked call (a boolean mask with GQA) has neither a flash nor a memory-efficient
+        SDPA kernel there, so it materialises the probabilities: forced at P = 512, R = 1535 on the H200
+        (2026-11-27, bench/RESULTS.md) it took the 1.7B bench's peak from 52.9 to 75.0 GiB and its step from 2.20
+        to 2.63 s. Rows take the flash kernel and are what `train.py --check` plans; where prompts outweigh their
+        children (P > R) they spend more attention FLOPs than the masked call would ((P + R)^2 / 2 pairs a row
+        against R (P + R)), a trade taken for memory that is planned, not measured.
     The trainer's swapped model on CPU (fp32) takes neither way: `row_spans()` gives kernels/cpu_attention.py the
     same rows without a copy, a prompt's queries once (trainer/cpu_fused.py).
     """
 
-    ROWS_MAX_PROMPT_SHARE = {"cpu": 0.25, "cuda": 1.0}
+    ROWS_MAX_PROMPT_SHARE = {"cpu": 0.25, "cuda": float("inf")}
 
     def __init__(self, prompt_lengths: list[int], child_lengths: list[int], child_family: list[int],
                  scale: float | None = None):

@@ -95,7 +95,7 @@ def test_shared_prefix_attention_equals_each_prompt_plus_child_packed_alone_outp
         assert torch.allclose(a.grad, b.grad, atol=1e-5)
 
 
-def test_shared_prefix_attention_takes_rows_for_short_prompts_and_the_mask_for_long_ones():
+def test_shared_prefix_attention_takes_rows_for_short_prompts_and_the_mask_for_long_ones_on_cpu_only():
     from model.attention import SharedPrefixCausal
     cpu, cuda = torch.device("cpu"), torch.device("cuda")   # a device's type is all the choice reads
     grpo = SharedPrefixCausal([12, 20], [255] * 8 + [200] * 8, [0] * 8 + [1] * 8)    # prompts 6% of the rows
@@ -103,7 +103,7 @@ def test_shared_prefix_attention_takes_rows_for_short_prompts_and_the_mask_for_l
     unshared = SharedPrefixCausal([512], [1535], [0])   # bench/train.py's GPU shape: one sample per prompt
     assert not unshared.use_rows(cpu) and unshared.use_rows(cuda)
     long_context = SharedPrefixCausal([2048], [256] * 8, [0] * 8)                    # 8 x 2048 copied for 8 x 256
-    assert not long_context.use_rows(cpu) and not long_context.use_rows(cuda)
+    assert not long_context.use_rows(cpu) and long_context.use_rows(cuda)   # CUDA: the rows' flash kernel, planned
 
 
 def test_gradients_match_transformers(pair):
