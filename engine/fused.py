@@ -14,7 +14,8 @@ per tensor. Fused: one kernel per norm (the residual add inside it), one per rot
 
 On the CPU (one thread, fp32) the eager ops cost a few microseconds each of dispatch and allocation over a
 [256, 64] batch: RMSNorm's seven ops took ~45 us a call, nine calls a decode step of the tiny model; the long
-vs-TRL job's engine round (256 sequences x 256 tokens) 1.11-1.12 -> 1.00-1.02 s with the C kernels.
+vs-TRL job's engine round (256 sequences x 256 tokens) 1.11-1.12 -> 1.00-1.02 s with the C kernels, 0.94-0.95 s
+with the kernels chosen once per module call (`kernels_for`) instead of per op.
 
 Same math as the eager model: the residual stream is carried into the next norm (x + attn(...) is the fused norm's
 `residual` output, so the sum is rounded exactly as torch's add), each norm rounds the normalised value to the
@@ -28,10 +29,15 @@ back to the eager classes): the engine owns its model, and the trainer's model i
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_train
 from kernels.dispatch import use_cpu_c, use_triton
 from kernels.rmsnorm import rms_norm
 from kernels.rope import rope
@@ -40,10 +46,38 @@ from model.attention import AttentionBackend
 from model.transformer import MLP, Attention, Transformer, swap_classes
 
 
+@dataclass(frozen=True)
+class Ops:
+    """One family of kernels: the same three forward-only ops and signatures as kernels/rmsnorm.py, rope.py and
+    swiglu.py (decided once per module call, so the per-op dispatch is not paid again per op)."""
+    rms_norm: Callable[..., Any]
+    rope: Callable[..., Any]
+    silu_mul: Callable[..., Any]
+
+
+def _c_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inplace: bool = False):
+    if not (inplace and q.is_contiguous() and k.is_contiguous()):
+        return rope(q, k, cos, sin, inplace=inplace)   # the dispatcher's copies
+    return cpu_train.rotary_inplace(q, cos, sin), cpu_train.rotary_inplace(k, cos, sin)
+
+
+TRITON = Ops(partial(rms_norm, impl="triton"), partial(rope, impl="triton"), partial(silu_mul, impl="triton"))
+C = Ops(cpu_train.rms_norm_infer, _c_rope, cpu_train.silu_mul_infer)
+
+
+def kernels_for(*tensors: torch.Tensor) -> Ops | None:
+    """The kernels that run on these tensors, None for the eager ops: none while a graph is recorded (the kernels
+    are forward-only), else Triton or C as the dispatchers would pick (kernels/dispatch.py)."""
+    if torch.is_grad_enabled():
+        return None
+    if use_triton(None, *tensors):
+        return TRITON
+    return C if use_cpu_c(None, *tensors) else None
+
+
 def fused(*tensors: torch.Tensor) -> bool:
-    """Whether the fused kernels run on these tensors: no graph is recorded and the dispatchers pick a kernel (Triton,
-    or C for fp32 CPU tensors)."""
-    return not torch.is_grad_enabled() and (use_triton(None, *tensors) or use_cpu_c(None, *tensors))
+    """Whether the fused kernels run on these tensors."""
+    return kernels_for(*tensors) is not None
 
 
 def has_kernels(device: torch.device, dtype: torch.dtype) -> bool:
@@ -55,16 +89,17 @@ def has_kernels(device: torch.device, dtype: torch.dtype) -> bool:
 
 class FusedAttention(Attention):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        if not fused(x, cos):
+        ops = kernels_for(x, cos)
+        if ops is None:
             return super().forward(x, cos, sin, attn)
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = rope(q, k, cos, sin, inplace=True)  # fresh tensors (the norms' or the projections' outputs)
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = ops.rope(q, k, cos, sin, inplace=True)  # fresh tensors (the norms' or the projections' outputs)
         out = attn(self.layer, q, k, v)
         return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
 
@@ -72,28 +107,30 @@ class FusedAttention(Attention):
 class FusedMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_mul(g, u) if fused(g, u) else F.silu(g) * u)
+        ops = kernels_for(g, u)
+        return self.down_proj(ops.silu_mul(g, u) if ops is not None else F.silu(g) * u)
 
 
 class FusedTransformer(Transformer):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """As Transformer.forward; with the kernels, each block's two residual adds happen inside the next norm."""
-        if not fused(self.model.embed_tokens.weight):   # (the ids are integers: the weights say device and dtype)
+        ops = kernels_for(self.model.embed_tokens.weight)   # (the ids are integers: the weights say device, dtype)
+        if ops is None:
             return super().forward(input_ids, positions, attn)
+        norm_ = ops.rms_norm
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
         for block in self.model.layers:
             n1, n2 = block.input_layernorm, block.post_attention_layernorm
             if residual is None:
-                h, residual = rms_norm(x, n1.weight, n1.eps), x
+                h, residual = norm_(x, n1.weight, n1.eps), x
             else:
-                h, residual = rms_norm(x, n1.weight, n1.eps, residual)
-            h, residual = rms_norm(block.self_attn(h, cos, sin, attn), n2.weight, n2.eps, residual)
+                h, residual = norm_(x, n1.weight, n1.eps, residual)
+            h, residual = norm_(block.self_attn(h, cos, sin, attn), n2.weight, n2.eps, residual)
             x = block.mlp(h)
         norm = self.model.norm
-        return rms_norm(x, norm.weight, norm.eps) if residual is None else rms_norm(x, norm.weight, norm.eps,
-                                                                                     residual)[0]
+        return norm_(x, norm.weight, norm.eps) if residual is None else norm_(x, norm.weight, norm.eps, residual)[0]
 
 
 SWAPS: dict[type, type] = {Transformer: FusedTransformer, Attention: FusedAttention, MLP: FusedMLP}
