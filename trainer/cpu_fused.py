@@ -1,11 +1,12 @@
 """The trainer's model on CPU computes SwiGLU, RMSNorm and the rotary embedding with fused kernels
 (kernels/cpu_train.py), and its causal attention with one C kernel each way (kernels/cpu_attention.py, for the
-packings whose backend lists its rows: `row_spans`), applied from outside like the engine's packed linears (engine/cpu_linear.py): the model
-stays a plain `nn.Module` with its Hugging Face parameters and state dict; `use_fused_cpu_ops(model)` swaps the
-class of each `RMSNorm`, `MLP` and `Attention` module for a subclass whose forward calls the fused op when its
-tensors are fp32 on the CPU and the eager one otherwise (so the same modules still run anywhere). Same values to
-fp32 rounding; the long vs-TRL job's train step (256 x 268 tokens, one thread) 1.62-1.69 -> 1.30-1.39 s with
-the element-wise kernels, 1.20-1.25 -> 0.94-0.97 s with the attention kernel (bench/RESULTS.md). The swap changes the caller's model in place: the trainer owns it from then on.
+packings whose backend lists its rows: `row_spans`), applied from outside like the engine's packed linears
+(engine/cpu_linear.py): the model stays a plain `nn.Module` with its Hugging Face parameters and state dict;
+`use_fused_cpu_ops(model)` swaps the class of each `RMSNorm`, `MLP` and `Attention` module for a subclass whose
+forward calls the fused op when its tensors are fp32 on the CPU and the eager one otherwise (so the same modules
+still run anywhere). Same values to fp32 rounding; the long vs-TRL job's train step (256 x 268 tokens, one thread)
+1.62-1.69 -> 1.30-1.39 s with the element-wise kernels, 1.20-1.25 -> 0.94-0.97 s with the attention kernel
+(bench/RESULTS.md). The swap changes the caller's model in place: the trainer owns it from then on.
 """
 from __future__ import annotations
 

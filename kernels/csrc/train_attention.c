@@ -10,13 +10,15 @@
  * exactly one row, and a row's prefix tokens are queries of rows of its own task.
  *
  * One work item = one task x one kv head, over OpenMP threads: its rows in order, the query heads of the kv head in
- * order. Keys and values of the row, transposed into a [D][L16] scratch, give the scores of 16 keys in one
- * vector per head dimension (no reduction across lanes); then softmax (exp of non-positive arguments,
+ * order, a row's queries QB (4) at a time, so that they share every load of a key, a value and a key's gradient.
+ * The row's keys (and values), transposed into a [D][L16] scratch, give the scores of 16 keys in one vector per
+ * head dimension (no reduction across lanes); then softmax on whole vectors (exp of non-positive arguments,
  * exp_nonpos.h) and the probability-weighted sum of V rows in registers. The backward recomputes the scores from
- * the saved log-sum-exp (FlashAttention-2's recurrence, one query at a time): dq in registers, the row's dk and dv
- * summed in a [L][D] scratch and added to the task's tokens after the row. A key's gradient is summed inside its
- * own task only, in that fixed order, so results do not depend on the thread count. A NaN score or an infinite
- * maximum makes the query's output and lse NaN (as softmax would).
+ * the saved log-sum-exp (FlashAttention-2's recurrence): dq in registers, the row's dk and dv summed in a [L][D]
+ * scratch and added to the task's tokens after the row. A key's gradient is summed inside its own task only, in
+ * that fixed order, so results do not depend on the thread count. A query never multiplies a key past its own,
+ * so a non-finite later token does not reach it; a NaN score or an infinite maximum makes the query's output and
+ * lse NaN (as softmax would).
  */
 #include <math.h>
 #include <stdint.h>
@@ -305,117 +307,94 @@ INLINE void row_bwd(const float *restrict q, const float *restrict k, const floa
     }
 }
 
-static int64_t max_len(const Row *rows, int64_t nrows) {
-    int64_t m = 1;
-    for (int64_t i = 0; i < nrows; i++) m = rows[i].np + rows[i].nq > m ? rows[i].np + rows[i].nq : m;
-    return (m + 15) & ~(int64_t)15;
-}
-
 static float *scratch(int64_t n) {
     return (float *)aligned_alloc(64, (size_t)(((n * (int64_t)sizeof(float)) + 63) & ~(int64_t)63));
 }
 
-#define FWD_CASE(DD) fwd_task(q, k, v, o, lse, rows, tasks, t, Hq, Hkv, g, DD, scale, kT, s, qv, acc)
-#define BWD_CASE(DD) bwd_task(q, k, v, o, dout, lse, dq, dk, dv, rows, tasks, t, Hq, Hkv, g, DD, scale, kT, vT, s, \
-                              dp, qv, dov, acc, dkr, dvr)
+/* Both directions' tensors (the backward's NULL in a forward call) and the plan. */
+typedef struct {
+    const float *q, *k, *v, *dout;
+    float *o, *lse, *dq, *dk, *dv;
+    const Row *rows;
+    const int64_t *tasks;
+    int64_t Hq, Hkv;
+    float scale;
+} Args;
 
-INLINE void fwd_task(const float *q, const float *k, const float *v, float *o, float *lse, const Row *rows,
-                     const int64_t *tasks, int64_t t, int64_t Hq, int64_t Hkv, int64_t g, const int64_t D, float scale,
-                     float *kT, float *s, float *qv, float *acc) {
-    for (int64_t ri = tasks[t]; ri < tasks[t + 1]; ri++)
-        row_fwd(q, k, v, o, lse, rows + ri, Hq, Hkv, g, D, scale, kT, s, qv, acc);
-}
+/* One thread's scratch: the forward uses kT, s, qv, acc; the backward all of them. */
+typedef struct {
+    float *kT, *vT, *s, *dp, *qv, *dov, *acc, *dkr, *dvr;
+} Scratch;
 
-INLINE void bwd_task(const float *q, const float *k, const float *v, const float *o, const float *dout,
-                     const float *lse, float *dq, float *dk, float *dv, const Row *rows, const int64_t *tasks,
-                     int64_t t, int64_t Hq, int64_t Hkv, int64_t g, const int64_t D, float scale, float *kT, float *vT,
-                     float *s, float *dp, float *qv, float *dov, float *acc, float *dkr, float *dvr) {
-    for (int64_t ri = tasks[t]; ri < tasks[t + 1]; ri++) {   /* the task's keys start from zero */
-        const Row *r = rows + ri;
+/* One work item, task t x kv head g: its rows in order (a backward first zeroes the task's key gradients). */
+INLINE void task(const Args *a, const Scratch *w, int backward, int64_t t, int64_t g, const int64_t D) {
+    const int64_t Hq = a->Hq, Hkv = a->Hkv;
+    if (!backward) {
+        for (int64_t ri = a->tasks[t]; ri < a->tasks[t + 1]; ri++)
+            row_fwd(a->q, a->k, a->v, a->o, a->lse, a->rows + ri, Hq, Hkv, g, D, a->scale, w->kT, w->s, w->qv,
+                    w->acc);
+        return;
+    }
+    for (int64_t ri = a->tasks[t]; ri < a->tasks[t + 1]; ri++) {
+        const Row *r = a->rows + ri;
         for (int64_t i = 0; i < r->nq; i++) {
-            memset(dk + ((r->qs + i) * Hkv + g) * D, 0, (size_t)D * sizeof(float));
-            memset(dv + ((r->qs + i) * Hkv + g) * D, 0, (size_t)D * sizeof(float));
+            memset(a->dk + ((r->qs + i) * Hkv + g) * D, 0, (size_t)D * sizeof(float));
+            memset(a->dv + ((r->qs + i) * Hkv + g) * D, 0, (size_t)D * sizeof(float));
         }
     }
-    for (int64_t ri = tasks[t]; ri < tasks[t + 1]; ri++)
-        row_bwd(q, k, v, o, dout, lse, dq, dk, dv, rows + ri, Hq, Hkv, g, D, scale, kT, vT, s, dp, qv, dov, acc, dkr,
-                dvr);
+    for (int64_t ri = a->tasks[t]; ri < a->tasks[t + 1]; ri++)
+        row_bwd(a->q, a->k, a->v, a->o, a->dout, a->lse, a->dq, a->dk, a->dv, a->rows + ri, Hq, Hkv, g, D, a->scale,
+                w->kT, w->vT, w->s, w->dp, w->qv, w->dov, w->acc, w->dkr, w->dvr);
 }
 
-/* Returns 0, or -1 when scratch memory could not be had. */
-int attention_fwd(const float *q, const float *k, const float *v, float *o, float *lse, const int64_t *row_data,
-                  int64_t nrows, const int64_t *tasks, int64_t ntasks, int64_t Hq, int64_t Hkv, int64_t D,
-                  float scale, int nt) {
-    const Row *rows = (const Row *)row_data;
-    const int64_t L16 = max_len(rows, nrows);
+/* Every (task, kv head) item over the threads, each with its own scratch; the common head dims compiled as
+ * constants. Returns 0, or -1 when scratch memory could not be had. */
+static int run(const Args *a, int backward, int64_t nrows, int64_t ntasks, int64_t D, int nt) {
+    int64_t m = 1;
+    for (int64_t i = 0; i < nrows; i++) m = a->rows[i].np + a->rows[i].nq > m ? a->rows[i].np + a->rows[i].nq : m;
+    const int64_t L16 = (m + 15) & ~(int64_t)15;
     int failed = 0;
-#pragma omp parallel num_threads(nt)
+#pragma omp parallel num_threads(nt) reduction(| : failed)
     {
-        float *kT = scratch(D * L16), *s = scratch(QB * L16), *qv = scratch(QB * D), *acc = scratch(QB * D);
-        if (!kT || !s || !qv || !acc) {
-#pragma omp atomic write
-            failed = 1;
+        Scratch w = {scratch(D * L16), NULL, scratch(QB * L16), NULL, scratch(QB * D), NULL, scratch(QB * D), NULL,
+                     NULL};
+        if (backward) {
+            w.vT = scratch(D * L16);
+            w.dp = scratch(QB * L16);
+            w.dov = scratch(QB * D);
+            w.dkr = scratch(L16 * D);
+            w.dvr = scratch(L16 * D);
         }
-#pragma omp barrier
-        if (!failed) {
+        const int mine = !w.kT || !w.s || !w.qv || !w.acc
+                         || (backward && (!w.vT || !w.dp || !w.dov || !w.dkr || !w.dvr));
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < ntasks * Hkv; item++) {
-                const int64_t t = item / Hkv, g = item % Hkv;
-                switch (D) {
-                case 16: FWD_CASE(16); break;
-                case 32: FWD_CASE(32); break;
-                case 64: FWD_CASE(64); break;
-                case 128: FWD_CASE(128); break;
-                default: FWD_CASE(D);
-                }
+        for (int64_t item = 0; item < ntasks * a->Hkv; item++) {
+            if (mine) continue;
+            const int64_t t = item / a->Hkv, g = item % a->Hkv;
+            switch (D) {
+            case 16: task(a, &w, backward, t, g, 16); break;
+            case 32: task(a, &w, backward, t, g, 32); break;
+            case 64: task(a, &w, backward, t, g, 64); break;
+            case 128: task(a, &w, backward, t, g, 128); break;
+            default: task(a, &w, backward, t, g, D);
             }
         }
-        free(kT);
-        free(s);
-        free(qv);
-        free(acc);
+        failed |= mine;
+        free(w.kT), free(w.vT), free(w.s), free(w.dp), free(w.qv), free(w.dov), free(w.acc), free(w.dkr), free(w.dvr);
     }
     return failed ? -1 : 0;
+}
+
+int attention_fwd(const float *q, const float *k, const float *v, float *o, float *lse, const int64_t *rows,
+                  int64_t nrows, const int64_t *tasks, int64_t ntasks, int64_t Hq, int64_t Hkv, int64_t D,
+                  float scale, int nt) {
+    const Args a = {q, k, v, NULL, o, lse, NULL, NULL, NULL, (const Row *)rows, tasks, Hq, Hkv, scale};
+    return run(&a, 0, nrows, ntasks, D, nt);
 }
 
 int attention_bwd(const float *q, const float *k, const float *v, const float *o, const float *dout,
-                  const float *lse, float *dq, float *dk, float *dv, const int64_t *row_data, int64_t nrows,
+                  const float *lse, float *dq, float *dk, float *dv, const int64_t *rows, int64_t nrows,
                   const int64_t *tasks, int64_t ntasks, int64_t Hq, int64_t Hkv, int64_t D, float scale, int nt) {
-    const Row *rows = (const Row *)row_data;
-    const int64_t L16 = max_len(rows, nrows);
-    int failed = 0;
-#pragma omp parallel num_threads(nt)
-    {
-        float *kT = scratch(D * L16), *vT = scratch(D * L16), *s = scratch(QB * L16), *dp = scratch(QB * L16);
-        float *qv = scratch(QB * D), *dov = scratch(QB * D), *acc = scratch(QB * D);
-        float *dkr = scratch(L16 * D), *dvr = scratch(L16 * D);
-        if (!kT || !vT || !s || !dp || !qv || !dov || !acc || !dkr || !dvr) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < ntasks * Hkv; item++) {
-                const int64_t t = item / Hkv, g = item % Hkv;
-                switch (D) {
-                case 16: BWD_CASE(16); break;
-                case 32: BWD_CASE(32); break;
-                case 64: BWD_CASE(64); break;
-                case 128: BWD_CASE(128); break;
-                default: BWD_CASE(D);
-                }
-            }
-        }
-        free(kT);
-        free(vT);
-        free(s);
-        free(dp);
-        free(qv);
-        free(dov);
-        free(acc);
-        free(dkr);
-        free(dvr);
-    }
-    return failed ? -1 : 0;
+    const Args a = {q, k, v, dout, (float *)o, (float *)lse, dq, dk, dv, (const Row *)rows, tasks, Hq, Hkv, scale};
+    return run(&a, 1, nrows, ntasks, D, nt);
 }
