@@ -139,3 +139,18 @@ def test_the_swapped_trainer_model_attends_through_the_kernel_with_sdpa_values(m
     assert_close([b], [a], 1e-5)
     for n in ga:
         assert_close([gb[n]], [ga[n]], 1e-4)
+
+
+def test_a_backend_that_lists_rows_without_the_memo_still_takes_the_kernel():
+    from trainer.cpu_fused import _attend
+
+    class Bare:   # a fork's backend: rows listed, no `derived` memo, no scale
+        def row_spans(self):
+            return [[(0, 5, 0, 0)], [(5, 9, 0, 0)]]
+
+        def __call__(self, *a):
+            raise AssertionError("the kernel should have run")
+
+    q, k, v = qkv(14, 2, 1, 16, seed=5)
+    want = PackedCausal.from_lengths([5, 9])(0, q, k, v)
+    assert_close([_attend(Bare(), 0, q, k, v)], [want])

@@ -42,8 +42,10 @@ def _attend(attn: AttentionBackend, layer: int, q: torch.Tensor, k: torch.Tensor
     spans = getattr(attn, "row_spans", None)
     if spans is None or not cpu_attention.fused(q, k, v):
         return attn(layer, q, k, v)
-    plan = attn.derived("cpu_rows", lambda: cpu_attention.CausalRows.build(spans(), q.shape[0]))
-    return cpu_attention.causal_rows_attention(q, k, v, plan, attn.scale)
+    build = lambda: cpu_attention.CausalRows.build(spans(), q.shape[0])  # noqa: E731
+    memo = getattr(attn, "derived", None)   # a backend without the memo plans again each layer
+    plan = memo("cpu_rows", build) if memo is not None else build()
+    return cpu_attention.causal_rows_attention(q, k, v, plan, getattr(attn, "scale", None))
 
 
 class FusedAttention(Attention):
