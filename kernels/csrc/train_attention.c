@@ -89,16 +89,22 @@ INLINE void scores(const float *restrict x, const float *restrict kT, float *res
  * with scalar loads, and keeps the accumulators in memory). */
 #define VEC(D) ((D) % 16 == 0 && (D) <= 128)
 
+/* The keys every query of the block sees (all = min lim) and any of them sees (n = max lim). */
+INLINE void key_range(const int64_t *lim, int64_t *all, int64_t *n) {
+    *all = *n = lim[0];
+    for (int u = 1; u < QB; u++) {
+        *all = lim[u] < *all ? lim[u] : *all;
+        *n = lim[u] > *n ? lim[u] : *n;
+    }
+}
+
 /* out[u][0..D) += sum_{j < lim[u]} w[u * L16 + j] * x_j for the QB queries, x_j the rows of tokens from tok0
  * (stride floats apart); w and out advanced to the segment by the caller. A query never multiplies a key past its
  * own (a zero weight times a non-finite value would still be NaN). */
 INLINE void weighted_sum(float *restrict out, const float *restrict w, int64_t L16, const float *restrict base,
                          int64_t tok0, const int64_t *lim, int64_t stride, const int64_t D) {
-    int64_t all = lim[0], n = lim[0];
-    for (int u = 1; u < QB; u++) {
-        all = lim[u] < all ? lim[u] : all;
-        n = lim[u] > n ? lim[u] : n;
-    }
+    int64_t all, n;
+    key_range(lim, &all, &n);
     if (VEC(D)) {
         const int64_t C = D / 16;
         v16 a[QB][8];
@@ -150,11 +156,8 @@ INLINE void backward_keys(float *restrict dq, const float *restrict p, const flo
                           const float *restrict base, int64_t tok0, const int64_t *lim, int64_t stride,
                           float *restrict dkr, float *restrict dvr, const float *restrict qv,
                           const float *restrict dout, const int64_t D) {
-    int64_t all = lim[0], n = lim[0];
-    for (int u = 1; u < QB; u++) {
-        all = lim[u] < all ? lim[u] : all;
-        n = lim[u] > n ? lim[u] : n;
-    }
+    int64_t all, n;
+    key_range(lim, &all, &n);
     if (VEC(D)) {
         const int64_t C = D / 16;
         v16 a[QB][8], qr[QB * 8], dr[QB * 8];
