@@ -7,6 +7,8 @@
     python bench/gpu.py --part 3               # one colocated GRPO step, train.py end to end
     python bench/gpu.py --dry-run              # the same code paths on CPU at tiny sizes, < 2 min (the suite runs it)
     python bench/gpu.py --report A.json B.json # merge results files and print the rows for bench/RESULTS.md
+    python bench/gpu.py --report A.json B.json --save bench/results/h200-DATE.json   # and keep the merged file:
+                                               # with engine, grpo_step and e2e the simulator reads it as a profile
 
 Sections, each in its own process (a CUDA error or an OOM ends that section only) under a time limit:
   tests      the GPU-marked tests (`pytest -m gpu` over the files that have them; dry run: their collection)
@@ -565,15 +567,20 @@ def rows(results: dict[str, Any]) -> list[str]:
 
 
 def profile_hint(results: dict[str, Any]) -> str | None:
-    """How the measured figures become a sim/profiles.py calibration: roofline()'s two assumed efficiencies."""
+    """How the measured figures become a sim/profiles.py calibration: roofline()'s two assumed efficiencies, and
+    the measured profile a saved merged file gives."""
+    from sim.profiles import device_tag
     sec = results["sections"]
     eng, tr = sec.get("engine", {}).get("results"), sec.get("train", {}).get("results")
     if not eng or not tr:
         return None
     mfu = max(x["mfu"] for x in tr["modes"])
+    ok = {k for k, v in sec.items() if v.get("status") == "ok"}
+    tail = ("saved under bench/results/ (--save), this file is sim/profiles.py's measured profile "
+            f"`{device_tag(results['meta']['device'])}_qwen3_0p6b`" if {"engine", "grpo_step", "e2e"} <= ok else
+            "the engine, grpo_step and e2e sections together give a measured sim/profiles.py profile")
     return (f"sim/profiles.py: roofline(..., bw_eff={eng['roofline']:.2f}, train_mfu={mfu:.3f}) replaces the "
-            f"assumed 0.7 and the paper MFU for this device (sources: this file); the e2e row's k3/k4 give a "
-            f"measured decode line for a one-GPU 0.6B engine")
+            f"assumed 0.7 and the paper MFU for this device (sources: this file); {tail}")
 
 
 def headline(results: dict[str, Any]) -> str:
@@ -616,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results file (merged into when it exists)")
     ap.add_argument("--report", type=Path, nargs="+", help="only merge these results files and print the rows")
+    ap.add_argument("--save", type=Path, help="with --report: write the merged file here (bench/results/ is where "
+                    "sim/profiles.py finds campaigns)")
     ap.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section in this process
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -628,6 +637,9 @@ def main(argv: list[str] | None = None) -> int:
             more = load(p)
             merged["sections"].update(more["sections"])
             merged["meta"]["command"] += " + " + more["meta"]["command"]
+        if a.save:
+            a.save.parent.mkdir(parents=True, exist_ok=True)
+            a.save.write_text(json.dumps(merged, indent=1) + "\n")
         report(merged)
         return 0
     names = a.sections.split(",") if a.sections else list(PARTS[a.part]) if a.part else list(SECTIONS)

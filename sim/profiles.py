@@ -268,27 +268,39 @@ def _cpu_tiny() -> CostModel:
                  "kv_capacity_tokens": "run config rollout.kv_cache_tokens", "max_num_seqs": "run config"})
 
 
-H100_CAMPAIGN = Path(__file__).resolve().parents[1] / "bench" / "results" / "h100-2026-11-24.json"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "bench" / "results"
+H100_CAMPAIGN = RESULTS_DIR / "h100-2026-11-24.json"
+CALIBRATING_SECTIONS = ("engine", "e2e", "grpo_step")   # what a campaign file needs to give a profile
 
 
-def h100_measured(path: Path = H100_CAMPAIGN) -> CostModel:
-    """Our engine and trainer on one H100 with a Qwen3-0.6B shape, every constant read from a `bench/gpu.py`
-    results file (the first GPU campaign's; a new campaign's file gives a new calibration). The decode line is the
-    engine section's whole decode steps as one effective bandwidth: k1 and k2 are KV and weight bytes over the
-    measured bytes/time of every pure-decode step of its 256-sequence run (scheduling, sampling and launches folded
-    in, so k3 = k4 = 0); that run's separately timed 60 steps at batch 255 are the check (tests/test_sim_engine.py).
-    Prefill is an upper bound: a whole mixed step charged to its 2048 batch tokens. Training, publication, load and
-    reward latency are `sim.calibrate` on the campaign's colocated `train.py` run; the KV pool is the colocated GRPO
-    step's engine's."""
+def device_tag(device: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200': the first word naming a model number."""
+    words = [w.lower() for w in device.replace("-", " ").split()]
+    return next((w for w in words if any(ch.isdigit() for ch in w)), words[-1] if words else "gpu")
+
+
+def measured(path: Path, name: str | None = None) -> CostModel:
+    """Our engine and trainer on one GPU with a Qwen3-0.6B shape, every constant read from a merged `bench/gpu.py`
+    results file (`python bench/gpu.py --report A.json B.json C.json --save bench/results/<device>-<date>.json`);
+    named `<device tag>_qwen3_0p6b` unless `name` says otherwise. The decode line is the engine section's whole
+    decode steps as one effective bandwidth: k1 and k2 are KV and weight bytes over the measured bytes/time of every
+    pure-decode step of its 256-sequence run (scheduling, sampling and launches folded in, so k3 = k4 = 0); that
+    run's separately timed 60 steps at batch 255 are the check (tests/test_sim_engine.py). Prefill is an upper
+    bound: a whole mixed step charged to its 2048 batch tokens. Training, publication, load and reward latency are
+    `sim.calibrate` on the campaign's colocated `train.py` run; the KV pool is the colocated GRPO step's engine's."""
     data = json.loads(path.read_text())
     sec = {k: v["results"] for k, v in data["sections"].items() if v.get("status") == "ok"}
+    missing = [k for k in CALIBRATING_SECTIONS if k not in sec]
+    if missing:
+        raise ValueError(f"{path.name}: no calibration without the sections {missing} (ok)")
+    name = name or f"{device_tag(data['meta']['device'])}_qwen3_0p6b"
     eng, cal, grpo = sec["engine"], sec["e2e"]["calibration"], sec["grpo_step"]
     bw = eng["decode_gbs"] * 1e9
     weight_bytes = QWEN3_0P6B.params * BYTES_PER_PARAM
     ph = eng["phases_ms"]
     src = f"measured ({path.name}, {data['meta']['device']}, {data['meta']['date']})"
     return CostModel(
-        name="h100_qwen3_0p6b", k1=QWEN3_0P6B.kv_bytes_per_token / bw, k2=weight_bytes / bw, k3=0.0, k4=0.0,
+        name=name, k1=QWEN3_0P6B.kv_bytes_per_token / bw, k2=weight_bytes / bw, k3=0.0, k4=0.0,
         prefill_s_per_token=ph["prefill_step"] / 1e3 / 2048, kv_capacity_tokens=int(grpo["kv_tokens"]),
         train_s_per_token=cal["train_s_per_token_one_rank"], publish_s=cal["publish_s"], load_s=cal["load_s"],
         max_num_seqs=int(eng["prompts"]),
@@ -304,13 +316,38 @@ def h100_measured(path: Path = H100_CAMPAIGN) -> CostModel:
                  "max_num_seqs": "the engine section's max_num_seqs"})
 
 
+def h100_measured(path: Path = H100_CAMPAIGN) -> CostModel:
+    """The first GPU campaign's calibration (one H100, 2026-11-24)."""
+    return measured(path, "h100_qwen3_0p6b")
+
+
+def campaign_profiles(results_dir: Path = RESULTS_DIR) -> list[CostModel]:
+    """A measured profile for every campaign file in `results_dir` that has the calibrating sections (files without
+    them, e.g. one section's raw output, are skipped): the newest file of a device gets `<tag>_qwen3_0p6b`, every
+    file also `<tag>_qwen3_0p6b_<date>`."""
+    found = []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+            ok = {k for k, v in data.get("sections", {}).items() if v.get("status") == "ok"}
+            if set(CALIBRATING_SECTIONS) <= ok:
+                found.append((data["meta"]["date"], device_tag(data["meta"]["device"]), path))
+        except (OSError, ValueError, KeyError, AttributeError):
+            continue
+    out, newest = [], {}
+    for date, tag, path in sorted(found):
+        out.append(measured(path, f"{tag}_qwen3_0p6b_{date.split()[0]}"))
+        newest[tag] = path
+    return out + [measured(path, f"{tag}_qwen3_0p6b") for tag, path in newest.items()]
+
+
 PROFILES: dict[str, CostModel] = {p.name: p for p in [
     _rolloutpipe(),
     _rollpacker(QWEN25_7B, 1, "h800_7b"), _rollpacker(QWEN25_14B, 2, "h800_14b"),
     _rollpacker(QWEN25_32B, 2, "h800_32b"),
     _streamrl(QWEN25_7B, 1, "h800_streamrl_7b"), _streamrl(QWEN25_32B, 4, "h800_streamrl_32b"),
     _streamrl(QWEN25_72B, 8, "h800_streamrl_72b"),
-    _staleflow(), _cpu_tiny(), h100_measured(),
+    _staleflow(), _cpu_tiny(), *campaign_profiles(),
     _laminar(QWEN25_32B, 4, "h800_laminar_32b", rollout_machines=8),
     _laminar(QWEN25_32B, 4, "h800_laminar_32b_colocated", rollout_machines=16, colocated=True),
     # verl at Laminar's largest scale (§2.3: 72B on 1024 H800, math GRPO): colocated on 128 machines

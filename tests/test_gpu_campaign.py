@@ -156,3 +156,38 @@ def test_report_gives_a_lower_bound_when_the_peer_is_stopped_unfinished():
     eng["vs_hf_cb_at_least"] = 6.0
     row = next(r for r in gpu.rows(results) if "continuous batching" in r)
     assert ">= 6.0x" in row and row.endswith("| - |")
+
+
+def test_a_saved_merged_campaign_becomes_the_simulators_profile_for_its_device(tmp_path):
+    """`--report A B --save F` writes the merged file; every campaign file with the engine, grpo_step and e2e
+    sections gives a measured profile named after its device (the newest of a device the plain name, each file a
+    dated one), read from its own figures; files without those sections, or not a campaign, are skipped."""
+    import bench.gpu as gpu
+    from sim.profiles import QWEN3_0P6B, campaign_profiles, device_tag, h100_measured
+    h100 = json.loads((ROOT / "bench" / "results" / "h100-2026-11-24.json").read_text())
+    part_a = {"meta": dict(h100["meta"], device="NVIDIA H200", date="2026-12-01 10:00 UTC", command="p1"),
+              "sections": {k: h100["sections"][k] for k in ("engine",)}}
+    part_b = {"meta": dict(part_a["meta"], command="p3"),
+              "sections": {k: h100["sections"][k] for k in ("grpo_step", "e2e")}}
+    part_a["sections"]["engine"] = json.loads(json.dumps(part_a["sections"]["engine"]))
+    part_a["sections"]["engine"]["results"]["decode_gbs"] = 3000.0
+    (tmp_path / "a.json").write_text(json.dumps(part_a))
+    (tmp_path / "b.json").write_text(json.dumps(part_b))
+    out = tmp_path / "results"
+    assert gpu.main(["--report", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     "--save", str(out / "h200-2026-12-01.json")]) == 0
+    merged = json.loads((out / "h200-2026-12-01.json").read_text())
+    assert set(merged["sections"]) == {"engine", "grpo_step", "e2e"} and merged["meta"]["command"] == "p1 + p3"
+    (out / "h100-2026-11-24.json").write_text(json.dumps(h100))
+    (out / "engine-only.json").write_text(json.dumps(part_a))       # one section's raw output: no profile
+    (out / "notes.json").write_text("[1, 2]")                         # not a campaign
+    older = dict(part_a, meta=dict(part_a["meta"], date="2026-11-30 09:00 UTC"))
+    older["sections"] = dict(merged["sections"])
+    (out / "h200-2026-11-30.json").write_text(json.dumps(older))
+    got = {p.name: p for p in campaign_profiles(out)}
+    assert set(got) == {"h100_qwen3_0p6b", "h100_qwen3_0p6b_2026-11-24", "h200_qwen3_0p6b",
+                        "h200_qwen3_0p6b_2026-11-30", "h200_qwen3_0p6b_2026-12-01"}
+    assert got["h200_qwen3_0p6b"].k1 == pytest.approx(QWEN3_0P6B.kv_bytes_per_token / 3000e9)
+    assert "h200-2026-12-01.json" in got["h200_qwen3_0p6b"].sources["k1"]        # the newest file of the device
+    assert got["h100_qwen3_0p6b"] == h100_measured()
+    assert device_tag("NVIDIA H100 80GB HBM3") == "h100" and device_tag("NVIDIA H200") == "h200"
