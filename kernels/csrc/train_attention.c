@@ -27,7 +27,9 @@
 
 #include "exp_nonpos.h"
 
-#pragma GCC target("prefer-vector-width=512")
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC target("prefer-vector-width=512")   /* GCC keeps its loops to 256 bits on AVX-512 parts otherwise */
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
