@@ -42,7 +42,7 @@ from config import load_config  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.presets import preset_config  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
-from model.attention import PackedCausal, SharedPrefixCausal  # noqa: E402
+from model.attention import SharedPrefixCausal  # noqa: E402
 from rl.types import Group, Trajectory  # noqa: E402
 
 SHIPPED_ROWS_RULE = dict(SharedPrefixCausal.ROWS_MAX_PROMPT_SHARE)
@@ -139,14 +139,10 @@ def micro_batch_flops(m: ModelConfig, batches: list[Any]) -> float:
     for b in batches:
         if not b.num_loss_tokens:
             continue
-        a = b.attn
-        if isinstance(a, SharedPrefixCausal):
-            P, C = a.prompt_lengths, a.child_lengths
-            pairs = sum(p * p / 2 for p in P) + sum(n * P[f] + n * n / 2 for n, f in zip(C, a.child_family))
-        elif isinstance(a, PackedCausal):
-            pairs = sum(n * n / 2 for n in a.lengths)
-        else:
-            raise TypeError(f"no FLOP count for attention {type(a).__name__}")
+        spans = getattr(b.attn, "row_spans", None)   # who attends to whom (model/attention.py RowSpans)
+        if spans is None:
+            raise TypeError(f"no FLOP count for attention {type(b.attn).__name__}: it lists no rows")
+        pairs = sum(nq * n_pre + nq * nq / 2 for task in spans() for _, nq, _, n_pre in task)
         fwd += forward_flops(m, b.input_ids.numel(), pairs, b.loss_index.numel())
     return 3 * fwd
 
