@@ -179,6 +179,10 @@ class ClusterConfig:
                          "step, a micro-batch, a checkpoint shard write), not the longest step")
     cpu_threads: int = F(1, ge=0, help="torch threads per CPU rank; 0 = cores / ranks on the node (more threads "
                          "than free cores make small ops many times slower)")
+    cpu_keep_freed_memory: bool = F(True, help="CPU ranks: the C allocator keeps freed blocks of up to 32 MiB for "
+                                    "reuse (glibc mallopt, runtime/malloc.py) instead of returning them to the OS, so "
+                                    "a train step does not page-fault its activations back in every micro-batch; a "
+                                    "rank then holds its peak heap until it exits")
     verify_weights: bool = F(True, help="checksum every published tensor on the engines; a mismatch stops the run")
     relay: str = F("broadcast", choices=("broadcast", "chain"),
                    help="how a publication reaches the rollout ranks' relays: one broadcast from the train leader, "

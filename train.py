@@ -43,6 +43,7 @@ from runtime.build import (RunParts, build_run, deterministic_algorithms, device
 from runtime.channel import Channel
 from runtime.faults import Injector
 from runtime.logger import MetricsLogger
+from runtime.malloc import keep_freed_memory
 from runtime.messages import ExportHF, Publish, SaveCheckpoint
 from runtime.rollout_worker import RolloutWorker
 from runtime.rundir import (checkpoint_dir, finish_run, leader_state, periodic_checkpoints, prepare_run_dir,
@@ -131,6 +132,8 @@ def main(argv: list[str]) -> int:
     if topo.device.type == "cpu":
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(c.cpu_threads or max(1, (os.cpu_count() or 1) // local_ranks))
+        if c.cpu_keep_freed_memory:
+            keep_freed_memory()   # runtime/malloc.py: no page faults on each step's activations
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:
         deterministic_algorithms(True)
