@@ -14,9 +14,12 @@ once. Its tokens therefore depend on nothing else in the batch and carry no gene
 after n tokens and resumed anywhere, on another engine or device, draws the same u for token n), and a batch of
 256 seeded rows costs one copy, not 256 generator launches (4.6 ms of an 18 ms decode step on an H100 before,
 bench/RESULTS.md). Rows without a seed share one draw from the engine's generator. The host waits only for the
-sampled tokens. A batch of plain temperature sampling (no greedy row, no truncation: GRPO's rollouts) on CUDA
-runs as one Triton kernel (kernels/sample.py), which reads the logits twice instead of materialising the scaled
-logits, log-probs, probabilities and their cumulative sum over the whole vocabulary.
+sampled tokens. A batch of plain temperature sampling (no greedy row, no truncation: GRPO's rollouts) runs as one
+kernel (kernels/sample.py: Triton on CUDA, C for fp32 logits on the CPU), which reads the logits a few times instead
+of materialising the scaled logits, log-probs, probabilities and their cumulative sum over the whole vocabulary.
+What the params ask of each row (temperatures, greedy rows, the seeds' half of the hash) is worked out once per
+batch composition (`BatchParams`), not every step: on the CPU the per-row Python of the sampler was most of its
+~280 us a decode step at batch 256.
 
 A row whose logits are not finite (NaN or +inf anywhere, or every entry -inf: its log-softmax is NaN) samples no
 token: it gets `ERROR_TOKEN` (and NaN logprobs), and the engine finishes that request with finish_reason "error"
@@ -25,6 +28,8 @@ instead of appending the token. The check reads the sampled logprobs, which come
 from __future__ import annotations
 
 import math
+import operator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,15 +37,52 @@ import torch
 ERROR_TOKEN = -1  # sampled for a row with non-finite logits: no token, the request ends with an error
 
 from engine.sampling import SamplingParams
-from kernels.dispatch import use_triton
+from kernels.dispatch import use_cpu_c, use_triton
 from kernels.sample import sample, sample_inverse_cdf
+
+
+@dataclass
+class BatchParams:
+    """What the sampler needs of a batch's params, row by row, computed once per batch composition: a decode step's
+    batch is usually the previous step's (the same params objects in the same order), so `Sampler` reuses it."""
+    params: list[SamplingParams]
+    greedy: list[bool]
+    temps: torch.Tensor              # [B] fp32 on the host: T per row, 1 for greedy rows
+    seeded: list[int]                # rows with their own seed
+    seed_hash: np.ndarray | None     # their seeds' half of counter_uniform's hash
+    truncates: bool                  # some non-greedy row has top-k / top-p
+    device_cache: dict = field(default_factory=dict)  # the tensors above on the logits' device
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> BatchParams:
+        greedy = [p.temperature == 0 for p in params]
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        return cls(list(params), greedy,
+                   torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32),
+                   seeded, seed_hash([params[i].seed for i in seeded]) if seeded else None,  # type: ignore[misc]
+                   any(p.truncates and not g for p, g in zip(params, greedy)))
+
+    def same(self, params: list[SamplingParams]) -> bool:
+        return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+
+    def on(self, device: torch.device, key: str, make) -> torch.Tensor:
+        t = self.device_cache.get(key)
+        if t is None:
+            t = self.device_cache[key] = make().to(device, non_blocking=True)
+        return t
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, fused: bool = True):
         self.device = device
-        self.fused = fused  # plain temperature batches through kernels/sample.py where Triton is chosen
+        self.fused = fused  # plain temperature batches through kernels/sample.py's kernels (Triton, or C on the CPU)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._batch: BatchParams | None = None
+
+    def batch_params(self, params: list[SamplingParams]) -> BatchParams:
+        if self._batch is None or not self._batch.same(params):
+            self._batch = BatchParams.of(params)
+        return self._batch
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], counters: list[int]
@@ -48,16 +90,17 @@ class Sampler:
         """logits [B, V] (any float dtype; computed in fp32), each row's params and the index of the token it draws
         (its request's generated-token count) -> (tokens, logprobs, sampling_logprobs), lists of B."""
         B = logits.shape[0]
-        greedy = [p.greedy for p in params]
-        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
-        temps = temps.to(logits.device, non_blocking=True)
-        if self.fused and use_triton(None, logits) and not any(greedy) and not any(p.truncates for p in params):
+        b = self.batch_params(params)
+        greedy = b.greedy
+        temps = b.on(logits.device, "temps", lambda: b.temps)
+        if (self.fused and not b.truncates and not any(greedy)
+                and (use_triton(None, logits) or use_cpu_c(None, logits))):
             # plain temperature sampling (GRPO's rollouts): one fused kernel, no [B, V] intermediates
-            tokens, lp = sample(logits, temps, self._uniforms(params, counters, logits.device))
-            return self._lists(tokens, lp, lp, greedy)
+            tokens, lp = sample(logits, temps, self._uniforms(b, counters, logits.device))
+            return self._lists(tokens, lp, None, greedy)
         scaled = logits / temps[:, None]  # fp32 (promoted), in one pass
         logprobs = torch.log_softmax(scaled, dim=-1)
-        if any(p.truncates and not g for p, g in zip(params, greedy)):
+        if b.truncates:
             top_k = torch.tensor([p.top_k for p in params], device=logits.device)
             top_p = torch.tensor([p.top_p for p in params], device=logits.device)
             sampling_logprobs = torch.log_softmax(truncate(scaled, top_k, top_p), dim=-1)
@@ -66,26 +109,32 @@ class Sampler:
         if all(greedy):
             tokens = logits.argmax(-1)
         else:
-            tokens = sample_inverse_cdf(sampling_logprobs.exp(), self._uniforms(params, counters, logits.device))
+            tokens = sample_inverse_cdf(sampling_logprobs.exp(), self._uniforms(b, counters, logits.device))
             if any(greedy):
                 tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), tokens)
         rows = torch.arange(B, device=logits.device)
-        return self._lists(tokens, logprobs[rows, tokens], sampling_logprobs[rows, tokens], greedy)
+        return self._lists(tokens, logprobs[rows, tokens],
+                           None if sampling_logprobs is logprobs else sampling_logprobs[rows, tokens], greedy)
 
     @staticmethod
-    def _lists(tokens: torch.Tensor, lp: torch.Tensor, slp: torch.Tensor, greedy: list[bool]
+    def _lists(tokens: torch.Tensor, lp: torch.Tensor, slp: torch.Tensor | None, greedy: list[bool]
                ) -> tuple[list[int], list[float], list[float]]:
-        """The host's lists (the one wait for the device); ERROR_TOKEN where the logprob is NaN."""
-        tokens_l, lp_l, slp_l = tokens.tolist(), lp.tolist(), slp.tolist()
-        tokens_l = [ERROR_TOKEN if math.isnan(x) else t for t, x in zip(tokens_l, lp_l)]
-        return tokens_l, lp_l, [0.0 if g else x for g, x in zip(greedy, slp_l)]
+        """The host's lists (the one wait for the device); ERROR_TOKEN where the logprob is NaN. `slp` None: the
+        sampling logprobs are the logprobs (no truncation)."""
+        tokens_l, lp_l = tokens.tolist(), lp.tolist()
+        if any(map(math.isnan, lp_l)):
+            tokens_l = [ERROR_TOKEN if math.isnan(x) else t for t, x in zip(tokens_l, lp_l)]
+        slp_l = lp_l if slp is None else slp.tolist()
+        return tokens_l, lp_l, [0.0 if g else x for g, x in zip(greedy, slp_l)] if any(greedy) else list(slp_l)
 
-    def _uniforms(self, params: list[SamplingParams], counters: list[int], device: torch.device) -> torch.Tensor:
-        u = torch.rand(len(params), generator=self.generator, device=device)
-        own = [i for i, p in enumerate(params) if p.seed is not None]
-        if own:  # seeded rows: counter-based draws, hashed on the host for all of them at once, one small copy
-            mine = counter_uniform([params[i].seed for i in own], [counters[i] for i in own])  # type: ignore[misc]
-            u[torch.tensor(own).to(device, non_blocking=True)] = torch.from_numpy(mine).to(device, non_blocking=True)
+    def _uniforms(self, b: BatchParams, counters: list[int], device: torch.device) -> torch.Tensor:
+        u = torch.rand(len(b.params), generator=self.generator, device=device)
+        if b.seeded:  # seeded rows: counter-based draws, hashed on the host for all of them at once, one small copy
+            own = counters if len(b.seeded) == len(counters) else [counters[i] for i in b.seeded]
+            mine = torch.from_numpy(counter_hash(b.seed_hash, own))  # type: ignore[arg-type]
+            if len(b.seeded) == len(counters) and device.type == "cpu":
+                return mine
+            u[b.on(device, "seeded", lambda: torch.tensor(b.seeded))] = mine.to(device, non_blocking=True)
         return u
 
 
@@ -99,17 +148,26 @@ def _mix32(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint32(16))
 
 
+def seed_hash(seeds: list[int]) -> np.ndarray:
+    """The seeds' half of `counter_uniform` (uint32 per seed, taken modulo 2**64), reusable for every counter."""
+    s = np.array([x & 0xFFFFFFFFFFFFFFFF for x in seeds], dtype=np.uint64)
+    h = _mix32((s & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ np.uint32(0x9E3779B9))
+    return _mix32(h ^ (s >> np.uint64(32)).astype(np.uint32))
+
+
+def counter_hash(seed_h: np.ndarray, counters: list[int]) -> np.ndarray:
+    """`counter_uniform` from the seeds' `seed_hash` (counters taken modulo 2**32)."""
+    c = np.array(counters, dtype=np.int64).astype(np.uint32)
+    h = _mix32(seed_h ^ c)
+    h = _mix32(h ^ np.uint32(0x85EBCA6B))  # a last round so that neighbouring counters differ in every bit
+    return (h >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / (1 << 24))
+
+
 def counter_uniform(seeds: list[int], counters: list[int]) -> np.ndarray:
     """u in [0, 1) (float32, 24 random bits) for each (seed, counter) pair, seeds taken modulo 2**64 and counters
     modulo 2**32: the same pair gives the same u in any batch, on any engine or device; distinct pairs give
     independent-looking draws."""
-    s = np.array([x & 0xFFFFFFFFFFFFFFFF for x in seeds], dtype=np.uint64)
-    c = np.array([x & 0xFFFFFFFF for x in counters], dtype=np.uint32)
-    h = _mix32((s & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ np.uint32(0x9E3779B9))
-    h = _mix32(h ^ (s >> np.uint64(32)).astype(np.uint32))
-    h = _mix32(h ^ c)
-    h = _mix32(h ^ np.uint32(0x85EBCA6B))  # a last round so that neighbouring counters differ in every bit
-    return (h >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / (1 << 24))
+    return counter_hash(seed_hash(seeds), counters)
 
 
 def truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""Temperature sampling by inverse CDF (kernels/sample.py): the Triton kernel against the reference, edge rows
-(masked vocabulary, non-finite logits, u at both ends), its distribution, and the engine's sampler taking it for
-plain temperature sampling only."""
+"""Temperature sampling by inverse CDF (kernels/sample.py): the Triton kernel and the CPU's C kernel against the
+reference, edge rows (masked vocabulary, non-finite logits, u at both ends), their distribution, and the engine's
+sampler taking them for plain temperature sampling only."""
 from __future__ import annotations
 
 import math
@@ -10,10 +10,29 @@ import torch
 
 from engine.sampler import ERROR_TOKEN, Sampler
 from engine.sampling import SamplingParams
+from kernels import cpu_sample
 from kernels.dispatch import interpreting
 from kernels.sample import sample, sample_ref
 
 needs_interpreter = pytest.mark.skipif(not interpreting(), reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
+
+
+def _triton(logits, temps, u):
+    return sample(logits, temps, u, impl="triton")
+
+
+def _c(logits, temps, u):
+    return cpu_sample.sample_c(logits.float(), temps, u)
+
+
+@pytest.fixture(params=["triton", "c"])
+def kernel(request):
+    """Each kernel with the reference's contract: Triton (under the interpreter) and C (fp32 CPU logits)."""
+    if request.param == "triton" and not interpreting():
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    if request.param == "c" and not cpu_sample.available():
+        pytest.skip(f"the C sampling kernel does not build here: {cpu_sample.SAMPLE.error}")
+    return _triton if request.param == "triton" else _c
 TOP = 1 - 2 ** -24  # the largest float32 below 1
 
 
@@ -32,24 +51,22 @@ def _agrees(logits, temps, u, tok, lp):
     return int((tok == ref_tok).sum())
 
 
-@needs_interpreter
 @pytest.mark.parametrize("V", [7, 1000, 4096, 9000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(V, dtype):
+def test_kernel_matches_reference(kernel, V, dtype):
     g = torch.Generator().manual_seed(V)
     B = 6
     logits = (torch.randn(B, V, generator=g) * 3).to(dtype)
     temps = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 2.0])
     u = torch.rand(B, generator=g)
     u[0], u[1] = 0.0, TOP
-    tok, lp = sample(logits, temps, u, impl="triton")
+    tok, lp = kernel(logits, temps, u)
     assert tok.dtype == torch.int64 and lp.dtype == torch.float32
     assert _agrees(logits, temps, u, tok, lp) >= B - 1
 
 
-@needs_interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on the non-finite rows
-def test_kernel_edge_rows():
+def test_kernel_edge_rows(kernel):
     V = 50
     logits = torch.randn(6, V)
     logits[0, :20] = float("-inf")        # a masked vocabulary: leading
@@ -60,23 +77,22 @@ def test_kernel_edge_rows():
     logits[4, :-1] = float("-inf")        # one token left
     temps = torch.ones(6)
     for u in (0.0, 0.5, TOP):
-        tok, lp = sample(logits, temps, torch.full((6,), u), impl="triton")
+        tok, lp = kernel(logits, temps, torch.full((6,), u))
         assert 20 <= tok[0] < 30 and math.isfinite(lp[0])
         assert all(0 <= t < V for t in tok.tolist())
         assert all(math.isnan(x) for x in lp[1:4].tolist())
         assert tok[4] == V - 1 and lp[4].item() == pytest.approx(0.0, abs=1e-6)
         assert math.isfinite(lp[5])
-    first, _ = sample(logits[:1], temps[:1], torch.zeros(1), impl="triton")
-    last, _ = sample(logits[:1], temps[:1], torch.full((1,), TOP), impl="triton")
+    first, _ = kernel(logits[:1], temps[:1], torch.zeros(1))
+    last, _ = kernel(logits[:1], temps[:1], torch.full((1,), TOP))
     assert first.item() == 20 + int((logits[0, 20:30] > -1e9).int().argmax()) and last.item() == 29
 
 
-@needs_interpreter
-def test_kernel_distribution_matches_softmax():
+def test_kernel_distribution_matches_softmax(kernel):
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")])
     N = 500  # evenly spaced u: each token's share of them is its probability to within 1 / N
     u = (torch.arange(N) + 0.5) / N
-    tok, _ = sample(base.repeat(N, 1), torch.full((N,), 0.7), u, impl="triton")
+    tok, _ = kernel(base.repeat(N, 1), torch.full((N,), 0.7), u)
     freq = torch.bincount(tok, minlength=6).float() / N
     assert (freq - torch.softmax(base / 0.7, -1)).abs().max() <= 1.01 / N and freq[5] == 0
 
@@ -116,6 +132,49 @@ def test_sampler_takes_the_kernel_for_plain_temperature_only(monkeypatch):
     for mixed in ([SamplingParams(temperature=0)] + plain[1:], [SamplingParams(top_p=0.5)] + plain[1:]):
         Sampler(torch.device("cpu"))(logits[:4], mixed[:4], [0] * 4)
     assert calls == [1]
+
+
+@pytest.mark.skipif(not cpu_sample.available(), reason="the C sampling kernel does not build here")
+def test_sampler_takes_the_c_kernel_on_cpu_for_plain_temperature_only(monkeypatch):
+    """On fp32 CPU logits (TIDAL_KERNELS auto) a plain temperature batch runs the C kernel, with the reference
+    path's tokens (up to cdf ties) and logprobs; a greedy or truncating row, or bf16 logits, keep the reference."""
+    calls, real = [], cpu_sample.sample_c
+
+    def spy(*a):
+        calls.append(1)
+        return real(*a)
+    monkeypatch.setattr(cpu_sample, "sample_c", spy)
+    monkeypatch.delenv("TIDAL_KERNELS", raising=False)
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 2
+    logits[5, 7] = float("inf")
+    plain = [SamplingParams(temperature=0.8, seed=i) for i in range(6)]
+    got = Sampler(torch.device("cpu"))(logits, plain, [7] * 6)
+    assert calls == [1]
+    monkeypatch.setenv("TIDAL_KERNELS", "ref")
+    want = Sampler(torch.device("cpu"))(logits, plain, [7] * 6)
+    assert got[0][5] == ERROR_TOKEN == want[0][5] and math.isnan(got[1][5])
+    assert sum(a == b for a, b in zip(got[0][:5], want[0][:5])) >= 4
+    torch.testing.assert_close(torch.tensor(got[1][:5]), torch.tensor(want[1][:5]), atol=1e-5, rtol=1e-5)
+    assert got[2][:5] == got[1][:5] and math.isnan(got[2][5])   # no truncation: the sampling logprob is the logprob
+    monkeypatch.delenv("TIDAL_KERNELS")
+    for mixed in ([SamplingParams(temperature=0)] + plain[1:], [SamplingParams(top_k=5)] + plain[1:]):
+        Sampler(torch.device("cpu"))(logits[:4], mixed[:4], [0] * 4)
+    Sampler(torch.device("cpu"))(logits[:4].bfloat16(), plain[:4], [0] * 4)
+    assert calls == [1]
+
+
+def test_sampler_reworks_its_per_row_params_when_the_batch_changes():
+    """The sampler reuses what it worked out of a batch's params while the rows hold the same params objects; a
+    batch with other params in the same places (or another length) is worked out afresh."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(4)) * 3
+    seeded = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]
+    greedy = [SamplingParams(temperature=0.0)] * 4
+    s, fresh = Sampler(torch.device("cpu")), lambda: Sampler(torch.device("cpu"))
+    assert s(logits, seeded, [0] * 4) == fresh()(logits, seeded, [0] * 4)
+    assert s(logits, list(seeded), [1] * 4) == fresh()(logits, seeded, [1] * 4)   # same objects: reused
+    assert s(logits, greedy, [2] * 4)[0] == logits.argmax(-1).tolist()           # other objects: greedy now
+    hot = [SamplingParams(temperature=50.0, seed=i) for i in range(3)]
+    assert s(logits[:3], hot, [3] * 3) == fresh()(logits[:3], hot, [3] * 3)
 
 
 @pytest.mark.gpu
