@@ -103,13 +103,13 @@ class ModelRunner:
     def _sync_block_tables(self, seqs) -> torch.Tensor:
         """Copy the block-table entries added since the last step into the runner's table (one indexed write for
         the whole batch); the batch's seats."""
+        seats = [s.seat for s in seqs]
+        if min(seats, default=0) < 0:
+            raise AssertionError(f"{next(s.request_id for s in seqs if s.seat < 0)} runs without a seat")
         rows: list[int] = []
         cols: list[int] = []
         blocks: list[int] = []
-        seats = []
         for s in seqs:
-            assert s.seat >= 0, f"{s.request_id} runs without a seat"
-            seats.append(s.seat)
             n = len(s.block_table)
             if s.table_synced < n:
                 rows += [s.seat] * (n - s.table_synced)
@@ -129,11 +129,12 @@ class ModelRunner:
             ids += s.token_ids[st:st + n]
         seats = self._sync_block_tables(seqs)
         start_t = torch.tensor(starts, dtype=torch.long)
-        n_t = torch.tensor(ns, dtype=torch.long)
-        ctx = start_t + n_t
-        max_ctx = max(s + n for s, n in zip(starts, ns))
+        one_each = len(ids) == len(seqs)  # every sequence computes one token (a decode step)
+        n_t = None if one_each else torch.tensor(ns, dtype=torch.long)
+        ctx = start_t + 1 if one_each else start_t + n_t
+        max_ctx = max(starts) + 1 if one_each else max(s + n for s, n in zip(starts, ns))
         bt = self.block_tables[seats, :width or cdiv(max_ctx, self.block_size)]
-        if len(ids) == len(seqs):  # one token per sequence
+        if one_each:
             owner, pos = torch.arange(len(seqs)), start_t
             cu = torch.arange(len(seqs) + 1)
         else:
@@ -141,15 +142,16 @@ class ModelRunner:
             owner = torch.repeat_interleave(torch.arange(len(seqs)), n_t, output_size=len(ids))
             pos = start_t[owner] + torch.arange(len(ids)) - cu[owner]
         slots = bt[owner, pos // self.block_size].long() * self.block_size + pos % self.block_size
-        logit_idx = (cu[1:] - 1)[batch.logit_indices]
+        # logit rows ascend: as many as sequences means every row (a decode step's usual case: no index to build)
+        logit_idx = owner if one_each and len(batch.logit_indices) == len(seqs) else (cu[1:] - 1)[batch.logit_indices]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev, non_blocking=True), block_tables=bt.to(dev, non_blocking=True),
             context_lens=ctx.to(dev, torch.int32, non_blocking=True),
             cu_seqlens_q=(cu[nd:] - nd).to(dev, torch.int32, non_blocking=True), num_decode=nd,
-            max_context_len=max_ctx, max_query_len=max(ns), slots_valid=True,
+            max_context_len=max_ctx, max_query_len=1 if one_each else max(ns), slots_valid=True,
             query_seq=owner.to(dev, torch.int32, non_blocking=True),
-            query_len=(pos + 1).to(dev, torch.int32, non_blocking=True))
+            query_len=(ctx if one_each else pos + 1).to(dev, torch.int32, non_blocking=True))
         return (torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), pos.to(dev, non_blocking=True),
                 meta, logit_idx.to(dev, non_blocking=True))
 
