@@ -9,8 +9,9 @@
  *
  * One work item = one query row, all its heads, one head at a time: scores (q . k * scale) into a scratch row,
  * softmax, then the probability-weighted sum of V in registers. The row's blocks lie anywhere in the pool, so
- * while a row is computed every cache line of the next row's K and V is requested (the hardware prefetcher
- * cannot guess a block table); the query heads of a GQA group then read their kv head from cache. With AVX, the
+ * while a row is computed the cache lines of the next row's K and V are requested (the hardware prefetcher cannot
+ * guess a block table), a few at a time, paced by the score passes (`pf_cursor`); the query heads of a GQA group
+ * then read their kv head from cache. With AVX, the
  * scores of up to 8 consecutive tokens of a block are reduced across lanes together (dot8), every token of the
  * row through it, so a token's score does not depend on the block size (a request's KV moves between engines of
  * different block sizes and decodes on bit for bit). Head dims
@@ -38,20 +39,40 @@
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
-/* Ask for every cache line of a row's K and V (its first n pool tokens) ahead of use: a row's blocks lie anywhere
- * in the pool, so the hardware prefetcher cannot see the next one coming; issued one row ahead, the next row's
- * loads overlap this row's arithmetic. */
-static inline void prefetch_row(const float *k_cache, const float *v_cache, const int32_t *table, int64_t n,
-                                int64_t bs, int64_t tok_floats) {
-    const int64_t blk_stride = bs * tok_floats;
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
-        const int64_t m = n - t0 < bs ? n - t0 : bs, bytes = m * tok_floats * (int64_t)sizeof(float);
-        const char *kb = (const char *)(k_cache + (int64_t)table[t0 / bs] * blk_stride);
-        const char *vb = (const char *)(v_cache + (int64_t)table[t0 / bs] * blk_stride);
-        for (int64_t off = 0; off < bytes; off += 64) {
-            __builtin_prefetch(kb + off, 0, 2);
-            __builtin_prefetch(vb + off, 0, 2);
+/* The next row's K and V cache lines, requested a few at a time while this row computes: K then V of each block in
+ * turn, `pairs` K lines and the V lines at the same offsets per call. Requesting them all at once when a row starts
+ * (~560 lines at 140 tokens of 2 kv heads x 16) filled the core's miss buffers and stalled the row behind them: the
+ * kernel then took its compute time plus its memory time. Paced by the score passes (one line per query head and
+ * token, so the next row's lines are all requested by the time this row's last head is scored), 256 rows x ~140
+ * tokens inside the long vs-TRL job's engine took 0.384-0.412 s of paged attention a round instead of
+ * 0.436-0.457 (bench/RESULTS.md, stop 36). Only when to ask changes: the arithmetic, hence the output, does not. */
+typedef struct {
+    const char *k, *v;
+    const int32_t *table;   /* NULL: nothing (left) to request */
+    int64_t n, bs, tok_bytes, blk_bytes, b, off, bytes;
+} pf_cursor;
+
+static inline void pf_start(pf_cursor *c, const float *k_cache, const float *v_cache, const int32_t *table, int64_t n,
+                            int64_t bs, int64_t tok_floats) {
+    c->k = (const char *)k_cache, c->v = (const char *)v_cache, c->table = n > 0 ? table : NULL;
+    c->n = n, c->bs = bs, c->tok_bytes = tok_floats * (int64_t)sizeof(float), c->blk_bytes = bs * c->tok_bytes;
+    c->b = 0, c->off = 0, c->bytes = (n < bs ? n : bs) * c->tok_bytes;
+}
+
+static inline __attribute__((always_inline)) void pf_issue(pf_cursor *c, int pairs) {
+    for (; pairs > 0 && c->table != NULL; pairs--) {
+        if (c->off >= c->bytes) {  /* this block's lines are all requested: on to the next block */
+            if (++c->b * c->bs >= c->n) {
+                c->table = NULL;
+                return;
+            }
+            const int64_t m = c->n - c->b * c->bs < c->bs ? c->n - c->b * c->bs : c->bs;
+            c->off = 0, c->bytes = m * c->tok_bytes;
         }
+        const int64_t at = (int64_t)c->table[c->b] * c->blk_bytes + c->off;
+        __builtin_prefetch(c->k + at, 0, 2);
+        __builtin_prefetch(c->v + at, 0, 2);
+        c->off += 64;
     }
 }
 
@@ -89,7 +110,7 @@ static inline float hmax8(__m256 v) {
 static inline __attribute__((always_inline)) void
 attend(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
        const int32_t *restrict table, int64_t n, float *restrict out, float *restrict scores, int64_t Hq,
-       int64_t Hkv, const int64_t D, int64_t bs, float scale) {
+       int64_t Hkv, const int64_t D, int64_t bs, float scale, pf_cursor *pf) {
     const int64_t G = Hq / Hkv, blk_stride = bs * Hkv * D, tok_stride = Hkv * D;
     int nan = 0;
     for (int64_t hq = 0; hq < Hq; hq++) {
@@ -107,6 +128,7 @@ attend(const float *restrict q, const float *restrict k_cache, const float *rest
                 const __m256 sc = _mm256_set1_ps(scale);
                 __m256 vmx = _mm256_set1_ps(mx), bad = _mm256_setzero_ps();
                 for (; j + 8 <= m; j += 8) {
+                    pf_issue(pf, 4);
                     const __m256 s8 = _mm256_mul_ps(dot8(kb + j * tok_stride, tok_stride, qv, D, 8), sc);
                     bad = _mm256_or_ps(bad, _mm256_cmp_ps(s8, s8, _CMP_UNORD_Q));
                     vmx = _mm256_max_ps(vmx, s8);
@@ -127,6 +149,8 @@ attend(const float *restrict q, const float *restrict k_cache, const float *rest
             }
 #endif
             for (; j < m; j++) {
+                if (j & 1)
+                    pf_issue(pf, 1);
                 const float *restrict kt = kb + j * tok_stride;
                 float s = 0.0f;
                 if (D % 8 == 0) {  /* lane-wise products summed in a vector, then across its 8 lanes */
@@ -183,12 +207,12 @@ attend(const float *restrict q, const float *restrict k_cache, const float *rest
 
 /* attend() compiled for the common head dims as constants (unrolled, vectorised dot products), and for any other */
 #define ATTEND_ARGS const float *q, const float *kc, const float *vc, const int32_t *table, int64_t n, float *out, \
-    float *scores, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale
-static void attend_d16(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 16, bs, scale); }
-static void attend_d32(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 32, bs, scale); }
-static void attend_d64(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 64, bs, scale); }
-static void attend_d128(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 128, bs, scale); }
-static void attend_any(ATTEND_ARGS) { attend(q, kc, vc, table, n, out, scores, Hq, Hkv, D, bs, scale); }
+    float *scores, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, pf_cursor *pf
+static void attend_d16(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 16, bs, scale, pf); }
+static void attend_d32(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 32, bs, scale, pf); }
+static void attend_d64(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 64, bs, scale, pf); }
+static void attend_d128(ATTEND_ARGS) { (void)D; attend(q, kc, vc, table, n, out, scores, Hq, Hkv, 128, bs, scale, pf); }
+static void attend_any(ATTEND_ARGS) { attend(q, kc, vc, table, n, out, scores, Hq, Hkv, D, bs, scale, pf); }
 
 /* Returns 0; -1 when scratch memory could not be allocated; -2 when a row names a sequence outside
  * [0, num_seqs) or a block table entry it would read lies outside [0, num_blocks) (checked before anything is
@@ -223,11 +247,12 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
                 memset(o, 0, (size_t)(Hq * D) * sizeof(float));
                 continue;
             }
-            if (r + 1 < R && row_len[r + 1] > 0)
-                prefetch_row(k_cache, v_cache, block_tables + (int64_t)row_seq[r + 1] * bt_stride, row_len[r + 1], bs,
-                             Hkv * D);
+            pf_cursor pf;  /* the next row's lines, requested while this one computes */
+            const int64_t nxt = r + 1 < R ? r + 1 : r;
+            pf_start(&pf, k_cache, v_cache, block_tables + (int64_t)row_seq[nxt] * bt_stride,
+                     nxt > r ? row_len[nxt] : 0, bs, Hkv * D);
             attend_row(q + r * Hq * D, k_cache, v_cache, block_tables + (int64_t)row_seq[r] * bt_stride, n, o, scores,
-                       Hq, Hkv, D, bs, scale);
+                       Hq, Hkv, D, bs, scale, &pf);
         }
         free(scores);
     }
