@@ -5,11 +5,17 @@ scheduler prefills it once (the leader) and forks the others from it, so the pro
 allocated once. The last prompt block is usually partly filled; the first sibling to write into it gets a private
 copy (`allocate` returns the (src, dst) pair for the runner to copy), the last one writes in place.
 
+The free blocks are taken lowest id first (a heap), so a round's sequences get their blocks in the order they
+grow, whatever order earlier sequences freed theirs in: the blocks decode steps read one row after the other lie
+side by side, where a free list in freeing order scattered them. On the CPU the paged attention of the long vs-TRL
+round (256 sequences x 256 tokens, one thread) took 0.301-0.319 s against 0.340-0.379, the round 0.90-0.97 s
+against 0.92-1.03 (bench/RESULTS.md, stop 36): the hardware prefetcher follows a row's blocks into the next row's.
+
 Invariant between steps: len(seq.block_table) == ceil(seq.num_cached_tokens / block_size).
 """
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 from engine.sequence import Sequence
 
@@ -25,7 +31,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.free_ids: list[int] = list(range(num_blocks))   # a min-heap (ascending: already one)
 
     @property
     def num_free(self) -> int:
@@ -73,7 +79,7 @@ class BlockManager:
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0, f"block {b} freed more often than held"
             if self.ref_counts[b] == 0:
-                self.free_ids.append(b)
+                heapq.heappush(self.free_ids, b)
         seq.block_table = []
         seq.table_synced = 0
 
@@ -86,10 +92,10 @@ class BlockManager:
         for b in ids:
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] == 0, f"held block {b} was shared"
-            self.free_ids.append(b)
+            heapq.heappush(self.free_ids, b)
 
     def _take(self) -> int:
-        b = self.free_ids.popleft()  # callers check can_allocate first; an IndexError here is a scheduler bug
+        b = heapq.heappop(self.free_ids)  # callers check can_allocate first; an IndexError here is a scheduler bug
         assert self.ref_counts[b] == 0
         self.ref_counts[b] = 1
         return b
