@@ -71,6 +71,23 @@ def test_freed_blocks_are_reused():
     assert full(bm)
 
 
+def test_blocks_are_taken_lowest_id_first_whatever_order_they_were_freed_in():
+    """A round's sequences get their blocks side by side in the order they grow (the CPU paged attention reads them
+    one row after the other), not in the order the previous round's sequences happened to free theirs."""
+    bm = BlockManager(12, 2)
+    old = [seq(6) for _ in range(3)]
+    for s in old:
+        bm.allocate(s, 6)
+    for s in (old[1], old[2], old[0]):   # freed out of order, each table freed last block first
+        bm.free(s)
+    new = [seq(2) for _ in range(4)]
+    for step in range(3):   # four sequences growing in lockstep, a block each per step
+        for s in new:
+            bm.allocate(s, 2 * (step + 1) - s.num_cached_tokens)
+            s.num_cached_tokens = 2 * (step + 1)
+    assert [s.block_table for s in new] == [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]
+
+
 # ---- scheduler -------------------------------------------------------------------------------------------------
 def run_fake(sched: Scheduler, steps: int = 1000, gen: int = 3) -> list[Sequence]:
     """Drive the scheduler as the engine does, with a fake 'model' that appends token 7 to each sampled seq."""
