@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -65,7 +66,8 @@ class BatchParams:
     def same(self, params: list[SamplingParams]) -> bool:
         return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
 
-    def on(self, device: torch.device, key: str, make) -> torch.Tensor:
+    def on(self, device: torch.device, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The host tensor `make()` gives, on `device`, copied once per batch composition."""
         t = self.device_cache.get(key)
         if t is None:
             t = self.device_cache[key] = make().to(device, non_blocking=True)
