@@ -31,6 +31,11 @@ Per run: the wall time of the N steps from the run's own timestamps (ours: first
 checkpoint and teardown included), completion tokens per second over the N steps, the mean reward of the first 10
 and last 10 steps, and the peak resident memory of all its processes together (/proc, sampled every 0.2 s).
 The last line: TRL's N-step wall time over ours, per mode and setting (medians over repeats).
+
+Allocator: our CPU ranks keep freed heap memory for reuse (runtime/malloc.py, `cluster.cpu_keep_freed_memory`, on
+by default). TRL runs as a new user runs it, with glibc's default thresholds, unless `--trl-allocator kept` gives its
+process the same settings through glibc's environment variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_):
+the comparison with that difference removed (TRL's long job gained 13-14% from it on 2026-11-27).
 """
 from __future__ import annotations
 
@@ -240,10 +245,21 @@ def launch(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tupl
     return time.time() - t, peak
 
 
-def run_trl(s: Setting, work: Path, python: str, threads: int, seed: int = 0) -> Result:
+def trl_env(allocator: str = "default") -> dict[str, str]:
+    """The TRL process's environment; allocator "kept": glibc keeps freed memory as our CPU ranks' mallopt does."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    if allocator == "kept":
+        from runtime.malloc import MMAP_THRESHOLD_MAX, TRIM_THRESHOLD
+        env.update(MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD_MAX), MALLOC_TRIM_THRESHOLD_=str(TRIM_THRESHOLD))
+    elif allocator != "default":
+        raise ValueError(f"allocator must be 'default' or 'kept', got {allocator!r}")
+    return env
+
+
+def run_trl(s: Setting, work: Path, python: str, threads: int, seed: int = 0, allocator: str = "default") -> Result:
     model_dir, out = work / f"hf-{s.name}", work / f"trl-{s.name}.json"
     spec = {"setting": vars(s), "model_dir": str(model_dir), "out": str(out), "threads": threads, "seed": seed}
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    env = trl_env(allocator)
     total, peak = launch([python, str(Path(__file__).resolve()), "--trl-job", json.dumps(spec)],
                          work / f"trl-{s.name}.log", env)
     t = json.loads(out.read_text())
@@ -290,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                     "model's init and the prompts stay seed 0, so runs of other seeds compare reward curves")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the 1-process runs (TRL and ours "
                     "colocated alike; on a shared 2-core machine 2 threads can be 50x slower under load)")
+    ap.add_argument("--trl-allocator", default="default", choices=("default", "kept"),
+                    help="kept: TRL's process keeps freed memory as our CPU ranks do (glibc MALLOC_* variables)")
     ap.add_argument("--quick", action="store_true", help="2 steps, tiny setting, colocated and TRL only")
     ap.add_argument("--work", default=None, help="directory for the runs (default: a temporary one)")
     ap.add_argument("--trl-job", default=None, help=argparse.SUPPRESS)
@@ -325,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             order = modes[rep % len(modes):] + modes[:rep % len(modes)]
             for m in order:
                 load = load_avg()
-                r = (run_trl(s, work, a.trl_python, a.threads, a.seed) if m == "trl"
+                r = (run_trl(s, work, a.trl_python, a.threads, a.seed, a.trl_allocator) if m == "trl"
                      else run_ours(s, m, work, str(rep), a.threads, a.seed))
                 results.append(r)
                 print(f"{r.line()}  load {load:.1f}->{load_avg():.1f}", flush=True)

@@ -41,8 +41,9 @@ STEPS = textwrap.dedent("""
 """)
 
 
-def _faults(mode: str) -> list[int] | None:
-    out = subprocess.run([sys.executable, "-c", STEPS, mode], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _faults(mode: str, env: dict[str, str] | None = None) -> list[int] | None:
+    out = subprocess.run([sys.executable, "-c", STEPS, mode], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=env)
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]
     return None if last == "unsupported" else [int(x) for x in last.split()]
@@ -56,3 +57,16 @@ def test_train_steps_reuse_their_memory_once_freed_memory_is_kept():
     # kept, a later step runs on reused memory alone (3-5 fresh pages: Python's own small-object arenas); with
     # glibc's default thresholds the third to sixth steps took 262-11,000 fresh pages each (16 runs of this loop)
     assert min(keep[2:]) < 100, keep
+
+
+def test_the_peer_benchmarks_kept_allocator_reaches_glibc_through_its_environment():
+    """bench/vs_trl.py --trl-allocator kept: a process that never calls mallopt, given the environment it builds for
+    TRL, reuses its memory the same way (glibc reads MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ at start)."""
+    from bench.vs_trl import trl_env
+    if _faults("keep") is None:
+        pytest.skip("this C library has no mallopt (not glibc)")
+    assert "MALLOC_TRIM_THRESHOLD_" not in trl_env("default")
+    kept = _faults("default", trl_env("kept"))
+    assert kept[0] > 4000 and min(kept[2:]) < 100, kept
+    with pytest.raises(ValueError, match="allocator"):
+        trl_env("jemalloc")
