@@ -104,8 +104,7 @@ class ModelRunner:
         """Copy the block-table entries added since the last step into the runner's table (one indexed write for
         the whole batch); the batch's seats."""
         seats = [s.seat for s in seqs]
-        if min(seats, default=0) < 0:
-            raise AssertionError(f"{next(s.request_id for s in seqs if s.seat < 0)} runs without a seat")
+        assert min(seats, default=0) >= 0, f"{next(s.request_id for s in seqs if s.seat < 0)} runs without a seat"
         rows: list[int] = []
         cols: list[int] = []
         blocks: list[int] = []

@@ -56,7 +56,7 @@ class BatchParams:
 
     @classmethod
     def of(cls, params: list[SamplingParams]) -> BatchParams:
-        greedy = [p.temperature == 0 for p in params]
+        greedy = [p.greedy for p in params]
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         return cls(list(params), greedy,
                    torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32),
