@@ -125,12 +125,19 @@ def run_engine(model, prompts, outs, args, fused: bool = True):
     return secs, decode_bytes / decode_time if decode_time else 0.0, snap
 
 
-def run_hf_generate(hf, prompts, outs, args):
+def run_hf_generate(hf, prompts, outs, args, deadline_s: float = float("inf")):
+    """transformers' static `generate` in batches of args.hf_batch_size (arrival order, each batch padded to its
+    longest prompt and run to its longest output). A batch that would end past `deadline_s` (judged from the mean
+    of those before it) is not started: `Unfinished` then names how many requests were done, a lower bound on its
+    time."""
     dev = args.device
     hf.generate(torch.tensor([prompts[0][:8]], device=dev), max_new_tokens=4, do_sample=False, pad_token_id=0)
     sync(dev)
     t0 = time.perf_counter()
     for s in range(0, len(prompts), args.hf_batch_size):
+        spent = time.perf_counter() - t0
+        if s and spent + spent / (s // args.hf_batch_size) > deadline_s:
+            raise Unfinished(s, len(prompts), spent, "transformers static generate")
         ps, n = prompts[s:s + args.hf_batch_size], max(outs[s:s + args.hf_batch_size])
         width = max(map(len, ps))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=dev)
@@ -142,10 +149,11 @@ def run_hf_generate(hf, prompts, outs, args):
 
 
 class Unfinished(TimeoutError):
-    """transformers' continuous batching still running at its deadline, having finished `done` of `total` requests:
-    its time is at least `secs`, so our engine's speed-up over it is at least `secs` / ours."""
-    def __init__(self, done: int, total: int, secs: float):
-        super().__init__(f"transformers continuous batching finished {done} of {total} requests in {secs:.0f} s")
+    """A transformers peer (continuous batching, or static `generate`) stopped at its deadline, having finished
+    `done` of `total` requests: its time is at least `secs`, so our engine's speed-up over it is at least `secs` /
+    ours."""
+    def __init__(self, done: int, total: int, secs: float, peer: str = "transformers continuous batching"):
+        super().__init__(f"{peer} finished {done} of {total} requests in {secs:.0f} s")
         self.done, self.total, self.secs = done, total, secs
 
 

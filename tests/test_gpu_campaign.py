@@ -103,6 +103,29 @@ def test_transformers_continuous_batching_fails_fast_and_named(monkeypatch):
     assert logging.getLogger("ContinuousBatchingLogger").handlers == before  # the bench's handler is gone again
 
 
+def test_static_generate_stops_before_a_batch_that_would_end_past_its_deadline():
+    """The static peer is judged from its batches so far: a batch that would end past the deadline is not started,
+    and `Unfinished` names the requests done and the time spent (a lower bound on its time)."""
+    import time
+    from types import SimpleNamespace
+
+    import bench.engine as be
+
+    class HF:
+        calls = 0
+
+        def generate(self, ids, **k):
+            HF.calls += 1
+            time.sleep(0.1)
+
+    args = SimpleNamespace(device="cpu", hf_batch_size=2)
+    prompts, outs = [[1, 2]] * 6, [3] * 6
+    with pytest.raises(be.Unfinished, match="static generate finished 2 of 6 requests") as e:
+        be.run_hf_generate(HF(), prompts, outs, args, deadline_s=0.15)
+    assert (e.value.done, e.value.total) == (2, 6) and 0.1 <= e.value.secs < 0.15 and HF.calls == 2  # warm-up + 1
+    assert be.run_hf_generate(HF(), prompts, outs, args, deadline_s=10) >= 0.3 and HF.calls == 2 + 4
+
+
 def test_each_section_is_saved_as_it_ends(monkeypatch, tmp_path):
     """A device call cut off at its limit returns only what was written: the campaign used to write its results
     file once, at the end. Now it is written after every section, so finished sections survive a later one's kill."""
@@ -156,6 +179,10 @@ def test_report_gives_a_lower_bound_when_the_peer_is_stopped_unfinished():
     eng["vs_hf_cb_at_least"] = 6.0
     row = next(r for r in gpu.rows(results) if "continuous batching" in r)
     assert ">= 6.0x" in row and row.endswith("| - |")
+    del eng["vs_hf_generate"]
+    eng.update(hf_generate_unfinished=dict(done=64, total=256, secs=110.0), vs_hf_generate_at_least=11.7)
+    row = next(r for r in gpu.rows(results) if "continuous batching" in r)
+    assert "static `generate` in batches of 64: >= 11.7x" in row
 
 
 def test_a_saved_merged_campaign_becomes_the_simulators_profile_for_its_device(tmp_path):
