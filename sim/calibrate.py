@@ -7,7 +7,8 @@ What it measures (and how the cpu_tiny profile in sim/profiles.py was filled in)
     decode   the rollout worker sends a tokens_decoded event every `counters_every` (8) engine steps with the engine's
              running total; between two consecutive ones inside a busy span, (dt / 8) is the step time and
              (d_total / 8) the mean batch size n. A least-squares fit of step = k3 * n + k4 gives the CPU profile's
-             k3, k4 (k1 = k2 = 0: a tiny model on CPU is compute-bound, its KV reads are negligible)
+             k3, k4 (k1 = k2 = 0: a tiny model on CPU is compute-bound, its KV reads are negligible); a run whose
+             intervals all have one batch size gives no slope, only the mean step (step_s) at that batch
     train    step_time_s / trained tokens from metrics.jsonl (median), times the train ranks = s per token on one
              GPU/rank; the trainer's `tokens` counts response tokens only, so pass the mean prompt length
              (--prompt-tokens) to count what the forward pass processes (prompt + response), as sim/cost.py does
@@ -47,11 +48,13 @@ def decode_fit(events: list[Event]) -> dict[str, float]:
     busy = sum(b - a for s in spans.values() for a, b in s)
     tokens = sum(e.data.get("tokens", 0) for e in events if e.kind == "trajectory_finished")
     out = {"busy_s": busy, "tokens": float(tokens), "busy_s_per_token": busy / max(tokens, 1), "fit_points": len(pts)}
-    if len(pts) >= 2 and len({n for n, _ in pts}) >= 2:
+    if pts:
         mn, ms = statistics.fmean(n for n, _ in pts), statistics.fmean(s for _, s in pts)
+        out.update(mean_batch=mn, step_s=ms)
         var = sum((n - mn) ** 2 for n, _ in pts)
-        k3 = max(0.0, sum((n - mn) * (s - ms) for n, s in pts) / var)
-        out.update(k3=k3, k4=max(0.0, ms - k3 * mn), mean_batch=mn)
+        if var > 0:  # a slope needs two batch sizes: a run whose every step is full has none (step_s is its figure)
+            k3 = max(0.0, sum((n - mn) * (s - ms) for n, s in pts) / var)
+            out.update(k3=k3, k4=max(0.0, ms - k3 * mn))
     return out
 
 

@@ -218,3 +218,13 @@ def test_a_saved_merged_campaign_becomes_the_simulators_profile_for_its_device(t
     assert "h200-2026-12-01.json" in got["h200_qwen3_0p6b"].sources["k1"]        # the newest file of the device
     assert got["h100_qwen3_0p6b"] == h100_measured()
     assert device_tag("NVIDIA H100 80GB HBM3") == "h100" and device_tag("NVIDIA H200") == "h200"
+
+
+def test_the_commit_the_caller_names_wins_over_the_copys_git(monkeypatch):
+    """A device machine's copy of the work tree carried the session's first commit's .git (2026-11-27): results
+    must record the commit that was sent, which the caller names in TIDAL_COMMIT."""
+    import bench.gpu as gpu
+    monkeypatch.setenv("TIDAL_COMMIT", "abc1234")
+    assert gpu.meta(dry=True)["commit"] == "abc1234"
+    monkeypatch.delenv("TIDAL_COMMIT")
+    assert gpu.meta(dry=True)["commit"] != "abc1234"

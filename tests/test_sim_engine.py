@@ -327,17 +327,20 @@ def test_an_overlapped_publication_frees_the_trainer_and_transfers_go_out_one_at
             assert done[1] == pytest.approx(2 * step + 5.0) and pub == pytest.approx([step + 5.0, 2 * step + 10.0])
 
 
-def test_h100_profile_comes_from_the_campaign_file_and_predicts_its_timed_decode_steps():
-    """The measured H100 profile's decode line (the whole engine run's decode bytes per second) must predict the
-    60 decode steps the same campaign timed separately at batch 255 right after the prompts' prefill: their context
-    lies between the prompts alone and every token processed by then."""
+@pytest.mark.parametrize("name,file", [("h100_qwen3_0p6b", "h100-2026-11-24.json"),
+                                       ("h200_qwen3_0p6b", "h200-2026-11-27.json")])
+def test_a_campaign_profile_comes_from_its_file_and_predicts_its_timed_decode_steps(name, file):
+    """A measured profile's decode line (the whole engine run's decode bytes per second) must predict the 60
+    decode steps the same campaign timed separately at batch 255 right after the prompts' prefill: their context
+    lies between the prompts alone and every token processed by then. Each GPU campaign's file (H100: the first,
+    2026-11-24; H200: the third, 2026-11-27, the engine with its fused kernels)."""
     import json
 
     from bench import engine as be
-    from sim.profiles import H100_CAMPAIGN, QWEN3_0P6B
+    from sim.profiles import QWEN3_0P6B, RESULTS_DIR
 
-    p = PROFILES["h100_qwen3_0p6b"]
-    data = json.loads(H100_CAMPAIGN.read_text())
+    p = PROFILES[name]
+    data = json.loads((RESULTS_DIR / file).read_text())
     eng = data["sections"]["engine"]["results"]
     assert p.k1 == pytest.approx(QWEN3_0P6B.kv_bytes_per_token / (eng["decode_gbs"] * 1e9))
     assert p.kv_capacity_tokens == data["sections"]["grpo_step"]["results"]["kv_tokens"]

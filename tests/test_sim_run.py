@@ -192,10 +192,13 @@ def test_repro_prefill_cost_scales_every_prefill_with_the_training_speed_and_say
     assert "--prefill-cost must be > 0" in capsys.readouterr().err
 
 
-def test_calibrate_recovers_a_known_step_time(tmp_path):
+@pytest.mark.parametrize("batches", [[4, 9, 16, 25, 9, 4], [256]])
+def test_calibrate_recovers_a_known_step_time(tmp_path, batches):
+    """The slope and intercept where the batch size varies; where every step has one batch size (a GPU run whose
+    rows stay full) no slope exists: the mean step at that batch, and no k3 / k4 pretending to be a fit."""
     k3, k4, lines, t, total = 5e-5, 2e-3, [], 0.0, 0
     lines.append({"kind": "engine_busy", "t": 0.0, "engine": 0, "rank": 1})
-    for i, n in enumerate([4, 9, 16, 25, 9, 4] * 3):
+    for i, n in enumerate(batches * 3):
         t += 8 * (k3 * n + k4)
         total += 8 * n
         lines.append({"kind": "tokens_decoded", "t": t, "engine": 0, "rank": 1, "data": {"total": total}})
@@ -205,7 +208,11 @@ def test_calibrate_recovers_a_known_step_time(tmp_path):
     (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step_time_s": 2.0, "tokens": 1000}) + "\n")
     m = measure(tmp_path)
-    assert m["k3"] == pytest.approx(k3, rel=1e-6) and m["k4"] == pytest.approx(k4, rel=1e-6)
+    if len(batches) > 1:
+        assert m["k3"] == pytest.approx(k3, rel=1e-6) and m["k4"] == pytest.approx(k4, rel=1e-6)
+    else:
+        assert "k3" not in m and "k4" not in m and m["mean_batch"] == 256
+        assert m["step_s"] == pytest.approx(k3 * 256 + k4, rel=1e-9)
     assert m["train_s_per_token_one_rank"] == pytest.approx(2.0 / 1000)  # one train rank (the engine's rank)
 
 
