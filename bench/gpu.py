@@ -67,9 +67,10 @@ if __package__ in (None, ""):  # run as a script: bench/ would shadow the engine
 
 SECTIONS = ("tests", "kernels", "engine", "train", "grpo_step", "e2e", "disagg")
 # each part inside one 10-minute device call; all three inside one 15-minute lease (H200, 2026-11-27, third
-# campaign: tests 149 s, kernels 10, disagg 61, train 41; engine 308 with the peers capped; grpo_step 50, e2e 91)
+# campaign: tests 149 s, kernels 10, disagg 61, train 41 for one run of each mode (two now: ~80); engine 308 with
+# the peers capped; grpo_step 50, e2e 91)
 PARTS = {1: ("tests", "kernels", "disagg", "train"), 2: ("engine",), 3: ("grpo_step", "e2e")}
-LIMIT_S = {"tests": 300, "kernels": 120, "engine": 560, "train": 150, "grpo_step": 300, "e2e": 300,
+LIMIT_S = {"tests": 300, "kernels": 120, "engine": 560, "train": 200, "grpo_step": 300, "e2e": 300,
            "disagg": 150}  # on a GPU
 DRY_LIMIT_S = 90
 # a transformers peer is stopped once its time passes this multiple of our engine's (the target is 10x):
@@ -87,16 +88,17 @@ class Sizes:
     copy_bytes: int
     logprob: tuple[int, int, int, int]   # tokens, vocab, hidden, chunk (0 = default)
     engine: tuple[str, int, int, int]    # bench/engine.py shape, prompts, min and max length
-    train: tuple[str, int, int, int, int, int]  # bench/train.py shape, seqs, prompt, response, micro-batch, steps
+    train: tuple[str, int, int, int, int, int, int]  # bench/train.py shape, seqs, prompt, response, micro-batch,
+                                                      # steps, alternating runs of each mode
     grpo: tuple[int, int, int, int, int]  # prompts, G, min and max response, micro-batch tokens
     e2e: tuple[int, int, int, int]       # steps, prompts per step, G, max new tokens
 
 
 GPU = Sizes((16, 8, 128), 64, (1024, 4096, 16384), 4 << 30, (16384, 151_936, 1024, 0),
-            ("qwen3-0.6b", 256, 100, 1024), ("qwen3-1.7b", 32, 512, 1536, 8192, 3), (64, 8, 100, 1024, 16384),
+            ("qwen3-0.6b", 256, 100, 1024), ("qwen3-1.7b", 32, 512, 1536, 8192, 3, 2), (64, 8, 100, 1024, 16384),
             (3, 32, 8, 512))
 DRY = Sizes((4, 2, 32), 1, (16, 32, 64), 16 << 20, (8, 128, 32, 8), ("tiny", 4, 4, 12),
-            ("tiny", 4, 8, 24, 64, 1), (3, 2, 4, 12, 256), (2, 4, 4, 16))
+            ("tiny", 4, 8, 24, 64, 1, 2), (3, 2, 4, 12, 256), (2, 4, 4, 16))
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -239,9 +241,10 @@ def section_engine(s: Sizes, dry: bool) -> dict[str, Any]:
 
 def section_train(s: Sizes, dry: bool) -> dict[str, Any]:
     from bench import train as bt
-    shape, seqs, prompt, response, mbt, steps = s.train
+    shape, seqs, prompt, response, mbt, steps, repeats = s.train
     args = bt.parse_args(["--device", device(dry), "--shape", shape, "--seqs", str(seqs), "--prompt", str(prompt),
-                          "--response", str(response), "--micro-batch-tokens", str(mbt), "--steps", str(steps)])
+                          "--response", str(response), "--micro-batch-tokens", str(mbt), "--steps", str(steps),
+                          "--repeats", str(repeats)])
     return {"ok": True, **bt.run(args)}
 
 
@@ -551,7 +554,9 @@ def rows(results: dict[str, Any]) -> list[str]:
                        f"prefill (mixed) step {ph['prefill_step']:.1f} | - | - |")
     if (r := res("train")) is not None:
         modes = {"on" if x["checkpointing"] else "off": x for x in r["modes"]}
-        mfu = " / ".join(f"{_f(x['mfu'], '.3f')} ({k})" for k, x in modes.items())
+        mfu = " / ".join(f"{_f(x['mfu'], '.3f')} ({k}" + (f", runs {x['mfu_range'][0]:.3f}-{x['mfu_range'][1]:.3f}"
+                                                            if len(x.get("runs_step_s", [])) > 1 else "") + ")"
+                         for k, x in modes.items())
         mem = "; ".join(f"peak {x['peak_gib']:.1f} GiB vs --check {x['plan_gib']:.1f} ({k})"
                         for k, x in modes.items() if "peak_gib" in x)
         out.append(f"| FSDP2 trainer MFU, {r['shape']} shape, checkpointing off / on, vs {r['matmul_tflops']:.4g} "

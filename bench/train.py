@@ -18,6 +18,8 @@ work done. Checkpointing's recomputed forward and the rows' recomputed prompt qu
 one of SharedPrefixCausal's two ways (default: its own rule for the device). On GPU the peak memory of the timed
 steps is printed beside `train.py --check`'s plan for the same settings (runtime/preflight.py), checking that plan
 on the device.
+`--repeats N` runs each mode N times, alternating, each run a fresh trainer; a mode's figure is its median run,
+with the MFU range of its runs (two H200s gave 0.373 and 0.341 for the same code, one run each: bench/RESULTS.md).
 The last line is the headline, e.g. `trainer_mfu: 0.41 (checkpointing off), 0.33 (on)`.
 """
 from __future__ import annotations
@@ -64,10 +66,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=int)
     p.add_argument("--steps", type=int, default=3, help="timed train steps (after one warm-up step)")
     p.add_argument("--checkpointing", default="off,on", help="activation checkpointing modes to run")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each mode, alternating (each a fresh trainer); "
+                   "a mode's figure is its median run, with the MFU range")
     p.add_argument("--share-prompts", choices=["on", "off"], default="on", help="train.share_prompts")
     p.add_argument("--shared-attention", choices=["auto", "rows", "masked"], default="auto",
                    help="SharedPrefixCausal's way: its rule for the device, or always one")
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {a.repeats}")
     cpu = a.device == "cpu"
     for k, cpu_v, gpu_v in [("shape", "small", "qwen3-1.7b"), ("seqs", 8, 32), ("prompt", 16, 512),
                             ("response", 48, 1536), ("micro_batch_tokens", 256, 8192)]:
@@ -230,15 +236,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"model {args.shape}: {m.num_params() / 1e6:.4g}M params; {args.seqs} sequences of {args.prompt} + "
           f"{args.response} tokens, micro-batches of {args.micro_batch_tokens}; matmul rate {rate / 1e12:.3g} "
           f"TFLOP/s ({'bf16 8192^3' if args.device == 'cuda' else 'fp32 512^3'})", flush=True)
-    modes = []
-    for mode in args.checkpointing.split(","):
-        r = bench_mode(args, m, mode == "on", rate)
-        mem = f", peak {r['peak_gib']:.1f} GiB (--check plans {r['plan_gib']:.1f})" if "peak_gib" in r else ""
-        print(f"checkpointing {mode}: {r['packed_tokens']} packed tokens, {r['step_s']:.3f} s/step, "
-              f"{r['tokens'] / r['step_s']:.0f} tokens/s, "
-              f"{r['tflops']:.3g} TFLOP/s, MFU {r['mfu']:.3f}{mem}", flush=True)
-        modes.append(r)
-    return {"shape": args.shape, "matmul_tflops": rate / 1e12, "modes": modes}
+    names = args.checkpointing.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in names}
+    for rep in range(args.repeats):  # the modes alternate, each run a fresh trainer: a drift hits every mode alike
+        for mode in names:
+            r = bench_mode(args, m, mode == "on", rate)
+            mem = f", peak {r['peak_gib']:.1f} GiB (--check plans {r['plan_gib']:.1f})" if "peak_gib" in r else ""
+            print(f"checkpointing {mode}" + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else "") +
+                  f": {r['packed_tokens']} packed tokens, {r['step_s']:.3f} s/step, "
+                  f"{r['tokens'] / r['step_s']:.0f} tokens/s, "
+                  f"{r['tflops']:.3g} TFLOP/s, MFU {r['mfu']:.3f}{mem}", flush=True)
+            runs[mode].append(r)
+    return {"shape": args.shape, "matmul_tflops": rate / 1e12, "modes": [median_run(runs[mode]) for mode in names]}
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mode's figure over its runs: the run of median step time (the lower middle of an even count), with every
+    run's step time and the MFU range beside it."""
+    best = sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
+    mfus = [r["mfu"] for r in runs]
+    return {**best, "runs_step_s": [r["step_s"] for r in runs], "mfu_range": [min(mfus), max(mfus)]}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -228,3 +228,25 @@ def test_the_commit_the_caller_names_wins_over_the_copys_git(monkeypatch):
     assert gpu.meta(dry=True)["commit"] == "abc1234"
     monkeypatch.delenv("TIDAL_COMMIT")
     assert gpu.meta(dry=True)["commit"] != "abc1234"
+
+
+def test_train_bench_reports_each_modes_median_run_with_the_range(capsys):
+    """`bench/train.py --repeats N` alternates the modes N times (a fresh trainer each): a mode's figure is its
+    median run (the lower middle of an even count), every run's step time and the MFU range beside it; the
+    campaign's row shows the range. No runs is a usage error."""
+    import bench.gpu as gpu
+    from bench import train as bt
+    runs = [dict(step_s=2.0, mfu=0.30), dict(step_s=1.8, mfu=0.33), dict(step_s=2.4, mfu=0.25)]
+    r = bt.median_run(runs)
+    assert r["step_s"] == 2.0 and r["runs_step_s"] == [2.0, 1.8, 2.4] and r["mfu_range"] == [0.25, 0.33]
+    assert bt.median_run(runs[:2])["step_s"] == 1.8
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--repeats", "0"])
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+    mode = dict(checkpointing=False, mfu=0.341, runs_step_s=[2.36, 2.20], mfu_range=[0.341, 0.366])
+    results = {"meta": {"date": "d", "device": "dev", "torch": "t", "transformers": "x", "triton": "y",
+                        "commit": "c", "command": "cmd", "campaign_s": 1.0, "dry_run": False},
+               "sections": {"train": {"status": "ok", "results": {"shape": "qwen3-1.7b", "matmul_tflops": 728.0,
+                                                                  "modes": [mode]}}}}
+    row = next(r for r in gpu.rows(results) if "trainer MFU" in r)
+    assert "0.341 (off, runs 0.341-0.366)" in row
