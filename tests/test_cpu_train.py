@@ -94,13 +94,13 @@ def test_results_do_not_depend_on_the_thread_count():
 def test_a_swapped_model_matches_an_unswapped_copy_and_keeps_its_state_dict():
     from model.presets import preset_config
     from model.transformer import MLP, Attention, RMSNorm, Transformer
-    from trainer.cpu_fused import FusedAttention, FusedMLP, FusedRMSNorm, use_fused_cpu_ops
+    from trainer.cpu_fused import TrainAttention, TrainMLP, TrainRMSNorm, use_fused_cpu_ops
     cfg = preset_config("tiny", vocab_size=40, eos_token_id=1)
     plain = Transformer(cfg).init_weights(seed=3)
     fused = copy.deepcopy(plain)
     n = use_fused_cpu_ops(fused)
     assert n == cfg.num_layers * 6 + 1   # per block 2 norms, q/k norms, the MLP, the attention; the final norm
-    assert {type(m) for m in fused.modules()} >= {FusedRMSNorm, FusedMLP, FusedAttention}
+    assert {type(m) for m in fused.modules()} >= {TrainRMSNorm, TrainMLP, TrainAttention}
     assert not {type(m) for m in fused.modules()} & {RMSNorm, MLP, Attention}
     assert list(fused.state_dict()) == list(plain.state_dict())
     ids = torch.randint(0, 40, (50,), generator=torch.Generator().manual_seed(1))

@@ -6,7 +6,8 @@ packings whose backend lists its rows: `row_spans`), applied from outside like t
 forward calls the fused op when its tensors are fp32 on the CPU and the eager one otherwise (so the same modules
 still run anywhere). Same values to fp32 rounding; the long vs-TRL job's train step (256 x 268 tokens, one thread)
 1.62-1.69 -> 1.30-1.39 s with the element-wise kernels, 1.20-1.25 -> 0.94-0.97 s with the attention kernel
-(bench/RESULTS.md). The swap changes the caller's model in place: the trainer owns it from then on.
+(bench/RESULTS.md). The swap changes the caller's model in place: the trainer owns it from then on. The subclasses
+are named Train* (with autograd); engine/fused.py's Fused* are the engine's forward-only ones.
 """
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ from model.rope import apply_rotary
 from model.transformer import MLP, Attention, RMSNorm, swap_classes
 
 
-class FusedRMSNorm(RMSNorm):
+class TrainRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_train.fused(x, self.weight):
             return cpu_train.rms_norm(x, self.weight, self.eps)
         return super().forward(x)
 
 
-class FusedMLP(MLP):
+class TrainMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(cpu_train.swiglu(g, u) if cpu_train.fused(g, u) else F.silu(g) * u)
@@ -48,12 +49,12 @@ def _attend(attn: AttentionBackend, layer: int, q: torch.Tensor, k: torch.Tensor
     return cpu_attention.causal_rows_attention(q, k, v, plan, getattr(attn, "scale", None))
 
 
-class FusedAttention(Attention):
+class TrainAttention(Attention):
     rotate = staticmethod(_rotate)
     attend = staticmethod(_attend)
 
 
-SWAPS: dict[type, type] = {RMSNorm: FusedRMSNorm, MLP: FusedMLP, Attention: FusedAttention}
+SWAPS: dict[type, type] = {RMSNorm: TrainRMSNorm, MLP: TrainMLP, Attention: TrainAttention}
 
 
 def use_fused_cpu_ops(model: nn.Module) -> int:
