@@ -416,17 +416,26 @@ SECTION_FNS: dict[str, Callable[[Sizes, bool], dict[str, Any]]] = {
 
 # ------------------------------------------------------------------------------------------------- orchestrating
 
+def git_commit(root: Path = ROOT) -> str:
+    """HEAD's short id, with "+dirty" where tracked files differ from it. A device machine's copy of the work tree
+    may carry a stale .git (the session's first commit, seen 2026-11-27) or none: there the caller names the commit
+    it sent (TIDAL_COMMIT, which wins in `meta`), and a forgotten one still shows as dirty, not as a clean commit."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    if head.returncode != 0 or not head.stdout.strip():
+        return "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                           text=True)
+    return head.stdout.strip() + ("+dirty" if dirty.returncode != 0 or dirty.stdout.strip() else "")
+
+
 def meta(dry: bool) -> dict[str, Any]:
     import torch
     import transformers
     name = "CPU (dry run)" if dry else "?"  # the sections say which GPU (no CUDA context in this process)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    # a device machine's copy of the work tree may carry a stale .git (the session's first commit, seen 2026-11-27)
-    # or none: the caller names the commit it sent (TIDAL_COMMIT), which wins
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": name,
             "dry_run": dry, "torch": torch.__version__, "transformers": transformers.__version__,
             "triton": _version("triton"),
-            "commit": os.environ.get("TIDAL_COMMIT") or commit.stdout.strip() or "unknown",
+            "commit": os.environ.get("TIDAL_COMMIT") or git_commit(),
             "command": "python bench/gpu.py " + " ".join(sys.argv[1:])}
 
 

@@ -230,6 +230,26 @@ def test_the_commit_the_caller_names_wins_over_the_copys_git(monkeypatch):
     assert gpu.meta(dry=True)["commit"] != "abc1234"
 
 
+def test_a_results_files_commit_says_when_the_tree_differs_from_it(tmp_path):
+    """Without TIDAL_COMMIT the results name git's HEAD, marked +dirty where tracked files differ from it (a stale
+    .git under newer files), and "unknown" outside a repository."""
+    import bench.gpu as gpu
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+    assert gpu.git_commit(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "c")
+    head = gpu.git_commit(tmp_path)
+    assert head and "+" not in head and head != "unknown"
+    (tmp_path / "new.py").write_text("untracked files are not the commit's: not dirty\n")
+    assert gpu.git_commit(tmp_path) == head
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert gpu.git_commit(tmp_path) == head + "+dirty"
+
+
 def test_train_bench_reports_each_modes_median_run_with_the_range(capsys):
     """`bench/train.py --repeats N` alternates the modes N times (a fresh trainer each): a mode's figure is its
     median run (the lower middle of an even count), every run's step time and the MFU range beside it; the
