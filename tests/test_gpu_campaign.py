@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import SECTIONS
+from bench.gpu_sections import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,22 +166,22 @@ def test_train_bench_counts_the_flops_of_what_it_packs():
 
 def test_report_gives_a_lower_bound_when_the_peer_is_stopped_unfinished():
     """A peer still running at its deadline took at least that long: the row says '>= x', met only when x >= 10."""
-    import bench.gpu as gpu
+    import bench.gpu_report as gpu_report
     eng = dict(shape="qwen3-0.6b", prompts=256, lengths=[100, 1024], engine_tok_s=15589.0, hf_batch=64,
                vs_hf_generate=20.0, roofline=0.52, decode_gbs=2226.0, copy_gbs=4257.0,
                hf_cb_unfinished=dict(done=93, total=256, secs=122.0), vs_hf_cb_at_least=13.0)
     results = {"meta": {"date": "d", "device": "dev", "torch": "t", "transformers": "x", "triton": "y",
                         "commit": "c", "command": "cmd", "campaign_s": 1.0, "dry_run": False},
                "sections": {"engine": {"status": "ok", "results": eng}}}
-    row = next(r for r in gpu.rows(results) if "continuous batching" in r)
+    row = next(r for r in gpu_report.rows(results) if "continuous batching" in r)
     assert ">= 13.0x" in row and "93 of 256 requests when stopped at 122 s" in row and row.endswith("| yes |")
-    assert "engine >=13.0x hf continuous batching" in gpu.headline(results)
+    assert "engine >=13.0x hf continuous batching" in gpu_report.headline(results)
     eng["vs_hf_cb_at_least"] = 6.0
-    row = next(r for r in gpu.rows(results) if "continuous batching" in r)
+    row = next(r for r in gpu_report.rows(results) if "continuous batching" in r)
     assert ">= 6.0x" in row and row.endswith("| - |")
     del eng["vs_hf_generate"]
     eng.update(hf_generate_unfinished=dict(done=64, total=256, secs=110.0), vs_hf_generate_at_least=11.7)
-    row = next(r for r in gpu.rows(results) if "continuous batching" in r)
+    row = next(r for r in gpu_report.rows(results) if "continuous batching" in r)
     assert "static `generate` in batches of 64: >= 11.7x" in row
 
 
@@ -254,7 +254,7 @@ def test_train_bench_reports_each_modes_median_run_with_the_range(capsys):
     """`bench/train.py --repeats N` alternates the modes N times (a fresh trainer each): a mode's figure is its
     median run (the lower middle of an even count), every run's step time and the MFU range beside it; the
     campaign's row shows the range. No runs is a usage error."""
-    import bench.gpu as gpu
+    import bench.gpu_report as gpu_report
     from bench import train as bt
     runs = [dict(step_s=2.0, mfu=0.30), dict(step_s=1.8, mfu=0.33), dict(step_s=2.4, mfu=0.25)]
     r = bt.median_run(runs)
@@ -268,5 +268,5 @@ def test_train_bench_reports_each_modes_median_run_with_the_range(capsys):
                         "commit": "c", "command": "cmd", "campaign_s": 1.0, "dry_run": False},
                "sections": {"train": {"status": "ok", "results": {"shape": "qwen3-1.7b", "matmul_tflops": 728.0,
                                                                   "modes": [mode]}}}}
-    row = next(r for r in gpu.rows(results) if "trainer MFU" in r)
+    row = next(r for r in gpu_report.rows(results) if "trainer MFU" in r)
     assert "0.341 (off, runs 0.341-0.366)" in row
