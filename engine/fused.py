@@ -34,7 +34,6 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_train
@@ -108,9 +107,8 @@ class FusedAttention(Attention):
 
 class FusedMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate_proj(x), self.up_proj(x)
-        ops = kernels_for(g, u)
-        return self.down_proj(ops.silu_mul(g, u) if ops is not None else F.silu(g) * u)
+        ops = kernels_for(x)
+        return super().forward(x) if ops is None else self.fused(ops, x)
 
     def fused(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
