@@ -107,6 +107,8 @@ class RolloutConfig:
     max_num_seqs: int = F(256, ge=1, help="most sequences in one engine batch")
     max_batch_tokens: int = F(16384, ge=1, help="most tokens (prefill + decode) in one engine step")
     cuda_graphs: bool = F(True, help="capture decode steps as CUDA graphs (GPU only; ignored on CPU)")
+    cpu_forward: bool = F(True, help="CPU fp32 engines of small models: each step's whole forward in one C call, the "
+                          "same bits as op by op (engine/cpu_forward.py; ignored where it does not apply)")
     ignore_eos: bool = F(False, help="benchmarks: every response runs to max_new_tokens, EOS sampled as any token")
     migrate_kv: bool = F(True, help="a migrated request's KV goes to the rank resuming it (Laminar repack, "
                          "StaleFlow migration); false: it is re-prefilled there (to measure what the move saves)")

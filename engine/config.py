@@ -34,6 +34,8 @@ class EngineConfig:
     # RMSNorm (+ the residual add), rotary embedding and SwiGLU as one kernel each (engine/fused.py): Triton where
     # the kernel dispatcher picks it (CUDA, or anywhere with TIDAL_KERNELS=triton), C for fp32 on the CPU
     fused_ops: bool = True
+    # CPU fp32, small models: the whole forward of a step in one C call (engine/cpu_forward.py), same bits as op by op
+    cpu_forward: bool = True
     # plain temperature sampling as one Triton kernel where the dispatcher picks Triton (kernels/sample.py)
     fused_sampling: bool = True
     seed: int = 0  # the engine's generator, used by requests without their own seed

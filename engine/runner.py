@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_linear
+from engine.cpu_forward import CpuForward, why_not
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.block_manager import cdiv
 from engine.config import EngineConfig
@@ -59,6 +60,10 @@ class ModelRunner:
                 and cpu_linear.available()):
             self.packed = cpu_linear.PackedLinears(self.model, batch_hint=config.max_num_seqs,
                                                    min_weight=config.cpu_packed_min_weight)
+        # CPU fp32, small models: the whole forward in one C call (engine/cpu_forward.py)
+        self.cpu_forward = None
+        if config.cpu_forward and self.device.type == "cpu" and why_not(self.model, self.attn, self.packed) is None:
+            self.cpu_forward = CpuForward(self.model, self.attn)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             from engine.cuda_graphs import DecodeGraphs
@@ -172,7 +177,10 @@ class ModelRunner:
                 logit_idx: torch.Tensor | None = None) -> torch.Tensor:
         self.attn.meta = meta
         with self.packed.active() if self.packed is not None else contextlib.nullcontext():
-            hidden = self.model(ids, pos, self.attn)
+            if self.cpu_forward is not None and meta.slots_valid and meta.query_seq is not None:
+                hidden = self.cpu_forward(ids, pos, meta)
+            else:
+                hidden = self.model(ids, pos, self.attn)
             return self.model.logits(hidden if logit_idx is None else hidden[logit_idx])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -66,7 +66,9 @@ def build(force: bool = False, source: Path = SOURCE) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
-    src = b"\0".join([source.read_bytes(), *(h.read_bytes() for h in sorted(source.parent.glob("*.h")))])
+    # the headers and the other sources too: a source may #include them (decode_forward.c includes two)
+    src = b"\0".join([source.read_bytes(), *(f.read_bytes() for f in sorted(source.parent.glob("*.[ch]"))
+                                              if f != source)])
     key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), cc.encode(), _cpu_fingerprint().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"

@@ -1,0 +1,109 @@
+"""CPU engines of small fp32 models: the whole model forward of a step in one C call (kernels/cpu_forward.py), the
+CPU's counterpart of the CUDA graphs a GPU engine replays (engine/cuda_graphs.py).
+
+Why: a decode step of a small model is a few dozen ops of a few microseconds of arithmetic each, and each op called
+from Python costs as much again in dispatch, allocation and checks. The tiny model's step at 256 rows (the long
+vs-TRL job): ~3.1 ms of forward for ~1.9 ms of arithmetic (bench/RESULTS.md, stop 38). The C forward runs the same
+kernels in the same order as the fused model (engine/fused.py) and the projections through the same BLAS call as
+`padded_linear` (engine/cpu_linear.py), so it gives the same bits (tests/test_cpu_forward.py): a sequence decodes
+the same tokens with it or without it, whatever it is batched with.
+
+When: `EngineConfig.cpu_forward` (default on), fp32 on the CPU, the fused model (engine/fused.py) and the C paged
+attention in use, no biases, every norm with one eps, and every Linear of the layers computed by `padded_linear`
+(weights under `cpu_packed_min_weight`: the larger ones run oneDNN's packed path, which the C forward does not
+reproduce). Else, or for a step whose KV slots are not all valid, the model runs op by op. The LM head stays in
+Python (its rows are only the sampled ones).
+
+The tables of addresses are rebuilt whenever a tensor behind them moved (a weight replaced rather than copied
+into); loads copy into the parameters in place (ModelRunner.load_weights), which the C forward then simply reads.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, PagedAttention
+from engine.cpu_linear import PackedLinears
+from engine.fused import FusedTransformer
+from kernels import cpu_forward
+from model.transformer import Transformer
+
+
+def why_not(model: Transformer, attn: PagedAttention, packed: PackedLinears | None) -> str | None:
+    """Why the C forward cannot run this engine's model (None: it can)."""
+    cfg = model.config
+    params = list(model.parameters())
+    if not isinstance(model, FusedTransformer):
+        return "the model runs the eager ops (fused_ops off, or no C kernels)"
+    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+        return "not an fp32 CPU model"
+    if not attn.native:
+        return "the C paged attention is not in use"
+    if cfg.attention_bias or any(isinstance(m, nn.Linear) and m.bias is not None for m in model.model.layers.modules()):
+        return "Linear layers with biases"
+    norms = [m for m in model.modules() if type(m).__name__ == "RMSNorm"]
+    if len({m.eps for m in norms}) > 1:
+        return "norms with different eps"
+    linears = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)]
+    if packed is None or not all(any(m is s for s in packed.small) for m in linears):
+        return "Linear layers on oneDNN's packed path (weights of at least cpu_packed_min_weight elements)"
+    if not cpu_forward.available():
+        return "the C forward is unavailable (no sgemm_ in torch's library, or no C compiler)"
+    return None
+
+
+class CpuForward:
+    """`forward(ids, positions, meta)` -> final hidden states, as `model(ids, positions, attn)` gives them."""
+
+    def __init__(self, model: Transformer, attn: PagedAttention):
+        self.model, self.attn = model, attn
+        self.ptrs: cpu_forward.ModelPtrs | None = None
+        self.key: tuple[int, ...] = ()
+
+    def _tensors(self) -> list[torch.Tensor]:
+        d = self.model.model
+        out = [d.embed_tokens.weight, d.norm.weight]
+        for i, b in enumerate(d.layers):
+            a, mlp = b.self_attn, b.mlp
+            qn, kn = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
+            out += [b.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, qn, kn,
+                    a.o_proj.weight, b.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                    mlp.down_proj.weight, self.attn.k_caches[i], self.attn.v_caches[i]]
+        return out
+
+    def _build(self, tensors: list[torch.Tensor | None]) -> None:
+        if any(t is not None and not t.is_contiguous() for t in tensors):
+            raise ValueError("cpu forward: every weight and cache must be contiguous")
+        cfg, d = self.model.config, self.model.model
+        per = len(LAYER_FIELDS)
+        addr = [t.data_ptr() if t is not None else None for t in tensors]
+        layers = (cpu_forward.LayerPtrs * cfg.num_layers)(*[
+            cpu_forward.LayerPtrs(*addr[2 + i * per:2 + (i + 1) * per]) for i in range(cfg.num_layers)])
+        kc = self.attn.k_caches[0]
+        self.ptrs = cpu_forward.ModelPtrs(
+            sgemm=cpu_forward.sgemm_address(), layers=ctypes.cast(layers, ctypes.POINTER(cpu_forward.LayerPtrs)),
+            embed=tensors[0].data_ptr(), final_norm=tensors[1].data_ptr(), num_layers=cfg.num_layers,
+            vocab=d.embed_tokens.weight.shape[0], hidden=cfg.hidden_size, heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=d.layers[0].mlp.gate_proj.weight.shape[0],
+            block_size=kc.shape[1], num_blocks=kc.shape[0], eps=d.norm.eps, scale=self.attn.scale)
+        self._layers = layers   # the structs' memory lives as long as the table that points at it
+
+    def table(self) -> cpu_forward.ModelPtrs:
+        """The C forward's table of addresses, rebuilt if a tensor behind it moved since."""
+        tensors = self._tensors()
+        key = tuple(t.data_ptr() if t is not None else 0 for t in tensors)
+        if key != self.key or self.ptrs is None:
+            self._build(tensors)
+            self.key = key
+        return self.ptrs
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        table = self.table()
+        cos, sin = self.model.rotary.cos_sin(positions, torch.float32)
+        return cpu_forward.decode_forward(table, ids, cos.contiguous(), sin.contiguous(), meta.slot_mapping,
+                                          meta.block_tables, meta.query_seq, meta.query_len)
+
+
+LAYER_FIELDS = [name for name, _ in cpu_forward.LayerPtrs._fields_]

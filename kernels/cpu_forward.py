@@ -1,0 +1,88 @@
+"""The engine's whole model forward in one C call on the CPU (fp32): kernels/csrc/decode_forward.c, built and cached
+like the other C kernels (kernels/cpu_native.py), called through ctypes.
+
+The projections call the BLAS `sgemm_` that torch's own F.linear calls, found in torch's shared library
+(`sgemm_address`); a torch build that does not export it (no MKL, another BLAS) keeps the op-by-op forward.
+engine/cpu_forward.py decides when the engine uses it and fills the pointer tables below from the model.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_native
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_forward.c"
+
+
+class LayerPtrs(ctypes.Structure):
+    """One decoder layer's weights and KV pool (`layer_ptrs` in the C file): addresses of contiguous fp32 tensors;
+    q_norm / k_norm NULL for models without per-head norms."""
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj", "post_norm", "gate", "up", "down",
+        "k_cache", "v_cache")]
+
+
+class ModelPtrs(ctypes.Structure):
+    """The model (`model_ptrs`): sgemm's address, the layers, the embedding and final norm, the shapes."""
+    _fields_ = [("sgemm", ctypes.c_void_p), ("layers", ctypes.POINTER(LayerPtrs)), ("embed", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p)] + [(name, ctypes.c_int64) for name in (
+                    "num_layers", "vocab", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
+                    "num_blocks")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+FORWARD = cpu_native.NativeLibrary(SOURCE, {"decode_forward_f32": (
+    [ctypes.POINTER(ModelPtrs), _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P, ctypes.c_int], ctypes.c_int)},
+    "the engine's forward runs op by op")
+
+_sgemm: list[int | None] = []
+
+
+def sgemm_address() -> int | None:
+    """The address of `sgemm_` in torch's CPU library (the BLAS its F.linear calls), or None where it has none."""
+    if not _sgemm:
+        addr = None
+        lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+        try:
+            addr = ctypes.cast(ctypes.CDLL(str(lib), mode=os.RTLD_NOLOAD | os.RTLD_LAZY).sgemm_, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            addr = None
+        _sgemm.append(addr)
+    return _sgemm[0]
+
+
+def available() -> bool:
+    return sgemm_address() is not None and FORWARD.load() is not None
+
+
+def decode_forward(model: ModelPtrs, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                   block_tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor) -> torch.Tensor:
+    """Final hidden states [T, hidden] of tokens `ids` [T] (int64) at rotary cos / sin [T, head_dim]: every layer's
+    new K / V written to `slots` [T] (int64) of its pool, row t attending to the first row_len[t] pool tokens of
+    sequence row_seq[t] (int32, a row of block_tables [S, W] int32). Raises IndexError on ids, slots, sequences or
+    blocks out of range (before anything is written)."""
+    T = ids.shape[0]
+    args = {"ids": (ids, torch.int64, (T,)), "slots": (slots, torch.int64, (T,)),
+            "row_seq": (row_seq, torch.int32, (T,)), "row_len": (row_len, torch.int32, (T,)),
+            "block_tables": (block_tables, torch.int32, None), "cos": (cos, torch.float32, (T, model.head_dim)),
+            "sin": (sin, torch.float32, (T, model.head_dim))}
+    for name, (t, dtype, shape) in args.items():
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or (shape and tuple(t.shape) != shape):
+            raise ValueError(f"cpu forward: {name} must be a contiguous CPU {dtype} tensor"
+                             f"{f' of shape {shape}' if shape else ''}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    out = torch.empty(T, model.hidden)
+    rc = FORWARD.require().decode_forward_f32(
+        ctypes.byref(model), ids.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], row_seq.data_ptr(), row_len.data_ptr(), block_tables.shape[0],
+        T, out.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        raise IndexError(f"cpu forward: a token id outside the {model.vocab} of the vocabulary, a slot outside the "
+                         f"{model.num_blocks * model.block_size} of the pool, a row's sequence outside the "
+                         f"{block_tables.shape[0]} rows of the block table or a block outside the pool")
+    if rc != 0:
+        raise MemoryError("cpu forward: could not allocate its scratch memory")
+    return out

@@ -1,0 +1,116 @@
+/* The engine's whole model forward over one step's tokens on the CPU (fp32) in one call: the CPU's counterpart of
+ * a CUDA graph (kernels/cpu_forward.py, engine/cpu_forward.py).
+ *
+ * A small model's decode step is a few dozen ops of a few microseconds of arithmetic each; called one by one from
+ * Python each costs more in dispatch, allocation and argument checks than in work (the tiny model's step at 256
+ * rows: ~3.1 ms of forward, of which ~1.9 ms arithmetic). Here every op of every layer runs from C, in the order the
+ * engine's fused model runs them (engine/fused.py FusedTransformer.forward), with the very same functions:
+ *
+ *   embed -> for each layer: norm (+ residual add) -> q, k, v projections -> q / k head norms -> rotary (in place)
+ *   -> K / V written to their pool slots -> paged attention -> o projection -> norm (+ residual add) -> gate, up
+ *   -> silu(gate) * up -> down projection; then the final norm (+ residual add).
+ *
+ * The element-wise ops and the attention are this directory's kernels, compiled into this object (the #includes
+ * below), and the projections are the BLAS sgemm that torch's F.linear calls (its address is passed in: torch's
+ * own MKL), on rows padded to a multiple of 8 with zeros as engine/cpu_linear.py `padded_linear` does: so a row's
+ * result is bit for bit the one the op-by-op forward gives (tests/test_cpu_forward.py), whatever the batch.
+ *
+ * Layout: weights as the nn.Linear layers hold them ([out, in], contiguous), norms [dim], cos / sin [T, D], the
+ * caches as in paged_attention.c. Scratch is allocated per call (malloc; a few hundred KB at 256 rows). */
+#include "paged_attention.c"
+#include "train_ops.c"
+
+/* Fortran BLAS sgemm: C = alpha op(A) op(B) + beta C, column-major. */
+typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                         const float *, const int *, const float *, const int *, const float *, float *,
+                         const int *);
+
+typedef struct {
+    const float *input_norm, *q_proj, *k_proj, *v_proj, *q_norm, *k_norm, *o_proj, *post_norm, *gate, *up, *down;
+    float *k_cache, *v_cache;   /* [num_blocks, block_size, Hkv, D] */
+} layer_ptrs;
+
+typedef struct {
+    sgemm_fn sgemm;
+    const layer_ptrs *layers;
+    const float *embed, *final_norm;   /* [vocab, hidden], [hidden] */
+    int64_t num_layers, vocab, hidden, heads, kv_heads, head_dim, inter, block_size, num_blocks;
+    float eps, scale;
+} model_ptrs;
+
+/* y [rows, n] = x [rows, k] @ w[n, k]^T (row-major), i.e. F.linear(x, w). */
+static void linear(const model_ptrs *m, const float *x, const float *w, float *y, int64_t rows, int64_t n,
+                   int64_t k) {
+    const int N = (int)n, M = (int)rows, K = (int)k;
+    const float one = 1.0f, zero = 0.0f;
+    m->sgemm("T", "N", &N, &M, &K, &one, w, &K, x, &K, &zero, y, &N);
+}
+
+/* Returns 0; -1 when scratch memory could not be allocated; -2 when a token id, a pool slot, a row's sequence or a
+ * block it would read is out of range (checked before anything is written). */
+int decode_forward_f32(const model_ptrs *m, const int64_t *ids, const float *cs, const float *sn,
+                       const int64_t *slots, const int32_t *block_tables, int64_t bt_stride, const int32_t *row_seq,
+                       const int32_t *row_len, int64_t num_seqs, int64_t T, float *out, int nt) {
+    const int64_t H = m->hidden, D = m->head_dim, Q = m->heads * D, KV = m->kv_heads * D, I = m->inter;
+    const int64_t pool = m->num_blocks * m->block_size, Tp = (T + 7) / 8 * 8;
+    if (T <= 0) return 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t b = row_seq[t], n = row_len[t];
+        if (ids[t] < 0 || ids[t] >= m->vocab || slots[t] < 0 || slots[t] >= pool) return -2;
+        if (b < 0 || b >= num_seqs || n > bt_stride * m->block_size) return -2;
+        for (int64_t i = 0; i < (n + m->block_size - 1) / m->block_size; i++) {
+            const int32_t blk = block_tables[b * bt_stride + i];
+            if (blk < 0 || blk >= m->num_blocks) return -2;
+        }
+    }
+    /* rows padded to Tp: the pad rows of every projection's input stay zero, as padded_linear's */
+    const int64_t widths[] = {H, H, H, Q, KV, KV, Q, KV, Q, H, I, I, I};
+    size_t total = 0;
+    for (int i = 0; i < 13; i++) total += (size_t)(Tp * widths[i]);
+    float *buf = (float *)calloc(total, sizeof(float));
+    if (buf == NULL) return -1;
+    float *x = buf, *res = x + Tp * H, *h = res + Tp * H, *q = h + Tp * H, *k = q + Tp * Q, *v = k + Tp * KV;
+    float *qn = v + Tp * KV, *kn = qn + Tp * Q, *att = kn + Tp * KV, *o = att + Tp * Q, *g = o + Tp * H;
+    float *u = g + Tp * I, *a = u + Tp * I;
+    for (int64_t t = 0; t < T; t++) memcpy(x + t * H, m->embed + ids[t] * H, (size_t)H * sizeof(float));
+    int rc = 0;
+    for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
+        const layer_ptrs *w = m->layers + l;
+        if (l == 0) {   /* h = norm(x), residual = x */
+            rmsnorm_infer(x, NULL, w->input_norm, h, NULL, T, H, m->eps, nt);
+            memcpy(res, x, (size_t)(T * H) * sizeof(float));
+        } else {        /* residual = x + residual, h = norm(residual) */
+            rmsnorm_infer(x, res, w->input_norm, h, o, T, H, m->eps, nt);
+            memcpy(res, o, (size_t)(T * H) * sizeof(float));
+        }
+        linear(m, h, w->q_proj, q, Tp, Q, H);
+        linear(m, h, w->k_proj, k, Tp, KV, H);
+        linear(m, h, w->v_proj, v, Tp, KV, H);
+        if (w->q_norm != NULL) {   /* Qwen3's per-head norms */
+            rmsnorm_infer(q, NULL, w->q_norm, qn, NULL, T * m->heads, D, m->eps, nt);
+            rmsnorm_infer(k, NULL, w->k_norm, kn, NULL, T * m->kv_heads, D, m->eps, nt);
+        } else {
+            memcpy(qn, q, (size_t)(T * Q) * sizeof(float));
+            memcpy(kn, k, (size_t)(T * KV) * sizeof(float));
+        }
+        rope_inplace(qn, cs, sn, T, m->heads, D, nt);
+        rope_inplace(kn, cs, sn, T, m->kv_heads, D, nt);
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(w->k_cache + slots[t] * KV, kn + t * KV, (size_t)KV * sizeof(float));
+            memcpy(w->v_cache + slots[t] * KV, v + t * KV, (size_t)KV * sizeof(float));
+        }
+        rc = paged_attention_f32(qn, w->k_cache, w->v_cache, block_tables, bt_stride, row_seq, row_len, att, T,
+                                 m->heads, m->kv_heads, D, m->block_size, m->num_blocks, num_seqs, m->scale, nt);
+        if (rc != 0) break;
+        linear(m, att, w->o_proj, o, Tp, H, Q);
+        rmsnorm_infer(o, res, w->post_norm, h, x, T, H, m->eps, nt);   /* x = o + residual, h = norm(x) */
+        memcpy(res, x, (size_t)(T * H) * sizeof(float));
+        linear(m, h, w->gate, g, Tp, I, H);
+        linear(m, h, w->up, u, Tp, I, H);
+        swiglu_fwd(g, u, a, T * I, nt);
+        linear(m, a, w->down, x, Tp, H, I);
+    }
+    if (rc == 0) rmsnorm_infer(x, res, m->final_norm, out, o, T, H, m->eps, nt);
+    free(buf);
+    return rc;
+}
