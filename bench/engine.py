@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--phases", action="store_true", help="also print ms per engine step in each phase")
     p.add_argument("--unfused-baseline", action="store_true", help="also run our engine without its fused ops and "
                    "sampling kernel (alternating) and print the ratio")
+    p.add_argument("--op-by-op-baseline", action="store_true", help="also run our engine with its forward op by "
+                   "op instead of one C call (CPU, small models: engine/cpu_forward.py)")
     p.add_argument("--hf-cb-deadline", type=float, default=600.0, help="seconds before continuous batching gives up")
     p.add_argument("--threads", type=int, help="torch CPU threads for both (default: torch's)")
     p.add_argument("--repeats", type=int, default=2, help="alternate engine and hf generate runs; keep each's best")
@@ -90,13 +92,14 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_engine(model, prompts, outs, args, fused: bool = True):
+def run_engine(model, prompts, outs, args, fused: bool = True, cpu_forward: bool = True):
     """(seconds, decode bytes per second, stats) of our engine on the workload; `fused=False`: without the fused
-    model ops and sampling kernel (engine/fused.py, kernels/sample.py), the engine as it was before them."""
+    model ops and sampling kernel (engine/fused.py, kernels/sample.py), the engine as it was before them;
+    `cpu_forward=False`: a CPU engine's forward op by op instead of in one C call (engine/cpu_forward.py)."""
     pool = None if args.device == "cuda" else args.max_num_seqs * 2 * args.max_len  # CPU: room for all at full length
     eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=max(2048, args.max_num_seqs),
                                         num_kv_tokens=pool, memory_fraction=0.5, fused_ops=fused,
-                                        fused_sampling=fused))
+                                        fused_sampling=fused, cpu_forward=cpu_forward))
     eng.generate([GenRequest(p[:16], SamplingParams(temperature=0, max_new_tokens=4)) for p in prompts[:4]])  # warm-up
     reqs = [GenRequest(p, SamplingParams(temperature=1.0, max_new_tokens=o, ignore_eos=True, seed=i))
             for i, (p, o) in enumerate(zip(prompts, outs))]
@@ -300,11 +303,13 @@ def main(argv=None):
     print(f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {total} output tokens, "
           f"lengths in [{args.min_len}, {args.max_len}], model {args.shape}, device {args.device}, "
           f"{torch.get_num_threads()} threads, {args.max_num_seqs} sequences at a time")
-    secs, hf_secs, base_s = float("inf"), float("inf"), float("inf")
+    secs, hf_secs, base_s, ops_s = float("inf"), float("inf"), float("inf"), float("inf")
     for _ in range(args.repeats):  # alternating, best of each: shared machines are noisy
         with torch.inference_mode():
             if args.unfused_baseline:
                 base_s = min(base_s, run_engine(ours, prompts, outs, args, fused=False)[0])
+            if args.op_by_op_baseline:
+                ops_s = min(ops_s, run_engine(ours, prompts, outs, args, cpu_forward=False)[0])
             s, bw_, snap_ = run_engine(ours, prompts, outs, args)
             if s < secs:
                 secs, decode_bw, snap = s, bw_, snap_
@@ -313,6 +318,8 @@ def main(argv=None):
     ours_tps = total / secs
     if args.unfused_baseline:
         print(f"engine without fused ops and sampling kernel: {total / base_s:.1f} tok/s ({base_s:.2f} s)")
+    if args.op_by_op_baseline:
+        print(f"engine with its forward op by op: {total / ops_s:.1f} tok/s ({ops_s:.2f} s)")
     print(f"engine: {ours_tps:.1f} tok/s ({secs:.2f} s, {snap.num_steps} steps, {snap.num_preemptions} preemptions)")
     if args.device == "cuda":
         bw = copy_bandwidth("cuda")
@@ -323,8 +330,10 @@ def main(argv=None):
             ph = engine_phases(ours, prompts, outs, args)
         print("engine step phases (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
     del ours
-    if args.unfused_baseline:  # the last line when transformers is skipped
+    if args.unfused_baseline:  # the last line(s) when transformers is skipped
         print(f"engine_vs_unfused: {base_s / secs:.2f}x")
+    if args.op_by_op_baseline:
+        print(f"engine_vs_op_by_op: {ops_s / secs:.2f}x")
     if args.skip_hf:
         return
     peers = {"hf_generate": hf_secs}

@@ -2,8 +2,9 @@
 CPU's counterpart of the CUDA graphs a GPU engine replays (engine/cuda_graphs.py).
 
 Why: a decode step of a small model is a few dozen ops of a few microseconds of arithmetic each, and each op called
-from Python costs as much again in dispatch, allocation and checks. The tiny model's step at 256 rows (the long
-vs-TRL job): ~3.1 ms of forward for ~1.9 ms of arithmetic (bench/RESULTS.md, stop 38). The C forward runs the same
+from Python costs as much again in dispatch, allocation and checks. The tiny model's decode step at 256 rows (the
+long vs-TRL job, one thread): forward 3.1-3.4 ms op by op, 2.2-2.5 ms in one call; the job's engine round of 256
+steps 1.02-1.09 -> 0.78-0.86 s (bench/RESULTS.md, stop 38). The C forward runs the same
 kernels in the same order as the fused model (engine/fused.py) and the projections through the same BLAS call as
 `padded_linear` (engine/cpu_linear.py), so it gives the same bits (tests/test_cpu_forward.py): a sequence decodes
 the same tokens with it or without it, whatever it is batched with.

@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -59,6 +60,20 @@ def _compiler() -> str | None:
     return next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
 
 
+def local_includes(source: Path) -> set[Path]:
+    """The files `source` #includes from its own directory, and theirs in turn (decode_forward.c includes two other
+    sources): what its build depends on besides itself."""
+    found: set[Path] = set()
+    todo = [source]
+    while todo:
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', todo.pop().read_text(), flags=re.M):
+            f = source.parent / name
+            if f not in found and f.exists():
+                found.add(f)
+                todo.append(f)
+    return found
+
+
 def build(force: bool = False, source: Path = SOURCE) -> Path:
     """Compile `source` (the paged-attention kernel unless told; kernels/cpu_train.py builds its own) unless a
     cached build exists, and return the shared object's path. Raises RuntimeError naming the compiler command and
@@ -66,9 +81,7 @@ def build(force: bool = False, source: Path = SOURCE) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
-    # the headers and the other sources too: a source may #include them (decode_forward.c includes two)
-    src = b"\0".join([source.read_bytes(), *(f.read_bytes() for f in sorted(source.parent.glob("*.[ch]"))
-                                              if f != source)])
+    src = b"\0".join(f.read_bytes() for f in [source, *sorted(local_includes(source))])
     key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), cc.encode(), _cpu_fingerprint().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"

@@ -136,6 +136,17 @@ def test_the_build_is_redone_when_a_source_it_includes_changes(tmp_path, monkeyp
     src = tmp_path / "csrc"
     shutil.copytree(cpu_native.SOURCE.parent, src)
     first = cpu_native.build(source=src / "decode_forward.c")
+    (src / "sample.c").write_text((src / "sample.c").read_text() + "\n/* changed */\n")   # not included
     assert cpu_native.build(source=src / "decode_forward.c") == first
     (src / "train_ops.c").write_text((src / "train_ops.c").read_text() + "\n/* changed */\n")
     assert cpu_native.build(source=src / "decode_forward.c") != first
+
+
+def test_the_engine_bench_prints_the_ratio_against_op_by_op_last(capsys):
+    from bench import engine as be
+    be.main(["--shape", "tiny", "--num-prompts", "6", "--min-len", "8", "--max-len", "24", "--max-num-seqs", "4",
+             "--skip-hf", "--op-by-op-baseline", "--repeats", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    name, ratio = lines[-1].split(": ")
+    assert name == "engine_vs_op_by_op" and ratio.endswith("x") and float(ratio[:-1]) > 0
+    assert any(line.startswith("engine with its forward op by op:") for line in lines)
