@@ -16,7 +16,7 @@
  * result is bit for bit the one the op-by-op forward gives on the same batch (tests/test_cpu_forward.py).
  *
  * Layout: weights as the nn.Linear layers hold them ([out, in], contiguous), norms [dim], cos / sin [T, D], the
- * caches as in paged_attention.c. Scratch is allocated per call (calloc; ~1.5 MB at 256 rows of the tiny model). */
+ * caches as in paged_attention.c. Scratch is allocated per call (malloc; ~1.3 MB at 256 rows of the tiny model). */
 #include "paged_attention.c"
 #include "train_ops.c"
 
@@ -63,16 +63,24 @@ int decode_forward_f32(const model_ptrs *m, const int64_t *ids, const float *cs,
             if (blk < 0 || blk >= m->num_blocks) return -2;
         }
     }
-    /* rows padded to Tp: the pad rows of every projection's input stay zero, as padded_linear's */
+    /* rows padded to Tp for the projections (see below) */
     const int64_t widths[] = {H, H, H, Q, KV, KV, Q, KV, Q, H, I, I, I};
     size_t total = 0;
     for (int i = 0; i < 13; i++) total += (size_t)(Tp * widths[i]);
-    float *buf = (float *)calloc(total, sizeof(float));
+    float *buf = (float *)malloc(total * sizeof(float));
     if (buf == NULL) return -1;
     float *x = buf, *res = x + Tp * H, *h = res + Tp * H, *q = h + Tp * H, *k = q + Tp * Q, *v = k + Tp * KV;
     float *qn = v + Tp * KV, *kn = qn + Tp * Q, *att = kn + Tp * KV, *o = att + Tp * Q, *g = o + Tp * H;
     float *u = g + Tp * I, *a = u + Tp * I;
     for (int64_t t = 0; t < T; t++) memcpy(x + t * H, m->embed + ids[t] * H, (size_t)H * sizeof(float));
+    /* The element-wise ops and the attention touch rows [0, T) only; the projections read all Tp rows of their
+     * inputs (h, att, a), whose pad rows are zero, as padded_linear's */
+    const int64_t pad = (Tp - T) * (int64_t)sizeof(float);
+    if (pad) {
+        memset(h + T * H, 0, (size_t)(pad * H));
+        memset(att + T * Q, 0, (size_t)(pad * Q));
+        memset(a + T * I, 0, (size_t)(pad * I));
+    }
     int rc = 0;
     for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
         const layer_ptrs *w = m->layers + l;
