@@ -115,8 +115,15 @@ def import_train_side() -> None:
 def deterministic_algorithms(on: bool = True) -> None:
     """`torch.use_deterministic_algorithms(on, warn_only=True)` without its import of torch._inductor (to set
     inductor's own flag): 2.2 s of every rank's start-up on CPU, for a compiler no rank here uses. Inductor's flag is
-    still set where something else already imported it."""
+    still set where something else already imported it.
+
+    Without torch's filling of every new uninitialised tensor with NaN (`torch.utils.deterministic.
+    fill_uninitialized_memory`, on by default with deterministic algorithms): a debugging aid, not a source of
+    determinism here, since every op and kernel writes its whole output (the resume tests check runs bit for bit);
+    it filled ~800 tensors a step of the long vs-TRL job's train step on CPU, ~5% of its time (bench/RESULTS.md,
+    stop 38)."""
     torch._C._set_deterministic_algorithms(on, warn_only=True)
+    torch._C._set_deterministic_fill_uninitialized_memory(False)
     inductor = sys.modules.get("torch._inductor.config")
     if inductor is not None:
         inductor.deterministic = on

@@ -156,11 +156,12 @@ def test_colocated_world_of_one(tmp_path):
     """A world of one, started the way torchrun starts each rank (its environment, no launcher). Its switch to
     deterministic algorithms imports no compiler: `torch.use_deterministic_algorithms` imports torch._inductor, 2.2 s
     of a rollout rank's start-up on CPU (runtime/build.py `deterministic_algorithms`; a train rank's FSDP2 imports
-    torch._dynamo anyway)."""
+    torch._dynamo anyway), and leaves new tensors unfilled (torch's NaN fill cost ~5% of a CPU train step)."""
     script = ("import sys, torch, train\n"
               "from runtime.build import deterministic_algorithms\n"
               "deterministic_algorithms(True)\n"
               "print('deterministic', torch.are_deterministic_algorithms_enabled())\n"
+              "import torch.utils.deterministic as d; print('fill', d.fill_uninitialized_memory)\n"
               "print('inductor', sorted(m for m in sys.modules if m.startswith('torch._inductor')))\n"
               f"rc = train.main(['--config', 'configs/tiny.toml', '--log.progress=false', '--log.dir={tmp_path}', "
               "'--cluster.colocate=true', '--train.steps=3', '--rollout.prompts_per_step=4'])\n"
@@ -173,6 +174,7 @@ def test_colocated_world_of_one(tmp_path):
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
     assert (tmp_path / "hf" / "config.json").is_file()
     assert "deterministic True" in proc.stdout and "inductor []" in proc.stdout, proc.stdout[-2000:]
+    assert "fill False" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_reward_still_rises_off_policy_at_staleness_two(tmp_path):
