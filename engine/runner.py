@@ -7,7 +7,8 @@ the host and moved to the device once. Logits are computed only for the last tok
 model's norms (with the residual adds), rotary embedding and SwiGLU run as one kernel each (engine/fused.py):
 Triton on CUDA, C on the CPU in fp32. On CUDA pure-decode steps replay CUDA graphs captured per batch-size bucket
 (engine/cuda_graphs.py). On CPU in fp32, the Linear layers run through oneDNN on pre-packed weights
-(engine/cpu_linear.py) and attention through the C kernel of kernels/cpu_native.py.
+(engine/cpu_linear.py) and attention through the C kernel of kernels/cpu_native.py; for a small model (every layer
+Linear on the padded path) the whole forward runs in one C call instead (engine/cpu_forward.py), the same bits.
 """
 from __future__ import annotations
 

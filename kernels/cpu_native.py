@@ -14,6 +14,7 @@ False and the engine keeps the batched PyTorch path, after one warning that says
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -23,9 +24,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -88,18 +90,50 @@ def build(force: bool = False, source: Path = SOURCE) -> Path:
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cc, *CFLAGS, str(source), "-o", tmp]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _build_lock(out.parent):   # ranks starting together: one compiles, the others wait for it
+        if out.exists() and not force:
+            return out
+        fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cc, *CFLAGS, str(source), "-o", tmp]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            if res.returncode != 0:
+                raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return out
+
+
+COMPILE_TIMEOUT_S = 120.0
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """An exclusive lock on the cache directory while this process compiles (fcntl.flock on the directory itself,
+    so no lock file is left behind; released if the process dies). The ranks of a job start together and otherwise
+    all compile the same sources at once (the 4-rank tiny job's first step spent ~17 s so on 2 cores with an empty
+    cache). The wait has a deadline (the compile's own timeout and a margin): past it, or where flock is unavailable,
+    this process compiles on its own, which the atomic rename keeps safe."""
+    try:
+        import fcntl
+        fd = os.open(directory, os.O_RDONLY)
+    except (ImportError, OSError):   # no flock (Windows), or the directory cannot be opened: compile unlocked
+        yield
+        return
+    try:
+        deadline, locked = time.monotonic() + COMPILE_TIMEOUT_S + 30.0, False
+        while not locked and time.monotonic() < deadline:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except BlockingIOError:
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)   # releases the lock
 
 
 def disabled() -> bool:

@@ -3,11 +3,18 @@ prefill chunks over cached prefixes, mixed rows; the head dims it specialises an
 batch independence; bad tables raising instead of crashing; the build cache and the fallback without a compiler."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from kernels import cpu_native
 from kernels.paged_attention import paged_decode_ref, paged_prefill_ref
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(not cpu_native.native_available(),
                                 reason=f"no C compiler: {cpu_native.unavailable_reason()}")
@@ -162,3 +169,19 @@ def test_a_failing_compile_names_the_command(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="missing.h"):
         cpu_native.build()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ranks_building_at_once_compile_once(tmp_path):
+    """The ranks of a job start together with an empty cache: one compiles each source, the others wait for its
+    object (a compiler that logs its calls, four processes building the same source at once)."""
+    cc = tmp_path / "cc"
+    real = cpu_native._compiler()
+    cc.write_text(f"#!/bin/sh\necho call >> {tmp_path / 'calls'}\nsleep 1\nexec {real} \"$@\"\n")
+    cc.chmod(0o755)
+    env = {**os.environ, "CC": str(cc), "TIDAL_CACHE_DIR": str(tmp_path / "cache")}
+    code = "from kernels import cpu_native; print(cpu_native.build(source=cpu_native.SOURCE.parent / 'sample.c'))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and len(set(outs)) == 1 and Path(outs[0]).exists()
+    assert (tmp_path / "calls").read_text().split() == ["call"]
