@@ -29,7 +29,7 @@ from engine.attention import AttentionMetadata, PagedAttention
 from engine.cpu_linear import PackedLinears
 from engine.fused import FusedTransformer
 from kernels import cpu_forward
-from model.transformer import Transformer
+from model.transformer import RMSNorm, Transformer
 
 
 def why_not(model: Transformer, attn: PagedAttention, packed: PackedLinears | None) -> str | None:
@@ -44,11 +44,12 @@ def why_not(model: Transformer, attn: PagedAttention, packed: PackedLinears | No
         return "the C paged attention is not in use"
     if cfg.attention_bias or any(isinstance(m, nn.Linear) and m.bias is not None for m in model.model.layers.modules()):
         return "Linear layers with biases"
-    norms = [m for m in model.modules() if type(m).__name__ == "RMSNorm"]
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     if len({m.eps for m in norms}) > 1:
         return "norms with different eps"
     linears = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)]
-    if packed is None or not all(any(m is s for s in packed.small) for m in linears):
+    small = {id(m) for m in packed.small} if packed is not None else set()
+    if not all(id(m) in small for m in linears):
         return "Linear layers on oneDNN's packed path (weights of at least cpu_packed_min_weight elements)"
     if not cpu_forward.available():
         return "the C forward is unavailable (no sgemm_ in torch's library, or no C compiler)"

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_linear
-from engine.cpu_forward import CpuForward, why_not
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.block_manager import cdiv
 from engine.config import EngineConfig
+from engine.cpu_forward import CpuForward, why_not
 from engine.fused import has_kernels, use_eager_ops, use_fused_ops
 from engine.scheduler import ScheduledBatch
 from kernels.dispatch import resolve_impl
