@@ -78,9 +78,24 @@ class CpuForward:
                     w(mlp["up_proj"]), w(mlp["down_proj"]), self.attn.k_caches[i], self.attn.v_caches[i]]
         return out
 
+    def _shapes(self, tensors: list[torch.Tensor | None]) -> list[tuple[int, ...] | None]:
+        """The shape the C forward assumes for each of `tensors` (None: a head norm the model does not have)."""
+        cfg = self.model.config
+        H, D, Q, KV = cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        I, pool = tensors[2 + LAYER_FIELDS.index("gate")].shape[0], tuple(self.attn.k_caches[0].shape)
+        layer = [(H,), (Q, H), (KV, H), (KV, H), (D,), (D,), (H, Q), (H,), (I, H), (I, H), (H, I), pool, pool]
+        shapes: list[tuple[int, ...] | None] = [(tensors[0].shape[0], H), (H,)]
+        for i in range(cfg.num_layers):
+            shapes += [None if t is None else want for t, want in zip(tensors[2 + i * len(layer):], layer)]
+        return shapes
+
     def _build(self, tensors: list[torch.Tensor | None]) -> None:
-        if any(t is not None and not t.is_contiguous() for t in tensors):
-            raise ValueError("cpu forward: every weight and cache must be contiguous")
+        # the C code trusts these: a weight replaced by one of another dtype or shape must not be read as this one
+        for t, want in zip(tensors, self._shapes(tensors)):
+            if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                                  or tuple(t.shape) != want):
+                raise ValueError(f"cpu forward: every weight and cache must be a contiguous fp32 CPU tensor of the "
+                                 f"model's shape; got {t.dtype} {tuple(t.shape)} on {t.device} where {want} was due")
         cfg, d = self.model.config, self.model.model
         per = len(LAYER_FIELDS)
         addr = [t.data_ptr() if t is not None else None for t in tensors]

@@ -107,6 +107,17 @@ def test_new_weights_are_read_whether_copied_in_or_replaced():
     assert run(on, requests(12, seed=4)) == run(off, requests(12, seed=4))
 
 
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_a_weight_replaced_by_one_the_c_code_cannot_read_raises(change):
+    eng = engine(tiny())
+    run(eng, requests(3))
+    attn = eng.runner.model.model.layers[0].self_attn
+    w = attn.o_proj.weight.detach()
+    attn.o_proj.weight = nn.Parameter(w.double() if change == "dtype" else w[:, :32].clone())
+    with pytest.raises(ValueError, match="cpu forward: every weight"):
+        eng.runner.cpu_forward.table()
+
+
 def step_args(**bad) -> dict:
     """A valid 2-token step (sequence 0 and 1, one token each in blocks 0 and 1), with some arguments replaced."""
     cos, sin = tiny().rotary.cos_sin(torch.zeros(2, dtype=torch.long), torch.float32)
