@@ -28,7 +28,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.cpu_linear import PackedLinears
 from engine.fused import FusedTransformer
-from kernels import cpu_forward
+from kernels import cpu_forward, cpu_native
 from model.transformer import RMSNorm, Transformer
 
 
@@ -103,7 +103,7 @@ class CpuForward:
             cpu_forward.LayerPtrs(*addr[2 + i * per:2 + (i + 1) * per]) for i in range(cfg.num_layers)])
         kc = self.attn.k_caches[0]
         self.ptrs = cpu_forward.ModelPtrs(
-            sgemm=cpu_forward.sgemm_address(), layers=ctypes.cast(layers, ctypes.POINTER(cpu_forward.LayerPtrs)),
+            sgemm=cpu_native.sgemm_address(), layers=ctypes.cast(layers, ctypes.POINTER(cpu_forward.LayerPtrs)),
             embed=tensors[0].data_ptr(), final_norm=tensors[1].data_ptr(), num_layers=cfg.num_layers,
             vocab=d.embed_tokens.weight.shape[0], hidden=cfg.hidden_size, heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=d.layers[0].mlp.gate_proj.weight.shape[0],

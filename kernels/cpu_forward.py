@@ -2,13 +2,13 @@
 like the other C kernels (kernels/cpu_native.py), called through ctypes.
 
 The projections call the BLAS `sgemm_` that torch's own F.linear calls, found in torch's shared library
-(`sgemm_address`); a torch build that does not export it (no MKL, another BLAS) keeps the op-by-op forward.
+(`cpu_native.sgemm_address`); a torch build that does not export it (no MKL, another BLAS) keeps the op-by-op
+forward.
 engine/cpu_forward.py decides when the engine uses it and fills the pointer tables below from the model.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -39,24 +39,8 @@ FORWARD = cpu_native.NativeLibrary(SOURCE, {"decode_forward_f32": (
     [ctypes.POINTER(ModelPtrs), _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P, ctypes.c_int], ctypes.c_int)},
     "the engine's forward runs op by op")
 
-_sgemm: list[int | None] = []
-
-
-def sgemm_address() -> int | None:
-    """The address of `sgemm_` in torch's CPU library (the BLAS its F.linear calls), or None where it has none."""
-    if not _sgemm:
-        addr = None
-        lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-        try:
-            addr = ctypes.cast(ctypes.CDLL(str(lib), mode=os.RTLD_NOLOAD | os.RTLD_LAZY).sgemm_, ctypes.c_void_p).value
-        except (OSError, AttributeError):
-            addr = None
-        _sgemm.append(addr)
-    return _sgemm[0]
-
-
 def available() -> bool:
-    return sgemm_address() is not None and FORWARD.load() is not None
+    return cpu_native.sgemm_address() is not None and FORWARD.load() is not None
 
 
 def decode_forward(model: ModelPtrs, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,

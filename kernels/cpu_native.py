@@ -136,6 +136,22 @@ def _build_lock(directory: Path) -> Iterator[None]:
         os.close(fd)   # releases the lock
 
 
+_sgemm: list[int | None] = []
+
+
+def sgemm_address() -> int | None:
+    """The address of `sgemm_` in torch's CPU library (the BLAS its F.linear calls), for the kernels that call
+    it directly (csrc/sgemm.h); None where the build exports none (no MKL, another BLAS)."""
+    if not _sgemm:
+        lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+        try:
+            addr = ctypes.cast(ctypes.CDLL(str(lib), mode=os.RTLD_NOLOAD | os.RTLD_LAZY).sgemm_, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            addr = None
+        _sgemm.append(addr)
+    return _sgemm[0]
+
+
 def disabled() -> bool:
     """TIDAL_CPU_NATIVE=0 switches every C kernel off (the engine's and the trainer's)."""
     return os.environ.get("TIDAL_CPU_NATIVE", "1").lower() in ("0", "false", "off", "no")

@@ -1,4 +1,4 @@
-"""Fused SwiGLU, RMSNorm and rotary embedding for the trainer on CPU: autograd functions over the C kernels of
+"""Fused MLP, SwiGLU, RMSNorm and rotary embedding for the trainer on CPU: autograd functions over the C kernels of
 `kernels/csrc/train_ops.c`, built and cached like the engine's paged attention (kernels/cpu_native.py).
 
 Eager PyTorch computes `silu(g) * u` as two passes forward and four backward (keeping silu(g) alive in between),
@@ -7,6 +7,12 @@ RMSNorm's backward as about six, the rotary embedding as four each way; on a CPU
 here makes one pass each way, keeps only its inputs (and RMSNorm's per-row 1/rms) for backward, and gives the same
 values as the eager formulas to fp32 rounding (tests/test_cpu_train.py; the sigmoid uses the kernels' exp
 polynomial, relative error ~2e-7). Results do not depend on the thread count (see the C file).
+
+The whole MLP (`mlp`) goes further: its [tokens, intermediate] activations never reach memory. It runs a block of
+MLP_ROWS rows at a time through the projections (torch's own sgemm) and SwiGLU while they sit in cache, and
+recomputes the gate/up output in backward. The long vs-TRL job's MLP (17,408 rows x 64 -> 2 x 256 -> 64, one
+thread) took 55-58 ms forward + backward a micro-batch unfused and 43-44 ms this way, the job's train step
+0.98-1.04 -> 0.86-0.93 s (bench/RESULTS.md, stop 39).
 
 Only fp32 CPU tensors take these paths (`fused(x)`); anything else, a build failure or `TIDAL_CPU_NATIVE=0` keeps the
 eager ops (`trainer/cpu_fused.py` decides per call).
@@ -22,11 +28,14 @@ from kernels import cpu_native
 
 SOURCE = Path(__file__).with_name("csrc") / "train_ops.c"
 CHUNK = 512  # rows per partial sum of RMSNorm's weight gradient (fixed: results independent of threads)
+MLP_ROWS = 256  # rows of the MLP computed at a time: their [rows, 3 x intermediate] floats stay in a core's cache
 
 _P, _I, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 TRAIN_OPS = cpu_native.NativeLibrary(SOURCE, {
     "swiglu_fwd": ([_P, _P, _P, _I, _T], None),
     "swiglu_bwd": ([_P, _P, _P, _P, _P, _I, _T], None),
+    "mlp_fwd": ([_P] * 7 + [_I] * 5 + [_T], None),
+    "mlp_bwd": ([_P] * 13 + [_I] * 5 + [_T], None),
     "rmsnorm_fwd": ([_P, _P, _P, _P, _I, _I, ctypes.c_float, _T], None),
     "rmsnorm_bwd": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _T], None),
     "rope_fwd": ([_P, _P, _P, _P, _I, _I, _I, _T], None),
@@ -54,6 +63,18 @@ def _kernels() -> ctypes.CDLL:
     return TRAIN_OPS.require()
 
 
+def mlp_available() -> bool:
+    """Whether `mlp` can run: the kernels built and torch's sgemm found (`fused` tensors assumed)."""
+    return available() and cpu_native.sgemm_address() is not None
+
+
+def _sgemm() -> int:
+    addr = cpu_native.sgemm_address()
+    if addr is None:
+        raise RuntimeError("mlp: torch's CPU library exports no sgemm_ (a build without MKL); use the unfused MLP")
+    return addr
+
+
 def _threads() -> int:
     return torch.get_num_threads()
 
@@ -79,6 +100,47 @@ class SwiGLU(torch.autograd.Function):
         _kernels().swiglu_bwd(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dg.data_ptr(), du.data_ptr(), g.numel(),
                               _threads())
         return dg, du
+
+
+class MLP(torch.autograd.Function):
+    """down(silu(x gate^T) * (x up^T)) in one C call each way (train_ops.c `mlp_fwd` / `mlp_bwd`), MLP_ROWS rows at a
+    time: a block's gate/up output, its SwiGLU and the down projection's input stay in cache between the matmuls,
+    where the unfused MLP writes [tokens, intermediate] tensors three times to memory and reads them back. The
+    projections are torch's own BLAS sgemm (cpu_native.sgemm_address). Only x is kept for backward (the gate/up
+    output is recomputed block by block: cheaper than keeping it in memory). The weight gradients are sums over
+    blocks in a fixed order (results do not depend on the thread count); same values as the unfused MLP to fp32
+    rounding."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+        H, (O, I) = x.shape[-1], wd.shape
+        if wg.shape != (I, H) or wu.shape != (I, H) or wd.dim() != 2:
+            raise ValueError(f"mlp: input rows of {H} with gate {tuple(wg.shape)}, up {tuple(wu.shape)}, "
+                             f"down {tuple(wd.shape)}")
+        x2, wd = x.reshape(-1, H).contiguous(), wd.contiguous()
+        T, n = x2.shape[0], min(x2.shape[0], MLP_ROWS)
+        wgu_t = torch.cat([wg, wu]).t().contiguous()   # [H, 2I]: gate and up in one matmul a block
+        y, gu, h = x2.new_empty(T, O), x2.new_empty(n, 2 * I), x2.new_empty(n, I)   # gu, h: one block's scratch
+        _kernels().mlp_fwd(_sgemm(), x2.data_ptr(), wgu_t.data_ptr(), wd.data_ptr(), y.data_ptr(), gu.data_ptr(),
+                           h.data_ptr(), T, H, I, O, MLP_ROWS, _threads())
+        ctx.save_for_backward(x2, wg, wu, wd)
+        ctx.shape = x.shape
+        return y.view(*x.shape[:-1], O)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        x2, wg, wu, wd = ctx.saved_tensors
+        (T, H), (O, I) = x2.shape, wd.shape
+        dy2 = dy.reshape(T, O).contiguous()
+        wgu = torch.cat([wg, wu])
+        wgu_t = wgu.t().contiguous()
+        dx, dwgu, dwd = x2.new_empty(T, H), x2.new_empty(2 * I, H), x2.new_empty(O, I)
+        n = min(T, MLP_ROWS)
+        scratch = [x2.new_empty(n, 2 * I), x2.new_empty(n, I), x2.new_empty(n, I), x2.new_empty(n, 2 * I)]
+        _kernels().mlp_bwd(_sgemm(), x2.data_ptr(), wgu.data_ptr(), wgu_t.data_ptr(), wd.data_ptr(), dy2.data_ptr(),
+                           dx.data_ptr(), dwgu.data_ptr(), dwd.data_ptr(), *(t.data_ptr() for t in scratch),
+                           T, H, I, O, MLP_ROWS, _threads())
+        return dx.view(ctx.shape), dwgu[:I], dwgu[I:], dwd
 
 
 class RMSNorm(torch.autograd.Function):
@@ -136,6 +198,11 @@ class Rotary(torch.autograd.Function):
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return SwiGLU.apply(g, u)
+
+
+def mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The Qwen3 MLP, down_proj(silu(gate_proj(x)) * up_proj(x)), from the three projections' weights."""
+    return MLP.apply(x, gate, up, down)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

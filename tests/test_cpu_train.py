@@ -51,6 +51,37 @@ def test_swiglu_propagates_nan():
     assert torch.isnan(y[1, 3]) and torch.isfinite(y[0]).all()
 
 
+def eager_mlp(x, wg, wu, wd):
+    return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+# 700 rows: two whole blocks of MLP_ROWS and a partial one; a 3-D input; no rows at all
+@pytest.mark.parametrize("shape", [(700, 48), (3, 5, 48), (0, 48)])
+def test_mlp_values_and_gradients_match_eager(shape):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(shape, generator=gen)
+    wg, wu = torch.randn(96, 48, generator=gen) * 0.3, torch.randn(96, 48, generator=gen) * 0.3
+    wd = torch.randn(40, 96, generator=gen) * 0.2
+    x[..., :1] *= 40                                          # gates far into both tails of the sigmoid
+    y, g = grads(cpu_train.mlp, x, wg, wu, wd)
+    y_ref, g_ref = grads(eager_mlp, x, wg, wu, wd)
+    assert y.shape == (*shape[:-1], 40) and close(y, y_ref, 1e-5)
+    for a, b in zip(g, g_ref):
+        assert close(a, b, 1e-5)
+    assert torch.isfinite(g[0]).all()
+
+
+def test_mlp_refuses_weights_of_the_wrong_shapes_and_propagates_nan():
+    x, w = torch.randn(5, 8), torch.randn(16, 8)
+    with pytest.raises(ValueError, match="mlp: input rows of 8 with gate"):
+        cpu_train.mlp(x, w, w, torch.randn(8, 12))
+    with pytest.raises(ValueError, match="mlp"):
+        cpu_train.mlp(x, w, torch.randn(16, 9), torch.randn(8, 16))
+    x[2, 0] = float("nan")
+    y = cpu_train.mlp(x, w, w, torch.randn(8, 16))
+    assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3, 4]]).all()
+
+
 @pytest.mark.parametrize("shape", [(1300, 64), (7, 3, 16), (0, 8)])   # 1300 rows: three weight-gradient chunks
 def test_rms_norm_values_and_gradients_match_eager(shape):
     x = torch.randn(shape) * 3
@@ -84,7 +115,8 @@ def test_results_do_not_depend_on_the_thread_count():
         for n in (1, 2, 3):
             torch.set_num_threads(n)
             runs.append([*grads(lambda a, b: cpu_train.rms_norm(a, b, 1e-6), x, w)[1],
-                         *grads(cpu_train.swiglu, g, u)[1]])
+                         *grads(cpu_train.swiglu, g, u)[1],
+                         *grads(cpu_train.mlp, x, g[:64].T * 0.1, u[:64].T * 0.1, u[64:128] * 0.1)[1]])
     finally:
         torch.set_num_threads(threads)
     for other in runs[1:]:

@@ -20,10 +20,6 @@
 #include "paged_attention.c"
 #include "train_ops.c"
 
-/* Fortran BLAS sgemm: C = alpha op(A) op(B) + beta C, column-major. */
-typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
-                         const float *, const int *, const float *, const int *, const float *, float *,
-                         const int *);
 
 typedef struct {
     const float *input_norm, *q_proj, *k_proj, *v_proj, *q_norm, *k_norm, *o_proj, *post_norm, *gate, *up, *down;

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "exp_nonpos.h"
+#include "sgemm.h"
 
 
 /* sigmoid(g) from exp(-|g|), which never overflows; NaN in, NaN out. */
@@ -32,6 +33,77 @@ void swiglu_bwd(const float *restrict g, const float *restrict u, const float *r
         const float s = sigmoid(g[i]), silu = g[i] * s;
         du[i] = dh[i] * silu;
         dg[i] = dh[i] * u[i] * (s + silu * (1.0f - s));
+    }
+}
+
+/* The MLP's gate and up projections side by side (kernels/cpu_train.py `mlp`): row r of gu is [g | u], 2 I
+ * floats. h[r] = silu(g) * u, I floats a row. */
+void swiglu_fwd_gu(const float *restrict gu, float *restrict h, int64_t rows, int64_t I, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows * I >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict g = gu + r * 2 * I, *restrict u = g + I;
+        float *restrict hr = h + r * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) hr[i] = g[i] * sigmoid(g[i]) * u[i];
+    }
+}
+
+/* Its backward from dh [rows, I]: dgu[r] = [dg | du] as swiglu_bwd, and h recomputed as swiglu_fwd_gu does (the
+ * down projection's weight gradient needs it; the forward keeps only gu). */
+void swiglu_bwd_gu(const float *restrict gu, const float *restrict dh, float *restrict h, float *restrict dgu,
+                   int64_t rows, int64_t I, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows * I >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict g = gu + r * 2 * I, *restrict u = g + I, *restrict d = dh + r * I;
+        float *restrict hr = h + r * I, *restrict dg = dgu + r * 2 * I, *restrict du = dg + I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) {
+            const float s = sigmoid(g[i]), silu = g[i] * s;
+            hr[i] = silu * u[i];
+            du[i] = d[i] * silu;
+            dg[i] = d[i] * u[i] * (s + silu * (1.0f - s));
+        }
+    }
+}
+
+/* The trainer's MLP, y = down(silu(x gate^T) * (x up^T)) for x [T, H] (kernels/cpu_train.py `MLP`), `block` rows
+ * at a time, so that a block's gate/up output gu [block, 2I] and SwiGLU output h [block, I] (scratch from the
+ * caller) stay in cache between the matmuls. wgu_t [H, 2I] is the gate and up weights side by side, transposed;
+ * wd [O, I]. */
+void mlp_fwd(sgemm_fn sgemm, const float *x, const float *wgu_t, const float *wd, float *y, float *gu, float *h,
+             int64_t T, int64_t H, int64_t I, int64_t O, int64_t block, int nt) {
+    const int h_ = (int)H, i_ = (int)I, i2 = (int)(2 * I), o_ = (int)O;
+    const float one = 1.0f, zero = 0.0f;
+    for (int64_t s = 0; s < T; s += block) {
+        const int n = (int)(T - s < block ? T - s : block);
+        sgemm("N", "N", &i2, &n, &h_, &one, wgu_t, &i2, x + s * H, &h_, &zero, gu, &i2);   /* gu = x_s wgu_t */
+        swiglu_fwd_gu(gu, h, n, I, nt);
+        sgemm("T", "N", &o_, &n, &i_, &one, wd, &i_, h, &i_, &zero, y + s * O, &o_);      /* y_s = h wd^T */
+    }
+}
+
+/* Its backward from dy [T, O], block by block: gu recomputed (cheaper than keeping [T, 2I] in memory), dh = dy_s wd,
+ * SwiGLU's backward (dgu, and h again), the weight gradients dwd [O, I] and dwgu [2I, H] (gate then up) summed over
+ * the blocks in order, dx_s = dgu wgu. wgu [2I, H] and wgu_t are the same weights. Scratch gu, dgu [block, 2I], h, dh
+ * [block, I]. */
+void mlp_bwd(sgemm_fn sgemm, const float *x, const float *wgu, const float *wgu_t, const float *wd, const float *dy,
+             float *dx, float *dwgu, float *dwd, float *gu, float *h, float *dh, float *dgu, int64_t T, int64_t H,
+             int64_t I, int64_t O, int64_t block, int nt) {
+    const int h_ = (int)H, i_ = (int)I, i2 = (int)(2 * I), o_ = (int)O;
+    const float one = 1.0f, zero = 0.0f;
+    if (T == 0) {
+        for (int64_t i = 0; i < 2 * I * H; i++) dwgu[i] = 0.0f;
+        for (int64_t i = 0; i < O * I; i++) dwd[i] = 0.0f;
+    }
+    for (int64_t s = 0; s < T; s += block) {
+        const int n = (int)(T - s < block ? T - s : block);
+        const float *xs = x + s * H, *dys = dy + s * O, *beta = s == 0 ? &zero : &one;
+        sgemm("N", "N", &i2, &n, &h_, &one, wgu_t, &i2, xs, &h_, &zero, gu, &i2);         /* gu = x_s wgu_t */
+        sgemm("N", "N", &i_, &n, &o_, &one, wd, &i_, dys, &o_, &zero, dh, &i_);           /* dh = dy_s wd */
+        swiglu_bwd_gu(gu, dh, h, dgu, n, I, nt);
+        sgemm("N", "T", &i_, &o_, &n, &one, h, &i_, dys, &o_, beta, dwd, &i_);            /* dwd += dy_s^T h */
+        sgemm("N", "T", &h_, &i2, &n, &one, xs, &h_, dgu, &i2, beta, dwgu, &h_);          /* dwgu += dgu^T x_s */
+        sgemm("N", "N", &h_, &n, &i2, &one, wgu, &h_, dgu, &i2, &zero, dx + s * H, &h_);  /* dx_s = dgu wgu */
     }
 }
 
