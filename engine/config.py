@@ -36,6 +36,9 @@ class EngineConfig:
     fused_ops: bool = True
     # CPU fp32, small models: the whole forward of a step in one C call (engine/cpu_forward.py), same bits as op by op
     cpu_forward: bool = True
+    # with cpu_forward: up to this many decode steps in one C call where generate() and the rollout worker step
+    # (LLMEngine.step(max_steps), _steps_ahead says when); the same tokens and logprobs as one step at a time
+    cpu_decode_steps: int = 8
     # plain temperature sampling as one Triton kernel where the dispatcher picks Triton (kernels/sample.py)
     fused_sampling: bool = True
     seed: int = 0  # the engine's generator, used by requests without their own seed
@@ -46,6 +49,8 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.max_batch_tokens < self.max_num_seqs:
             raise ValueError(f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= max_batch_tokens "
                              f"({self.max_batch_tokens}): every running sequence takes a token per step")
+        if self.cpu_decode_steps < 1:
+            raise ValueError(f"cpu_decode_steps must be >= 1, got {self.cpu_decode_steps}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if isinstance(self.dtype, str):

@@ -126,6 +126,17 @@ class CpuForward:
                                           meta.block_tables, meta.query_seq, meta.query_len)
 
 
+    def steps(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+              block_tables: torch.Tensor, row_len: torch.Tensor, temps: torch.Tensor, u: torch.Tensor,
+              stops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k = slots.shape[0] decode steps of the rows of `block_tables` in one call, the LM head and temperature
+        sampling included (kernels/cpu_forward.py `decode_steps`)."""
+        T = ids.shape[0]
+        return cpu_forward.decode_steps(self.table(), self.model.lm_head.weight, ids, cos.contiguous(),
+                                        sin.contiguous(), slots.contiguous(), block_tables,
+                                        torch.arange(T, dtype=torch.int32), row_len, temps, u, stops)
+
+
 LAYER_FIELDS = [name for name, _ in cpu_forward.LayerPtrs._fields_]
 
 

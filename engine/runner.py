@@ -65,6 +65,10 @@ class ModelRunner:
         self.cpu_forward = None
         if config.cpu_forward and self.device.type == "cpu" and why_not(self.model, self.attn, self.packed) is None:
             self.cpu_forward = CpuForward(self.model, self.attn)
+        # several decode steps a call (LLMEngine._steps_ahead): the LM head must be on the padded path too
+        head = getattr(self.model, "lm_head", None)
+        self.decode_steps_ok = (self.cpu_forward is not None and config.cpu_decode_steps > 1 and head is not None
+                                and any(m is head for m in self.packed.small) and head.bias is None)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             from engine.cuda_graphs import DecodeGraphs
@@ -183,6 +187,23 @@ class ModelRunner:
             else:
                 hidden = self.model(ids, pos, self.attn)
             return self.model.logits(hidden if logit_idx is None else hidden[logit_idx])
+
+    @torch.inference_mode()
+    def decode_steps(self, seqs: list, k: int, temps: torch.Tensor, u: torch.Tensor, stops: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k decode steps of `seqs` (each with one uncomputed token and blocks for k) in one C call
+        (kernels/cpu_forward.py `decode_steps`): (tokens [k, T], logprobs [k, T], counts [T])."""
+        seats = self._sync_block_tables(seqs)
+        starts = torch.tensor([s.num_cached_tokens for s in seqs], dtype=torch.long)
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long)
+        bs = self.block_size
+        bt = self.block_tables[seats, :cdiv(int(starts.max()) + k, bs)]
+        pos = starts[None, :] + torch.arange(k)[:, None]                       # [k, T]
+        slots = bt.long().gather(1, (pos // bs).T).T * bs + pos % bs
+        cos, sin = self.model.rotary.cos_sin(pos.reshape(-1), torch.float32)
+        T, D = len(seqs), cos.shape[-1]
+        return self.cpu_forward.steps(ids, cos.view(k, T, D), sin.view(k, T, D), slots, bt.contiguous(),
+                                      (starts + 1).to(torch.int32), temps, u, stops)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([c[0] for c in copies], device=self.device)

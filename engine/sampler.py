@@ -38,6 +38,7 @@ import torch
 ERROR_TOKEN = -1  # sampled for a row with non-finite logits: no token, the request ends with an error
 
 from engine.sampling import SamplingParams
+from kernels import cpu_sample
 from kernels.dispatch import use_cpu_c, use_triton
 from kernels.sample import sample, sample_inverse_cdf
 
@@ -128,6 +129,26 @@ class Sampler:
             tokens_l = [ERROR_TOKEN if math.isnan(x) else t for t, x in zip(tokens_l, lp_l)]
         slp_l = lp_l if slp is None else slp.tolist()
         return tokens_l, lp_l, [0.0 if g else x for g, x in zip(greedy, slp_l)] if any(greedy) else list(slp_l)
+
+    def plain_seeded_c(self, params: list[SamplingParams]) -> bool:
+        """Whether every row samples plainly (temperature, no truncation, not greedy) with its own seed through the
+        C kernel on the CPU: what a caller running several steps' sampling in C reproduces (LLMEngine)."""
+        b = self.batch_params(params)
+        return (self.fused and self.device.type == "cpu" and not b.truncates and not any(b.greedy)
+                and len(b.seeded) == len(params) and cpu_sample.available() and use_cpu_c(None, b.temps))
+
+    def uniforms_ahead(self, b: BatchParams, counters: list[int], k: int) -> torch.Tensor:
+        """u [k, B] for k steps of an all-seeded batch (row i's draw j: counter counters[i] + j). The caller then
+        advances the generator (`skip_draws`) as the steps it ran would have."""
+        c = np.asarray(counters, dtype=np.int64)[None, :] + np.arange(k, dtype=np.int64)[:, None]
+        u = counter_hash(np.tile(b.seed_hash, k), c.ravel())  # type: ignore[arg-type]
+        return torch.from_numpy(u).view(k, len(counters))
+
+    def skip_draws(self, rows_per_step: list[int]) -> None:
+        """Advance the engine's generator as calls of these batch sizes would (each draws one u per row, seeded
+        rows included): after steps sampled elsewhere, an unseeded request later draws what it would have."""
+        for n in rows_per_step:
+            torch.rand(n, generator=self.generator, device=self.device)
 
     def _uniforms(self, b: BatchParams, counters: list[int], device: torch.device) -> torch.Tensor:
         u = torch.rand(len(b.params), generator=self.generator, device=device)

@@ -160,6 +160,15 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = now
 
+    def extend(self, tokens: list[int], logprobs: list[float], version: int, now: float) -> None:
+        """`append` for several tokens sampled plainly (their sampling logprobs are their logprobs)."""
+        self.token_ids += tokens
+        self.logprobs += logprobs
+        self.sampling_logprobs += logprobs
+        self.versions += [version] * len(tokens)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
     def output(self) -> RequestOutput:
         r = self.request
         return RequestOutput(

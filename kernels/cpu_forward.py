@@ -35,12 +35,62 @@ class ModelPtrs(ctypes.Structure):
 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-FORWARD = cpu_native.NativeLibrary(SOURCE, {"decode_forward_f32": (
-    [ctypes.POINTER(ModelPtrs), _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P, ctypes.c_int], ctypes.c_int)},
+FORWARD = cpu_native.NativeLibrary(SOURCE, {
+    "decode_forward_f32": ([ctypes.POINTER(ModelPtrs), _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P, ctypes.c_int],
+                           ctypes.c_int),
+    "decode_steps_f32": ([ctypes.POINTER(ModelPtrs), _P, _I, _I] + [_P] * 5 + [_I, _P, _P, _I, _P, _P, _P, _I]
+                         + [_P] * 3 + [ctypes.c_int], ctypes.c_int)},
     "the engine's forward runs op by op")
 
 def available() -> bool:
     return cpu_native.sgemm_address() is not None and FORWARD.load() is not None
+
+
+def _check(args: dict[str, tuple[torch.Tensor, torch.dtype, tuple[int, ...] | None]]) -> None:
+    for name, (t, dtype, shape) in args.items():
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or (shape and tuple(t.shape) != shape):
+            raise ValueError(f"cpu forward: {name} must be a contiguous CPU {dtype} tensor"
+                             f"{f' of shape {shape}' if shape else ''}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _raise_for(rc: int, model: ModelPtrs, block_tables: torch.Tensor) -> None:
+    if rc == -2:
+        raise IndexError(f"cpu forward: a token id outside the {model.vocab} of the vocabulary, a slot outside the "
+                         f"{model.num_blocks * model.block_size} of the pool, a row's sequence outside the "
+                         f"{block_tables.shape[0]} rows of the block table or a block outside the pool")
+    if rc != 0:
+        raise MemoryError("cpu forward: could not allocate its scratch memory")
+
+
+def decode_steps(model: ModelPtrs, lm_head: torch.Tensor, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
+                 temps: torch.Tensor, u: torch.Tensor, stops: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k = slots.shape[0] decode steps of T rows in one call (decode_steps_f32 in the C file): row t computes `ids`[t]
+    (int64 [T], its sequence's last token) at step 0 and the token it sampled at step j - 1 at step j, writing its
+    K / V to slots[j, t] and attending to the first row_len[t] + j pool tokens of sequence row_seq[t]; rotary cos /
+    sin [k, T, head_dim]; the LM head `lm_head` [vocab, hidden]; temperature sampling with temps [T] and uniforms
+    u [k, T]. A row stops at a token of its row of `stops` [T, S] (int64, -1 padded) or a non-finite logits row.
+    Returns tokens [k, T] (int64), their logprobs [k, T] (fp32, NaN for a non-finite row) and counts [T] (int32: the
+    tokens each row sampled, the stopping one included; past them, and past the steps run, the arrays hold
+    nothing). Raises IndexError as `decode_forward` does."""
+    k, T = slots.shape
+    _check({"ids": (ids, torch.int64, (T,)), "slots": (slots, torch.int64, (k, T)),
+            "row_seq": (row_seq, torch.int32, (T,)), "row_len": (row_len, torch.int32, (T,)),
+            "block_tables": (block_tables, torch.int32, None),
+            "cos": (cos, torch.float32, (k, T, model.head_dim)), "sin": (sin, torch.float32, (k, T, model.head_dim)),
+            "temps": (temps, torch.float32, (T,)), "u": (u, torch.float32, (k, T)),
+            "stops": (stops, torch.int64, (T, stops.shape[1] if stops.dim() == 2 else -1)),
+            "lm_head": (lm_head, torch.float32, (model.vocab, model.hidden))})
+    tokens, logprobs = torch.empty(k, T, dtype=torch.int64), torch.empty(k, T)
+    counts = torch.zeros(T, dtype=torch.int32)
+    rc = FORWARD.require().decode_steps_f32(
+        ctypes.byref(model), lm_head.data_ptr(), k, T, ids.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], row_seq.data_ptr(), row_len.data_ptr(),
+        block_tables.shape[0], temps.data_ptr(), u.data_ptr(), stops.data_ptr(), stops.shape[1], tokens.data_ptr(),
+        logprobs.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+    _raise_for(rc, model, block_tables)
+    return tokens, logprobs, counts
 
 
 def decode_forward(model: ModelPtrs, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -54,19 +104,11 @@ def decode_forward(model: ModelPtrs, ids: torch.Tensor, cos: torch.Tensor, sin: 
             "row_seq": (row_seq, torch.int32, (T,)), "row_len": (row_len, torch.int32, (T,)),
             "block_tables": (block_tables, torch.int32, None), "cos": (cos, torch.float32, (T, model.head_dim)),
             "sin": (sin, torch.float32, (T, model.head_dim))}
-    for name, (t, dtype, shape) in args.items():
-        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or (shape and tuple(t.shape) != shape):
-            raise ValueError(f"cpu forward: {name} must be a contiguous CPU {dtype} tensor"
-                             f"{f' of shape {shape}' if shape else ''}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    _check(args)
     out = torch.empty(T, model.hidden)
     rc = FORWARD.require().decode_forward_f32(
         ctypes.byref(model), ids.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], row_seq.data_ptr(), row_len.data_ptr(), block_tables.shape[0],
         T, out.data_ptr(), torch.get_num_threads())
-    if rc == -2:
-        raise IndexError(f"cpu forward: a token id outside the {model.vocab} of the vocabulary, a slot outside the "
-                         f"{model.num_blocks * model.block_size} of the pool, a row's sequence outside the "
-                         f"{block_tables.shape[0]} rows of the block table or a block outside the pool")
-    if rc != 0:
-        raise MemoryError("cpu forward: could not allocate its scratch memory")
+    _raise_for(rc, model, block_tables)
     return out

@@ -180,4 +180,5 @@ def make_engine(cfg: Config, model: torch.nn.Module, parts: RunParts, topo: Topo
     return LLMEngine(model, EngineConfig(
         block_size=r.kv_block_size, num_kv_tokens=None if on_gpu else r.kv_cache_tokens,
         memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
-        cuda_graphs=r.cuda_graphs, cpu_forward=r.cpu_forward, seed=cfg.seed), tokenizer=parts.tokenizer, version=-1)
+        cuda_graphs=r.cuda_graphs, cpu_forward=r.cpu_forward,
+        cpu_decode_steps=r.cpu_decode_steps, seed=cfg.seed), tokenizer=parts.tokenizer, version=-1)

@@ -480,9 +480,10 @@ class RolloutWorker:
             self.busy = True
             self.event("engine_busy", version=self.engine.version)
         finished: list[RequestOutput] = []
+        before = self.steps
         try:
-            finished = self.engine.step()
-            self.steps += 1
+            finished = self.engine.step(self.engine.config.cpu_decode_steps)
+            self.steps += self.engine.last_step.steps   # several when the engine ran decode steps in one C call
             progress(f"{len(finished)} finished, {len(self.engine.seqs)} in the engine")
             injected = injected_engine_fault()   # runtime/faults.py `fail`
             if injected is not None:
@@ -517,7 +518,8 @@ class RolloutWorker:
         scored = self.collect_scores()
         period = self.sampling.counters_every_s
         idling = self.busy and not self.engine.has_unfinished()   # the last report of a busy span is its final state
-        if idling or self.steps % self.sampling.counters_every == 0 or (
+        every = self.sampling.counters_every
+        if idling or self.steps // every > before // every or (
                 period is not None and time.perf_counter() - self.counters_sent >= period):
             self.counters_sent = time.perf_counter()
             st = self.engine.stats()

@@ -41,8 +41,9 @@ def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None):
     tok = task.tokenizer()
     cfg = preset_config("tiny", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
-    engine = LLMEngine(Transformer(cfg).init_weights(seed=0), EngineConfig(num_kv_tokens=512, max_num_seqs=16,
-                                                                          max_batch_tokens=256), version=-1)
+    engine = LLMEngine(Transformer(cfg).init_weights(seed=0), EngineConfig(
+        num_kv_tokens=512, max_num_seqs=16, max_batch_tokens=256,
+        cpu_decode_steps=1), version=-1)   # a worker step is one engine step here (the tests count them)
     ch = FakeChannel()
     from runtime.rollout_worker import response_decoder
     w = RolloutWorker(engine, ch, engine_index=0, rank=1, reward_fn=task.score,

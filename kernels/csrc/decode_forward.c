@@ -18,6 +18,7 @@
  * Layout: weights as the nn.Linear layers hold them ([out, in], contiguous), norms [dim], cos / sin [T, D], the
  * caches as in paged_attention.c. Scratch is allocated per call (malloc; ~1.3 MB at 256 rows of the tiny model). */
 #include "paged_attention.c"
+#include "sample.c"
 #include "train_ops.c"
 
 
@@ -116,5 +117,71 @@ int decode_forward_f32(const model_ptrs *m, const int64_t *ids, const float *cs,
     }
     if (rc == 0) rmsnorm_infer(x, res, m->final_norm, out, o, T, H, m->eps, nt);
     free(buf);
+    return rc;
+}
+
+/* Several decode steps in one call (kernels/cpu_forward.py `decode_steps`; the CPU's counterpart of vLLM's
+ * multi-step scheduling): each step is decode_forward_f32 over the rows still running, the LM head (on rows padded
+ * to 8, as padded_linear computes it) and sample.c's temperature sampling, the sampled tokens fed back as the next
+ * step's ids. What a step takes that depends on the step is prepared by the caller for all of them: rotary cos /
+ * sin [steps, T, D], pool slots [steps, T], uniforms u [steps, T]; row t's context at step j is row_len0[t] + j.
+ *
+ * A row stops at the first token in its `stops` row (S ids, -1 padded) or at a NaN logprob (non-finite logits), and
+ * the next step runs the rows left, in their order, as the engine's next step would (a finished sequence leaves
+ * the batch): so every step computes the very batch, hence the very bits, one engine step would. The call returns
+ * early once every row has stopped. counts[t]: tokens sampled for row t, the stopping one included; tokens,
+ * logprobs [steps, T] (past a row's count: not written). Returns decode_forward_f32's codes (-1 scratch, -2 a bad
+ * index). */
+int decode_steps_f32(const model_ptrs *m, const float *lm_head, int64_t steps, int64_t T, const int64_t *ids0,
+                     const float *cs, const float *sn, const int64_t *slots, const int32_t *block_tables,
+                     int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len0, int64_t num_seqs,
+                     const float *temps, const float *u, const int64_t *stops, int64_t S, int64_t *tokens,
+                     float *logprobs, int32_t *counts, int nt) {
+    const int64_t H = m->hidden, D = m->head_dim, V = m->vocab, Tp = (T + 7) / 8 * 8;
+    for (int64_t t = 0; t < T; t++) counts[t] = 0;
+    if (T <= 0) return 0;
+    /* the running rows' inputs, compacted at the front: row i of the step is the caller's row idx[i] */
+    int64_t *idx = (int64_t *)malloc((size_t)T * sizeof(int64_t)), *ids = (int64_t *)malloc((size_t)T * 8);
+    int64_t *w_ids = (int64_t *)malloc((size_t)T * 8), *w_slots = (int64_t *)malloc((size_t)T * 8);
+    int64_t *w_tok = (int64_t *)malloc((size_t)T * 8);
+    int32_t *w_seq = (int32_t *)malloc((size_t)T * 4), *w_len = (int32_t *)malloc((size_t)T * 4);
+    float *w_cs = (float *)malloc((size_t)(T * D) * 4), *w_sn = (float *)malloc((size_t)(T * D) * 4);
+    float *w_temps = (float *)malloc((size_t)T * 4), *w_u = (float *)malloc((size_t)T * 4);
+    float *w_lp = (float *)malloc((size_t)T * 4);
+    float *hid = (float *)calloc((size_t)(Tp * H), sizeof(float));
+    float *logits = (float *)malloc((size_t)(Tp * V) * sizeof(float));
+    int rc = idx && ids && w_ids && w_slots && w_tok && w_seq && w_len && w_cs && w_sn && w_temps && w_u && w_lp
+             && hid && logits ? 0 : -1;
+    int64_t n = rc == 0 ? T : 0;
+    for (int64_t i = 0; i < n; i++) idx[i] = i, ids[i] = ids0[i];
+    for (int64_t j = 0; j < steps && rc == 0 && n > 0; j++) {
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t r = idx[i];
+            w_ids[i] = ids[r], w_slots[i] = slots[j * T + r], w_seq[i] = row_seq[r];
+            w_len[i] = row_len0[r] + (int32_t)j, w_temps[i] = temps[r], w_u[i] = u[j * T + r];
+            memcpy(w_cs + i * D, cs + (j * T + r) * D, (size_t)D * sizeof(float));
+            memcpy(w_sn + i * D, sn + (j * T + r) * D, (size_t)D * sizeof(float));
+        }
+        const int64_t np = (n + 7) / 8 * 8;
+        rc = decode_forward_f32(m, w_ids, w_cs, w_sn, w_slots, block_tables, bt_stride, w_seq, w_len, num_seqs, n,
+                                hid, nt);
+        if (rc != 0) break;
+        memset(hid + n * H, 0, (size_t)((np - n) * H) * sizeof(float));   /* pad rows zero, as padded_linear's */
+        linear(m, hid, lm_head, logits, np, V, H);
+        sample_f32(logits, n, V, V, w_temps, w_u, w_tok, w_lp, nt);
+        int64_t kept = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t r = idx[i];
+            const int bad = w_lp[i] != w_lp[i];
+            tokens[j * T + r] = w_tok[i], logprobs[j * T + r] = w_lp[i], counts[r] = (int32_t)(j + 1);
+            ids[r] = w_tok[i];
+            int stop = bad;
+            for (int64_t q = 0; q < S && !stop; q++) stop = stops[r * S + q] == w_tok[i];
+            if (!stop) idx[kept++] = r;
+        }
+        n = kept;
+    }
+    free(idx), free(ids), free(w_ids), free(w_slots), free(w_tok), free(w_seq), free(w_len), free(w_cs);
+    free(w_sn), free(w_temps), free(w_u), free(w_lp), free(hid), free(logits);
     return rc;
 }
