@@ -109,7 +109,7 @@ class RolloutConfig:
     cuda_graphs: bool = F(True, help="capture decode steps as CUDA graphs (GPU only; ignored on CPU)")
     cpu_forward: bool = F(True, help="CPU fp32 engines of small models: each step's whole forward in one C call, the "
                           "same bits as op by op (engine/cpu_forward.py; ignored where it does not apply)")
-    cpu_decode_steps: int = F(8, ge=1, help="with cpu_forward: decode steps run in one C call when every running "
+    cpu_decode_steps: int = F(16, ge=1, help="with cpu_forward: decode steps run in one C call when every running "
                               "sequence decodes, samples plainly and is seeded (engine/engine.py; same tokens as "
                               "step by step); 1 = off")
     ignore_eos: bool = F(False, help="benchmarks: every response runs to max_new_tokens, EOS sampled as any token")

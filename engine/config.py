@@ -38,7 +38,7 @@ class EngineConfig:
     cpu_forward: bool = True
     # with cpu_forward: up to this many decode steps in one C call where generate() and the rollout worker step
     # (LLMEngine.step(max_steps), _steps_ahead says when); the same tokens and logprobs as one step at a time
-    cpu_decode_steps: int = 8
+    cpu_decode_steps: int = 16
     # plain temperature sampling as one Triton kernel where the dispatcher picks Triton (kernels/sample.py)
     fused_sampling: bool = True
     seed: int = 0  # the engine's generator, used by requests without their own seed

@@ -13,7 +13,10 @@ When: `EngineConfig.cpu_forward` (default on), fp32 on the CPU, the fused model 
 attention in use, no biases, every norm with one eps, and every Linear of the layers computed by `padded_linear`
 (weights under `cpu_packed_min_weight`: the larger ones run oneDNN's packed path, which the C forward does not
 reproduce). Else, or for a step whose KV slots are not all valid, the model runs op by op. The LM head stays in
-Python (its rows are only the sampled ones).
+Python (its rows are only the sampled ones), except in `steps`: several decode steps in one call, the LM head and the
+sampling included (LLMEngine._steps_ahead says when), which takes the per-step Python of the engine out of all but
+one step in `cpu_decode_steps`: the long job's engine round 0.66-0.72 -> 0.49-0.52 s with 16 (bench/RESULTS.md,
+stop 39).
 
 The tables of addresses are rebuilt whenever a tensor behind them moved (a weight replaced rather than copied
 into); loads copy into the parameters in place (ModelRunner.load_weights), which the C forward then simply reads.

@@ -5,6 +5,7 @@ The projections call the BLAS `sgemm_` that torch's own F.linear calls, found in
 (`cpu_native.sgemm_address`); a torch build that does not export it (no MKL, another BLAS) keeps the op-by-op
 forward.
 engine/cpu_forward.py decides when the engine uses it and fills the pointer tables below from the model.
+`decode_steps` runs several decode steps in one call (forward, LM head, sampling; engine/engine.py `_steps_ahead`).
 """
 from __future__ import annotations
 
