@@ -525,7 +525,8 @@ class RolloutWorker:
             st = self.engine.stats()
             self.event("tokens_decoded", version=st.version,
                        payload={"partials": self._partials()} if self.failures_isolated else None,
-                       data={"total": st.num_tokens_decoded, "running": len(st.running), "waiting": len(st.waiting),
+                       data={"total": st.num_tokens_decoded, "steps": self.steps, "running": len(st.running),
+                             "waiting": len(st.waiting),
                              "kv_used": st.kv_blocks_used, "kv_free": st.kv_blocks_free,
                              "prefill": st.num_prefill_tokens, "kv_adopted": self.kv_adopted,
                              "kv_refused": self.kv_refused,

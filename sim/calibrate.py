@@ -5,9 +5,10 @@
 
 What it measures (and how the cpu_tiny profile in sim/profiles.py was filled in):
     decode   the rollout worker sends a tokens_decoded event every `counters_every` (8) engine steps with the engine's
-             running total; between two consecutive ones inside a busy span, (dt / 8) is the step time and
-             (d_total / 8) the mean batch size n. A least-squares fit of step = k3 * n + k4 gives the CPU profile's
-             k3, k4 (k1 = k2 = 0: a tiny model on CPU is compute-bound, its KV reads are negligible); a run whose
+             running total and its step count; between two consecutive ones inside a busy span, dt / steps is the
+             step time and d_total / steps the mean batch size n. A least-squares fit of step = k3 * n + k4 gives
+             the CPU profile's k3, k4 (k1 = k2 = 0: a tiny model on CPU is compute-bound, its KV reads are
+             negligible); a run whose
              intervals all have one batch size gives no slope, only the mean step (step_s) at that batch
     train    step_time_s / trained tokens from metrics.jsonl (median), times the train ranks = s per token on one
              GPU/rank; the trainer's `tokens` counts response tokens only, so pass the mean prompt length
@@ -43,7 +44,11 @@ def decode_fit(events: list[Event]) -> dict[str, float]:
             p = last.get(e.engine)
             same_span = p is not None and any(a <= p.t and e.t <= b for a, b in spans.get(e.engine, []))
             if same_span and e.data["total"] > p.data["total"]:
-                pts.append(((e.data["total"] - p.data["total"]) / COUNTERS_EVERY, (e.t - p.t) / COUNTERS_EVERY))
+                # the steps between the two: the worker's count where the events carry it (a CPU engine runs up to
+                # cpu_decode_steps of them a call), else every `counters_every` (runs before it was sent)
+                steps = e.data["steps"] - p.data["steps"] if "steps" in e.data and "steps" in p.data else COUNTERS_EVERY
+                if steps > 0:
+                    pts.append(((e.data["total"] - p.data["total"]) / steps, (e.t - p.t) / steps))
             last[e.engine] = e
     busy = sum(b - a for s in spans.values() for a, b in s)
     tokens = sum(e.data.get("tokens", 0) for e in events if e.kind == "trajectory_finished")

@@ -216,6 +216,25 @@ def test_calibrate_recovers_a_known_step_time(tmp_path, batches):
     assert m["train_s_per_token_one_rank"] == pytest.approx(2.0 / 1000)  # one train rank (the engine's rank)
 
 
+def test_calibrate_counts_the_steps_between_reports_when_the_events_carry_them(tmp_path):
+    """A CPU engine runs up to cpu_decode_steps decode steps a call, so two reports need not be `counters_every`
+    steps apart: the worker's step count in each report gives the step time and batch."""
+    k3, k4, lines, t, total, steps = 5e-5, 2e-3, [], 0.0, 0, 0
+    lines.append({"kind": "engine_busy", "t": 0.0, "engine": 0, "rank": 1})
+    for n, gap in [(256, 16), (128, 3), (64, 16), (256, 1), (128, 16)] * 2:
+        t += gap * (k3 * n + k4)
+        total, steps = total + gap * n, steps + gap
+        lines.append({"kind": "tokens_decoded", "t": t, "engine": 0, "rank": 1,
+                      "data": {"total": total, "steps": steps}})
+    lines.append({"kind": "trajectory_finished", "t": t, "engine": 0, "rank": 1, "req_id": 0,
+                  "data": {"tokens": total}})
+    lines.append({"kind": "engine_idle", "t": t, "engine": 0, "rank": 1})
+    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step_time_s": 2.0, "tokens": 1000}) + "\n")
+    m = measure(tmp_path)
+    assert m["k3"] == pytest.approx(k3, rel=1e-6) and m["k4"] == pytest.approx(k4, rel=1e-6)
+
+
 @pytest.mark.parametrize("name", compare.presets())
 def test_every_preset_runs_in_the_simulator_and_loses_nothing(name):
     r = simulate(name, "rollpacker_7b_8k", "h800_7b", 4, 4, steps=10**9, group_size=8, prompts_per_step=16, seed=0,
