@@ -138,8 +138,8 @@ class LLMEngine:
         When: every running sequence decodes one token (none waits to be admitted, no block to copy), every one
         samples plainly (temperature, no top-k / top-p, not greedy) with its own seed through the C sampler, and
         none reaches max_new_tokens or the model length before the last of the k steps; the blocks for the k
-        tokens are free. A sequence sampling a stop token or a non-finite row stops there (the C loop computes it
-        on to the end of the call, its extra tokens dropped)."""
+        tokens are free. A sequence that samples a stop token or has non-finite logits leaves the C loop's batch
+        there, as it would leave the engine's next step: every step computes the batch one step at a time would."""
         seqs, k = batch.seqs, max_steps
         if (k <= 1 or not self.runner.decode_steps_ok or self.scheduler.waiting or batch.copies
                 or batch.num_decode != len(seqs) or len(batch.sample_seqs) != len(seqs)):
@@ -169,7 +169,8 @@ class LLMEngine:
         tokens, logprobs, counts = self.runner.decode_steps(seqs, k, b.temps, u, stop_t)
         now, finished, version = self.clock(), [], self.version
         counts_l = counts.tolist()
-        self.sampler.skip_draws([sum(c > j for c in counts_l) for j in range(max(counts_l))])   # rows at each step
+        ran = max(counts_l)
+        self.sampler.skip_draws((counts[None, :] > torch.arange(ran)[:, None]).sum(1).tolist())   # rows at each step
         sampled, context = sum(counts_l), 0
         for seq, toks, lps, n in zip(seqs, tokens.T.tolist(), logprobs.T.tolist(), counts_l):
             toks, lps = toks[:n], lps[:n]
@@ -185,10 +186,9 @@ class LLMEngine:
                 seq.finish_reason, seq.finish_time = reason, now
                 self.scheduler.finish(seq)
                 finished.append(self.seqs.pop(seq.request_id).output())
-        self.num_steps += max(counts_l)
+        self.num_steps += ran
         self.num_tokens_decoded += sampled
-        self.last_step = StepStats(len(seqs), sampled, len(seqs), sampled, context, time.perf_counter() - t0,
-                                   max(counts_l))
+        self.last_step = StepStats(len(seqs), sampled, len(seqs), sampled, context, time.perf_counter() - t0, ran)
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
