@@ -289,3 +289,15 @@ def test_non_finite_gradients_skip_the_step_and_stop_after_a_streak():
     tr.train_step(bad)
     with pytest.raises(NonFiniteError, match="2 optimizer steps in a row"):
         tr.train_step(bad)
+
+
+def test_micro_batch_tensors_through_arrays_hold_what_torch_tensor_would():
+    """trainer/batch.py `_tensor` (an array instead of a list for torch): the same dtype and values, fp32 rounding
+    included, and empty lists give empty tensors."""
+    from trainer.batch import _tensor
+    xs = [0.1, -3.0000001, 1e-40, 2.5e38, float("nan")]
+    got, want = _tensor(xs, "f", "cpu"), torch.tensor(xs, dtype=torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got[:4], want[:4]) and got[4].isnan()
+    ids = [0, 2**40, -1]
+    assert torch.equal(_tensor(ids, "q", "cpu"), torch.tensor(ids, dtype=torch.long))
+    assert _tensor([], "q", "cpu").shape == (0,) and _tensor([], "f", "cpu").dtype == torch.float32

@@ -14,6 +14,8 @@ tokens instead of G * (P + R - 1).
 """
 from __future__ import annotations
 
+from array import array
+
 from dataclasses import dataclass
 
 import torch
@@ -198,20 +200,34 @@ def _collate_shared(samples: list[Sample], device: torch.device | str) -> MicroB
                         device)
 
 
+def _tensor(xs: list, typecode: str, device: torch.device | str) -> torch.Tensor:
+    """A 1-D tensor of a list of Python numbers through an `array` ("q": int64, "f": fp32): torch.tensor reads a
+    list element by element, ~4x slower at a micro-batch's ~17k entries (6.4 ms of collating a long-job micro-batch
+    went to seven such tensors)."""
+    dtype = torch.int64 if typecode == "q" else torch.float32
+    if not xs:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.frombuffer(array(typecode, xs), dtype=dtype).to(device)
+
+
 def _micro_batch(samples: list[Sample], ids: list[int], pos: list[int], attn: AttentionBackend,
                  loss_index: list[int], seq_idx: list[int], device: torch.device | str) -> MicroBatch:
     n = len(loss_index)
-    f32 = dict(dtype=torch.float32, device=device)
+    targets, old, adv = [], [], []
+    for s in samples:
+        targets += s.targets
+        old += s.old_logprobs
+        adv += [s.advantage] * len(s.targets)
     return MicroBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        input_ids=_tensor(ids, "q", device),
+        positions=_tensor(pos, "q", device),
         attn=attn,
-        loss_index=torch.tensor(loss_index, dtype=torch.long, device=device),
-        targets=torch.tensor([t for s in samples for t in s.targets], dtype=torch.long, device=device),
-        old_logprobs=torch.tensor([x for s in samples for x in s.old_logprobs], **f32),
-        advantages=torch.tensor([s.advantage for s in samples for _ in s.targets], **f32),
-        seq_idx=torch.tensor(seq_idx, dtype=torch.long, device=device),
-        mask=torch.ones(n, **f32),
+        loss_index=_tensor(loss_index, "q", device),
+        targets=_tensor(targets, "q", device),
+        old_logprobs=_tensor(old, "f", device),
+        advantages=_tensor(adv, "f", device),
+        seq_idx=_tensor(seq_idx, "q", device),
+        mask=torch.ones(n, dtype=torch.float32, device=device),
         num_seqs=len(samples),
     )
 
