@@ -192,22 +192,29 @@ def test_repro_prefill_cost_scales_every_prefill_with_the_training_speed_and_say
     assert "--prefill-cost must be > 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("batches", [[4, 9, 16, 25, 9, 4], [256]])
-def test_calibrate_recovers_a_known_step_time(tmp_path, batches):
-    """The slope and intercept where the batch size varies; where every step has one batch size (a GPU run whose
-    rows stay full) no slope exists: the mean step at that batch, and no k3 / k4 pretending to be a fit."""
-    k3, k4, lines, t, total = 5e-5, 2e-3, [], 0.0, 0
-    lines.append({"kind": "engine_busy", "t": 0.0, "engine": 0, "rank": 1})
-    for i, n in enumerate(batches * 3):
-        t += 8 * (k3 * n + k4)
-        total += 8 * n
-        lines.append({"kind": "tokens_decoded", "t": t, "engine": 0, "rank": 1, "data": {"total": total}})
+def calibrated(tmp_path, reports: list[tuple[int, int]], k3: float, k4: float, carry_steps: bool) -> dict:
+    """sim.calibrate's figures of a run whose engine reported (batch n, steps since the last report) pairs, each
+    step taking k3 * n + k4 seconds; the reports carry the worker's step count or not (runs before it was sent)."""
+    lines, t, total, steps = [{"kind": "engine_busy", "t": 0.0, "engine": 0, "rank": 1}], 0.0, 0, 0
+    for n, gap in reports:
+        t += gap * (k3 * n + k4)
+        total, steps = total + gap * n, steps + gap
+        lines.append({"kind": "tokens_decoded", "t": t, "engine": 0, "rank": 1,
+                      "data": {"total": total, **({"steps": steps} if carry_steps else {})}})
     lines.append({"kind": "trajectory_finished", "t": t, "engine": 0, "rank": 1, "req_id": 0,
                   "data": {"tokens": total}})
     lines.append({"kind": "engine_idle", "t": t, "engine": 0, "rank": 1})
     (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step_time_s": 2.0, "tokens": 1000}) + "\n")
-    m = measure(tmp_path)
+    return measure(tmp_path)
+
+
+@pytest.mark.parametrize("batches", [[4, 9, 16, 25, 9, 4], [256]])
+def test_calibrate_recovers_a_known_step_time(tmp_path, batches):
+    """The slope and intercept where the batch size varies; where every step has one batch size (a GPU run whose
+    rows stay full) no slope exists: the mean step at that batch, and no k3 / k4 pretending to be a fit."""
+    k3, k4 = 5e-5, 2e-3
+    m = calibrated(tmp_path, [(n, 8) for n in batches * 3], k3, k4, carry_steps=False)
     if len(batches) > 1:
         assert m["k3"] == pytest.approx(k3, rel=1e-6) and m["k4"] == pytest.approx(k4, rel=1e-6)
     else:
@@ -219,19 +226,8 @@ def test_calibrate_recovers_a_known_step_time(tmp_path, batches):
 def test_calibrate_counts_the_steps_between_reports_when_the_events_carry_them(tmp_path):
     """A CPU engine runs up to cpu_decode_steps decode steps a call, so two reports need not be `counters_every`
     steps apart: the worker's step count in each report gives the step time and batch."""
-    k3, k4, lines, t, total, steps = 5e-5, 2e-3, [], 0.0, 0, 0
-    lines.append({"kind": "engine_busy", "t": 0.0, "engine": 0, "rank": 1})
-    for n, gap in [(256, 16), (128, 3), (64, 16), (256, 1), (128, 16)] * 2:
-        t += gap * (k3 * n + k4)
-        total, steps = total + gap * n, steps + gap
-        lines.append({"kind": "tokens_decoded", "t": t, "engine": 0, "rank": 1,
-                      "data": {"total": total, "steps": steps}})
-    lines.append({"kind": "trajectory_finished", "t": t, "engine": 0, "rank": 1, "req_id": 0,
-                  "data": {"tokens": total}})
-    lines.append({"kind": "engine_idle", "t": t, "engine": 0, "rank": 1})
-    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step_time_s": 2.0, "tokens": 1000}) + "\n")
-    m = measure(tmp_path)
+    k3, k4 = 5e-5, 2e-3
+    m = calibrated(tmp_path, [(256, 16), (128, 3), (64, 16), (256, 1), (128, 16)] * 2, k3, k4, carry_steps=True)
     assert m["k3"] == pytest.approx(k3, rel=1e-6) and m["k4"] == pytest.approx(k4, rel=1e-6)
 
 

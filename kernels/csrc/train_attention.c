@@ -47,19 +47,12 @@ INLINE v16 vsel(v16i m, v16 a, v16 b) {
  * vectorisation of the softmax loops peeled scalar iterations off them and kept their sums in memory. floor is a
  * truncation moved down where it rounded up; a NaN lane stays NaN. */
 INLINE v16 exp_nonpos_v16(v16 x) {
-    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
     x = vsel(x < -87.0f, (v16){0} - 87.0f, x);
-    const v16 y = x * log2e + 0.5f;
+    const v16 y = x * EXP_NONPOS_LOG2E + 0.5f;
     v16 n = __builtin_convertvector(__builtin_convertvector(y, v16i), v16);
     n -= (v16)((v16i)((v16){0} + 1.0f) & (n > y));
-    const v16 r = x - n * ln2_hi - n * ln2_lo;
-    v16 p = (v16){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const v16 r = x - n * EXP_NONPOS_LN2_HI - n * EXP_NONPOS_LN2_LO;
+    const v16 p = EXP_NONPOS_POLY(r);
     return p * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
 }
 
