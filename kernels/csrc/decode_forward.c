@@ -140,21 +140,20 @@ int decode_steps_f32(const model_ptrs *m, const float *lm_head, int64_t steps, i
     const int64_t H = m->hidden, D = m->head_dim, V = m->vocab, Tp = (T + 7) / 8 * 8;
     for (int64_t t = 0; t < T; t++) counts[t] = 0;
     if (T <= 0) return 0;
-    /* the running rows' inputs, compacted at the front: row i of the step is the caller's row idx[i] */
-    int64_t *idx = (int64_t *)malloc((size_t)T * sizeof(int64_t)), *ids = (int64_t *)malloc((size_t)T * 8);
-    int64_t *w_ids = (int64_t *)malloc((size_t)T * 8), *w_slots = (int64_t *)malloc((size_t)T * 8);
-    int64_t *w_tok = (int64_t *)malloc((size_t)T * 8);
-    int32_t *w_seq = (int32_t *)malloc((size_t)T * 4), *w_len = (int32_t *)malloc((size_t)T * 4);
-    float *w_cs = (float *)malloc((size_t)(T * D) * 4), *w_sn = (float *)malloc((size_t)(T * D) * 4);
-    float *w_temps = (float *)malloc((size_t)T * 4), *w_u = (float *)malloc((size_t)T * 4);
-    float *w_lp = (float *)malloc((size_t)T * 4);
-    float *hid = (float *)calloc((size_t)(Tp * H), sizeof(float));
-    float *logits = (float *)malloc((size_t)(Tp * V) * sizeof(float));
-    int rc = idx && ids && w_ids && w_slots && w_tok && w_seq && w_len && w_cs && w_sn && w_temps && w_u && w_lp
-             && hid && logits ? 0 : -1;
-    int64_t n = rc == 0 ? T : 0;
+    /* the running rows' inputs, compacted at the front: row i of the step is the caller's row idx[i]; one
+     * allocation carved up (int64 arrays first, then the 4-byte ones) */
+    const size_t bytes = (size_t)T * (5 * sizeof(int64_t) + 2 * sizeof(int32_t) + (2 * D + 3) * sizeof(float))
+                         + (size_t)(Tp * (H + V)) * sizeof(float);
+    int64_t *idx = (int64_t *)malloc(bytes);
+    if (idx == NULL) return -1;
+    int rc = 0;
+    int64_t *ids = idx + T, *w_ids = ids + T, *w_slots = w_ids + T, *w_tok = w_slots + T;
+    int32_t *w_seq = (int32_t *)(w_tok + T), *w_len = w_seq + T;
+    float *w_cs = (float *)(w_len + T), *w_sn = w_cs + T * D, *w_temps = w_sn + T * D, *w_u = w_temps + T;
+    float *w_lp = w_u + T, *hid = w_lp + T, *logits = hid + Tp * H;   /* hid: rows past the step's are zeroed */
+    int64_t n = T;
     for (int64_t i = 0; i < n; i++) idx[i] = i, ids[i] = ids0[i];
-    for (int64_t j = 0; j < steps && rc == 0 && n > 0; j++) {
+    for (int64_t j = 0; j < steps && n > 0; j++) {
         for (int64_t i = 0; i < n; i++) {
             const int64_t r = idx[i];
             w_ids[i] = ids[r], w_slots[i] = slots[j * T + r], w_seq[i] = row_seq[r];
@@ -181,7 +180,6 @@ int decode_steps_f32(const model_ptrs *m, const float *lm_head, int64_t steps, i
         }
         n = kept;
     }
-    free(idx), free(ids), free(w_ids), free(w_slots), free(w_tok), free(w_seq), free(w_len), free(w_cs);
-    free(w_sn), free(w_temps), free(w_u), free(w_lp), free(hid), free(logits);
+    free(idx);
     return rc;
 }
