@@ -130,6 +130,9 @@ class TrainConfig:
     grad_clip: float = F(1.0, gt=0, help="max global gradient norm")
     micro_batch_tokens: int = F(16384, ge=1, help="packed tokens per forward/backward on one train rank")
     activation_checkpointing: bool = F(False, help="recompute each block's activations in backward")
+    fused_kernels: bool = F(True, help="RMSNorm, SwiGLU and the rotary embedding as one kernel each way: Triton on "
+                            "CUDA, C on the CPU in fp32, where the attention and the MLP are C kernels too "
+                            "(trainer/fused.py); false: the eager modules")
     fsdp_unit: str = F("block", choices=("block", "model"),
                        help="FSDP2 units: one per transformer block (gathered one at a time: memory-frugal) or one "
                             "for the whole model (one all-gather and one reduce-scatter a micro-batch: for small "

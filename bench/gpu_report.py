@@ -94,15 +94,24 @@ def rows(results: dict[str, Any]) -> list[str]:
                        f"{ph['sample']:.2f} / {ph['postprocess']:.2f} / {ph['other']:.2f} = {ph['step']:.2f}; a "
                        f"prefill (mixed) step {ph['prefill_step']:.1f} | - | - |")
     if (r := res("train")) is not None:
-        modes = {"on" if x["checkpointing"] else "off": x for x in r["modes"]}
+        fused = [x for x in r["modes"] if x.get("fused_kernels", True)]
+        modes = {"on" if x["checkpointing"] else "off": x for x in fused}
         mfu = " / ".join(f"{_f(x['mfu'], '.3f')} ({k}" + (f", runs {x['mfu_range'][0]:.3f}-{x['mfu_range'][1]:.3f}"
                                                             if len(x.get("runs_step_s", [])) > 1 else "") + ")"
                          for k, x in modes.items())
         mem = "; ".join(f"peak {x['peak_gib']:.1f} GiB vs --check {x['plan_gib']:.1f} ({k})"
                         for k, x in modes.items() if "peak_gib" in x)
-        out.append(f"| FSDP2 trainer MFU, {r['shape']} shape, checkpointing off / on, vs {r['matmul_tflops']:.4g} "
-                   f"TFLOP/s measured matmul | {mfu}{'; ' + mem if mem else ''} | >= 0.35 | "
-                   f"{_met(max(x['mfu'] for x in r['modes']) >= 0.35)} |")
+        out.append(f"| FSDP2 trainer MFU, {r['shape']} shape, fused kernels, checkpointing off / on, vs "
+                   f"{r['matmul_tflops']:.4g} TFLOP/s measured matmul | {mfu}{'; ' + mem if mem else ''} | >= 0.35 | "
+                   f"{_met(max(x['mfu'] for x in fused) >= 0.35)} |")
+        for x in r["modes"]:
+            twin = modes.get("on" if x["checkpointing"] else "off")
+            if not x.get("fused_kernels", True) and twin is not None:
+                peak = f"; peak {x['peak_gib']:.1f} GiB" if "peak_gib" in x else ""
+                out.append(f"| same, checkpointing {'on' if x['checkpointing'] else 'off'}: eager modules "
+                           f"(train.fused_kernels = false) vs the fused kernels, step time | "
+                           f"{x['step_s'] / twin['step_s']:.2f}x ({x['step_s']:.3f} vs {twin['step_s']:.3f} s/step; "
+                           f"eager MFU {x['mfu']:.3f}{peak}) | - | - |")
     if (r := res("grpo_step")) is not None:
         t = r["seconds"]
         parts = " / ".join(f"{t[k]:.2f}" for k in t)
@@ -138,7 +147,7 @@ def profile_hint(results: dict[str, Any]) -> str | None:
     eng, tr = sec.get("engine", {}).get("results"), sec.get("train", {}).get("results")
     if not eng or not tr:
         return None
-    mfu = max(x["mfu"] for x in tr["modes"])
+    mfu = max(x["mfu"] for x in tr["modes"] if x.get("fused_kernels", True))
     ok = {k for k, v in sec.items() if v.get("status") == "ok"}
     tail = ("saved under bench/results/ (--save), this file is sim/profiles.py's measured profile "
             f"`{device_tag(results['meta']['device'])}_qwen3_0p6b`" if {"engine", "grpo_step", "e2e"} <= ok else
@@ -161,7 +170,8 @@ def headline(results: dict[str, Any]) -> str:
         parts.append(f"paged decode {d.get('4096', list(d.values())[-1]):.2f}x copy bw")
         parts.append(f"logprob {sec['kernels']['logprob']['memory_vs_naive']:.2f}x naive memory")
     if sec.get("train"):
-        parts.append("trainer MFU " + "/".join(f"{x['mfu']:.3f}" for x in sec["train"]["modes"]))
+        parts.append("trainer MFU " + "/".join(f"{x['mfu']:.3f}" for x in sec["train"]["modes"]
+                                               if x.get("fused_kernels", True)))
     failed = [k for k, v in results["sections"].items() if v["status"] != "ok"]
     return "gpu_campaign: " + (", ".join(parts) or "no ratio measured") + (f"; FAILED: {', '.join(failed)}"
                                                                           if failed else "")

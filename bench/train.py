@@ -18,9 +18,12 @@ work done. Checkpointing's recomputed forward and the rows' recomputed prompt qu
 one of SharedPrefixCausal's two ways (default: its own rule for the device). On GPU the peak memory of the timed
 steps is printed beside `train.py --check`'s plan for the same settings (runtime/preflight.py), checking that plan
 on the device.
+The trainer's fused kernels (`train.fused_kernels`, trainer/fused.py: Triton RMSNorm, SwiGLU and rotary on CUDA)
+are on; `--eager off` runs the checkpointing-off mode once more with the eager modules, the baseline they replace.
 `--repeats N` runs each mode N times, alternating, each run a fresh trainer; a mode's figure is its median run,
 with the MFU range of its runs (two H200s gave 0.373 and 0.341 for the same code, one run each: bench/RESULTS.md).
-The last line is the headline, e.g. `trainer_mfu: 0.41 (checkpointing off), 0.33 (on)`.
+The last line is the headline, e.g. `trainer_mfu: 0.41 (checkpointing off), 0.33 (checkpointing on); fused kernels
+vs eager 1.25x (checkpointing off)`: the step time of the eager modules over the fused ones, measured side by side.
 """
 from __future__ import annotations
 
@@ -66,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=int)
     p.add_argument("--steps", type=int, default=3, help="timed train steps (after one warm-up step)")
     p.add_argument("--checkpointing", default="off,on", help="activation checkpointing modes to run")
+    p.add_argument("--eager", default="", help="checkpointing modes to run again with train.fused_kernels=false "
+                   "(e.g. off): the eager modules' step time beside the fused kernels'")
     p.add_argument("--repeats", type=int, default=1, help="runs of each mode, alternating (each a fresh trainer); "
                    "a mode's figure is its median run, with the MFU range")
     p.add_argument("--share-prompts", choices=["on", "off"], default="on", help="train.share_prompts")
@@ -74,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error(f"--repeats must be at least 1, got {a.repeats}")
+    for flag in ("checkpointing", "eager"):
+        bad = [x for x in getattr(a, flag).split(",") if x and x not in ("off", "on")]
+        if bad:
+            p.error(f"--{flag} takes a comma list of off / on, got {bad}")
     cpu = a.device == "cpu"
     for k, cpu_v, gpu_v in [("shape", "small", "qwen3-1.7b"), ("seqs", 8, 32), ("prompt", 16, 512),
                             ("response", 48, 1536), ("micro_batch_tokens", 256, 8192)]:
@@ -185,12 +194,15 @@ def force_shared_attention(way: str) -> None:
                                                     for k in SHIPPED_ROWS_RULE}
 
 
-def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, rate: float) -> dict[str, Any]:
-    """One trainer (fresh model, FSDP2 over one rank), one warm-up step, `args.steps` timed steps."""
+def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, rate: float, fused: bool = True
+               ) -> dict[str, Any]:
+    """One trainer (fresh model, FSDP2 over one rank), one warm-up step, `args.steps` timed steps; fused: the
+    trainer's fused kernels (train.fused_kernels)."""
     from runtime.preflight import train_items
     from trainer.trainer import Trainer
     cfg = load_config(None, [f"--train.micro_batch_tokens={args.micro_batch_tokens}", "--train.lr=1e-6",
                              f"--train.activation_checkpointing={str(checkpointing).lower()}",
+                             f"--train.fused_kernels={str(fused).lower()}",
                              f"--train.share_prompts={str(args.share_prompts == 'on').lower()}",
                              f"--data.max_prompt_tokens={args.prompt}", f"--rollout.max_new_tokens={args.response}"])
     trainer = Trainer(random_model(m, args.device), cfg.train, group=dist.group.WORLD, device=args.device,
@@ -212,7 +224,7 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
         times.append(time.perf_counter() - t0)
     secs = statistics.median(times)
     flops = micro_batch_flops(m, packed)
-    out = {"checkpointing": checkpointing, "share_prompts": args.share_prompts == "on",
+    out = {"checkpointing": checkpointing, "fused_kernels": fused, "share_prompts": args.share_prompts == "on",
            "shared_attention": args.shared_attention, "packed_tokens": sum(b.input_ids.numel() for b in packed),
            "unshared_flops_ratio": train_flops(m, [(args.prompt, args.response)] * args.seqs) / flops, "step_s": secs,
            "tokens": args.seqs * (args.prompt + args.response - 1),
@@ -236,18 +248,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"model {args.shape}: {m.num_params() / 1e6:.4g}M params; {args.seqs} sequences of {args.prompt} + "
           f"{args.response} tokens, micro-batches of {args.micro_batch_tokens}; matmul rate {rate / 1e12:.3g} "
           f"TFLOP/s ({'bf16 8192^3' if args.device == 'cuda' else 'fp32 512^3'})", flush=True)
-    names = args.checkpointing.split(",")
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in names}
+    names = [(c, True) for c in args.checkpointing.split(",") if c] + [(c, False) for c in args.eager.split(",") if c]
+    runs: dict[tuple[str, bool], list[dict[str, Any]]] = {mode: [] for mode in names}
     for rep in range(args.repeats):  # the modes alternate, each run a fresh trainer: a drift hits every mode alike
         for mode in names:
-            r = bench_mode(args, m, mode == "on", rate)
+            r = bench_mode(args, m, mode[0] == "on", rate, fused=mode[1])
             mem = f", peak {r['peak_gib']:.1f} GiB (--check plans {r['plan_gib']:.1f})" if "peak_gib" in r else ""
-            print(f"checkpointing {mode}" + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else "") +
+            print(mode_name(r) + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else "") +
                   f": {r['packed_tokens']} packed tokens, {r['step_s']:.3f} s/step, "
                   f"{r['tokens'] / r['step_s']:.0f} tokens/s, "
                   f"{r['tflops']:.3g} TFLOP/s, MFU {r['mfu']:.3f}{mem}", flush=True)
             runs[mode].append(r)
     return {"shape": args.shape, "matmul_tflops": rate / 1e12, "modes": [median_run(runs[mode]) for mode in names]}
+
+
+def mode_name(r: dict[str, Any]) -> str:
+    return f"checkpointing {'on' if r['checkpointing'] else 'off'}" + ("" if r["fused_kernels"] else ", eager modules")
+
+
+def headline(res: dict[str, Any]) -> str:
+    """`trainer_mfu: ...` over the fused modes, then each eager mode's step time over its fused twin's."""
+    fused = [r for r in res["modes"] if r["fused_kernels"]]
+    line = "trainer_mfu: " + ", ".join(f"{r['mfu']:.2f} ({mode_name(r)})" for r in fused)
+    twins = {r["checkpointing"]: r for r in fused}
+    vs = [f"{r['step_s'] / twins[r['checkpointing']]['step_s']:.2f}x ({mode_name(twins[r['checkpointing']])})"
+          for r in res["modes"] if not r["fused_kernels"] and r["checkpointing"] in twins]
+    return line + ("; fused kernels vs eager " + ", ".join(vs) if vs else "")
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -261,8 +287,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     res = run(args)
-    print("trainer_mfu: " + ", ".join(f"{r['mfu']:.2f} (checkpointing {'on' if r['checkpointing'] else 'off'})"
-                                      for r in res["modes"]))
+    print(headline(res))
     if dist.is_initialized():
         dist.destroy_process_group()
 

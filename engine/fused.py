@@ -1,8 +1,8 @@
 """The engine's model runs RMSNorm (fused with the residual add before it), the rotary embedding and SwiGLU's
 elementwise part as one kernel each, through the dispatchers of kernels/ (rmsnorm.py, rope.py, swiglu.py): the
 Triton kernels on CUDA (or TIDAL_KERNELS=triton under TRITON_INTERPRET=1, the tests' path), the C kernels of
-kernels/cpu_train.py for fp32 on the CPU. Applied from outside like the trainer's CPU kernels
-(trainer/cpu_fused.py): the model stays a plain `nn.Module` with its Hugging Face parameters and state dict, so
+kernels/cpu_train.py for fp32 on the CPU. Applied from outside like the trainer's kernels
+(trainer/fused.py): the model stays a plain `nn.Module` with its Hugging Face parameters and state dict, so
 weight loads and publications are unchanged; `use_fused_ops(model)` swaps the class of the `Transformer`, of each
 `Attention` and of each `MLP` for a subclass whose forward calls the kernels when a dispatcher picks one for its
 tensors and no gradient is being recorded (the kernels are forward-only), and the eager forward otherwise.

@@ -12,7 +12,7 @@ step 0.94-0.97 s against 1.20-1.25 s (bench/RESULTS.md). Same values as SDPA to 
 (tests/test_cpu_attention.py); results do not depend on the thread count (see the C file).
 
 Only fp32 CPU tensors take this path (`fused`); anything else, a failed build or `TIDAL_CPU_NATIVE=0` keeps the
-backend's own SDPA call (trainer/cpu_fused.py decides per call).
+backend's own SDPA call (trainer/fused.py decides per call).
 """
 from __future__ import annotations
 

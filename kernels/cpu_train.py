@@ -15,7 +15,7 @@ thread) took 55-58 ms forward + backward a micro-batch unfused and 43-46 ms this
 0.98-1.04 -> 0.86-0.93 s (bench/RESULTS.md, stop 39).
 
 Only fp32 CPU tensors take these paths (`fused(x)`); anything else, a build failure or `TIDAL_CPU_NATIVE=0` keeps the
-eager ops (`trainer/cpu_fused.py` decides per call).
+eager ops (`trainer/fused.py` decides per call).
 """
 from __future__ import annotations
 

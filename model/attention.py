@@ -144,7 +144,7 @@ class SharedPrefixCausal(_Derived):
         children (P > R) they spend more attention FLOPs than the masked call would ((P + R)^2 / 2 pairs a row
         against R (P + R)), a trade taken for memory that is planned, not measured.
     The trainer's swapped model on CPU (fp32) takes neither way: `row_spans()` gives kernels/cpu_attention.py the
-    same rows without a copy, a prompt's queries once (trainer/cpu_fused.py).
+    same rows without a copy, a prompt's queries once (trainer/fused.py).
     """
 
     ROWS_MAX_PROMPT_SHARE = {"cpu": 0.25, "cuda": float("inf")}

@@ -136,7 +136,7 @@ class Transformer(nn.Module):
 
 def swap_classes(model: nn.Module, swaps: dict[type, type]) -> int:
     """Set the class of every submodule whose exact class is a key of `swaps` to its value, in place: how kernels
-    are applied from outside (trainer/cpu_fused.py, engine/fused.py), the values being subclasses with another
+    are applied from outside (trainer/fused.py, engine/fused.py), the values being subclasses with another
     forward and the same parameters and state dict. Returns how many modules were swapped."""
     n = 0
     for m in model.modules():

@@ -69,30 +69,33 @@ class RankMemory:
         return sum(i.nbytes for i in self.items)
 
 
-def saved_bytes_per_token(m: ModelConfig, b: int) -> float:
+def saved_bytes_per_token(m: ModelConfig, b: int, fused: bool = False) -> float:
     """Bytes one token of one decoder block keeps for backward, computing in `b`-byte floats (2: bf16 on GPU, 4:
     fp32 on CPU). Counted from model/transformer.py: RMSNorms (`norm_bytes`); linears save their inputs; SiLU x up
     saves gate, up and SiLU(gate), down its input; rotary saves only cos/sin (shared per token, counted outside the
-    blocks); attention keeps q, k, v, out and a fp32 log-sum-exp."""
+    blocks); attention keeps q, k, v, out and a fp32 log-sum-exp. `fused`: the trainer's Triton modules
+    (trainer/fused.py, train.fused_kernels on a GPU), whose norms keep their input and SwiGLU its gate and up."""
     H, I, qd, kvd = m.hidden_size, m.intermediate_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    norm = norm_bytes(b)
+    norm = norm_bytes(b, fused)
     per = 2 * (norm + b) * H + 8  # two norms: what they save, their outputs (the next linears' input), rsqrt
-    per += 4 * b * I              # gate, up, SiLU(gate), SiLU(gate) * up
+    per += (3 if fused else 4) * b * I   # gate, up, (eager: SiLU(gate),) SiLU(gate) * up
     per += 2 * b * (qd + kvd) + 4 * m.num_heads  # rotated q, k; v; out (o_proj's input); log-sum-exp
     if m.qk_norm:
         per += norm * (qd + kvd) + 4 * (m.num_heads + m.num_kv_heads)
     return float(per)
 
 
-def norm_bytes(b: int) -> int:
+def norm_bytes(b: int, fused: bool = False) -> int:
     """Bytes an RMSNorm saves per element: in bf16 its fp32 copy of the input and the bf16 normalised value (for the
-    weight's gradient); in fp32 the fused op's input and output."""
+    weight's gradient); in fp32 the fused op's input and output; the trainer's Triton op (`fused`) its input."""
+    if fused:
+        return b
     return 4 + b if b < 4 else 8
 
 
-def outside_blocks_bytes_per_token(m: ModelConfig, b: int) -> float:
+def outside_blocks_bytes_per_token(m: ModelConfig, b: int, fused: bool = False) -> float:
     """Per token, outside the blocks: the final norm's saved tensors and the rotary cos/sin."""
-    return float(norm_bytes(b) * m.hidden_size + 2 * b * m.head_dim + 4)
+    return float(norm_bytes(b, fused) * m.hidden_size + 2 * b * m.head_dim + 4)
 
 
 def block_params(m: ModelConfig) -> int:
@@ -104,18 +107,19 @@ def root_params(m: ModelConfig) -> int:
     return m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
 
 
-def activation_items(m: ModelConfig, tokens: int, b: int, checkpointing: bool) -> list[Item]:
-    """Activations of one micro-batch of `tokens` packed tokens (all of them trained on, the worst case)."""
+def activation_items(m: ModelConfig, tokens: int, b: int, checkpointing: bool, fused: bool = False) -> list[Item]:
+    """Activations of one micro-batch of `tokens` packed tokens (all of them trained on, the worst case); `fused`: the
+    trainer's Triton modules (see `saved_bytes_per_token`)."""
     from kernels.logprobs import default_chunk_size
-    per_block = tokens * saved_bytes_per_token(m, b)
+    per_block = tokens * saved_bytes_per_token(m, b, fused)
+    outside = outside_blocks_bytes_per_token(m, b, fused)
     if checkpointing:
-        saved = Item("activations (checkpointed)", tokens * (m.num_layers * b * m.hidden_size
-                                                             + outside_blocks_bytes_per_token(m, b)) + per_block,
+        saved = Item("activations (checkpointed)", tokens * (m.num_layers * b * m.hidden_size + outside) + per_block,
                      f"each block's input, plus one block recomputed in backward ({tokens} tokens)")
     else:
-        saved = Item("activations", m.num_layers * per_block + tokens * outside_blocks_bytes_per_token(m, b),
-                     f"{saved_bytes_per_token(m, b) / 1024:.1f} KiB per token per block x {m.num_layers} blocks x "
-                     f"{tokens} tokens")
+        saved = Item("activations", m.num_layers * per_block + tokens * outside,
+                     f"{per_block / tokens / 1024:.1f} KiB per token per block x {m.num_layers} blocks x {tokens} "
+                     "tokens")
     chunk = min(tokens, default_chunk_size(m.vocab_size))
     return [saved,
             Item("backward working set", per_block, "the gradients of one block's activations"),
@@ -141,7 +145,8 @@ def train_items(m: ModelConfig, cfg: Config, shards: int, b: int, gpu: bool) -> 
         items.append(Item("unsharded gradients in flight", (b + 4) * (root_params(m) + block_params(m)),
                           "root and one block before their reduce-scatter (fp32 reduction)"))
     tokens = max(t.micro_batch_tokens, max_sequence(cfg))
-    return items + activation_items(m, tokens, b, t.activation_checkpointing)
+    fused = gpu and t.fused_kernels   # the trainer's Triton modules (trainer/fused.py)
+    return items + activation_items(m, tokens, b, t.activation_checkpointing, fused)
 
 
 def engine_activation_bytes(m: ModelConfig, cfg: Config, e: int, max_len: int) -> float:

@@ -119,11 +119,11 @@ def test_results_do_not_depend_on_the_thread_count():
 def test_the_swapped_trainer_model_attends_through_the_kernel_with_sdpa_values(monkeypatch):
     from model.presets import preset_config
     from model.transformer import Transformer
-    from trainer.cpu_fused import use_fused_cpu_ops
+    from trainer.fused import use_fused_train_ops
     cfg = preset_config("tiny", vocab_size=40, eos_token_id=1)
     plain = Transformer(cfg).init_weights(seed=3)
     fused = copy.deepcopy(plain)
-    use_fused_cpu_ops(fused)
+    use_fused_train_ops(fused, "cpu")
     calls = []
     real = cpu_attention.causal_rows_attention
     monkeypatch.setattr(cpu_attention, "causal_rows_attention", lambda *a: calls.append(1) or real(*a))
@@ -142,7 +142,7 @@ def test_the_swapped_trainer_model_attends_through_the_kernel_with_sdpa_values(m
 
 
 def test_a_backend_that_lists_rows_without_the_memo_still_takes_the_kernel():
-    from trainer.cpu_fused import _attend
+    from trainer.fused import _attend
 
     class Bare:   # a fork's backend: rows listed, no `derived` memo, no scale
         def row_spans(self):

@@ -1,4 +1,4 @@
-"""The trainer's fused CPU ops (kernels/cpu_train.py, trainer/cpu_fused.py) against the eager formulas: values and
+"""The trainer's fused CPU ops (kernels/cpu_train.py, trainer/fused.py) against the eager formulas: values and
 gradients of each op (non-contiguous inputs, rows past a weight-gradient chunk, extreme and non-finite values),
 independence from the thread count, and a whole model whose modules were swapped matching an unswapped copy."""
 from __future__ import annotations
@@ -126,11 +126,11 @@ def test_results_do_not_depend_on_the_thread_count():
 def test_a_swapped_model_matches_an_unswapped_copy_and_keeps_its_state_dict():
     from model.presets import preset_config
     from model.transformer import MLP, Attention, RMSNorm, Transformer
-    from trainer.cpu_fused import TrainAttention, TrainMLP, TrainRMSNorm, use_fused_cpu_ops
+    from trainer.fused import TrainAttention, TrainMLP, TrainRMSNorm, use_fused_train_ops
     cfg = preset_config("tiny", vocab_size=40, eos_token_id=1)
     plain = Transformer(cfg).init_weights(seed=3)
     fused = copy.deepcopy(plain)
-    n = use_fused_cpu_ops(fused)
+    n = use_fused_train_ops(fused, "cpu")
     assert n == cfg.num_layers * 6 + 1   # per block 2 norms, q/k norms, the MLP, the attention; the final norm
     assert {type(m) for m in fused.modules()} >= {TrainRMSNorm, TrainMLP, TrainAttention}
     assert not {type(m) for m in fused.modules()} & {RMSNorm, MLP, Attention}
@@ -152,12 +152,12 @@ def test_a_swapped_model_matches_an_unswapped_copy_and_keeps_its_state_dict():
 def test_without_the_kernels_nothing_is_swapped(monkeypatch):
     from model.presets import preset_config
     from model.transformer import Transformer
-    from trainer.cpu_fused import use_fused_cpu_ops
+    from trainer.fused import use_fused_train_ops
     monkeypatch.setattr(cpu_train.TRAIN_OPS, "lib", None)
     monkeypatch.setattr(cpu_train.TRAIN_OPS, "error", "disabled by TIDAL_CPU_NATIVE=0")
     model = Transformer(preset_config("tiny", vocab_size=40, eos_token_id=1))
-    assert use_fused_cpu_ops(model) == 0
-    assert not [m for m in model.modules() if type(m).__module__ == "trainer.cpu_fused"]
+    assert use_fused_train_ops(model, "cpu") == 0
+    assert not [m for m in model.modules() if type(m).__module__ == "trainer.fused"]
 
 
 def test_the_ops_load_the_kernels_on_first_use_and_name_why_they_cannot(monkeypatch):

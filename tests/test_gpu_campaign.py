@@ -31,7 +31,8 @@ def test_gpu_campaign_dry_run_runs_every_section_and_reports(tmp_path):
     assert r["kernels"]["logprob"]["memory_vs_naive"] > 0 and r["kernels"]["copy_gbs"] > 0
     assert r["engine"]["engine_tok_s"] > 0 and r["engine"]["vs_hf_cb"] > 0 and r["engine"]["roofline"] > 0
     assert r["engine"]["vs_unfused"] > 0
-    assert [m["checkpointing"] for m in r["train"]["modes"]] == [False, True]
+    assert [(m["checkpointing"], m["fused_kernels"]) for m in r["train"]["modes"]] == [(False, True), (True, True),
+                                                                                       (False, False)]
     assert all(m["mfu"] > 0 for m in r["train"]["modes"])
     g = r["grpo_step"]
     assert list(g["seconds"]) == ["generation", "scoring", "logprob_recompute", "training", "weight_update"]
@@ -43,6 +44,7 @@ def test_gpu_campaign_dry_run_runs_every_section_and_reports(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("gpu_campaign: engine ") and "x hf continuous batching" in lines[-1]
     assert any(ln.startswith("| GPU-marked tests (`pytest -m gpu`) | ") for ln in lines)
+    assert any(ln.startswith("| same, checkpointing off: eager modules (train.fused_kernels = false)") for ln in lines)
     assert any(ln.startswith("### GPU campaign — `python bench/gpu.py --dry-run") for ln in lines)
     again = subprocess.run([sys.executable, "bench/gpu.py", "--report", str(out)], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
@@ -270,3 +272,16 @@ def test_train_bench_reports_each_modes_median_run_with_the_range(capsys):
                                                                   "modes": [mode]}}}}
     row = next(r for r in gpu_report.rows(results) if "trainer MFU" in r)
     assert "0.341 (off, runs 0.341-0.366)" in row
+    # the eager modules' run beside the fused one: a ratio row, and the target judged on the fused modes only
+    eager = dict(mode, fused_kernels=False, mfu=0.40, step_s=2.9)
+    results["sections"]["train"]["results"]["modes"] = [dict(mode, fused_kernels=True, step_s=2.2), eager]
+    rows = gpu_report.rows(results)
+    assert "| **no** |" in next(r for r in rows if "trainer MFU" in r)
+    assert "1.32x (2.900 vs 2.200 s/step" in next(r for r in rows if "eager modules" in r)
+    res = {"modes": [dict(checkpointing=False, fused_kernels=True, mfu=0.41, step_s=2.0),
+                     dict(checkpointing=True, fused_kernels=True, mfu=0.33, step_s=2.5),
+                     dict(checkpointing=False, fused_kernels=False, mfu=0.30, step_s=2.6)]}
+    assert bt.headline(res) == ("trainer_mfu: 0.41 (checkpointing off), 0.33 (checkpointing on); fused kernels vs "
+                                "eager 1.30x (checkpointing off)")
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--eager", "of"])

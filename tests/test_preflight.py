@@ -136,9 +136,14 @@ class FlashLike(torch.autograd.Function):
         return g, None, None
 
 
-def saved_by_autograd(cfg: ModelConfig, tokens: int, dtype: torch.dtype, checkpointing: bool = False) -> int:
-    """Bytes of the tensors a forward keeps for backward (parameters excluded), from autograd's own hooks."""
+def saved_by_autograd(cfg: ModelConfig, tokens: int, dtype: torch.dtype, checkpointing: bool = False,
+                      fused: bool = False) -> int:
+    """Bytes of the tensors a forward keeps for backward (parameters excluded), from autograd's own hooks; fused: the
+    model swapped to the trainer's fused modules as for a GPU (trainer/fused.py)."""
     model = Transformer(cfg).to(dtype)
+    if fused:
+        from trainer.fused import use_fused_train_ops
+        assert use_fused_train_ops(model, "cuda")
     if checkpointing:
         from trainer.fsdp import apply_activation_checkpointing
         apply_activation_checkpointing(model)

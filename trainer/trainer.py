@@ -48,7 +48,7 @@ from rl.loss import policy_loss
 from rl.types import Group
 from trainer import checkpoint
 from trainer.batch import MicroBatch, Sample, build_samples, collate, dummy_batch, plan_micro_batches, split_even
-from trainer.cpu_fused import use_fused_cpu_ops
+from trainer.fused import use_fused_train_ops
 from trainer.fsdp import build_mesh, is_sharded, shard_model, apply_activation_checkpointing
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 
@@ -88,10 +88,10 @@ class Trainer:
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.model = model.to(self.device)
         self.ref_model = ref_model.to(self.device).eval().requires_grad_(False) if ref_model is not None else None
-        if self.device.type == "cpu":  # fused SwiGLU / RMSNorm / rotary kernels (trainer/cpu_fused.py)
+        if cfg.fused_kernels:  # fused RMSNorm / SwiGLU / rotary (and on CPU attention, MLP): trainer/fused.py
             for m in (self.model, self.ref_model):
                 if m is not None:
-                    use_fused_cpu_ops(m)
+                    use_fused_train_ops(m, self.device)
         # One train rank on CPU: FSDP2 would only wrap (its hooks cost ~25% of a tiny model's step) with a no-op
         # fp32 policy; on a GPU it still brings the bf16 mixed precision, so it stays.
         self.sharded = self.distributed and (self.world > 1 or self.device.type == "cuda")
