@@ -112,7 +112,8 @@ class RMSNorm(torch.autograd.Function):
             raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for rows of {D}")
         x2, w = _rows(x, D), weight.contiguous()
         N = x2.shape[0]
-        y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        # y in x's shape, no view (FSDP2 warns of a module output that is a view)
+        y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
         rstd = torch.empty(N, dtype=torch.float32, device=x.device)
         if N:
             block_r, block_d, warps = _tile(D)
@@ -120,7 +121,7 @@ class RMSNorm(torch.autograd.Function):
                                                       BLOCK_D=block_d, num_warps=warps)
         ctx.save_for_backward(x2, w, rstd)
         ctx.shape = x.shape
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
