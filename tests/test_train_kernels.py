@@ -233,3 +233,27 @@ def test_train_ops_match_eager_on_cuda(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_swapped_model_matches_the_plain_one_on_cuda(dtype):
     check_swapped_model(dtype, "cuda", TOL[dtype] if dtype == torch.bfloat16 else 1e-4)
+
+
+@needs_interpreter
+def test_a_train_step_through_the_triton_ops_matches_the_eager_modules_interpreter(monkeypatch):
+    """The Trainer's whole step (micro-batches, prompts shared, PPO epochs, activation checkpointing recomputing
+    the Triton forward in backward) with the Triton ops gives the eager modules' update and metrics."""
+    from config import TrainConfig
+    from tests.test_trainer import SMOOTH_ADAM, make_groups, tiny_model, weights
+    from trainer.trainer import Trainer
+    out = []
+    for fused in (False, True):
+        if fused:
+            monkeypatch.setenv("TIDAL_KERNELS", "triton")
+        cfg = TrainConfig(lr=1e-2, activation_checkpointing=True, micro_batch_tokens=30, ppo_epochs=2,
+                          fused_kernels=fused, **SMOOTH_ADAM)
+        tr = Trainer(tiny_model(), cfg)
+        assert any(type(m).__module__ == "trainer.fused" for m in tr.model.modules()) == fused
+        ms = [tr.train_step(make_groups(s)) for s in (1, 2)]
+        out.append((weights(tr.model), ms))
+    (w_eager, m_eager), (w_fused, m_fused) = out
+    for name in w_eager:
+        assert torch.allclose(w_fused[name], w_eager[name], atol=1e-5, rtol=0), name
+    assert m_fused[-1]["loss"] == pytest.approx(m_eager[-1]["loss"], rel=1e-5)
+    assert m_fused[-1]["grad_norm"] == pytest.approx(m_eager[-1]["grad_norm"], rel=1e-4)
