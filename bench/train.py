@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(e.g. off): the eager modules' step time beside the fused kernels'")
     p.add_argument("--repeats", type=int, default=1, help="runs of each mode, alternating (each a fresh trainer); "
                    "a mode's figure is its median run, with the MFU range")
+    p.add_argument("--profile", metavar="PREFIX", help="after each mode's first timed steps, one more step under "
+                   "torch.profiler: its op table (by device time, then by CPU time) to PREFIX.<mode>.txt")
     p.add_argument("--share-prompts", choices=["on", "off"], default="on", help="train.share_prompts")
     p.add_argument("--shared-attention", choices=["auto", "rows", "masked"], default="auto",
                    help="SharedPrefixCausal's way: its rule for the device, or always one")
@@ -223,6 +225,10 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
         sync(args.device)
         times.append(time.perf_counter() - t0)
     secs = statistics.median(times)
+    if args.profile and (checkpointing, fused) not in args.profiled:
+        args.profiled.add((checkpointing, fused))
+        profile_step(trainer, groups, args.device, f"{args.profile}.{'on' if checkpointing else 'off'}-"
+                                                   f"{'fused' if fused else 'eager'}.txt")
     flops = micro_batch_flops(m, packed)
     out = {"checkpointing": checkpointing, "fused_kernels": fused, "share_prompts": args.share_prompts == "on",
            "shared_attention": args.shared_attention, "packed_tokens": sum(b.input_ids.numel() for b in packed),
@@ -238,11 +244,25 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
     return out
 
 
+def profile_step(trainer: Any, groups: list[Group], device: str, path: str) -> None:
+    """One more train step under torch.profiler (not timed): the op table by device time, then by CPU time."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        trainer.train_step(groups)
+        sync(device)
+    table = prof.key_averages()
+    by_device = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    Path(path).write_text(table.table(sort_by=by_device, row_limit=40, max_name_column_width=70) + "\n=== by CPU time\n"
+                          + table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    print(f"profile of one step: {path}", flush=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/train.py: --device cuda but CUDA is not available")
     init_one_rank(args.device)
     force_shared_attention(args.shared_attention)
+    args.profiled = set()
     m = shape(args.shape)
     rate = matmul_rate(args.device)
     print(f"model {args.shape}: {m.num_params() / 1e6:.4g}M params; {args.seqs} sequences of {args.prompt} + "

@@ -285,3 +285,17 @@ def test_train_bench_reports_each_modes_median_run_with_the_range(capsys):
                                 "eager 1.30x (checkpointing off)")
     with pytest.raises(SystemExit):
         bt.parse_args(["--eager", "of"])
+
+
+def test_train_bench_profiles_one_step_of_each_mode(tmp_path):
+    """`bench/train.py --profile PREFIX`: one untimed step of each mode under torch.profiler, a table per mode."""
+    proc = subprocess.run([sys.executable, "bench/train.py", "--shape", "tiny", "--steps", "1", "--checkpointing",
+                           "off", "--eager", "off", "--profile", str(tmp_path / "p")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("trainer_mfu: ")
+    fused, eager = (tmp_path / "p.off-fused.txt").read_text(), (tmp_path / "p.off-eager.txt").read_text()
+    assert "aten::mm" in fused and "=== by CPU time" in fused
+    from kernels import cpu_train
+    if cpu_train.available():   # the C kernels are the CPU's fused path: their autograd op only in the fused mode
+        assert "RMSNormBackward" in fused and "RMSNormBackward" not in eager
