@@ -289,7 +289,7 @@ def mode_name(r: dict[str, Any]) -> str:
 def headline(res: dict[str, Any]) -> str:
     """`trainer_mfu: ...` over the fused modes, then each eager mode's step time over its fused twin's."""
     fused = [r for r in res["modes"] if r["fused_kernels"]]
-    line = "trainer_mfu: " + ", ".join(f"{r['mfu']:.2f} ({mode_name(r)})" for r in fused)
+    line = "trainer_mfu: " + ", ".join(f"{r['mfu']:.2f} ({mode_name(r)})" for r in fused or res["modes"])
     twins = {r["checkpointing"]: r for r in fused}
     vs = [f"{r['step_s'] / twins[r['checkpointing']]['step_s']:.2f}x ({mode_name(twins[r['checkpointing']])})"
           for r in res["modes"] if not r["fused_kernels"] and r["checkpointing"] in twins]

@@ -283,6 +283,7 @@ def test_train_bench_reports_each_modes_median_run_with_the_range(capsys):
                      dict(checkpointing=False, fused_kernels=False, mfu=0.30, step_s=2.6)]}
     assert bt.headline(res) == ("trainer_mfu: 0.41 (checkpointing off), 0.33 (checkpointing on); fused kernels vs "
                                 "eager 1.30x (checkpointing off)")
+    assert bt.headline({"modes": res["modes"][2:]}) == "trainer_mfu: 0.30 (checkpointing off, eager modules)"
     with pytest.raises(SystemExit):
         bt.parse_args(["--eager", "of"])
 
