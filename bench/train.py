@@ -15,7 +15,8 @@ positions only). With `train.share_prompts` (the default; `--share-prompts off` 
 packed once per micro-batch, so its tokens count once, not once per sample: the sharing's saving is not counted as
 work done. Checkpointing's recomputed forward and the rows' recomputed prompt queries (model/attention.py
 `SharedPrefixCausal`) are not counted either (they are what HFU would add). `--shared-attention rows|masked` forces
-one of SharedPrefixCausal's two ways (default: its own rule for the device). On GPU the peak memory of the timed
+one of SharedPrefixCausal's padded ways (default: its own rule: on CUDA in bf16 the varlen way, two flash varlen
+calls with no prompt query computed twice; rows vs auto compares them). On GPU the peak memory of the timed
 steps is printed beside `train.py --check`'s plan for the same settings (runtime/preflight.py), checking that plan
 on the device.
 The trainer's fused kernels (`train.fused_kernels`, trainer/fused.py: Triton RMSNorm, SwiGLU and rotary on CUDA)
@@ -188,7 +189,9 @@ def matmul_rate(device: str) -> float:
 
 
 def force_shared_attention(way: str) -> None:
-    """SharedPrefixCausal's way on every device: "rows", "masked", or "auto" (its own rule, as shipped)."""
+    """SharedPrefixCausal's way on every device: "rows", "masked", or "auto" (its own rule, as shipped: the varlen
+    way on CUDA in half precision with a flash kernel)."""
+    SharedPrefixCausal.VARLEN = way == "auto"
     if way == "auto":
         SharedPrefixCausal.ROWS_MAX_PROMPT_SHARE = dict(SHIPPED_ROWS_RULE)
     else:

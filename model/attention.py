@@ -7,6 +7,7 @@ paged backend (engine/attention.py) also attends to each sequence's cached prefi
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any, Callable, Protocol
 
@@ -16,9 +17,37 @@ import torch.nn.functional as F
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
-def uses_flash_attn(q: torch.Tensor) -> bool:
-    """Whether packed causal attention over `q` runs flash-attn's varlen kernel (else a padded causal SDPA)."""
-    return HAS_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+def uses_flash_varlen(q: torch.Tensor) -> bool:
+    """Whether packed causal attention over `q` [T, H, D] runs a flash varlen kernel (`flash_varlen`): on CUDA in
+    fp16 / bf16, with flash-attn importable or PyTorch's own flash kernel available for the device and head size;
+    else a padded causal SDPA."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    return HAS_FLASH_ATTN or _torch_flash_ok(q.device.index if q.device.index is not None
+                                             else torch.cuda.current_device(), q.shape[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_flash_ok(device_index: int, head_dim: int) -> bool:
+    """PyTorch's bundled flash-attention 2 (aten._flash_attention_forward): built in, an sm80+ device, head_dim a
+    multiple of 8 up to 256."""
+    built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)()
+    return (built and torch.cuda.get_device_capability(device_index) >= (8, 0) and head_dim % 8 == 0
+            and head_dim <= 256)
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                 max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """Causal attention over sequences packed end to end: query sequence i (rows cu_q[i]:cu_q[i + 1] of q [Tq, Hq,
+    D]) over key sequence i of k, v [Tk, Hkv, D] (GQA when Hkv < Hq). Where a key sequence is longer than its query
+    sequence the mask is aligned bottom-right: query j of n sees the keys up to position m - n + j of m, so queries
+    that continue a prefix see all of it. flash-attn's kernel when importable, else PyTorch's own
+    (aten._flash_attention_forward, whose autograd formula is its backward). cu_q, cu_k: int32 on q's device."""
+    if HAS_FLASH_ATTN:
+        from flash_attn import flash_attn_varlen_func
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True)
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                   scale=scale)[0]
 
 
 class AttentionBackend(Protocol):
@@ -59,9 +88,10 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 class PackedCausal(_Derived):
     """Causal self-attention within each of several sequences packed into one [T, ...] tensor.
 
-    flash-attn's varlen kernel on CUDA when importable; otherwise the sequences are scattered into a padded
-    [B, Lmax] batch for one causal SDPA call (B * Lmax^2 work, never more than a T x T mask) and gathered back.
-    Padding sits after each sequence's last token, so causal masking keeps real tokens from seeing it.
+    A flash varlen kernel on CUDA in fp16 / bf16 (`flash_varlen`: flash-attn's, else PyTorch's own); otherwise the
+    sequences are scattered into a padded [B, Lmax] batch for one causal SDPA call (B * Lmax^2 work, never more
+    than a T x T mask) and gathered back. Padding sits after each sequence's last token, so causal masking keeps
+    real tokens from seeing it.
     """
 
     def __init__(self, cu_seqlens: torch.Tensor, scale: float | None = None):
@@ -92,11 +122,9 @@ class PackedCausal(_Derived):
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        if uses_flash_attn(q):
-            from flash_attn import flash_attn_varlen_func
-            cu = self.cu_seqlens.to(q.device)
-            return flash_attn_varlen_func(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen,
-                                          softmax_scale=scale, causal=True)
+        if uses_flash_varlen(q):
+            cu = self.derived(f"cu:{q.device}", lambda: self.cu_seqlens.to(q.device))
+            return flash_varlen(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, scale)
         if len(self.lengths) == 1:
             return _sdpa(q, k, v, scale, is_causal=True)
         B, L = len(self.lengths), self.max_seqlen
@@ -122,13 +150,21 @@ class SharedPrefixCausal(_Derived):
     it — and, since every child reads the one copy of its prompt's keys and values, the gradient that reaches the
     prompt is the sum over the children, as with G copies.
 
-    Two ways, chosen per micro-batch by how much of it is prompt:
+    Three ways:
+      * varlen (CUDA in fp16 / bf16 with a flash kernel: `uses_flash_varlen`): two calls of `flash_varlen`. The
+        prompts, packed end to end at the front, causally among themselves; then the children's queries, also
+        packed end to end, each over its family's prompt followed by itself: only the keys and values are
+        gathered (a child's key sequence is its prompt's tokens, then its own), and the kernel's bottom-right
+        causal alignment lets every child query see the whole prompt and its own earlier tokens. The two outputs
+        laid end to end are the packing's own order (no output gather, no prompt query computed twice); the
+        prompt's key and value gradients are summed over its children by the gather's backward.
+    Elsewhere, chosen per micro-batch by how much of it is prompt:
       * rows (short prompts, the GRPO norm): one causal call over rows, a row per non-empty child made of its
         family's prompt followed by the child (a family with no non-empty child gets a row of its prompt alone),
-        gathered from the packed tensors, so the prompt's keys and values are shared and their gradients summed by
-        the gather's backward. A row is an ordinary causal sequence, so the call takes the fast causal kernels
-        (flash-attn varlen on CUDA; SDPA's `is_causal` elsewhere) with no mask in memory. A prompt's outputs are
-        read from its family's first row; in the other rows its queries are computed again and dropped.
+        gathered from the packed tensors into a padded batch, so the prompt's keys and values are shared and their
+        gradients summed by the gather's backward. A row is an ordinary causal sequence, so the call takes SDPA's
+        `is_causal` kernels with no mask in memory. A prompt's outputs are read from its family's first row; in the
+        other rows its queries are computed again and dropped.
       * masked (long prompts): the prompts through one causal call, then each child's queries alone over its
         prompt's keys and its own under a [C, 1, Rmax, Pmax + Rmax] boolean mask: no prompt query computed twice,
         but the mask costs memory and keeps SDPA off its flash kernels.
@@ -137,17 +173,21 @@ class SharedPrefixCausal(_Derived):
       * CPU, 0.25, measured (one layer's forward + backward, 8 prompts x 8 children of R = 256 tokens, head_dim 16,
         one thread), rows / masked: 74.8 / 83.6 ms at P = 32, 91.1 / 100.1 at P = 64, 119.0 / 115.2 at P = 96,
         208.1 / 168.6 at P = 256 (the mask's own cost repays the rows' excess up to about P = R / 4).
-      * CUDA, always rows. The masked call (a boolean mask with GQA) has neither a flash nor a memory-efficient
-        SDPA kernel there, so it materialises the probabilities: forced at P = 512, R = 1535 on the H200
-        (2026-11-27, bench/RESULTS.md) it took the 1.7B bench's peak from 52.9 to 75.0 GiB and its step from 2.20
-        to 2.63 s. Rows take the flash kernel and are what `train.py --check` plans; where prompts outweigh their
-        children (P > R) they spend more attention FLOPs than the masked call would ((P + R)^2 / 2 pairs a row
-        against R (P + R)), a trade taken for memory that is planned, not measured.
+      * CUDA without a flash varlen kernel (fp32, an older device), always rows. The masked call (a boolean mask
+        with GQA) has neither a flash nor a memory-efficient SDPA kernel there, so it materialises the
+        probabilities: forced at P = 512, R = 1535 on the H200 (2026-11-27, bench/RESULTS.md) it took the 1.7B
+        bench's peak from 52.9 to 75.0 GiB and its step from 2.20 to 2.63 s. Rows take SDPA's flash kernel and are
+        what `train.py --check` plans; where prompts outweigh their children (P > R) they spend more attention
+        FLOPs than the masked call would ((P + R)^2 / 2 pairs a row against R (P + R)), a trade taken for memory.
+        The H200 runs of 2026-11-27 took rows padded (no flash-attn installed; PyTorch's own varlen kernel was not
+        used then): its gathers, their index_add backward and the copies around the padded call are what the
+        varlen way removes (not yet measured on a GPU).
     The trainer's swapped model on CPU (fp32) takes neither way: `row_spans()` gives kernels/cpu_attention.py the
     same rows without a copy, a prompt's queries once (trainer/fused.py).
     """
 
     ROWS_MAX_PROMPT_SHARE = {"cpu": 0.25, "cuda": float("inf")}
+    VARLEN = True   # the varlen way where a flash varlen kernel runs (bench/train.py --shared-attention turns it off)
 
     def __init__(self, prompt_lengths: list[int], child_lengths: list[int], child_family: list[int],
                  scale: float | None = None):
@@ -168,17 +208,18 @@ class SharedPrefixCausal(_Derived):
         # the prompt tokens the rows copy, per child token
         self.prompt_share = (sum(prompt_lengths[child_family[c]] for c in kids)
                              / max(1, sum(child_lengths[c] for c in kids)))
-        self._plans: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plan: tuple[torch.Tensor, torch.Tensor] | None = None
         self._mask_plan: tuple[torch.Tensor, ...] | None = None
         self._prompts: PackedCausal | None = None   # the masked way's prompt call
+        self._varlen: tuple[Any, ...] | None = None   # the varlen way's plan
 
-    def _index(self, device: torch.device, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the packed token behind each position of the rows, the rows' position of each packed token's output).
-        Rows end to end (flash-attn varlen), or `padded` into [rows, Lmax], a padding position reading token T (a
-        zero row appended to the packed tensor)."""
-        if self._plans.get(padded) is None:
+    def _index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the packed token behind each position of the rows, the rows' position of each packed token's output),
+        the rows padded into [rows, Lmax], a padding position reading token T (a zero row appended to the packed
+        tensor)."""
+        if self._plan is None:
             T = self.num_prompt_tokens + sum(self.child_lengths)
-            width = self.rows.max_seqlen if padded else 0
+            width = self.rows.max_seqlen
             pstart = cu_seqlens_from_lengths(self.prompt_lengths).tolist()
             cstart = (cu_seqlens_from_lengths(self.child_lengths) + self.num_prompt_tokens).tolist()
             src: list[int] = []
@@ -192,9 +233,9 @@ class SharedPrefixCausal(_Derived):
                     out_pos[cstart[c]:cstart[c + 1]] = range(len(src), len(src) + cstart[c + 1] - cstart[c])
                     src.extend(range(cstart[c], cstart[c + 1]))
                 src.extend([T] * (row + width - len(src)))
-            self._plans[padded] = (torch.tensor(src, dtype=torch.long, device=device),
-                                   torch.tensor(out_pos, dtype=torch.long, device=device))
-        return self._plans[padded]
+            self._plan = (torch.tensor(src, dtype=torch.long, device=device),
+                          torch.tensor(out_pos, dtype=torch.long, device=device))
+        return self._plan
 
     def row_spans(self) -> RowSpans:
         """A task per family: its prompt's row (causal, computed once), then a row per child with tokens, whose
@@ -208,23 +249,51 @@ class SharedPrefixCausal(_Derived):
         return tasks
 
     def use_rows(self, device: torch.device) -> bool:
-        """Whether the rows (else the masked call) attend on this device (see the class docstring)."""
+        """Whether the rows (else the masked call) attend on this device where the varlen way does not (see the
+        class docstring)."""
         return self.prompt_share <= self.ROWS_MAX_PROMPT_SHARE.get(device.type, self.ROWS_MAX_PROMPT_SHARE["cpu"])
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if not self.use_rows(q.device):
-            return self.masked(layer, q, k, v)
-        return self.packed(layer, q, k, v) if uses_flash_attn(q) else self.padded(layer, q, k, v)
+        if self.VARLEN and uses_flash_varlen(q):
+            return self.varlen(layer, q, k, v)
+        return self.padded(layer, q, k, v) if self.use_rows(q.device) else self.masked(layer, q, k, v)
 
-    def packed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The rows end to end through PackedCausal (flash-attn's varlen kernel on CUDA)."""
-        src, out_pos = self._index(q.device, padded=False)
-        out = self.rows(layer, q.index_select(0, src), k.index_select(0, src), v.index_select(0, src))
-        return out.index_select(0, out_pos)
+    def _varlen_plan(self, device: torch.device) -> tuple[Any, ...]:
+        """(cu and max length of the prompts; cu and max length of the children with tokens, as queries; the packed
+        token behind each of their keys, cu and max length of those key sequences), on `device`."""
+        if self._varlen is None:
+            pstart = cu_seqlens_from_lengths(self.prompt_lengths).tolist()
+            cstart = (cu_seqlens_from_lengths(self.child_lengths) + self.num_prompt_tokens).tolist()
+            kids = [c for c, n in enumerate(self.child_lengths) if n]
+            src: list[int] = []
+            for c in kids:
+                f = self.child_family[c]
+                src.extend(range(pstart[f], pstart[f + 1]))
+                src.extend(range(cstart[c], cstart[c + 1]))
+            qlens = [self.child_lengths[c] for c in kids]
+            klens = [self.prompt_lengths[self.child_family[c]] + n for c, n in zip(kids, qlens)]
+            self._varlen = (cu_seqlens_from_lengths(self.prompt_lengths, device), max(self.prompt_lengths),
+                            cu_seqlens_from_lengths(qlens, device), max(qlens, default=0),
+                            torch.tensor(src, dtype=torch.long, device=device),
+                            cu_seqlens_from_lengths(klens, device), max(klens, default=0))
+        return self._varlen
+
+    def varlen(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The prompts causally, then the children's queries over their prompt's keys and their own, in two
+        `flash_varlen` calls; their outputs end to end are the packing's order (see the class docstring)."""
+        Tp = self.num_prompt_tokens
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        cu_p, max_p, cu_c, max_c, src, cu_kv, max_kv = self._varlen_plan(q.device)
+        out_p = flash_varlen(q[:Tp], k[:Tp], v[:Tp], cu_p, cu_p, max_p, max_p, scale)
+        if q.shape[0] == Tp:
+            return out_p
+        out_c = flash_varlen(q[Tp:], k.index_select(0, src), v.index_select(0, src), cu_c, cu_kv, max_c, max_kv,
+                             scale)
+        return torch.cat([out_p, out_c])
 
     def padded(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The rows gathered straight into a padded [rows, H, Lmax, D] batch for one causal SDPA call."""
-        src, out_pos = self._index(q.device, padded=True)
+        src, out_pos = self._index(q.device)
         B, L = len(self.rows.lengths), self.rows.max_seqlen
 
         def rows(x: torch.Tensor) -> torch.Tensor:   # [T, H, D] -> [B, H, L, D], padding zeros after each row

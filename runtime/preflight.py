@@ -17,7 +17,7 @@ The memory model counts what our code allocates (see each item's note): fp32 mas
 moments sharded over the train ranks (trainer/fsdp.py: bf16 compute on GPU), the root module (embedding, lm_head)
 kept gathered after forward, the tensors one decoder block saves for backward per token (`saved_bytes_per_token`,
 checked against autograd's saved tensors in tests/test_preflight.py; attention is counted as a flash-style kernel
-that keeps q, k, v, out and the log-sum-exp), the chunked logprob's transient logits, and the engine's KV pool sized
+that keeps q, k, v, out and the log-sum-exp, plus the copies of shared prompts' varlen way on a GPU), the chunked logprob's transient logits, and the engine's KV pool sized
 as engine/runner.py sizes it: `gpu_memory_fraction` of the memory free once the weights are in, minus a prefill's
 activations. Colocated ranks size the engine's pool before the trainer's state exists (train.py's run_colocated builds
 the engine first), so the plan checks that the pool leaves room for training and names the largest fraction that does.
@@ -107,9 +107,11 @@ def root_params(m: ModelConfig) -> int:
     return m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
 
 
-def activation_items(m: ModelConfig, tokens: int, b: int, checkpointing: bool, fused: bool = False) -> list[Item]:
+def activation_items(m: ModelConfig, tokens: int, b: int, checkpointing: bool, fused: bool = False,
+                     varlen: bool = False) -> list[Item]:
     """Activations of one micro-batch of `tokens` packed tokens (all of them trained on, the worst case); `fused`: the
-    trainer's Triton modules (see `saved_bytes_per_token`)."""
+    trainer's Triton modules (see `saved_bytes_per_token`); `varlen`: shared prompts attending the varlen way
+    (model/attention.py SharedPrefixCausal.varlen), which keeps copies beside what a block saves."""
     from kernels.logprobs import default_chunk_size
     per_block = tokens * saved_bytes_per_token(m, b, fused)
     outside = outside_blocks_bytes_per_token(m, b, fused)
@@ -121,7 +123,14 @@ def activation_items(m: ModelConfig, tokens: int, b: int, checkpointing: bool, f
                      f"{per_block / tokens / 1024:.1f} KiB per token per block x {m.num_layers} blocks x {tokens} "
                      "tokens")
     chunk = min(tokens, default_chunk_size(m.vocab_size))
-    return [saved,
+    extra = []
+    if varlen:
+        qd, kvd = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        blocks = 1 if checkpointing else m.num_layers
+        extra.append(Item("varlen attention copies", blocks * tokens * b * (qd + 2 * kvd),
+                          "per block the children's gathered keys and values and the two calls' outputs beside "
+                          "their concatenation; each child's copy of its prompt's keys and values comes on top"))
+    return extra + [saved,
             Item("backward working set", per_block, "the gradients of one block's activations"),
             Item("logprob chunk + hidden", 3 * 4 * chunk * m.vocab_size + tokens * (b * m.hidden_size + 16),
                  f"fp32 logits of {chunk} tokens x {m.vocab_size} (x3 in backward), no [T, V] logits")]
@@ -146,7 +155,7 @@ def train_items(m: ModelConfig, cfg: Config, shards: int, b: int, gpu: bool) -> 
                           "root and one block before their reduce-scatter (fp32 reduction)"))
     tokens = max(t.micro_batch_tokens, max_sequence(cfg))
     fused = gpu and t.fused_kernels   # the trainer's Triton modules (trainer/fused.py)
-    return items + activation_items(m, tokens, b, t.activation_checkpointing, fused)
+    return items + activation_items(m, tokens, b, t.activation_checkpointing, fused, varlen=gpu and t.share_prompts)
 
 
 def engine_activation_bytes(m: ModelConfig, cfg: Config, e: int, max_len: int) -> float:

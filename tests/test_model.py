@@ -35,7 +35,23 @@ def test_packed_sequences_match_separate_transformers_calls(pair):
     assert (got - ref).abs().max().item() < 1e-4
 
 
-def test_packed_attention_equals_a_block_causal_mask():
+def reference_flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """model.attention.flash_varlen's contract, sequence by sequence through SDPA with the bottom-right causal mask
+    (the CPU has no flash kernel); checks the metadata a flash kernel relies on."""
+    from model.attention import _sdpa
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and len(cu_q) == len(cu_k) and int(cu_q[-1]) == q.shape[0]
+    assert int(cu_k[-1]) == k.shape[0] == v.shape[0]
+    nq, nk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+    assert max_q == max(nq, default=0) and max_k == max(nk, default=0) and all(m >= n for n, m in zip(nq, nk))
+    outs = []
+    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        mask = torch.ones(b - a, d - c, dtype=torch.bool).tril((d - c) - (b - a))
+        outs.append(_sdpa(q[a:b], k[c:d], v[c:d], scale, mask=mask))
+    return torch.cat(outs)
+
+
+def test_packed_attention_equals_a_block_causal_mask(monkeypatch):
+    import model.attention as attention
     from model.attention import PackedCausal, _sdpa
     g = torch.Generator().manual_seed(5)
     lens = [3, 9, 1, 6]
@@ -45,13 +61,19 @@ def test_packed_attention_equals_a_block_causal_mask():
     mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
     ref = _sdpa(q, k, v, 8 ** -0.5, mask=mask)
     assert torch.allclose(PackedCausal.from_lengths(lens)(0, q, k, v), ref, atol=1e-6)
+    # the flash varlen path (CUDA's) with the reference kernel in its place: the same
+    monkeypatch.setattr(attention, "uses_flash_varlen", lambda q: True)
+    monkeypatch.setattr(attention, "flash_varlen", reference_flash_varlen)
+    assert torch.allclose(PackedCausal.from_lengths(lens)(0, q, k, v), ref, atol=1e-6)
 
 
-def test_shared_prefix_attention_equals_each_prompt_plus_child_packed_alone_outputs_and_gradients():
+def test_shared_prefix_attention_equals_each_prompt_plus_child_packed_alone_outputs_and_gradients(monkeypatch):
     """Families with prompts of different lengths, an empty child and a family whose only child is empty: the
     outputs and the gradients of q, k, v (the prompt's summed over its children) equal packing every prompt + child
     as its own sequence, with each prompt's own outputs taken from its first sample."""
+    import model.attention as attention
     from model.attention import PackedCausal, SharedPrefixCausal
+    monkeypatch.setattr(attention, "flash_varlen", reference_flash_varlen)   # the CPU has no flash kernel
     g = torch.Generator().manual_seed(6)
     plens, clens, fam = [3, 5, 1], [4, 0, 2, 6, 0], [0, 0, 1, 1, 2]
     T = sum(plens) + sum(clens)
@@ -62,9 +84,8 @@ def test_shared_prefix_attention_equals_each_prompt_plus_child_packed_alone_outp
     q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
     out = attn.padded(0, q, k, v)
     (out * dout).sum().backward()
-    # the other two ways agree: the masked call, and the rows end to end (the path flash-attn takes on CUDA; here
-    # PackedCausal pads them itself)
-    for way in (attn, attn.packed):
+    # the other two ways agree: the masked call, and the varlen calls (CUDA's way; here the reference kernel)
+    for way in (attn, attn.varlen):
         q3, k3, v3 = (x.clone().requires_grad_() for x in (q0, k0, v0))
         out3 = way(0, q3, k3, v3)
         (out3 * dout).sum().backward()
@@ -93,6 +114,39 @@ def test_shared_prefix_attention_equals_each_prompt_plus_child_packed_alone_outp
     (ref * dout).sum().backward()
     for a, b in ((q, q2), (k, k2), (v, v2)):
         assert torch.allclose(a.grad, b.grad, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_flash_varlen_ways_match_sdpa_on_cuda(dtype):
+    """On CUDA in half precision both backends take `flash_varlen` (flash-attn's or PyTorch's own kernel,
+    bottom-right causal): outputs and gradients against SDPA (the shared prompts' padded rows; a block-causal mask
+    for plain packing), with GQA, an empty child and a family whose only child is empty."""
+    from model.attention import PackedCausal, SharedPrefixCausal, _sdpa, uses_flash_varlen
+    g = torch.Generator().manual_seed(7)
+    plens, clens, fam = [37, 5, 64], [100, 0, 3, 250, 17, 0], [0, 0, 1, 1, 0, 2]
+    T = sum(plens) + sum(clens)
+    q0, k0, v0 = (torch.randn(T, h, 128, generator=g).to(dtype).cuda() for h in (16, 8, 8))
+    dout = torch.randn(T, 16, 128, generator=g).to(dtype).cuda()
+    assert uses_flash_varlen(q0)
+
+    def run(way, n):
+        q, k, v = (x[:n].clone().requires_grad_() for x in (q0, k0, v0))
+        out = way(0, q, k, v)
+        (out.float() * dout[:n].float()).sum().backward()
+        return out, q.grad, k.grad, v.grad
+
+    shared = SharedPrefixCausal(plens, clens, fam)
+    for a, b in zip(run(shared, T), run(shared.padded, T)):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    lens = [37, 100, 5, 3, 250]
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).cuda()
+    pos = torch.arange(sum(lens)).cuda()
+    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+    ref = lambda layer, q, k, v: _sdpa(q, k, v, 128 ** -0.5, mask=mask)   # noqa: E731
+    for a, b in zip(run(PackedCausal.from_lengths(lens, "cuda"), sum(lens)), run(ref, sum(lens))):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_shared_prefix_attention_takes_rows_for_short_prompts_and_the_mask_for_long_ones_on_cpu_only():
