@@ -281,10 +281,15 @@ def section_grpo_step(s: Sizes, dry: bool) -> dict[str, Any]:
 
 
 def section_e2e(s: Sizes, dry: bool) -> dict[str, Any]:
-    """train.py --check, then train.py itself under torchrun on one device, colocated; sim.calibrate on the run."""
+    """train.py --check, then train.py itself under torchrun on one device, colocated; sim.calibrate on the run. The
+    run directory (its HF export included) is a temporary one, removed after."""
+    with tempfile.TemporaryDirectory(prefix="tidal-e2e-") as tmp:
+        return _e2e(s, dry, Path(tmp))
+
+
+def _e2e(s: Sizes, dry: bool, tmp: Path) -> dict[str, Any]:
     from sim.calibrate import measure
     steps, prompts, G, new = s.e2e
-    tmp = Path(tempfile.mkdtemp(prefix="tidal-e2e-"))
     run_dir = tmp / "run"
     qwen, kind = qwen_tokenizer_dir(), reward_kind()
     common = [f"--train.steps={steps}", f"--rollout.prompts_per_step={prompts}", f"--rollout.group_size={G}",
@@ -335,26 +340,34 @@ def section_disagg(s: Sizes, dry: bool) -> dict[str, Any]:
     runtime/topology.py), once per relay route; every step's weights cross trainer -> host relay -> engine, checked."""
     runs = []
     for route in ("broadcast", "chain"):
-        run_dir = Path(tempfile.mkdtemp(prefix=f"tidal-disagg-{route}-")) / "run"
-        args = ["train.py", "--config", "configs/tiny.toml", f"--train.steps={DISAGG_STEPS}", "--log.progress=false",
-                f"--log.dir={run_dir}", "--checkpoint.export_hf=false", "--cluster.rollout_ranks=1",
-                "--cluster.backend=auto", "--deterministic=false", f"--cluster.relay={route}",
-                "--rollout.gpu_memory_fraction=0.1"]
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               *args], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S["disagg"] // 2 - 10)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            return {"ok": False, "route": route, "log": (proc.stdout + proc.stderr)[-3000:], "runs": runs}
-        summary = json.loads((run_dir / "summary.json").read_text())
-        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
-        steps = sum(1 for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip())
-        loaded = [e for e in events if e.get("kind") == "weights_loaded"]
-        runs.append({"route": route, "wall_s": wall, "makespan_s": summary.get("makespan_s"),
-                     "steps": steps, "weights_loaded": len(loaded),
-                     "reward_first": summary.get("reward_first"), "reward_last": summary.get("reward_last")})
+        with tempfile.TemporaryDirectory(prefix=f"tidal-disagg-{route}-") as tmp:
+            res = _disagg_run(route, Path(tmp) / "run")
+        if not res.pop("ok"):
+            return {"ok": False, "route": route, "log": res["log"], "runs": runs}
+        runs.append(res)
     ok = all(r["steps"] == DISAGG_STEPS and r["weights_loaded"] >= DISAGG_STEPS for r in runs)
     return {"ok": ok, "runs": runs}
+
+
+def _disagg_run(route: str, run_dir: Path) -> dict[str, Any]:
+    """One disaggregated run over `route` in `run_dir`: {"ok": False, "log": ...} or its figures."""
+    args = ["train.py", "--config", "configs/tiny.toml", f"--train.steps={DISAGG_STEPS}", "--log.progress=false",
+            f"--log.dir={run_dir}", "--checkpoint.export_hf=false", "--cluster.rollout_ranks=1",
+            "--cluster.backend=auto", "--deterministic=false", f"--cluster.relay={route}",
+            "--rollout.gpu_memory_fraction=0.1"]
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S["disagg"] // 2 - 10)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"ok": False, "log": (proc.stdout + proc.stderr)[-3000:]}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    steps = sum(1 for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip())
+    loaded = [e for e in events if e.get("kind") == "weights_loaded"]
+    return {"ok": True, "route": route, "wall_s": wall, "makespan_s": summary.get("makespan_s"),
+            "steps": steps, "weights_loaded": len(loaded),
+            "reward_first": summary.get("reward_first"), "reward_last": summary.get("reward_last")}
 
 
 SECTION_FNS: dict[str, Callable[[Sizes, bool], dict[str, Any]]] = {

@@ -29,8 +29,10 @@ vs eager 1.25x (checkpointing off)`: the step time of the eager modules over the
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -104,7 +106,9 @@ def init_one_rank(device: str) -> None:
     """A process group of one rank (FSDP2 needs one), without torchrun: a file store in a temporary directory."""
     if dist.is_initialized():
         return
-    store = Path(tempfile.mkdtemp(prefix="tidal-bench-")) / "store"
+    tmp = tempfile.mkdtemp(prefix="tidal-bench-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    store = Path(tmp) / "store"
     if device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}", rank=0,

@@ -3,6 +3,7 @@ so the campaign cannot die on its first GPU minute; and --report turns its resul
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_gpu_campaign_dry_run_runs_every_section_and_reports(tmp_path):
     out = tmp_path / "gpu.json"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     proc = subprocess.run([sys.executable, "bench/gpu.py", "--dry-run", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
+    left = [p.name for p in tmp.iterdir() if p.name.startswith("tidal-")]
+    assert not left, f"the campaign left its temporary run directories behind: {left}"   # 300 MB a run once
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     sec = res["sections"]
