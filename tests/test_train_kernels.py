@@ -250,7 +250,7 @@ def test_a_train_step_through_the_triton_ops_matches_the_eager_modules_interpret
                           fused_kernels=fused, **SMOOTH_ADAM)
         tr = Trainer(tiny_model(), cfg)
         assert any(type(m).__module__ == "trainer.fused" for m in tr.model.modules()) == fused
-        ms = [tr.train_step(make_groups(s)) for s in (1, 2)]
+        ms = [tr.train_step(make_groups(1))]   # two PPO epochs: the second runs on updated weights
         out.append((weights(tr.model), ms))
     (w_eager, m_eager), (w_fused, m_fused) = out
     for name in w_eager:
