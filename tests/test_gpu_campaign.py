@@ -305,3 +305,19 @@ def test_train_bench_profiles_one_step_of_each_mode(tmp_path):
     from kernels import cpu_train
     if cpu_train.available():   # the C kernels are the CPU's fused path: their autograd op only in the fused mode
         assert "RMSNormBackward" in fused and "RMSNormBackward" not in eager
+
+
+def test_train_bench_frees_each_modes_trainer_before_the_next():
+    """On an H200 one bench/train.py process ran out of memory at its ninth run: every earlier mode's trainer (FSDP2's
+    modules hold reference cycles) was still alive. With automatic collection off, none may survive its mode."""
+    script = ("import gc; gc.disable()\n"
+              "from bench import train as bt\n"
+              "from trainer.trainer import Trainer\n"
+              "bt.init_one_rank('cpu')\n"
+              "args = bt.parse_args(['--shape', 'tiny', '--steps', '1'])\n"
+              "args.profiled = set()\n"
+              "bt.bench_mode(args, bt.shape('tiny'), False, 1e9)\n"
+              "print('alive', sum(isinstance(o, Trainer) for o in gc.get_objects()))\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "alive 0"
