@@ -179,9 +179,9 @@ class SharedPrefixCausal(_Derived):
         bench's peak from 52.9 to 75.0 GiB and its step from 2.20 to 2.63 s. Rows take SDPA's flash kernel and are
         what `train.py --check` plans; where prompts outweigh their children (P > R) they spend more attention
         FLOPs than the masked call would ((P + R)^2 / 2 pairs a row against R (P + R)), a trade taken for memory.
-        The H200 runs of 2026-11-27 took rows padded (no flash-attn installed; PyTorch's own varlen kernel was not
-        used then): its gathers, their index_add backward and the copies around the padded call are what the
-        varlen way removes (not yet measured on a GPU).
+        The varlen way removes the rows' gathers of q and the output, their index_add backward and the copies
+        around the padded call; on the H200 (2026-11-27, 1.7B bench, P = 512, R = 1535, equal lengths: no padding
+        wasted) the step took the same time either way (2.01-2.16 s varlen, 2.08 s rows; the step is host-bound).
     The trainer's swapped model on CPU (fp32) takes neither way: `row_spans()` gives kernels/cpu_attention.py the
     same rows without a copy, a prompt's queries once (trainer/fused.py).
     """
