@@ -204,10 +204,10 @@ def force_shared_attention(way: str) -> None:
                                                     for k in SHIPPED_ROWS_RULE}
 
 
-def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, rate: float, fused: bool = True
-               ) -> dict[str, Any]:
+def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, rate: float, fused: bool = True,
+               profile: str | None = None) -> dict[str, Any]:
     """One trainer (fresh model, FSDP2 over one rank), one warm-up step, `args.steps` timed steps; fused: the
-    trainer's fused kernels (train.fused_kernels)."""
+    trainer's fused kernels (train.fused_kernels); profile: a path for one more step's torch.profiler table."""
     from runtime.preflight import train_items
     from trainer.trainer import Trainer
     cfg = load_config(None, [f"--train.micro_batch_tokens={args.micro_batch_tokens}", "--train.lr=1e-6",
@@ -233,10 +233,8 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
         sync(args.device)
         times.append(time.perf_counter() - t0)
     secs = statistics.median(times)
-    if args.profile and (checkpointing, fused) not in args.profiled:
-        args.profiled.add((checkpointing, fused))
-        profile_step(trainer, groups, args.device, f"{args.profile}.{'on' if checkpointing else 'off'}-"
-                                                   f"{'fused' if fused else 'eager'}.txt")
+    if profile:
+        profile_step(trainer, groups, args.device, profile)
     flops = micro_batch_flops(m, packed)
     out = {"checkpointing": checkpointing, "fused_kernels": fused, "share_prompts": args.share_prompts == "on",
            "shared_attention": args.shared_attention, "packed_tokens": sum(b.input_ids.numel() for b in packed),
@@ -247,8 +245,8 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
         plan = sum(i.nbytes for i in train_items(m, cfg, 1, 2, True))
         out.update(peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30, plan_gib=plan / 2 ** 30)
     # the next mode starts from an empty device: FSDP2's modules hold reference cycles, so the trainer and its
-    # weights, gradients and AdamW state are freed by the collector, not by `del` (on an H200 three runs in one
-    # process had reached 125 GiB before the fourth ran out of memory)
+    # weights, gradients and AdamW state are freed by the collector, not by `del` (on an H200 one
+    # process had reached 125 GiB after eight runs, and the ninth ran out of memory)
     del trainer, metrics
     gc.collect()
     if args.device == "cuda":
@@ -274,7 +272,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("bench/train.py: --device cuda but CUDA is not available")
     init_one_rank(args.device)
     force_shared_attention(args.shared_attention)
-    args.profiled = set()
     m = shape(args.shape)
     rate = matmul_rate(args.device)
     print(f"model {args.shape}: {m.num_params() / 1e6:.4g}M params; {args.seqs} sequences of {args.prompt} + "
@@ -284,7 +281,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[tuple[str, bool], list[dict[str, Any]]] = {mode: [] for mode in names}
     for rep in range(args.repeats):  # the modes alternate, each run a fresh trainer: a drift hits every mode alike
         for mode in names:
-            r = bench_mode(args, m, mode[0] == "on", rate, fused=mode[1])
+            profile = (f"{args.profile}.{mode[0]}-{'fused' if mode[1] else 'eager'}.txt"   # each mode's first run
+                       if args.profile and rep == 0 else None)
+            r = bench_mode(args, m, mode[0] == "on", rate, fused=mode[1], profile=profile)
             mem = f", peak {r['peak_gib']:.1f} GiB (--check plans {r['plan_gib']:.1f})" if "peak_gib" in r else ""
             print(mode_name(r) + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else "") +
                   f": {r['packed_tokens']} packed tokens, {r['step_s']:.3f} s/step, "

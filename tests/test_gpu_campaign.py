@@ -315,7 +315,6 @@ def test_train_bench_frees_each_modes_trainer_before_the_next():
               "from trainer.trainer import Trainer\n"
               "bt.init_one_rank('cpu')\n"
               "args = bt.parse_args(['--shape', 'tiny', '--steps', '1'])\n"
-              "args.profiled = set()\n"
               "bt.bench_mode(args, bt.shape('tiny'), False, 1e9)\n"
               "print('alive', sum(isinstance(o, Trainer) for o in gc.get_objects()))\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
