@@ -1,4 +1,4 @@
-"""KV move vs re-prefill on real ranks (issue 17): Laminar's repack forced often, the same job with
+"""KV move vs re-prefill on real ranks: Laminar's repack forced often, the same job with
 `rollout.migrate_kv` on and off, alternating in one invocation.
 
     python bench/kv_move.py                        # 12 steps, 2 repeats of each
