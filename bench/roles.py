@@ -1,5 +1,5 @@
 """Where each role's time goes: a py-spy profile of a whole run, bucketed per process (leader, train follower,
-rollout rank, colocated rank) into the phases of a step (issue 20's profile tables).
+rollout rank, colocated rank) into the phases of a step, one table per role.
 
     py-spy record -r 100 --format raw --subprocesses -o prof.txt -- \\
         torchrun --nproc_per_node=4 train.py --config configs/tiny.toml --train.steps=60

@@ -1,8 +1,8 @@
-"""End to end against TRL's GRPOTrainer on the same job, alternating runs in one invocation (issue 20).
+"""End to end against TRL's GRPOTrainer on the same job, alternating runs in one invocation.
 
     pip install -e ".[bench]"                      # trl: a benchmark-only dependency, never needed by the job
     python bench/vs_trl.py                         # tiny default (150 steps) + long generations, every mode
-    python bench/vs_trl.py --trl-python /work/trl-venv/bin/python --repeats 2
+    python bench/vs_trl.py --trl-python PY --repeats 2   # PY: the python of a venv with trl installed
     python bench/vs_trl.py --quick --skip-trl      # the machinery in a few steps (the suite runs this)
     python bench/vs_trl.py --settings tiny --seed 1   # another sampling seed on both sides (reward curves)
 
@@ -35,7 +35,7 @@ The last line: TRL's N-step wall time over ours, per mode and setting (medians o
 Allocator: our CPU ranks keep freed heap memory for reuse (runtime/malloc.py, `cluster.cpu_keep_freed_memory`, on
 by default). TRL runs as a new user runs it, with glibc's default thresholds, unless `--trl-allocator kept` gives its
 process the same settings through glibc's environment variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_):
-the comparison with that difference removed (TRL's long job gained 13-14% from it on 2026-11-27).
+the comparison with that difference removed (TRL's long job gained 13-14% from it: bench/results/cpu-vs-trl.md).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """bench/gpu.py --dry-run: the whole GPU campaign's code paths on CPU at tiny sizes, each section in its own process,
-so the campaign cannot die on its first GPU minute; and --report turns its results file into RESULTS.md rows."""
+so the campaign cannot die on its first GPU minute; and --report turns its results file into the rows of its
+report (bench/results/gpu-<device>.md)."""
 from __future__ import annotations
 
 import json

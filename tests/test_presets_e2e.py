@@ -196,11 +196,11 @@ def test_laminar_with_a_full_experience_buffer_evicts_on_real_ranks_and_keeps_th
 
 @pytest.mark.parametrize("migrate_kv,colocate", [(True, False), (False, False), (True, True)])
 def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(migrate_kv, colocate, tmp_path):
-    """Laminar's repack forced often (bench/RESULTS.md "Migrated KV on real ranks"): with `rollout.migrate_kv` the
-    migrated trajectories carry their KV and the resuming engines adopt it as cached; switched off, none carries KV,
-    nothing is adopted and the resuming engines re-prefill. Either way every step trains and the off-policy
-    invariants hold; in colocated mode too (2 ranks, each an engine and a trainer shard). The repack monitor runs
-    every 10 ms: on a fast host a round's tail lasts less than its old 50 ms period, and colocated runs saw 0-186
+    """Laminar's repack forced often (bench/results/cpu-runtime.md "Migrated KV on real ranks"): with
+    `rollout.migrate_kv` the migrated trajectories carry their KV and the resuming engines adopt it as cached; switched
+    off, none carries KV, nothing is adopted and the resuming engines re-prefill. Either way every step trains and the
+    off-policy invariants hold; in colocated mode too (2 ranks, each an engine and a trainer shard). The repack monitor
+    runs every 10 ms: on a fast host a round's tail lasts less than its old 50 ms period, and colocated runs saw 0-186
     migrations (three runs) where every run now sees ~200."""
     from tests.test_offpolicy_presets import check_offpolicy_log
     run = tmp_path / "laminar"
