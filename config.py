@@ -6,7 +6,9 @@ Every key is declared once, in its section below, with its default, its range or
 One generic validator, `build`, maps a TOML table onto a dataclass (types, declared constraints, then the
 class's cross-field `check()`); policy modules call it on their free-form `[sched.<kind>]` tables. Mistakes raise
 `ConfigError` before any work starts, naming the dotted key, its source (file or "command line") and what is
-allowed. `[sched]` holds the run's own sub-tables; `sched.load_preset` lays them over the preset file.
+allowed. `[sched]` holds the run's own sub-tables; `sched.load_preset` lays them over the preset file. `[perf]`
+holds the keys for benchmarks and CPU tuning, which a GPU user never needs. `describe()` lists every key (what
+`train.py --help` prints).
 """
 from __future__ import annotations
 

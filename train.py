@@ -3,8 +3,11 @@ pluggable policies (sched/). One entry point for every rank.
 
     # the tiny offline default (random tiny model, synthetic task): 1 rollout rank + 3 train ranks on CPU
     torchrun --nproc_per_node=4 train.py --config configs/tiny.toml
-    # any key can be overridden from the command line
+    # any key can be overridden from the command line; `python train.py --help` lists them all
     torchrun --nproc_per_node=4 train.py --config configs/tiny.toml --train.steps=20 --sched.preset=sync
+    # one mechanism of the preset replaced (and a parameter of it set)
+    torchrun --nproc_per_node=4 train.py --config configs/tiny.toml --sched.dispatch=fewest_tokens \
+        --sched.dispatch.max_groups_per_call=4
     # check a config on any machine (no GPU, no weights): rank plan, data, memory plan for the target GPU
     python train.py --config configs/qwen3-1.7b-math-8gpu.toml --check
     # one GPU: engine and trainer share the device (colocated)
