@@ -6,7 +6,9 @@ Every key is declared once, in its section below, with its default, its range or
 One generic validator, `build`, maps a TOML table onto a dataclass (types, declared constraints, then the
 class's cross-field `check()`); policy modules call it on their free-form `[sched.<kind>]` tables. Mistakes raise
 `ConfigError` before any work starts, naming the dotted key, its source (file or "command line") and what is
-allowed. `[sched]` holds the run's own sub-tables; `sched.load_preset` lays them over the preset file.
+allowed. `[sched]` holds the run's own sub-tables; `sched.load_preset` lays them over the preset file. `[perf]`
+holds the keys for benchmarks and CPU tuning, which a GPU user never needs. `describe()` lists every key (what
+`train.py --help` prints).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import functools
 import operator
 import re
 import sys
+import textwrap
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -82,7 +85,6 @@ class DataConfig:
 class RewardConfig:
     kind: str = F("synthetic", choices=("synthetic", "math", "exact"), help="task checker | math-verify | exact")
     timeout_s: float = F(5.0, gt=0, help="verifier time limit per response; a timeout scores 0")
-    format_weight: float = F(0.0, ge=0, help="partial credit for a well-formed but wrong answer")
     async_workers: int = F(0, ge=0, help="threads scoring finished samples while the engine decodes (RollPacker "
                            "§4.3), each call under an adaptive per-prompt timeout capped at timeout_s; 0 = inline")
     timeout_scale: float = F(1.5, ge=1, help="async scoring: a prompt's timeout = scale x its slowest correct run")
@@ -107,14 +109,6 @@ class RolloutConfig:
     max_num_seqs: int = F(256, ge=1, help="most sequences in one engine batch")
     max_batch_tokens: int = F(16384, ge=1, help="most tokens (prefill + decode) in one engine step")
     cuda_graphs: bool = F(True, help="capture decode steps as CUDA graphs (GPU only; ignored on CPU)")
-    cpu_forward: bool = F(True, help="CPU fp32 engines of small models: each step's whole forward in one C call, the "
-                          "same bits as op by op (engine/cpu_forward.py; ignored where it does not apply)")
-    cpu_decode_steps: int = F(16, ge=1, help="with cpu_forward: decode steps run in one C call when every running "
-                              "sequence decodes, samples plainly and is seeded (engine/engine.py; same tokens as "
-                              "step by step); 1 = off")
-    ignore_eos: bool = F(False, help="benchmarks: every response runs to max_new_tokens, EOS sampled as any token")
-    migrate_kv: bool = F(True, help="a migrated request's KV goes to the rank resuming it (Laminar repack, "
-                         "StaleFlow migration); false: it is re-prefilled there (to measure what the move saves)")
 
 
 @dataclass
@@ -130,9 +124,6 @@ class TrainConfig:
     grad_clip: float = F(1.0, gt=0, help="max global gradient norm")
     micro_batch_tokens: int = F(16384, ge=1, help="packed tokens per forward/backward on one train rank")
     activation_checkpointing: bool = F(False, help="recompute each block's activations in backward")
-    fused_kernels: bool = F(True, help="RMSNorm, SwiGLU and the rotary embedding as one kernel each way: Triton on "
-                            "CUDA, C on the CPU in fp32, where the attention and the MLP are C kernels too "
-                            "(trainer/fused.py); false: the eager modules")
     fsdp_unit: str = F("block", choices=("block", "model"),
                        help="FSDP2 units: one per transformer block (gathered one at a time: memory-frugal) or one "
                             "for the whole model (one all-gather and one reduce-scatter a micro-batch: for small "
@@ -163,11 +154,16 @@ class TrainConfig:
 @dataclass
 class SchedConfig:
     preset: str = F("sync", help="scheduling preset: configs/sched/<preset>.toml")
-    dispatch: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's dispatch module")
-    handoff: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's handoff module")
-    update: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's update module")
-    weight_sync: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's weight_sync module")
-    rebalance: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's rebalance module")
+    dispatch: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's dispatch "
+                                  "module (--sched.dispatch=NAME, --sched.dispatch.PARAM=V)")
+    handoff: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's handoff "
+                                 "module (--sched.handoff=NAME, --sched.handoff.PARAM=V)")
+    update: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's update "
+                                "module (--sched.update=NAME, --sched.update.PARAM=V)")
+    weight_sync: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's weight_sync "
+                                     "module (--sched.weight_sync=NAME, --sched.weight_sync.PARAM=V)")
+    rebalance: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's rebalance "
+                                   "module (--sched.rebalance=NAME, --sched.rebalance.PARAM=V)")
 
     def overrides(self) -> dict[str, dict[str, Any]]:
         """The run's per-kind tables, laid over the preset file by sched.load_preset."""
@@ -185,21 +181,11 @@ class ClusterConfig:
                          "send, queue) without progress from the ranks it waits on this long, ends the job with a "
                          "stall report (runtime/watchdog.py); must exceed the longest single unit of work (an engine "
                          "step, a micro-batch, a checkpoint shard write), not the longest step")
-    cpu_threads: int = F(1, ge=0, help="torch threads per CPU rank; 0 = cores / ranks on the node (more threads "
-                         "than free cores make small ops many times slower)")
-    cpu_keep_freed_memory: bool = F(True, help="CPU ranks: the C allocator keeps freed blocks of up to 32 MiB for "
-                                    "reuse (glibc mallopt, runtime/malloc.py) instead of returning them to the OS, so "
-                                    "a train step does not page-fault its activations back in every micro-batch; a "
-                                    "rank then holds its peak heap until it exits")
     verify_weights: bool = F(True, help="checksum every published tensor on the engines; a mismatch stops the run")
     relay: str = F("broadcast", choices=("broadcast", "chain"),
                    help="how a publication reaches the rollout ranks' relays: one broadcast from the train leader, "
                         "or Laminar's relay chain (the leader sends to the first rollout rank only, each relay "
                         "forwards to the next, pipelined: the trainer's stall is one copy)")
-    cpu_affinity: str = F("none", choices=("none", "partition"),
-                          help="partition = pin each partition's ranks to its own share of this node's cores (rollout "
-                          "ranks on the last ones, in proportion to rank counts, at least one each): disaggregated "
-                          "pools on one CPU box, so one partition's idle time is not the other's")
     world_size: int = F(0, ge=0, help="ranks this config is written for (nodes x GPUs per node), what `train.py "
                         "--check` plans with; 0 = $WORLD_SIZE, else 1. A run uses torchrun's world either way")
     device_memory_gib: float = F(0.0, ge=0, help="memory of one GPU in GiB that `train.py --check` plans for "
@@ -214,7 +200,6 @@ class LogConfig:
     wandb_entity: str = F("", help="wandb team or user; '' = your default")
     progress: bool = F(True, help="progress bar on the console")
     every: int = F(1, ge=1, help="log metrics every N steps")
-    level: str = F("info", choices=("debug", "info", "warning", "error"), help="console log level")
 
 
 @dataclass
@@ -224,6 +209,42 @@ class CheckpointConfig:
     keep: int = F(2, ge=1, help="newest checkpoints kept on disk")
     resume: str = F("", help="'' = fresh start, 'latest' = newest in dir, or a checkpoint path")
     export_hf: bool = F(True, help="also write the final weights in the Hugging Face layout")
+
+
+@dataclass
+class PerfConfig:
+    """For benchmarks and CPU tuning; a GPU user never needs these. Keys that lived in other sections before are
+    listed in MOVED: giving one at its old place is a ConfigError naming the new one."""
+    ignore_eos: bool = F(False, help="benchmarks: every response runs to max_new_tokens, EOS sampled as any token")
+    migrate_kv: bool = F(True, help="a migrated request's KV goes to the rank resuming it (Laminar repack, "
+                         "StaleFlow migration); false: it is re-prefilled there (to measure what the move saves)")
+    fused_kernels: bool = F(True, help="RMSNorm, SwiGLU and the rotary embedding as one kernel each way: Triton on "
+                            "CUDA, C on the CPU in fp32, where the attention and the MLP are C kernels too "
+                            "(trainer/fused.py); false: the eager modules")
+    cpu_forward: bool = F(True, help="CPU fp32 engines of small models: each step's whole forward in one C call, the "
+                          "same bits as op by op (engine/cpu_forward.py; ignored where it does not apply)")
+    cpu_decode_steps: int = F(16, ge=1, help="with cpu_forward: decode steps run in one C call when every running "
+                              "sequence decodes, samples plainly and is seeded (engine/engine.py; same tokens as "
+                              "step by step); 1 = off")
+    cpu_threads: int = F(1, ge=0, help="torch threads per CPU rank; 0 = cores / ranks on the node (more threads "
+                         "than free cores make small ops many times slower)")
+    cpu_keep_freed_memory: bool = F(True, help="CPU ranks: the C allocator keeps freed blocks of up to 32 MiB for "
+                                    "reuse (glibc mallopt, runtime/malloc.py) instead of returning them to the OS, so "
+                                    "a train step does not page-fault its activations back in every micro-batch; a "
+                                    "rank then holds its peak heap until it exits")
+    cpu_affinity: str = F("none", choices=("none", "partition"),
+                          help="partition = pin each partition's ranks to its own share of this node's cores (rollout "
+                          "ranks on the last ones, in proportion to rank counts, at least one each): disaggregated "
+                          "pools on one CPU box, so one partition's idle time is not the other's")
+
+
+# old dotted key -> its new place; load_config rejects the old spelling with a one-line pointer
+MOVED = {"rollout.ignore_eos": "perf.ignore_eos", "rollout.migrate_kv": "perf.migrate_kv",
+         "train.fused_kernels": "perf.fused_kernels", "rollout.cpu_forward": "perf.cpu_forward",
+         "rollout.cpu_decode_steps": "perf.cpu_decode_steps", "cluster.cpu_threads": "perf.cpu_threads",
+         "cluster.cpu_keep_freed_memory": "perf.cpu_keep_freed_memory", "cluster.cpu_affinity": "perf.cpu_affinity"}
+# dotted keys that were declared but never read, and are gone
+REMOVED = {"reward.format_weight": "no reward function read it", "log.level": "nothing read it"}
 
 
 @dataclass
@@ -240,6 +261,7 @@ class Config:
     cluster: ClusterConfig = F(ClusterConfig, help="ranks and process groups")
     log: LogConfig = F(LogConfig, help="metrics, console, wandb")
     checkpoint: CheckpointConfig = F(CheckpointConfig, help="save, resume, export")
+    perf: PerfConfig = F(PerfConfig, help="for benchmarks and CPU tuning; a GPU user never needs these")
     sources: ClassVar[dict[str, str]] = {}  # set by load_config: dotted key -> file path or "command line"
 
     def check(self) -> Iterator[tuple[str, str]]:
@@ -267,8 +289,8 @@ class Config:
             yield "train.filter_zero_variance", "would drop every group: rollout.group_size is 1"
         if t.minibatches > r.prompts_per_step * r.group_size:
             yield "train.minibatches", f"must be <= samples per step = {r.prompts_per_step * r.group_size}"
-        if self.cluster.cpu_affinity == "partition" and self.cluster.colocate:
-            yield "cluster.cpu_affinity", "'partition' needs separate partitions; colocated ranks run both roles"
+        if self.perf.cpu_affinity == "partition" and self.cluster.colocate:
+            yield "perf.cpu_affinity", "'partition' needs separate partitions; colocated ranks run both roles"
 
 
 # -------------------------------------------------------------------------------------------- the validator
@@ -287,6 +309,10 @@ def _build(cls: type[T], mapping: Mapping[str, Any], prefix: str, where: Callabl
     kwargs = {}
     for key, value in mapping.items():
         dotted = _join(prefix, key)
+        if key not in known and dotted in MOVED:
+            raise ConfigError(f"{dotted} moved to {MOVED[dotted]} (from {where(dotted)})")
+        if key not in known and dotted in REMOVED:
+            raise ConfigError(f"{dotted} was removed: {REMOVED[dotted]} (from {where(dotted)})")
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {_join(prefix, close[0])}?" if close else "."
@@ -362,7 +388,9 @@ def _join(prefix: str, key: str) -> str:
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     """The Config from TOML file `path` (None = all defaults) with `--section.key=value` overrides applied in
     order. Override values are TOML values when they parse as one (1e-5, true, [0.9, 0.95], "x"), else bare
-    strings (--log.dir=runs/x); a string field always takes the text as written. Raises ConfigError."""
+    strings (--log.dir=runs/x); a string field always takes the text as written. `--sched.KIND=NAME` is short for
+    `--sched.KIND.name=NAME` (the mechanism of one kind; its parameters: `--sched.KIND.PARAM=V`). Raises
+    ConfigError."""
     raw: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if path is not None:
@@ -419,6 +447,8 @@ def _apply_override(raw: dict[str, Any], arg: str, sources: dict[str, str]) -> N
     except tomllib.TOMLDecodeError:
         value = text
     value = text if tp is str and not isinstance(value, str) else value
+    if parts[0] == "sched" and len(parts) == 2 and typing.get_origin(tp) is dict and isinstance(value, str):
+        parts, key = [*parts, "name"], f"{key}.name"   # --sched.dispatch=fifo is --sched.dispatch.name=fifo
     node = raw
     for i in range(1, len(parts)):  # walk (or make) the tables above the key
         node, here = node.setdefault(parts[i - 1], {}), ".".join(parts[:i])
@@ -462,6 +492,43 @@ def _write_table(obj: Any, prefix: str, lines: list[str]) -> None:
         if is_dataclass(value := getattr(obj, f.name)):
             lines += ["", f"[{_join(prefix, f.name)}]{_comment(f.metadata)}"]
             _write_table(value, _join(prefix, f.name), lines)
+
+
+def describe(cls: type = Config, prefix: str = "") -> str:
+    """Every key of `cls` (its sections in turn) as `--section.key=default  (type, allowed)` and its help below it:
+    the key reference `train.py --help` prints, generated from the dataclasses so it cannot drift from them."""
+    lines: list[str] = [] if prefix else ["top-level keys"]
+    hints, nested = typing.get_type_hints(cls), []
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            nested.append(f)
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        lines.append(f"  --{_join(prefix, f.name)}={_toml_value(default)}  ({_type_name(hints[f.name])}"
+                     f"{_allowed(f.metadata)})")
+        lines += textwrap.wrap(f.metadata.get("help", ""), 116, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                             break_on_hyphens=False)
+    for f in nested:
+        lines += ["", f"[{_join(prefix, f.name)}]  {f.metadata.get('help', '')}", describe(hints[f.name],
+                                                                                         _join(prefix, f.name))]
+    return "\n".join(lines)
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(getattr(a, '__name__', 'Any') for a in args)}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _allowed(meta: Mapping[str, Any]) -> str:
+    """`meta`'s constraints as text: ', one of a | b', ', >= 0 and < 1', ', 2 items'."""
+    out = [" | ".join(map(str, meta["choices"]))] if meta.get("choices") else []
+    syms = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    bounds = [f"{sym} {meta[k]:g}" for k, sym in syms.items() if meta.get(k) is not None]
+    out += [" and ".join(bounds)] if bounds else []
+    out += [f"{meta['length']} items"] if meta.get("length") is not None else []
+    return "".join(f", {o}" for o in out)
 
 
 def _comment(meta: Mapping[str, Any]) -> str:

@@ -3,8 +3,11 @@ pluggable policies (sched/). One entry point for every rank.
 
     # the tiny offline default (random tiny model, synthetic task): 1 rollout rank + 3 train ranks on CPU
     torchrun --nproc_per_node=4 train.py --config configs/tiny.toml
-    # any key can be overridden from the command line
+    # any key can be overridden from the command line; `python train.py --help` lists them all
     torchrun --nproc_per_node=4 train.py --config configs/tiny.toml --train.steps=20 --sched.preset=sync
+    # one mechanism of the preset replaced (and a parameter of it set)
+    torchrun --nproc_per_node=4 train.py --config configs/tiny.toml --sched.dispatch=fewest_tokens \
+        --sched.dispatch.max_groups_per_call=4
     # check a config on any machine (no GPU, no weights): rank plan, data, memory plan for the target GPU
     python train.py --config configs/qwen3-1.7b-math-8gpu.toml --check
     # one GPU: engine and trainer share the device (colocated)
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import sched
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, describe, load_config
 from runtime import watchdog
 from runtime.backend import RuntimeBackend
 from runtime.build import (RunParts, build_run, deterministic_algorithms, device_for_rank, import_train_side,
@@ -57,6 +60,25 @@ from trainer.publish import WeightReceiver
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
+
+
+USAGE = """\
+usage: torchrun --nproc_per_node=N train.py [--config FILE] [--section.key=value ...]
+       python train.py [--config FILE] [--section.key=value ...] --check
+       python train.py --help
+
+  --config FILE          a TOML run config (configs/*.toml): [section] tables of the keys below; a key it leaves out
+                         takes its default
+  --section.key=value    set one key, after the file, in order (--train.lr=1e-5 --log.dir=runs/x); the value is read
+                         as TOML when it parses (1e-5, true, [0.9, 0.95], "x"), else as the bare text
+  --sched.preset=NAME    the scheduling preset, configs/sched/NAME.toml (`python -m sched` lists the mechanisms)
+  --sched.KIND=NAME      replace the preset's mechanism of one kind (dispatch, handoff, update, weight_sync,
+  --sched.KIND.PARAM=V   rebalance), or set one of its parameters
+  --check                check the config, rank plan, data and memory plan on any machine (no GPU), then exit
+  --help, -h             this text
+
+keys (--section.key=default  (type, allowed values)), then what each does:
+"""
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -86,6 +108,9 @@ SHARED_GPU_FRACTION = 0.5   # a rule of thumb for an engine beside a trainer on 
 def main(argv: list[str]) -> int:
     # 1. configuration: every mistake is reported here, before any process group or model exists
     path, overrides = parse_args(argv)
+    if "--help" in overrides or "-h" in overrides:
+        print(USAGE + "\n" + describe())
+        return 0
     if "--check" in overrides:  # validate config, ranks, data and memory plan on any machine (runtime/preflight.py)
         from runtime.preflight import preflight
         return preflight(path, [a for a in overrides if a != "--check"])
@@ -124,15 +149,15 @@ def main(argv: list[str]) -> int:
 
     # 3. ranks and process groups; one run directory, named on rank 0
     topo = init_distributed(c.rollout_ranks, c.rollout_fraction, c.colocate, c.backend, c.timeout_s)
-    if c.cpu_affinity == "partition":
+    if cfg.perf.cpu_affinity == "partition":
         local, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         node_ranks = list(range(topo.rank - local, topo.rank - local + local_world))
         train_cores, rollout_cores = partition_cores(sorted(os.sched_getaffinity(0)), node_ranks, topo)
         pin_to_cores(rollout_cores if topo.is_rollout else train_cores)
     if topo.device.type == "cpu":
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(c.cpu_threads or max(1, (os.cpu_count() or 1) // local_ranks))
-        if c.cpu_keep_freed_memory:
+        torch.set_num_threads(cfg.perf.cpu_threads or max(1, (os.cpu_count() or 1) // local_ranks))
+        if cfg.perf.cpu_keep_freed_memory:
             keep_freed_memory()   # runtime/malloc.py: no page faults on each step's activations
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:

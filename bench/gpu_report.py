@@ -111,7 +111,7 @@ def rows(results: dict[str, Any]) -> list[str]:
             if not x.get("fused_kernels", True) and twin is not None:
                 peak = f"; peak {x['peak_gib']:.1f} GiB" if "peak_gib" in x else ""
                 out.append(f"| same, checkpointing {'on' if x['checkpointing'] else 'off'}: eager modules "
-                           f"(train.fused_kernels = false) vs the fused kernels, step time | "
+                           f"(perf.fused_kernels = false) vs the fused kernels, step time | "
                            f"{x['step_s'] / twin['step_s']:.2f}x ({x['step_s']:.3f} vs {twin['step_s']:.3f} s/step; "
                            f"eager MFU {x['mfu']:.3f}{peak}) | - | - |")
     if (r := res("grpo_step")) is not None:

@@ -1,5 +1,5 @@
 """KV move vs re-prefill on real ranks: Laminar's repack forced often, the same job with
-`rollout.migrate_kv` on and off, alternating in one invocation.
+`perf.migrate_kv` on and off, alternating in one invocation.
 
     python bench/kv_move.py                        # 12 steps, 2 repeats of each
     python bench/kv_move.py --steps 4 --repeats 1  # quick
@@ -79,7 +79,7 @@ def run_job(work: Path, tag: str, migrate_kv: bool, steps: int, period: float, t
     run_dir = work / tag
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "train.py", "--config",
            str(ROOT / "configs" / "tiny.toml"), f"--log.dir={run_dir}", f"--train.steps={steps}",
-           f"--sched.rebalance.period_s={period}", f"--rollout.migrate_kv={str(migrate_kv).lower()}", *JOB]
+           f"--sched.rebalance.period_s={period}", f"--perf.migrate_kv={str(migrate_kv).lower()}", *JOB]
     with open(work / f"{tag}.log", "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
     if proc.returncode != 0:

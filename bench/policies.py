@@ -3,7 +3,7 @@
     python bench/policies.py                       # sync and every preset (PRESETS), 12 rounds each
     python bench/policies.py --presets sync,rolloutpipe --widths 1,2,4 --repeats 3
 
-Disaggregated pools on one CPU box (`--affinity partition`, cluster.cpu_affinity): the two rollout ranks share one
+Disaggregated pools on one CPU box (`--affinity partition`, perf.cpu_affinity): the two rollout ranks share one
 core and the two train ranks the other, as the papers' rollout and train GPUs are separate; without it, four ranks
 time-share two cores and overlapping training with rollout has no idle hardware to reclaim.
 Each preset trains on the same number of samples (`--rounds` rounds of P prompts x G samples) of the
@@ -93,7 +93,7 @@ def torchrun_cmd(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -
             "train.py", "--config", "configs/tiny.toml", "--log.progress=false", f"--log.dir={run_dir}",
             f"--sched.preset={run.preset}", "--cluster.rollout_ranks=2", f"--train.steps={steps}",
             f"--rollout.prompts_per_step={args.prompts}", f"--rollout.group_size={args.group_size}",
-            "--checkpoint.export_hf=false", f"--cluster.cpu_affinity={args.affinity}", *WORKLOAD,
+            "--checkpoint.export_hf=false", f"--perf.cpu_affinity={args.affinity}", *WORKLOAD,
             f"--data.len_tail_min={lo}", f"--data.len_tail_max={hi}", f"--rollout.max_new_tokens={hi + 1}", *batch,
             *args.extra, *run.overrides]
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
                          "the synchronous baseline's trainer wait at ~45%%, the RolloutPipe paper's regime (Slime: "
                          "47-52%%); the tests' WORKLOAD has 24,32")
     ap.add_argument("--affinity", default="partition", choices=("partition", "none"),
-                    help="cluster.cpu_affinity: partition (default) = rollout ranks on one core, train ranks on the "
+                    help="perf.cpu_affinity: partition (default) = rollout ranks on one core, train ranks on the "
                          "other, the papers' disaggregated pools; none = all four ranks share both cores")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--port", type=int, default=29700)

@@ -19,7 +19,7 @@ one of SharedPrefixCausal's padded ways (default: its own rule: on CUDA in bf16 
 calls with no prompt query computed twice; rows vs auto compares them). On GPU the peak memory of the timed
 steps is printed beside `train.py --check`'s plan for the same settings (runtime/preflight.py), checking that plan
 on the device.
-The trainer's fused kernels (`train.fused_kernels`, trainer/fused.py: Triton RMSNorm, SwiGLU and rotary on CUDA)
+The trainer's fused kernels (`perf.fused_kernels`, trainer/fused.py: Triton RMSNorm, SwiGLU and rotary on CUDA)
 are on; `--eager off` runs the checkpointing-off mode once more with the eager modules, the baseline they replace.
 `--repeats N` runs each mode N times, alternating, each run a fresh trainer; a mode's figure is its median run,
 with the MFU range of its runs (two H200s gave 0.373 and 0.341 for the same code, one run each:
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=int)
     p.add_argument("--steps", type=int, default=3, help="timed train steps (after one warm-up step)")
     p.add_argument("--checkpointing", default="off,on", help="activation checkpointing modes to run")
-    p.add_argument("--eager", default="", help="checkpointing modes to run again with train.fused_kernels=false "
+    p.add_argument("--eager", default="", help="checkpointing modes to run again with perf.fused_kernels=false "
                    "(e.g. off): the eager modules' step time beside the fused kernels'")
     p.add_argument("--repeats", type=int, default=1, help="runs of each mode, alternating (each a fresh trainer); "
                    "a mode's figure is its median run, with the MFU range")
@@ -208,16 +208,16 @@ def force_shared_attention(way: str) -> None:
 def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, rate: float, fused: bool = True,
                profile: str | None = None) -> dict[str, Any]:
     """One trainer (fresh model, FSDP2 over one rank), one warm-up step, `args.steps` timed steps; fused: the
-    trainer's fused kernels (train.fused_kernels); profile: a path for one more step's torch.profiler table."""
+    trainer's fused kernels (perf.fused_kernels); profile: a path for one more step's torch.profiler table."""
     from runtime.preflight import train_items
     from trainer.trainer import Trainer
     cfg = load_config(None, [f"--train.micro_batch_tokens={args.micro_batch_tokens}", "--train.lr=1e-6",
                              f"--train.activation_checkpointing={str(checkpointing).lower()}",
-                             f"--train.fused_kernels={str(fused).lower()}",
+                             f"--perf.fused_kernels={str(fused).lower()}",
                              f"--train.share_prompts={str(args.share_prompts == 'on').lower()}",
                              f"--data.max_prompt_tokens={args.prompt}", f"--rollout.max_new_tokens={args.response}"])
     trainer = Trainer(random_model(m, args.device), cfg.train, group=dist.group.WORLD, device=args.device,
-                      max_response_len=args.response)
+                      max_response_len=args.response, fused_kernels=cfg.perf.fused_kernels)
     groups = synthetic_groups(args.seqs, args.prompt, args.response, m.vocab_size)
     packed: list[Any] = []
     micro_batches = trainer._micro_batches

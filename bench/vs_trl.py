@@ -20,7 +20,7 @@ Settings:
     long   long generations, same model shape: the `repeat` task with every answer `--long-len` symbols long
            (rl/tasks.py LengthDist with the whole mass in the tail), `--long-steps` steps, every response exactly
            `--long-len` tokens on both sides (a random-init model samples EOS within ~20 tokens, so the length is
-           fixed instead): ours `rollout.ignore_eos` (EOS sampled as an ordinary token), TRL
+           fixed instead): ours `perf.ignore_eos` (EOS sampled as an ordinary token), TRL
            `generation_kwargs = {"min_new_tokens": L}` (EOS masked out until L); both train on all L tokens
 Modes: `trl` (GRPOTrainer, 1 process, in a subprocess run by `--trl-python`, the interpreter that has trl),
 `colocated` (ours, 1 process: `torchrun --nproc_per_node=1 ... --cluster.colocate=true`) and `disagg` (ours, the
@@ -32,7 +32,7 @@ checkpoint and teardown included), completion tokens per second over the N steps
 and last 10 steps, and the peak resident memory of all its processes together (/proc, sampled every 0.2 s).
 The last line: TRL's N-step wall time over ours, per mode and setting (medians over repeats).
 
-Allocator: our CPU ranks keep freed heap memory for reuse (runtime/malloc.py, `cluster.cpu_keep_freed_memory`, on
+Allocator: our CPU ranks keep freed heap memory for reuse (runtime/malloc.py, `perf.cpu_keep_freed_memory`, on
 by default). TRL runs as a new user runs it, with glibc's default thresholds, unless `--trl-allocator kept` gives its
 process the same settings through glibc's environment variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_):
 the comparison with that difference removed (TRL's long job gained 13-14% from it: bench/results/cpu-vs-trl.md).
@@ -78,7 +78,7 @@ class Setting:
         if self.task == "repeat":
             n = self.answer_len
             out += ["--data.task=repeat", "--data.len_body_max=1", f"--data.len_tail_min={n}",
-                    f"--data.len_tail_max={n}", "--data.len_tail_frac=1.0", "--rollout.ignore_eos=true",
+                    f"--data.len_tail_max={n}", "--data.len_tail_frac=1.0", "--perf.ignore_eos=true",
                     f"--rollout.kv_cache_tokens={256 * (n + 32)}", f"--train.micro_batch_tokens={64 * (n + 16)}"]
         return out
 
@@ -273,7 +273,7 @@ def run_ours(s: Setting, mode: str, work: Path, tag: str, threads: int, seed: in
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "train.py", "--config",
            str(TINY_CONFIG), f"--log.dir={run_dir}", "--log.progress=false", f"--seed={seed}", *s.overrides()]
     if mode == "colocated":
-        cmd += ["--cluster.colocate=true", "--cluster.world_size=1", f"--cluster.cpu_threads={threads}"]
+        cmd += ["--cluster.colocate=true", "--cluster.world_size=1", f"--perf.cpu_threads={threads}"]
     total, peak = launch(cmd, work / f"{mode}-{s.name}-{tag}.log")
     return ours_result(run_dir, mode, s.name, total, peak)
 

@@ -159,7 +159,7 @@ def make_trainer(cfg: Config, model: torch.nn.Module, topo: Topology) -> tuple[T
     ref = copy.deepcopy(model) if cfg.train.kl_coef > 0 else None
     trainer = Trainer(model, cfg.train, group=topo.train_group, device=topo.device, ref_model=ref,
                       temperature=cfg.rollout.temperature or 1.0, max_response_len=cfg.rollout.max_new_tokens,
-                      progress=progress)
+                      fused_kernels=cfg.perf.fused_kernels, progress=progress)
     if topo.colocate:
         return trainer, None
     publisher = WeightPublisher(trainer.model, topo.publish_group, topo.train_group,
@@ -180,5 +180,5 @@ def make_engine(cfg: Config, model: torch.nn.Module, parts: RunParts, topo: Topo
     return LLMEngine(model, EngineConfig(
         block_size=r.kv_block_size, num_kv_tokens=None if on_gpu else r.kv_cache_tokens,
         memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
-        cuda_graphs=r.cuda_graphs, cpu_forward=r.cpu_forward,
-        cpu_decode_steps=r.cpu_decode_steps, seed=cfg.seed), tokenizer=parts.tokenizer, version=-1)
+        cuda_graphs=r.cuda_graphs, cpu_forward=cfg.perf.cpu_forward,
+        cpu_decode_steps=cfg.perf.cpu_decode_steps, seed=cfg.seed), tokenizer=parts.tokenizer, version=-1)

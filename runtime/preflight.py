@@ -74,7 +74,7 @@ def saved_bytes_per_token(m: ModelConfig, b: int, fused: bool = False) -> float:
     fp32 on CPU). Counted from model/transformer.py: RMSNorms (`norm_bytes`); linears save their inputs; SiLU x up
     saves gate, up and SiLU(gate), down its input; rotary saves only cos/sin (shared per token, counted outside the
     blocks); attention keeps q, k, v, out and a fp32 log-sum-exp. `fused`: the trainer's Triton modules
-    (trainer/fused.py, train.fused_kernels on a GPU), whose norms keep their input and SwiGLU its gate and up."""
+    (trainer/fused.py, perf.fused_kernels on a GPU), whose norms keep their input and SwiGLU its gate and up."""
     H, I, qd, kvd = m.hidden_size, m.intermediate_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     norm = norm_bytes(b, fused)
     per = 2 * (norm + b) * H + 8  # two norms: what they save, their outputs (the next linears' input), rsqrt
@@ -154,7 +154,7 @@ def train_items(m: ModelConfig, cfg: Config, shards: int, b: int, gpu: bool) -> 
         items.append(Item("unsharded gradients in flight", (b + 4) * (root_params(m) + block_params(m)),
                           "root and one block before their reduce-scatter (fp32 reduction)"))
     tokens = max(t.micro_batch_tokens, max_sequence(cfg))
-    fused = gpu and t.fused_kernels   # the trainer's Triton modules (trainer/fused.py)
+    fused = gpu and cfg.perf.fused_kernels   # the trainer's Triton modules (trainer/fused.py)
     return items + activation_items(m, tokens, b, t.activation_checkpointing, fused, varlen=gpu and t.share_prompts)
 
 

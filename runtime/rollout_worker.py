@@ -169,11 +169,11 @@ class RolloutWorker:
         return cls(engine, channel, engine_index=topo.engine_of(topo.rank), rank=topo.rank, reward_fn=parts.reward_fn,
                    decode=response_decoder(parts.tokenizer, engine.eos_ids), receiver=receiver,
                    sampling=SamplingConfig(r.temperature, r.top_p, r.top_k, r.max_new_tokens, cfg.seed,
-                                           ignore_eos=r.ignore_eos,
+                                           ignore_eos=cfg.perf.ignore_eos,
                                            report_progress=preset is not None and preset.reads_progress(),
                                            counters_every_s=preset.counters_period_s() if preset else None), t0=t0,
                    verify_weights=cfg.cluster.verify_weights,
-                   scorer=reward_scorer(cfg, parts.reward_fn), kv_group=topo.kv_group if r.migrate_kv else None,
+                   scorer=reward_scorer(cfg, parts.reward_fn), kv_group=topo.kv_group if cfg.perf.migrate_kv else None,
                    failures_isolated=preset.failures_isolated() if preset is not None and not topo.colocate else 0,
                    **kw)
 

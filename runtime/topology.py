@@ -176,18 +176,18 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
 
 
 def partition_cores(cores: list[int], node_ranks: list[int], topo: Topology) -> tuple[list[int], list[int]]:
-    """(train cores, rollout cores) of this node under cluster.cpu_affinity = "partition": the node's rollout
+    """(train cores, rollout cores) of this node under perf.cpu_affinity = "partition": the node's rollout
     ranks get a share of `cores` (its usable CPUs) in proportion to their count, rounded, at least one core, the
     last ones; its train ranks the rest, so the two partitions never compete for a core, as on separate devices.
     A node holding one partition only gives it every core."""
     if topo.colocate:
-        raise ValueError("cluster.cpu_affinity = 'partition' needs separate partitions; colocated ranks run both")
+        raise ValueError("perf.cpu_affinity = 'partition' needs separate partitions; colocated ranks run both")
     n_roll = sum(r in topo.rollout_ranks for r in node_ranks)
     n_train = len(node_ranks) - n_roll
     if n_roll == 0 or n_train == 0:
         return cores, cores
     if len(cores) < 2:
-        raise ValueError(f"cluster.cpu_affinity = 'partition' needs at least 2 CPUs on a node holding both "
+        raise ValueError(f"perf.cpu_affinity = 'partition' needs at least 2 CPUs on a node holding both "
                          f"partitions; this one has {len(cores)}")
     k = max(1, min(len(cores) - 1, round(len(cores) * n_roll / len(node_ranks))))
     return cores[:len(cores) - k], cores[len(cores) - k:]

@@ -9,8 +9,9 @@ it imports sched.policies, which registers the built-in mechanisms. Nothing else
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+from config import load_config
 from sched.base import KIND_BASES, REGISTRY, Preset, build_policy
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "sched"
@@ -51,4 +52,16 @@ def load_preset(preset: str, overrides: Mapping[str, Mapping[str, Any]] | None =
     return Preset(**{k: build_policy(k, tables[k], source, f"sched.{k}", key_sources) for k in KIND_BASES})
 
 
-__all__ = ["REGISTRY", "Preset", "load_preset", "preset_tables"]
+def command_line_overrides(args: Sequence[str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """(per-kind override tables, their key sources) from `--sched.KIND=NAME` / `--sched.KIND.PARAM=V` arguments,
+    read by config.load_config exactly as train.py reads them; pass both to `load_preset`. For a tool that runs
+    presets without a run config (python -m sim.compare). Raises ValueError (a ConfigError) on a bad argument."""
+    for a in args:
+        if not a.startswith("--sched.") or a.startswith("--sched.preset"):
+            raise ValueError(f"unrecognized argument {a!r}: only --sched.KIND=NAME and --sched.KIND.PARAM=V overrides "
+                             "are taken here")
+    cfg = load_config(None, args)
+    return cfg.sched.overrides(), cfg.sources
+
+
+__all__ = ["REGISTRY", "Preset", "command_line_overrides", "load_preset", "preset_tables"]

@@ -1,6 +1,10 @@
 """Every scheduling preset in configs/sched/*.toml on one common long-tail workload, side by side.
 
     python -m sim.compare [--gpus 64] [--trace FILE.jsonl] [--seed 0] [--out runs/compare] [--json]
+    python -m sim.compare --presets sync --sched.dispatch=fewest_tokens      # one policy, no preset file written
+
+`--presets a,b` runs only those presets; `--sched.KIND=NAME` and `--sched.KIND.PARAM=V` change the mechanisms of
+every preset run, read by the same code as train.py's (config.load_config, then sched.load_preset).
 
 Setting (defaults): RollPacker's 7B/8k long-tail workload (sim/workload.py) on the h800_7b cost profile, GPUs split
 half engines (TP 1) and half trainer, GRPO groups of 8, 128 prompts per round (RollPacker's P0), and each preset runs
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import sched
+from sched.base import Preset
 from sim.run import draw_timeline, simulate
 from sim.workload import get_workload, load_trace, TraceError
 
@@ -53,11 +58,20 @@ def trained_tokens(events: list) -> tuple[float, float]:
     return sum(d.get("tokens", 0.0) for d in done), (trained / generated if generated else 0.0)
 
 
-def run_one(name: str, args: argparse.Namespace, workload: Any, out: Path | None) -> dict[str, Any]:
+def with_overrides(args: list[str], presets: list[str]) -> dict[str, Preset]:
+    """Each of `presets` with the `--sched.KIND=NAME` / `--sched.KIND.PARAM=V` overrides `args` laid over it, read as
+    train.py reads them. Raises ValueError naming the bad argument or key."""
+    overrides, sources = sched.command_line_overrides(args)
+    return {name: sched.load_preset(name, overrides, sources) for name in presets}
+
+
+def run_one(name: str, args: argparse.Namespace, workload: Any, out: Path | None,
+            preset: Preset | None = None) -> dict[str, Any]:
+    """One preset's row; `preset`: its mechanisms already built (with overrides), else loaded from its file."""
     try:
         engines, train = max(1, args.gpus // 2), max(1, args.gpus - args.gpus // 2)
         samples = args.rounds * args.prompts * args.group_size
-        r = simulate(name, workload, args.cost, engines, train, steps=10**9, group_size=args.group_size,
+        r = simulate(preset or name, workload, args.cost, engines, train, steps=10**9, group_size=args.group_size,
                      prompts_per_step=args.prompts, seed=args.seed, samples=samples)
         m = r.metrics
         tokens, ratio = trained_tokens(r.events)
@@ -106,18 +120,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the table as a JSON list of rows")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing presets")
-    args = ap.parse_args(argv)
+    ap.add_argument("--presets", help="comma-separated presets to run (default: every configs/sched/*.toml)")
+    args, extra = ap.parse_known_args(argv)
     if args.gpus < 2:
         ap.error("--gpus must be at least 2 (one engine, one train GPU)")
+    names = presets()
+    chosen = [p for p in (args.presets or "").split(",") if p] or names
+    unknown = [p for p in chosen if p not in names]
+    if unknown:
+        ap.error(f"--presets: no configs/sched/<name>.toml for {', '.join(unknown)}; presets: {', '.join(names)}")
     try:
         workload = load_trace(args.trace) if args.trace else get_workload(args.workload, args.seed)
+        built = with_overrides(extra, chosen) if extra else {}
     except (TraceError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = None if args.no_plots else Path(args.out)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    rows = [run_one(name, args, workload, out) for name in presets()]
+    rows = [run_one(name, args, workload, out, built.get(name)) for name in chosen]
+    if extra and not args.json:
+        print(f"sched overrides, every preset: {' '.join(extra)}")
     print(json.dumps(rows) if args.json else format_table(rows))
     if out is not None and not args.json:
         print(f"timelines: {out}/<preset>.png")

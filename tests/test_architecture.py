@@ -4,6 +4,10 @@ importing another paper's, and no import cycle. Each rule is also run on a small
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,3 +149,38 @@ def test_python_m_sched_lists_every_mechanism_with_its_file_and_paper(capsys):
             if name.startswith(paper):
                 assert path.startswith(f"sched/policies/{paper}"), (name, path)
     assert main() == 0 and "sched/policies/staleflow/dispatch.py" in capsys.readouterr().out
+
+
+NEW_MECHANISM = '''from dataclasses import dataclass
+
+from sched.base import Dispatch, register
+
+
+@register
+class Dropped(Dispatch):
+    """A file dropped into sched/policies/, imported nowhere."""
+    name = "dropped_in"
+    paper = "none: the discovery test"
+
+    @dataclass
+    class Params:
+        pass
+
+    def admit(self, v):
+        return []
+'''
+
+
+def test_a_policy_file_dropped_into_sched_policies_is_found_without_editing_another_file(tmp_path):
+    """sched/policies/__init__.py imports every module and subpackage of its folder: a copy of the sched tree with
+    one more file in it lists that file's mechanism in `python -m sched`, nothing else edited."""
+    shutil.copytree(ROOT / "sched", tmp_path / "sched", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "configs" / "sched", tmp_path / "configs" / "sched")
+    (tmp_path / "sched" / "policies" / "zz_dropped.py").write_text(NEW_MECHANISM)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    out = subprocess.run([sys.executable, "-m", "sched"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert ["dispatch", "dropped_in", "sched/policies/zz_dropped.py", "none:", "the", "discovery", "test"] in rows
+    assert any(r[:3] == ["dispatch", "fifo", "sched/policies/sync.py"] for r in rows)   # the built-in ones still

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from config import F, Config, ConfigError, build, load_config, resolve_run_dir, save_config, to_toml
+from config import (MOVED, REMOVED, F, Config, ConfigError, PerfConfig, build, describe, load_config, resolve_run_dir,
+                    save_config, to_toml)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.toml"
@@ -103,6 +105,8 @@ def reload(cfg: Config) -> Config:
     ("--sched.update.ratio=0.5", lambda c: c.sched.update, {"ratio": 0.5}),
     ('--sched.rebalance={name = "repack", every = 2}', lambda c: c.sched.rebalance, {"name": "repack", "every": 2}),
     ("--sched.dispatch.deep.x=[1, 2]", lambda c: c.sched.dispatch, {"deep": {"x": [1, 2]}}),
+    ("--perf.cpu_affinity=partition", lambda c: c.perf.cpu_affinity, "partition"),
+    ("--perf.cpu_decode_steps=1", lambda c: c.perf.cpu_decode_steps, 1),
 ])
 def test_override_of_every_type(arg, get, expected):
     cfg = load_config(None, [arg])
@@ -111,6 +115,18 @@ def test_override_of_every_type(arg, get, expected):
     if isinstance(value, list):
         assert [type(v) for v in value] == [type(v) for v in expected]
     assert cfg.sources[arg[2:].split("=")[0]] == "command line"
+
+
+def test_a_bare_name_for_a_sched_kind_is_its_mechanism_name():
+    """--sched.KIND=NAME is short for --sched.KIND.name=NAME, and mixes with parameters in either order."""
+    short = load_config(None, ["--sched.dispatch=fewest_tokens", "--sched.dispatch.max_groups_per_call=4"])
+    long = load_config(None, ["--sched.dispatch.name=fewest_tokens", "--sched.dispatch.max_groups_per_call=4"])
+    assert short.sched.dispatch == long.sched.dispatch == {"name": "fewest_tokens", "max_groups_per_call": 4}
+    assert short.sources["sched.dispatch.name"] == "command line"
+    later = load_config(None, ["--sched.handoff.k=2", "--sched.handoff=stream"]).sched.handoff
+    assert later == {"k": 2, "name": "stream"}
+    assert load_config(None, ['--sched.rebalance={name = "repack"}']).sched.rebalance == {"name": "repack"}
+    assert load_config(None, ["--sched.preset=laminar"]).sched.preset == "laminar"   # a plain string key stays one
 
 
 def test_overrides_beat_the_file_and_later_overrides_beat_earlier(tmp_path):
@@ -127,6 +143,32 @@ def test_override_can_fix_a_cross_field_problem_in_the_file(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+def test_a_moved_key_names_its_new_place_from_a_file_and_the_command_line(tmp_path, old, new):
+    section, key = old.split(".")
+    value = dataclasses.asdict(PerfConfig())[key]
+    toml_value = str(value).lower() if isinstance(value, bool) else f'"{value}"' if isinstance(value, str) else value
+    path = write(tmp_path, f"[{section}]\n{key} = {toml_value}\n")
+    assert error(path) == f"{old} moved to {new} (from {path})"
+    assert error(None, [f"--{old}={toml_value}"]) == f"{old} moved to {new} (from command line)"
+    assert new.startswith("perf.") and load_config(None, [f"--{new}={toml_value}"]).perf == PerfConfig()
+
+
+@pytest.mark.parametrize("key", sorted(REMOVED))
+def test_a_removed_key_says_so(tmp_path, key):
+    section, name = key.split(".")
+    msg = error(write(tmp_path, f"[{section}]\n{name} = 1\n"))
+    assert msg.startswith(f"{key} was removed: ") and "run.toml" in msg
+    assert not any(f.name == name for f in dataclasses.fields(getattr(Config(), section)))
+
+
+def test_the_perf_section_holds_the_benchmark_and_cpu_tuning_keys():
+    assert {f.name for f in dataclasses.fields(PerfConfig)} == {k.split(".")[1] for k in MOVED.values()}
+    assert Config().perf == PerfConfig(ignore_eos=False, migrate_kv=True, fused_kernels=True, cpu_forward=True,
+                                       cpu_decode_steps=16, cpu_threads=1, cpu_keep_freed_memory=True,
+                                       cpu_affinity="none")
+
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
@@ -262,7 +304,7 @@ def test_missing_config_file_lists_what_is_there(tmp_path):
      "would drop every group"),
     (["--train.minibatches=9", "--rollout.prompts_per_step=2", "--rollout.group_size=4"], "train.minibatches = 9",
      "must be <= samples per step = 8"),
-    (["--cluster.cpu_affinity=partition", "--cluster.colocate=true"], 'cluster.cpu_affinity = "partition"',
+    (["--perf.cpu_affinity=partition", "--cluster.colocate=true"], 'perf.cpu_affinity = "partition"',
      "needs separate partitions"),
 ])
 def test_cross_field_checks(overrides, key, problem):
@@ -355,7 +397,7 @@ def nondefault_config() -> Config:
     cfg.model.path, cfg.model.dtype, cfg.model.preset = "/models/qwen3 0.6b", "bfloat16", "qwen3-0.6b"
     cfg.data.source, cfg.data.chat_template = "data/math.parquet", True
     cfg.data.system_prompt = 'Say "hi"\n\tthen\\stop'
-    cfg.reward.kind, cfg.reward.format_weight = "math", 0.1
+    cfg.reward.kind, cfg.reward.timeout_s = "math", 7.5
     cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k = 0.7, 0.95, 50
     cfg.train.lr, cfg.train.betas, cfg.train.adam_eps, cfg.train.clip_high = 3e-7, [0.9, 0.95], 1e-15, 0.28
     cfg.train.loss_agg, cfg.train.ratio_level, cfg.train.adv_norm = "seq_sum_norm", "sequence", "none"
@@ -364,6 +406,7 @@ def nondefault_config() -> Config:
     cfg.sched.weight_sync = {"name": "conditional", "max_staleness": 2, "nested": {"a": 1, "b c": [True, False]}}
     cfg.sched.rebalance = {"name": "repack", "every": 1.5e-3, "big": 1e300, "neg": -0.0, "uni": "héllo ✓ \x7f"}
     cfg.cluster.rollout_fraction, cfg.log.dir, cfg.checkpoint.resume = 0.5, "runs/x", "latest"
+    cfg.perf.cpu_decode_steps, cfg.perf.cpu_affinity, cfg.perf.ignore_eos = 4, "partition", True
     return cfg
 
 
@@ -383,8 +426,45 @@ def test_to_toml_writes_every_key_with_help():
     assert "[sched]" in text and "dispatch = {}" in text and "[checkpoint]" in text
     data = tomllib.loads(text)
     assert set(data) == {f.name for f in dataclasses.fields(Config)}
-    for section in ("model", "data", "reward", "rollout", "train", "sched", "cluster", "log", "checkpoint"):
+    for section in ("model", "data", "reward", "rollout", "train", "sched", "cluster", "log", "checkpoint", "perf"):
         assert set(data[section]) == {f.name for f in dataclasses.fields(getattr(Config(), section))}
+
+
+def dotted_keys(cls=Config, prefix=""):
+    for f in dataclasses.fields(cls):
+        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+            yield from dotted_keys(f.default_factory, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f
+
+
+def test_describe_lists_every_key_with_type_default_and_help():
+    text = describe()
+    for section in ("model", "data", "reward", "rollout", "train", "sched", "cluster", "log", "checkpoint", "perf"):
+        assert f"\n[{section}]  {next(f for f in dataclasses.fields(Config) if f.name == section).metadata['help']}" \
+            in text
+    lines = text.splitlines()
+    for key, f in dotted_keys():
+        line = next((ln for ln in lines if ln.startswith(f"  --{key}=")), None)
+        assert line is not None, key
+        below = lines[lines.index(line) + 1:]
+        wrapped = below[:next(i for i, ln in enumerate(below + [""]) if not ln.startswith(" " * 6))]
+        assert " ".join(wrapped).split() == f.metadata["help"].split(), key
+    assert '  --train.lr=1e-06  (float, > 0)' in lines
+    assert '  --model.dtype="auto"  (str, auto | float32 | bfloat16 | float16)' in lines
+    assert '  --train.betas=[0.9, 0.999]  (list[float], >= 0 and < 1, 2 items)' in lines
+    assert '  --perf.cpu_affinity="none"  (str, none | partition)' in lines
+    assert max(map(len, lines)) <= 122
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_train_py_help_prints_usage_and_every_key(flag):
+    out = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.toml", flag], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: torchrun --nproc_per_node=N train.py [--config FILE]")
+    assert "--section.key=value" in out.stdout and "--sched.KIND=NAME" in out.stdout
+    assert describe() in out.stdout and "[perf]  for benchmarks and CPU tuning" in out.stdout
 
 
 def test_save_config_writes_run_dir_config_toml(tmp_path):

@@ -50,7 +50,7 @@ def test_gpu_campaign_dry_run_runs_every_section_and_reports(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("gpu_campaign: engine ") and "x hf continuous batching" in lines[-1]
     assert any(ln.startswith("| GPU-marked tests (`pytest -m gpu`) | ") for ln in lines)
-    assert any(ln.startswith("| same, checkpointing off: eager modules (train.fused_kernels = false)") for ln in lines)
+    assert any(ln.startswith("| same, checkpointing off: eager modules (perf.fused_kernels = false)") for ln in lines)
     assert any(ln.startswith("### GPU campaign — `python bench/gpu.py --dry-run") for ln in lines)
     again = subprocess.run([sys.executable, "bench/gpu.py", "--report", str(out)], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)

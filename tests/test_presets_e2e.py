@@ -47,7 +47,7 @@ def check_log(run: Path) -> dict:
 @pytest.mark.parametrize("preset", ["rolloutpipe", "rollpacker", "streamrl", "fgd_tailbatch"])
 def test_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, tmp_path):
     run = tmp_path / preset
-    pin = ["--cluster.cpu_affinity=partition"] if preset == "rolloutpipe" else []  # bench/policies.py's setting
+    pin = ["--perf.cpu_affinity=partition"] if preset == "rolloutpipe" else []  # bench/policies.py's setting
     torchrun(4, f"--log.dir={run}", f"--sched.preset={preset}", "--cluster.rollout_ranks=2", "--train.steps=6",
              "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", *WORKLOAD, "--data.len_tail_frac=0.25",
              *pin)
@@ -197,7 +197,7 @@ def test_laminar_with_a_full_experience_buffer_evicts_on_real_ranks_and_keeps_th
 @pytest.mark.parametrize("migrate_kv,colocate", [(True, False), (False, False), (True, True)])
 def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(migrate_kv, colocate, tmp_path):
     """Laminar's repack forced often (bench/results/cpu-runtime.md "Migrated KV on real ranks"): with
-    `rollout.migrate_kv` the migrated trajectories carry their KV and the resuming engines adopt it as cached; switched
+    `perf.migrate_kv` the migrated trajectories carry their KV and the resuming engines adopt it as cached; switched
     off, none carries KV, nothing is adopted and the resuming engines re-prefill. Either way every step trains and the
     off-policy invariants hold; in colocated mode too (2 ranks, each an engine and a trainer shard). The repack monitor
     runs every 10 ms: on a fast host a round's tail lasts less than its old 50 ms period, and colocated runs saw 0-186
@@ -210,7 +210,7 @@ def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(
              "--data.cap_at_answer=true", "--rollout.max_new_tokens=33", "--data.len_body_max=4",
              "--data.len_tail_min=24", "--data.len_tail_max=32", "--data.len_tail_frac=0.25",
              "--sched.rebalance.period_s=0.01", "--sched.rebalance.idle_rule=drained",
-             f"--rollout.migrate_kv={str(migrate_kv).lower()}")
+             f"--perf.migrate_kv={str(migrate_kv).lower()}")
     assert [r["step"] for r in metrics(run)] == list(range(1, 7))
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     report = check_offpolicy_log(events, None)
@@ -248,7 +248,7 @@ def test_laminar_isolates_an_engine_failure_on_real_ranks_and_loses_nothing(tmp_
              "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--data.task=repeat",
              "--data.cap_at_answer=true", "--rollout.max_new_tokens=33", "--data.len_body_max=4",
              "--data.len_tail_min=24", "--data.len_tail_max=32", "--data.len_tail_frac=1.0",
-             "--rollout.ignore_eos=true", env=env)
+             "--perf.ignore_eos=true", env=env)
     assert [r["step"] for r in metrics(run)] == list(range(1, 9))
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     report = check_offpolicy_log(events, None)

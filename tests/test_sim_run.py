@@ -109,6 +109,36 @@ def test_compare_shows_a_failing_preset_as_a_row(capsys, monkeypatch, tmp_path):
     assert "no_such_preset    FAILED: ValueError" in out and (tmp_path / "sync.png").is_file()
 
 
+def test_compare_runs_chosen_presets_with_sched_overrides(capsys, monkeypatch):
+    """`--presets a,b` picks presets; `--sched.KIND=NAME` / `--sched.KIND.PARAM=V` change their mechanisms, read as
+    train.py reads them (one policy in the simulator without a preset file)."""
+    ran = []
+
+    def recording(preset, *a, **kw):
+        ran.append(preset)
+        return simulate(preset, *a, **kw)
+    monkeypatch.setattr(compare, "simulate", recording)
+    small = ["--json", "--gpus", "4", "--rounds", "1", "--prompts", "4", "--no-plots"]
+    assert compare.main([*small, "--presets", "sync,one_step", "--sched.dispatch=fewest_tokens",
+                         "--sched.dispatch.max_groups_per_call=2"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["preset"] for r in rows] == ["sync", "one_step"] and all("error" not in r for r in rows), rows
+    assert [(p.dispatch.name, p.dispatch.p.max_groups_per_call) for p in ran] == [("fewest_tokens", 2)] * 2
+    assert ran[0].update.name == "step_publish" and ran[1].handoff.name == "oldest_round"   # the rest: the file
+    ran.clear()
+    assert compare.main([*small, "--presets", "sync"]) == 0 and ran == ["sync"]      # no overrides: the file as is
+    capsys.readouterr()
+    for bad, says in ((["--sched.dispatch=psychic"], "'psychic' is not a registered dispatch"),
+                      (["--sched.dispatch.max_groups_per_call=2"], "sched.dispatch 'fifo' takes no parameters"),
+                      (["--train.lr=1"], "unrecognized argument '--train.lr=1'"),
+                      (["--sched.preset=laminar"], "unrecognized argument '--sched.preset=laminar'")):
+        assert compare.main([*small, "--presets", "sync", *bad]) == 2
+        assert says in capsys.readouterr().err, bad
+    with pytest.raises(SystemExit):
+        compare.main([*small, "--presets", "sync,nope"])
+    assert "no configs/sched/<name>.toml for nope" in capsys.readouterr().err
+
+
 def test_compare_replays_a_trace(capsys, tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps({"prompt_len": 20, "response_lens": [5, 50]}) for _ in range(4)))

@@ -1,6 +1,6 @@
 """The trainer's Triton ops with autograd (kernels/triton_ops/train.py) and the swapped model that calls them
 (trainer/fused.py): values and gradients against the eager modules, under TRITON_INTERPRET=1 on CPU tensors and on
-CUDA; the dispatch per call; `train.fused_kernels`; the memory plan of what the fused model keeps for backward."""
+CUDA; the dispatch per call; `perf.fused_kernels`; the memory plan of what the fused model keeps for backward."""
 from __future__ import annotations
 
 import copy
@@ -193,9 +193,10 @@ def test_fused_kernels_off_keeps_the_eager_modules():
     cfg = preset_config("tiny", vocab_size=40, eos_token_id=1)
 
     def swapped(*overrides: str) -> int:
-        trainer = Trainer(Transformer(cfg).init_weights(seed=0), load_config(None, list(overrides)).train)
+        run = load_config(None, list(overrides))
+        trainer = Trainer(Transformer(cfg).init_weights(seed=0), run.train, fused_kernels=run.perf.fused_kernels)
         return sum(type(m).__module__ == "trainer.fused" for m in trainer.model.modules())
-    assert swapped("--train.fused_kernels=false") == 0
+    assert swapped("--perf.fused_kernels=false") == 0
     assert swapped() == (cfg.num_layers * 6 + 1 if cpu_train.available() else 0)
 
 
@@ -246,9 +247,8 @@ def test_a_train_step_through_the_triton_ops_matches_the_eager_modules_interpret
     for fused in (False, True):
         if fused:
             monkeypatch.setenv("TIDAL_KERNELS", "triton")
-        cfg = TrainConfig(lr=1e-2, activation_checkpointing=True, micro_batch_tokens=30, ppo_epochs=2,
-                          fused_kernels=fused, **SMOOTH_ADAM)
-        tr = Trainer(tiny_model(), cfg)
+        cfg = TrainConfig(lr=1e-2, activation_checkpointing=True, micro_batch_tokens=30, ppo_epochs=2, **SMOOTH_ADAM)
+        tr = Trainer(tiny_model(), cfg, fused_kernels=fused)
         assert any(type(m).__module__ == "trainer.fused" for m in tr.model.modules()) == fused
         ms = [tr.train_step(make_groups(1))]   # two PPO epochs: the second runs on updated weights
         out.append((weights(tr.model), ms))

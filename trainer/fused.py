@@ -6,7 +6,7 @@ attention too (kernels/cpu_attention.py, one C kernel each way, for the packings
 `nn.Module` with its Hugging Face parameters and state dict; `use_fused_train_ops(model, device)` swaps the class of
 each `RMSNorm`, `MLP` and `Attention` module for a subclass whose forward picks, per call, the kernel its tensors
 can take (`ops_for`: Triton where the dispatcher of kernels/dispatch.py says so, the C kernels for fp32 CPU
-tensors) and the eager ops otherwise, so the same modules still run anywhere. `train.fused_kernels = false` keeps
+tensors) and the eager ops otherwise, so the same modules still run anywhere. `perf.fused_kernels = false` keeps
 the eager modules (the comparison bench/train.py makes on a GPU).
 
 Measured on the CPU (bench/RESULTS.md): the long vs-TRL job's train step (256 x 268 tokens, one thread)

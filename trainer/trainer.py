@@ -66,10 +66,11 @@ class Trainer:
     def __init__(self, model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu", ref_model: nn.Module | None = None, *,
                  temperature: float = 1.0, max_response_len: int | None = None, logprob_chunk: int | None = None,
-                 progress: Callable[[str], None] | None = None):
+                 fused_kernels: bool = True, progress: Callable[[str], None] | None = None):
         """model: a model.Transformer with the same full weights on every train rank. group: the train ranks
         (default: the world). temperature: the sampling temperature the behaviour log-probs were taken at.
-        max_response_len: Dr.GRPO's constant divisor (rollout.max_new_tokens), needed for loss_agg="seq_sum_norm"."""
+        max_response_len: Dr.GRPO's constant divisor (rollout.max_new_tokens), needed for loss_agg="seq_sum_norm".
+        fused_kernels: the fused modules of trainer/fused.py (perf.fused_kernels); false keeps the eager ones."""
         self.cfg, self.device = cfg, torch.device(device)
         self.progress = progress or (lambda note: None)
         self.temperature, self.max_len, self.logprob_chunk = float(temperature), max_response_len, logprob_chunk
@@ -88,7 +89,7 @@ class Trainer:
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.model = model.to(self.device)
         self.ref_model = ref_model.to(self.device).eval().requires_grad_(False) if ref_model is not None else None
-        if cfg.fused_kernels:  # fused RMSNorm / SwiGLU / rotary (and on CPU attention, MLP): trainer/fused.py
+        if fused_kernels:  # fused RMSNorm / SwiGLU / rotary (and on CPU attention, MLP): trainer/fused.py
             for m in (self.model, self.ref_model):
                 if m is not None:
                     use_fused_train_ops(m, self.device)

@@ -14,8 +14,13 @@ mechanisms live in sync.py (synchronous rounds), one_step.py, partial_rollout.py
     areal.py            areal (dispatch, handoff, weight_sync)             AReaL / VeRL-Async baseline
     fewest_tokens.py    fewest_tokens                                      the README's example of a new mechanism
 
-`python -m sched` prints the registry (kind, name, file, paper section). Importing this package registers every
-module above; a new mechanism is one more import here.
+`python -m sched` prints the registry (kind, name, file, paper section). Importing this package imports every module
+and subpackage in this folder, in name order, which registers their mechanisms: a new mechanism is one more file (or
+folder) here, with no import to add anywhere. A paper's folder imports its own mechanism files in its __init__.py.
 """
-from sched.policies import areal, fewest_tokens, one_step, partial_rollout, rolloutpipe, rollpacker, sync  # noqa: F401
-from sched.policies import laminar, staleflow, streamrl  # noqa: F401
+import importlib
+import pkgutil
+
+# every module and subpackage of this folder, imported in name order (the order the registry is filled in)
+MODULES = tuple(importlib.import_module(f"{__name__}.{m.name}")
+                for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name))
