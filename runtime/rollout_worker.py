@@ -76,7 +76,8 @@ from runtime.kv_transfer import KeptKV, KVReceiver, KVSender
 from runtime.messages import ReceiveWeights, SendKV, Start, StartRequest, Stop
 from runtime.reward_scorer import AsyncRewardScorer
 from runtime.topology import Topology
-from runtime.watchdog import Phase, doing, injected_engine_fault, progress, waiting
+from runtime.faults import injected_engine_fault
+from runtime.watchdog import Phase, doing, progress, waiting
 from sched.base import Preset
 from sched.decisions import Abort, Interrupt, LoadWeights, ResetEngine
 from sched.events import Event
