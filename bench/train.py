@@ -208,7 +208,7 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
                profile: str | None = None) -> dict[str, Any]:
     """One trainer (fresh model, FSDP2 over one rank), one warm-up step, `args.steps` timed steps; fused: the
     trainer's fused kernels (train.fused_kernels); profile: a path for one more step's torch.profiler table."""
-    from runtime.preflight import train_items
+    from runtime.memory_plan import train_items
     from trainer.trainer import Trainer
     cfg = load_config(None, [f"--train.micro_batch_tokens={args.micro_batch_tokens}", "--train.lr=1e-6",
                              f"--train.activation_checkpointing={str(checkpointing).lower()}",
