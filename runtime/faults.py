@@ -25,7 +25,7 @@ stderr ("fault injection: ...").
 
 train.py arms a rank's plan with `install` once its watchdog runs: the injector rides on the watchdog's progress
 reports (`watchdog.on_progress`), and the rollout worker raises a due `fail` inside its engine step
-(`injected_engine_fault`, runtime/rollout_worker.py).
+(`injected_engine_fault`, runtime/engine_health.py).
 """
 from __future__ import annotations
 
@@ -173,5 +173,5 @@ def install(injector: Injector | None) -> None:
 
 def injected_engine_fault() -> Exception | None:
     """An engine failure this rank's plan made due at its last progress report (`fail`), once: the rollout worker
-    raises it inside its engine step, where a real one would come from (runtime/rollout_worker.py)."""
+    raises it inside its engine step, where a real one would come from (runtime/engine_health.py)."""
     return _injector.take_engine_fault() if _injector is not None else None
