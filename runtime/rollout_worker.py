@@ -52,7 +52,7 @@ from runtime.kv_migration import KVMigration
 from runtime.messages import ReceiveWeights, SendKV, Start, StartRequest, Stop
 from runtime.relay import Relay
 from runtime.reward_scorer import RewardScorer
-from runtime.samples import request_seed, response_decoder, trajectory_of
+from runtime.samples import partial_of, request_seed, response_decoder, trajectory_of
 from runtime.topology import Topology
 from runtime.watchdog import Phase, doing, progress
 from sched.base import Preset
@@ -210,17 +210,13 @@ class RolloutWorker:
             return
         u = self.engine.export(req_id, with_kv=migrating and self.kv.keeps_kv)
         self.answers.pop(req_id, None)
-        r = u.request
         meta: dict[str, Any] = {}
         data = {"tokens": len(u.token_ids)}
         if u.kv is not None:
             self.kv.out[req_id] = u.kv
             meta["kv_rank"], data["kv_tokens"] = self.rank, u.kv.num_tokens
-        traj = Trajectory(group_id=r.group_id, sample_index=r.sample_index, prompt_ids=list(r.prompt_ids),
-                          response_ids=list(u.token_ids), logprobs=list(u.logprobs), versions=list(u.versions),
-                          finish_reason="interrupted", prompt_index=r.prompt_index, meta=meta)
-        self.event("trajectory_interrupted", req_id=req_id, group_id=r.group_id, version=self.engine.version,
-                   data=data, payload=traj)
+        self.event("trajectory_interrupted", req_id=req_id, group_id=u.request.group_id, version=self.engine.version,
+                   data=data, payload=partial_of(u, meta))
 
     def _maybe_idle(self) -> None:
         """An engine emptied by aborts or interrupts is idle now, not at its next step (which may never come)."""

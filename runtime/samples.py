@@ -1,10 +1,10 @@
 """A sample on its way through a rollout rank: its per-sample seed (the same on every engine and every resume), a
-finished engine output as a GRPO trajectory, and the text its reward sees."""
+finished engine output or an interrupted request as a GRPO trajectory, and the text its reward sees."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from engine.sequence import RequestOutput
+from engine.sequence import RequestOutput, UnfinishedRequest
 from rl.types import Trajectory
 
 
@@ -21,6 +21,14 @@ def trajectory_of(out: RequestOutput) -> Trajectory:
         finish_reason=out.finish_reason, prompt_index=out.prompt_index,
         meta=dict(arrival_time=out.arrival_time, first_token_time=out.first_token_time, finish_time=out.finish_time,
                   num_preemptions=out.num_preemptions))
+
+
+def partial_of(u: UnfinishedRequest, meta: dict[str, Any]) -> Trajectory:
+    """An interrupted request, as the engine exported it, as a partial trajectory (its tokens so far)."""
+    r = u.request
+    return Trajectory(group_id=r.group_id, sample_index=r.sample_index, prompt_ids=list(r.prompt_ids),
+                      response_ids=list(u.token_ids), logprobs=list(u.logprobs), versions=list(u.versions),
+                      finish_reason="interrupted", prompt_index=r.prompt_index, meta=meta)
 
 
 def response_decoder(tok: Any, eos_ids: frozenset[int]) -> Callable[[list[int]], str]:
