@@ -39,12 +39,11 @@ import torch.distributed as dist
 
 import sched
 from config import Config, ConfigError, describe, load_config
-from runtime import watchdog
+from runtime import faults, watchdog
 from runtime.backend import RuntimeBackend
 from runtime.build import (RunParts, build_run, deterministic_algorithms, device_for_rank, import_train_side,
                            make_engine, make_trainer, model_dtype, model_for_rank, relay_chain)
 from runtime.channel import Channel
-from runtime.faults import Injector
 from runtime.logger import MetricsLogger
 from runtime.malloc import keep_freed_memory
 from runtime.messages import ExportHF, Publish, SaveCheckpoint
@@ -172,7 +171,8 @@ def main(argv: list[str]) -> int:
     gc.freeze()   # start-up's objects leave the collector's scans: full passes over them took up to 0.27 s each,
     gc.enable()   # every ~30 steps of the tiny run (2 s of its 17); the run's own garbage is collected as usual
     watchdog.install(run_dir, topo.rank, topo.world, [topo.role(r) for r in range(topo.world)], topo.store,
-                     c.timeout_s, Injector.from_env(topo.rank, topo.store))
+                     c.timeout_s)
+    faults.install(faults.Injector.from_env(topo.rank, topo.store))   # TIDAL_FAULTS: test fault injection
     channel = Channel(topo.control_group, topo.rank)
     try:
         if topo.colocate:

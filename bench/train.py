@@ -22,8 +22,7 @@ on the device.
 The trainer's fused kernels (`perf.fused_kernels`, trainer/fused.py: Triton RMSNorm, SwiGLU and rotary on CUDA)
 are on; `--eager off` runs the checkpointing-off mode once more with the eager modules, the baseline they replace.
 `--repeats N` runs each mode N times, alternating, each run a fresh trainer; a mode's figure is its median run,
-with the MFU range of its runs (two H200s gave 0.373 and 0.341 for the same code, one run each:
-bench/results/gpu-h200.md).
+with the MFU range of its runs (two H200s gave 0.373 and 0.341 for the same code, one run each: bench/RESULTS.md).
 The last line is the headline, e.g. `trainer_mfu: 0.41 (checkpointing off), 0.33 (checkpointing on); fused kernels
 vs eager 1.25x (checkpointing off)`: the step time of the eager modules over the fused ones, measured side by side.
 """
@@ -209,7 +208,7 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
                profile: str | None = None) -> dict[str, Any]:
     """One trainer (fresh model, FSDP2 over one rank), one warm-up step, `args.steps` timed steps; fused: the
     trainer's fused kernels (perf.fused_kernels); profile: a path for one more step's torch.profiler table."""
-    from runtime.preflight import train_items
+    from runtime.memory_plan import train_items
     from trainer.trainer import Trainer
     cfg = load_config(None, [f"--train.micro_batch_tokens={args.micro_batch_tokens}", "--train.lr=1e-6",
                              f"--train.activation_checkpointing={str(checkpointing).lower()}",

@@ -44,13 +44,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-
-@dataclass(frozen=True)
-class RewardResult:
-    reward: float
-    correct: bool
-    failed: bool = False  # the scorer itself broke (timeout, exception): not the response's fault
-    reason: str = ""
+from rl.types import RewardResult
 
 
 RewardFn = Callable[[str, str], RewardResult]
@@ -276,7 +270,7 @@ class ExactReward:
 
 
 def _synthetic(**kwargs: Any) -> RewardFn:
-    from rl.tasks import score_positions
+    from rl.tasks import score_positions   # here: the verifier processes import this module, not rl.tasks' deps
     if kwargs:
         raise TypeError(f"the synthetic reward takes no options, got {sorted(kwargs)}")
     return score_positions

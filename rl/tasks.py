@@ -33,7 +33,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerFast
 
 from model.tokenizer import build_char_tokenizer
-from rl.rewards import RewardResult
+from rl.types import RewardResult
 
 RULES: dict[str, Callable[[str], str]] = {
     "first": lambda s: s[0],

@@ -13,6 +13,15 @@ class RunLengthSequence(Sequence):
     runs: tuple[tuple[Any, int], ...]
 
 
+@dataclass(frozen=True)
+class RewardResult:
+    """A reward function's verdict on one response (rl/rewards.py)."""
+    reward: float
+    correct: bool
+    failed: bool = False  # the scorer itself broke (timeout, exception): not the response's fault
+    reason: str = ""
+
+
 def version_bounds(versions: Sequence[int]) -> tuple[int, int]:
     """(oldest, newest) of per-token versions; (-1, -1) for no tokens."""
     if isinstance(versions, RunLengthSequence):

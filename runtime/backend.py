@@ -40,7 +40,7 @@ class RuntimeBackend:
     def __init__(self, topo: Topology, channel: Channel, t0: float, to_trainer: Callable[[Any], None],
                  isolates_faults: bool = False):
         self.topo, self.channel, self.to_trainer = topo, channel, to_trainer
-        self.isolates_faults = isolates_faults   # the workers report engine_failed (RolloutWorker.failures_isolated)
+        self.isolates_faults = isolates_faults   # the workers report engine_failed (runtime/engine_health.py)
         self.num_engines = len(topo.rollout_ranks)
         # every rank trains and generates: a train call pauses rollout. No `elastic`: the train group is fixed at
         # launch (FSDP2 over the train ranks), so a rollout rank's GPU cannot join the trainer mid-round.

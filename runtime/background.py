@@ -11,7 +11,7 @@ the order submitted, on one background thread, and their results come back to th
 Each job's own blocking calls declare their waits too (they run on the thread, which the watchdog tracks like
 any other). A job that raises stops the thread; the error, with its traceback, is raised at the next call.
 Users: a migrated request's KV leaving and arriving (runtime/kv_transfer.py KVSender, KVReceiver) and a
-publication arriving into the relay (runtime/rollout_worker.py).
+publication arriving into the relay (runtime/relay.py).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from rl.data import PromptDataset, PromptSampler
 from rl.rewards import RewardResult, get_reward_fn
 from rl.tasks import LengthDist, SyntheticTask
 from rl.reward_timeout import AdaptiveTimeout
-from runtime.reward_scorer import AsyncRewardScorer
+from runtime.reward_scorer import AsyncRewardScorer, InlineScorer, RewardScorer
 from runtime.topology import Topology, gpu_count, local_device
 from runtime.watchdog import progress
 from sched.controller import PromptItem
@@ -63,12 +63,13 @@ def reward_fn(cfg: Config) -> Callable[[str, str], RewardResult]:
     return get_reward_fn(kind, timeout_s=cfg.reward.timeout_s) if kind == "math" else get_reward_fn(kind)
 
 
-def reward_scorer(cfg: Config, fn: Callable[[str, str], RewardResult]) -> AsyncRewardScorer | None:
-    """RollPacker §4.3's asynchronous scorer for a rollout rank (`reward.async_workers` threads, per-prompt adaptive
-    timeout between `reward.timeout_min_s` and `reward.timeout_s`), or None: score inline (async_workers = 0)."""
+def reward_scorer(cfg: Config, fn: Callable[[str, str], RewardResult]) -> RewardScorer:
+    """A rollout rank's reward scorer: inline (`reward.async_workers = 0`), or RollPacker §4.3's asynchronous one
+    (`reward.async_workers` threads, per-prompt adaptive timeout between `reward.timeout_min_s` and
+    `reward.timeout_s`)."""
     r = cfg.reward
     if not r.async_workers:
-        return None
+        return InlineScorer(fn)
     params = AdaptiveTimeout.Params(scale=r.timeout_scale, min_s=r.timeout_min_s, max_s=r.timeout_s)
     return AsyncRewardScorer(fn, workers=r.async_workers, timeout=AdaptiveTimeout(params))
 

@@ -22,6 +22,10 @@ freeze and kill fire on whichever rank reports first (once per job attempt, thro
 RANK's process wherever it is, as `kill -STOP` from outside would: RANK need not be in that phase itself (a train
 rank frozen while the engines decode). hang, slow and fail act on RANK's own reports. Each firing prints one line to
 stderr ("fault injection: ...").
+
+train.py arms a rank's plan with `install` once its watchdog runs: the injector rides on the watchdog's progress
+reports (`watchdog.on_progress`), and the rollout worker raises a due `fail` inside its engine step
+(`injected_engine_fault`, runtime/engine_health.py).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from enum import Enum
 
 import torch.distributed as dist
 
+from runtime import watchdog
 from runtime.watchdog import KEY, Phase
 
 
@@ -143,12 +148,30 @@ class Injector:
             announce(f, self.rank)
             os.kill(self.pids[f.rank], signal.SIGSTOP if f.kind is Kind.FREEZE else signal.SIGKILL)
 
-
     def take_engine_fault(self) -> "EngineFault | None":
-        """The `fail` fault that fired and is not yet raised, once (watchdog.injected_engine_fault)."""
+        """The `fail` fault that fired and is not yet raised, once (`injected_engine_fault`)."""
         fault, self.engine_fault = self.engine_fault, None
         return fault
 
 
 def announce(f: Fault, by: int) -> None:
     print(f"fault injection: {f} (fired by rank {by} at {time.time():.3f})", file=sys.stderr, flush=True)
+
+
+_injector: Injector | None = None   # this rank's armed plan (`install`)
+
+
+def install(injector: Injector | None) -> None:
+    """Arm this rank's plan (None: a clean attempt) after `watchdog.install`: freeze and kill signal the pids of the
+    watchdog's start-up exchange, and every fault fires at this rank's progress reports (`watchdog.progress`)."""
+    global _injector
+    _injector = injector
+    if injector is not None:
+        injector.bind(watchdog.rank_info())
+    watchdog.on_progress(injector.at if injector is not None else None)
+
+
+def injected_engine_fault() -> Exception | None:
+    """An engine failure this rank's plan made due at its last progress report (`fail`), once: the rollout worker
+    raises it inside its engine step, where a real one would come from (runtime/engine_health.py)."""
+    return _injector.take_engine_fault() if _injector is not None else None

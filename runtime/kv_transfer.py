@@ -17,7 +17,7 @@ tokens means "no KV" (the source holds none for that request any more): the dest
     KeptKV(engine)                 the source's KV kept since a migrating Interrupt, by request id: its blocks stay
                                    held out of the engine's pool (LLMEngine.export) until it is popped or cleared
 
-In the runtime (runtime/rollout_worker.py, runtime/backend.py): a Migrate becomes an Interrupt carrying its
+In the runtime (runtime/kv_migration.py, runtime/backend.py): a Migrate becomes an Interrupt carrying its
 destination; the source exports the request with its KV, keeps the KV aside and tags the partial trajectory it hands
 back with its rank. When the controller resubmits that request (to the destination, or wherever it goes), the backend
 sends the source a `SendKV` right before the destination's `Start`, under one lock with publications' notices, so

@@ -1,4 +1,6 @@
-"""Asynchronous per-sample reward scoring with an adaptive timeout: RollPacker §4.3 (reward scheduler).
+"""Reward scoring beside the engine, one interface (`RewardScorer`: submit, poll, close) and two scorers: inline
+(`InlineScorer`, `reward.async_workers = 0`, the default) and asynchronous per-sample scoring with an adaptive
+timeout (`AsyncRewardScorer`): RollPacker §4.3 (reward scheduler).
 
 "Completed responses are dispatched to reward workers in parallel with the ongoing rollout stage": the rollout
 worker hands each finished response to `submit` and goes back to decoding; `poll` returns the scores that are in,
@@ -13,7 +15,11 @@ the math verifier pool's `reward.timeout_s`, = max_s) bounds the abandoned call;
 for it (`close` cancels the calls not started yet and never waits for running ones).
 
 The runtime uses it in `runtime.rollout_worker.RolloutWorker` when `reward.async_workers > 0` (max_s =
-`reward.timeout_s`, scale and min_s from `reward.timeout_scale` / `reward.timeout_min_s`, keyed by prompt).
+`reward.timeout_s`, scale and min_s from `reward.timeout_scale` / `reward.timeout_min_s`, keyed by prompt), and the
+inline scorer otherwise: that one scores each sample in `submit`, so the worker, which polls right after each submit,
+sends a sample's `reward_scored` right behind its `trajectory_finished`, before the next engine step. An
+asynchronous score goes out at the first engine step, or the first poll of an idle loop, after it is in, with the
+same data and payload as inline.
 
 Invariant kept: every submitted sample comes back from `poll` exactly once (scored, timed out, or failed).
 """
@@ -22,10 +28,49 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Protocol
 
 from rl.rewards import RewardError, RewardResult
 from rl.reward_timeout import AdaptiveTimeout
+
+
+class RewardScorer(Protocol):
+    """What the rollout worker asks of a scorer: `submit` a finished sample (`key` comes back with its score, `case`
+    is its test case), `poll` the scores that are in as (key, RewardResult, seconds) without blocking, `len` the
+    samples submitted and not yet polled, `close` at the end (the samples not yet polled are dropped)."""
+
+    def __len__(self) -> int: ...
+
+    def submit(self, key: Any, case: Hashable, text: str, answer: str) -> None: ...
+
+    def poll(self) -> list[tuple[Any, RewardResult, float]]: ...
+
+    def close(self) -> None: ...
+
+
+class InlineScorer:
+    """Scores each sample in `submit`, on the caller's thread (`reward.async_workers = 0`); `poll` hands back the
+    scores submitted since the last poll. A reward function that raises stops the run here (the run's reward
+    functions, rl.rewards.CheckedReward, score such a call 0 with `failed` set instead)."""
+
+    def __init__(self, fn: Callable[[str, str], RewardResult], clock: Callable[[], float] = time.monotonic):
+        self.fn, self.clock = fn, clock
+        self.done: list[tuple[Any, RewardResult, float]] = []
+
+    def __len__(self) -> int:
+        return len(self.done)
+
+    def submit(self, key: Any, case: Hashable, text: str, answer: str) -> None:
+        t0 = self.clock()
+        result = self.fn(text, answer)
+        self.done.append((key, result, self.clock() - t0))
+
+    def poll(self) -> list[tuple[Any, RewardResult, float]]:
+        done, self.done = self.done, []
+        return done
+
+    def close(self) -> None:
+        self.done.clear()
 
 
 @dataclass
@@ -101,4 +146,6 @@ class AsyncRewardScorer:
         return out
 
     def close(self) -> None:
+        """Cancel the calls not started yet and forget every pending sample; never waits for a running call."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.jobs = []

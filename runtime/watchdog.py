@@ -35,7 +35,7 @@ the job (and restarts it under --max-restarts). An exception that ends a rank's 
 RUN_DIR/failed-rank{R}.txt names the ranks on this host whose process died (a SIGKILLed peer reaches the others as
 a broken connection), then the traceback; exit code 1. A fatal signal (segfault, abort) dumps every thread's stack to
 RUN_DIR/fatal-rank{R}.txt through faulthandler. Without an installed watchdog (unit tests) the declarations are
-kept but nothing watches them. Fault injection for tests (runtime/faults.py) rides on `progress`.
+kept but nothing watches them. Fault injection for tests (runtime/faults.py) rides on `progress` (`on_progress`).
 """
 from __future__ import annotations
 
@@ -51,12 +51,9 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Iterator, Sequence
+from typing import IO, Callable, Iterator, Sequence
 
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from runtime.faults import Injector
 
 STALL_EXIT_CODE = 3
 # A SIGKILLed peer's sockets close while its process exits: the broken connection can reach this rank before /proc
@@ -95,6 +92,7 @@ _threads: dict[int, tuple[str, list[Activity]]] = {}    # thread id -> (thread n
 _last_progress = time.monotonic()
 _phase_progress: dict[Phase, float] = {}
 _dog: "Watchdog | None" = None
+_on_progress: Callable[[Phase, int], None] | None = None   # set by `on_progress` (runtime/faults.py)
 
 
 @contextmanager
@@ -127,7 +125,7 @@ def waiting(what: str, on: Sequence[int], phase: Phase | None = None, step: int 
 
 
 def progress(note: str = "") -> None:
-    """The calling thread moved its work forward; fault injection (runtime/faults.py) fires here."""
+    """The calling thread moved its work forward; the `on_progress` hook (fault injection) is called here."""
     global _last_progress
     now = time.monotonic()
     phased = None
@@ -139,16 +137,16 @@ def progress(note: str = "") -> None:
             phased = next((a for a in reversed(entry[1]) if a.phase is not None), None)
             if phased is not None:
                 _phase_progress[phased.phase] = now
-    dog = _dog
-    if dog is not None and dog.faults is not None and phased is not None:
-        dog.faults.at(phased.phase, phased.step)
+    hook = _on_progress
+    if hook is not None and phased is not None:
+        hook(phased.phase, phased.step)
 
 
-def injected_engine_fault() -> Exception | None:
-    """An engine failure fault injection made due at this rank's last progress report (runtime/faults.py `fail`),
-    once: the rollout worker raises it inside its engine step, where a real one would come from."""
-    dog = _dog
-    return dog.faults.take_engine_fault() if dog is not None and dog.faults is not None else None
+def on_progress(hook: Callable[[Phase, int], None] | None) -> None:
+    """Call `hook(phase, step)` at each progress report made inside a phased work, on the reporting thread, until
+    `uninstall` (None: no hook). Test fault injection (runtime/faults.py) is the one user."""
+    global _on_progress
+    _on_progress = hook
 
 
 def _snapshot() -> list[tuple[str, list[Activity]]]:
@@ -186,11 +184,10 @@ class Verdict:
 
 class Watchdog:
     def __init__(self, run_dir: str | Path | None, rank: int, world: int, roles: list[str], store: dist.Store,
-                 timeout_s: float, faults: "Injector | None" = None):
+                 timeout_s: float):
         self.run_dir, self.rank, self.world, self.roles = run_dir, rank, world, roles
         self.store, self.timeout_s = store, timeout_s
         self.beat_s = min(max(timeout_s / 10, 0.05), 2.0)
-        self.faults = faults
         self.peers: dict[int, Peer] = {}
         self.info: dict[int, dict] = {}
         self.seq = 0
@@ -403,17 +400,20 @@ def report_path(run_dir: str | Path | None, kind: str, rank: int) -> Path | None
 _fatal_file: IO[str] | None = None
 
 
-def install(run_dir: str | Path, rank: int, world: int, roles: list[str], store: dist.Store, timeout_s: float,
-            faults: "Injector | None" = None) -> None:
+def install(run_dir: str | Path, rank: int, world: int, roles: list[str], store: dist.Store, timeout_s: float
+            ) -> None:
     """Start this rank's watchdog (collective: every rank calls it once the process groups exist), and dump every
     thread's stack to RUN_DIR/fatal-rank{R}.txt if the process dies on a fatal signal."""
     global _dog, _fatal_file
     _fatal_file = open(report_path(run_dir, "fatal", rank), "w")
     faulthandler.enable(_fatal_file, all_threads=True)
-    _dog = Watchdog(run_dir, rank, world, roles, store, timeout_s, faults)
+    _dog = Watchdog(run_dir, rank, world, roles, store, timeout_s)
     _dog.start()
-    if faults is not None:
-        faults.bind(_dog.info)
+
+
+def rank_info() -> dict[int, dict]:
+    """Every rank's pid and host, from the installed watchdog's start-up exchange ({} without one)."""
+    return dict(_dog.info) if _dog is not None else {}
 
 
 def failed(error: str) -> None:
@@ -427,7 +427,8 @@ def failed(error: str) -> None:
 
 def uninstall() -> None:
     """Clean exit: stop watching (peers see this rank as done), remove the empty fatal-signal file."""
-    global _dog, _fatal_file
+    global _dog, _fatal_file, _on_progress
+    _on_progress = None
     if _dog is not None:
         _dog.stop()
         _dog = None

@@ -9,7 +9,7 @@ import torch
 
 from runtime.faults import EngineFault, Injector, parse
 from runtime.messages import Start
-from runtime.rollout_worker import Health
+from runtime.engine_health import Health
 from runtime.watchdog import Phase
 from sched.decisions import LoadWeights, ResetEngine
 from sched.partials import PartialPool
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def isolating(max_new_tokens=12, failures=3, **kw):
     w, ch, task, tok = loaded_worker(max_new_tokens=max_new_tokens, verify=False, **kw)
-    w.failures_isolated = failures
+    w.health.isolated = failures
     w.sampling = dataclasses.replace(w.sampling, counters_every=2)
     return w, ch, task, tok
 
@@ -62,7 +62,7 @@ def test_an_allocation_failure_is_isolated_and_the_pool_resumes_every_request_as
     a.step()
     failed, = events_of(a_ch, "engine_failed")
     assert failed.data["error"].startswith("OutOfMemoryError") and not failed.data["permanent"]
-    assert failed.data["held"] == held_before and a.health is Health.FAILED
+    assert failed.data["held"] == held_before and a.health.state is Health.FAILED
     assert not a.engine.has_unfinished() and not a.answers and events_of(a_ch, "engine_idle")
     assert a.engine.block_manager.num_free == a.engine.block_manager.num_blocks
 
@@ -87,11 +87,11 @@ def test_an_allocation_failure_is_isolated_and_the_pool_resumes_every_request_as
     a.flush()
     assert not a.engine.has_unfinished() and not events_of(a_ch, "weights_loaded")[1:]
     a.handle(ResetEngine(0))
-    assert a.health is Health.REBUILDING
-    a._rebuild()
+    assert a.health.state is Health.REBUILDING
+    a.health.rebuild()
     a.flush()
     back, = events_of(a_ch, "engine_recovered")
-    assert back.version == 0 and back.data["reloaded"] is False and a.health is Health.OK
+    assert back.version == 0 and back.data["reloaded"] is False and a.health.state is Health.OK
     a.handle(Start(specs[:1]))
     run_to_end(a)
     assert events_of(a_ch, "reward_scored")[-1].payload.response_ids == want[specs[0].req_id].response_ids
@@ -108,7 +108,7 @@ def test_non_finite_weights_fail_the_engine_and_the_rebuild_reloads_them_from_th
     assert failed.data["error"].startswith("FloatingPointError: non-finite logits")
     assert not events_of(ch, "trajectory_aborted"), "an isolating engine dropped a request instead of failing"
     w.handle(ResetEngine(0))
-    w._rebuild()
+    w.health.rebuild()
     w.flush()
     back, = events_of(ch, "engine_recovered")
     assert back.data["reloaded"] is True and w.engine.weights_finite()
@@ -119,7 +119,7 @@ def test_non_finite_weights_fail_the_engine_and_the_rebuild_reloads_them_from_th
 
 def test_without_isolation_a_failed_step_ends_the_rank_and_non_finite_logits_drop_the_request():
     w, ch, task, tok = loaded_worker(verify=False)
-    assert w.failures_isolated == 0
+    assert w.health.isolated == 0
     w.handle(Start(group_specs(task, tok, 1, 1)))
     fail_next_step(w, torch.OutOfMemoryError("simulated"))
     with pytest.raises(torch.OutOfMemoryError):
@@ -141,23 +141,23 @@ def test_an_engine_failing_past_its_count_or_failing_to_rebuild_is_retired():
         w.step()
         w.handle(ResetEngine(0))
         if i == 0:
-            w._rebuild()
+            w.health.rebuild()
     w.flush()
-    assert [e.data["permanent"] for e in events_of(ch, "engine_failed")] == [False, True] and w.retired
+    assert [e.data["permanent"] for e in events_of(ch, "engine_failed")] == [False, True] and w.health.retired
     with pytest.raises(RuntimeError, match="while its engine is failed and the controller knows it"):
         w.handle(Start(group_specs(task, tok, 1, 1)))
 
     # a rebuild that cannot restore finite weights (the relay holds none) retires the engine
     w, ch, task, tok = isolating()
-    w.relay, w.relay_version = {}, -1
+    w.relay.tensors, w.relay.version = {}, -1
     w.engine.load_weights([(k, torch.full_like(v, float("nan"))) for k, v in published(w.engine)], 0)
     w.handle(Start(group_specs(task, tok, 1, 1)))
     w.step()
     w.handle(ResetEngine(0))
-    w._rebuild()
+    w.health.rebuild()
     w.flush()
     last = events_of(ch, "engine_failed")[-1]
-    assert last.data["permanent"] and "rebuild failed" in last.data["error"] and w.retired
+    assert last.data["permanent"] and "rebuild failed" in last.data["error"] and w.health.retired
     assert not events_of(ch, "engine_recovered")
 
 

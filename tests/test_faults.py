@@ -43,9 +43,8 @@ def test_the_rollout_worker_goes_on_through_a_raising_reward_and_counts_it():
     from tests.test_rollout_worker import make_worker, published
     w, ch, task, tok = make_worker(max_new_tokens=3)
     calls = itertools.count()  # every other call raises: the outcome does not hang on what was sampled
-    w.reward_fn = CheckedReward("custom", lambda text, answer: 1 // 0 if next(calls) % 2 else RewardResult(0.5, False))
-    w._into_relay(published(w.engine), 0)
-    w.relay_version = 0
+    w.scorer.fn = CheckedReward("custom", lambda text, answer: 1 // 0 if next(calls) % 2 else RewardResult(0.5, False))
+    w.relay.fill(published(w.engine), 0)
     w.handle(LoadWeights(0, 0))
     p, a = task.prompts()[0]
     w.handle(Start([StartRequest(i, 0, i, 0, tok.encode(p, add_special_tokens=False), a) for i in range(8)]))
@@ -93,8 +92,7 @@ def test_the_sampler_gives_no_token_for_non_finite_logits():
 def test_a_request_whose_logits_go_non_finite_is_dropped_and_the_rest_go_on():
     from tests.test_rollout_worker import make_worker, published
     w, ch, task, tok = make_worker(max_new_tokens=4)
-    w._into_relay(published(w.engine), 0)
-    w.relay_version = 0
+    w.relay.fill(published(w.engine), 0)
     w.handle(LoadWeights(0, 0))
     run = w.engine.runner.run
 

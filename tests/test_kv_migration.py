@@ -201,13 +201,13 @@ def test_a_migrated_request_aborted_while_pending_has_its_kept_kv_dropped_at_its
     w, ch, task, tok = loaded_worker(verify=False)
     w.handle(Start([StartRequest(REQ, 0, 0, 0, tok.encode(task.prompts()[0][0], add_special_tokens=False), "a")]))
     w.step()
-    w.kv_sender = object()   # as on a rank with a KV group: the Interrupt keeps the KV
+    w.kv.sender = object()   # as on a rank with a KV group: the Interrupt keeps the KV
     free = w.engine.block_manager.num_free
     w.handle(Interrupt(0, [REQ], dst=0))
-    assert REQ in w.kv_out and w.engine.kept[REQ]
+    assert REQ in w.kv.out and w.engine.kept[REQ]
     w.handle(Abort(0, [REQ]))
     w.flush()
-    assert not w.kv_out and not events_of(ch, "trajectory_aborted")
+    assert not w.kv.out and not events_of(ch, "trajectory_aborted")
     assert not w.engine.kept and w.engine.block_manager.num_free == w.engine.block_manager.num_blocks > free
 
 
@@ -289,8 +289,8 @@ def test_a_worker_resumes_a_migrated_request_from_its_kv_kept_here_or_received(c
     wire = Wire()
 
     def worker(rank):
-        w, ch, task, tok = make_worker(verify=False, max_new_tokens=10)
-        w.rank, w.kv_sender, w.kv_receiver = rank, wire, WireReceiver(wire, rank)
+        w, ch, task, tok = make_worker(verify=False, max_new_tokens=10, rank=rank)
+        w.kv.sender, w.kv.receiver = wire, WireReceiver(wire, rank)
         prompt, answer = task.prompts()[0]
         return w, ch, StartRequest(REQ, 0, 0, 0, tok.encode(prompt, add_special_tokens=False), answer)
 
@@ -305,33 +305,32 @@ def test_a_worker_resumes_a_migrated_request_from_its_kv_kept_here_or_received(c
         w.step()
     w.handle(Interrupt(0, [REQ], dst=1))
     part = next(e.payload for e in w.outbox if e.kind == "trajectory_interrupted")
-    assert part.meta["kv_rank"] == 1 and REQ in w.kv_out
+    assert part.meta["kv_rank"] == 1 and REQ in w.kv.out
     if case == "reloaded":
-        w._into_relay(published(w.engine), 0)
-        w.relay_version = 0
+        w.relay.fill(published(w.engine), 0)
         w.handle(LoadWeights(0, 0))
-        assert not w.kv_out
+        assert not w.kv.out
     dst, dst_ch = w, ch
     if case == "sent":   # the destination takes the Start before the KV is in and does not wait for it
         dst, dst_ch, _ = worker(2)
         prefill0 = dst.engine.num_prefill_tokens
         dst.handle(Start([dataclasses.replace(spec, partial=part)]))
-        assert REQ in dst.kv_incoming and not dst.engine.has_unfinished()
+        assert REQ in dst.kv.incoming and not dst.engine.has_unfinished()
         dst._take_kv()
-        assert REQ in dst.kv_incoming   # nothing sent yet: still coming
+        assert REQ in dst.kv.incoming   # nothing sent yet: still coming
         w.handle(SendKV(REQ, 2))
-        assert not w.kv_out and wire.sent[REQ, 2] is not None
+        assert not w.kv.out and wire.sent[REQ, 2] is not None
         dst.handle(Interrupt(0, [REQ + 1]))   # any message but a Start / SendKV first takes in the KV coming
-        assert not dst.kv_incoming and REQ in dst.engine.seqs
+        assert not dst.kv.incoming and REQ in dst.engine.seqs
     else:
         prefill0 = dst.engine.num_prefill_tokens
         dst.handle(Start([dataclasses.replace(spec, partial=part)]))
     while dst.engine.has_unfinished():
         dst.step()
     got = _finished(dst_ch)
-    assert got.response_ids == want.response_ids and not wire.sent and not dst.kv_out
+    assert got.response_ids == want.response_ids and not wire.sent and not dst.kv.out
     if case == "reloaded":
         assert dst.engine.num_prefill_tokens - prefill0 == len(spec.prompt_ids) + len(part.response_ids)
     else:
         assert dst.engine.num_prefill_tokens == prefill0 and got.logprobs == want.logprobs
-        assert dst.kv_adopted == len(spec.prompt_ids) + len(part.response_ids) - 1 and dst.kv_refused == 0
+        assert dst.kv.adopted == len(spec.prompt_ids) + len(part.response_ids) - 1 and dst.kv.refused == 0

@@ -13,7 +13,7 @@ import torch
 import train
 from model.config import ModelConfig
 from model.transformer import Transformer
-from runtime.preflight import outside_blocks_bytes_per_token, saved_bytes_per_token
+from runtime.memory_plan import outside_blocks_bytes_per_token, saved_bytes_per_token
 from tests.real_vocab import QWEN_DIR, needs_qwen
 
 ROOT = Path(__file__).resolve().parents[1]

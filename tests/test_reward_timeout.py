@@ -99,17 +99,19 @@ def test_scorer_reraises_a_malformed_result_and_close_never_waits_for_a_running_
     scorer = AsyncRewardScorer(slow_reward({}, release), workers=1)
     scorer.submit(1, "tc", "hang", "x")
     scorer.submit(2, "tc", "queued", "x")             # not started yet: cancelled by close
+    jobs = list(scorer.jobs)
     t0 = time.monotonic()
     scorer.close()
-    assert time.monotonic() - t0 < 0.5 and scorer.jobs[1].future.cancelled()
+    assert time.monotonic() - t0 < 0.5 and jobs[1].future.cancelled() and len(scorer) == 0
     release.set()
 
 
 def test_reward_config_async_keys_and_the_rollout_ranks_scorer():
     from config import ConfigError, load_config
     from runtime.build import reward_scorer
+    from runtime.reward_scorer import InlineScorer
     cfg = load_config("configs/tiny.toml", [])
-    assert cfg.reward.async_workers == 0 and reward_scorer(cfg, None) is None    # default: inline, as before
+    assert cfg.reward.async_workers == 0 and isinstance(reward_scorer(cfg, None), InlineScorer)   # default: inline
     cfg = load_config("configs/tiny.toml", ["--reward.async_workers=3", "--reward.timeout_s=4",
                                             "--reward.timeout_scale=2", "--reward.timeout_min_s=0.5"])
     scorer = reward_scorer(cfg, slow_reward({}))

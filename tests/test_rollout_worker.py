@@ -17,7 +17,10 @@ from rl.types import Trajectory
 from runtime.backend import RuntimeBackend
 from runtime.channel import ChannelTimeout
 from runtime.messages import ReceiveWeights, Start, StartRequest, Stop
-from runtime.rollout_worker import RolloutWorker, SamplingConfig, WeightMismatchError, trajectory_of
+from runtime.relay import WeightMismatchError
+from runtime.reward_scorer import InlineScorer
+from runtime.rollout_worker import RolloutWorker, SamplingConfig
+from runtime.samples import response_decoder, trajectory_of
 from runtime.topology import Topology
 from sched.controller import PromptItem
 from sched.decisions import Abort, Interrupt, LoadWeights, Migrate
@@ -36,7 +39,7 @@ class FakeChannel:
         self.sent.append((dst, obj))
 
 
-def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None):
+def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None, rank=1):
     task = SyntheticTask("reverse", 16, 0)
     tok = task.tokenizer()
     cfg = preset_config("tiny", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
@@ -45,11 +48,11 @@ def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None):
         num_kv_tokens=512, max_num_seqs=16, max_batch_tokens=256,
         cpu_decode_steps=1), version=-1)   # a worker step is one engine step here (the tests count them)
     ch = FakeChannel()
-    from runtime.rollout_worker import response_decoder
-    w = RolloutWorker(engine, ch, engine_index=0, rank=1, reward_fn=task.score,
+    w = RolloutWorker(engine, ch, engine_index=0, rank=rank,
+                      scorer=scorer if scorer is not None else InlineScorer(task.score),
                       decode=response_decoder(tok, engine.eos_ids), receiver=None,
                       sampling=SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0,
-                      verify_weights=verify, scorer=scorer)
+                      verify_weights=verify)
     return w, ch, task, tok
 
 
@@ -72,8 +75,7 @@ def test_trajectory_of_an_engine_output():
 
 def test_submit_steps_and_reports_scored_trajectories():
     w, ch, task, tok = make_worker()
-    w._into_relay(published(w.engine, 1.5), 0)
-    w.relay_version = 0
+    w.relay.fill(published(w.engine, 1.5), 0)
     assert w.handle(LoadWeights(0, 0))
     prompts = task.prompts()[:2]
     specs = [StartRequest(10 * g + s, g, s, g, tok.encode(p, add_special_tokens=False), a)
@@ -100,13 +102,12 @@ def test_submit_steps_and_reports_scored_trajectories():
         for i, e in enumerate(batch):
             if e.kind == "trajectory_finished":
                 assert batch[i + 1].kind == "reward_scored" and batch[i + 1].req_id == e.req_id
-    assert w.scorer is None and not w.scoring
+    assert isinstance(w.scorer, InlineScorer) and not len(w.scorer)
 
 
 def test_a_load_that_corrupts_a_tensor_is_named():
     w, ch, _, _ = make_worker()
-    w._into_relay(published(w.engine, 2.0), 3)
-    w.relay_version = 3
+    w.relay.fill(published(w.engine, 2.0), 3)
     original = w.engine.runner.load_weights
 
     def corrupting(weights):
@@ -128,8 +129,7 @@ def test_loading_a_version_the_relay_does_not_hold_fails():
 # ---- partial trajectories: interrupt, resume, load on a busy engine ------------------------------------------------
 def loaded_worker(version=0, scale=1.5, **kw):
     w, ch, task, tok = make_worker(**kw)
-    w._into_relay(published(w.engine, scale), version)
-    w.relay_version = version
+    w.relay.fill(published(w.engine, scale), version)
     w.handle(LoadWeights(0, version))
     return w, ch, task, tok
 
@@ -235,8 +235,7 @@ def test_load_on_a_busy_worker_keeps_running_sequences_under_the_new_version():
         w.step()
     running = {int(r) for r in w.engine.seqs}
     assert running
-    w._into_relay(published(w.engine, 1.3), 1)  # version 1: the engine's weights scaled
-    w.relay_version = 1
+    w.relay.fill(published(w.engine, 1.3), 1)  # version 1: the engine's weights scaled
     w.handle(LoadWeights(0, 1))
     assert w.engine.version == 1 and {int(r) for r in w.engine.seqs} == running  # nothing dropped
     run_to_end(w)
@@ -353,7 +352,7 @@ def test_async_scoring_decodes_on_while_a_score_is_pending_and_reports_each_samp
         w.handle(Start(first))
         run_to_end(w)                                  # group 0 finished; its scores wait on the gate
         assert len(events_of(ch, "trajectory_finished")) == 2 and not events_of(ch, "reward_scored")
-        assert len(w.scoring) == 2 and events_of(ch, "engine_idle")   # nothing decoding: idle, scores pending
+        assert len(w.scorer) == 2 and events_of(ch, "engine_idle")   # nothing decoding: idle, scores pending
         # an abort or interrupt of a finished request being scored: nothing to stop here, nothing reported
         w.handle(Abort(0, [sp.req_id for sp in first]))
         w.handle(Interrupt(0, [sp.req_id for sp in first]))
@@ -363,10 +362,10 @@ def test_async_scoring_decodes_on_while_a_score_is_pending_and_reports_each_samp
         w.handle(Start([sp for sp in specs if sp.group_id == 1]))
         run_to_end(w)                                  # decoding went on while group 0's scores were pending
         assert len(events_of(ch, "trajectory_finished")) == 4 and w.steps > steps
-        wait_for(lambda: (w.collect_scores(), w.flush(), len(w.scoring) == 2)[-1], "group 1's scores")
+        wait_for(lambda: (w.collect_scores(), w.flush(), len(w.scorer) == 2)[-1], "group 1's scores")
         assert {e.group_id for e in events_of(ch, "reward_scored")} == {1}    # group 0's still pending
         gate.set()
-        wait_for(lambda: (w.collect_scores(), w.flush(), not w.scoring)[-1], "the gated scores")
+        wait_for(lambda: (w.collect_scores(), w.flush(), not len(w.scorer))[-1], "the gated scores")
         events = all_events(ch)
         kinds = [(e.kind, e.group_id) for e in events]
         assert kinds.index(("trajectory_finished", 1)) < kinds.index(("reward_scored", 0))
@@ -400,7 +399,7 @@ def test_async_scoring_a_raising_verifier_fails_one_score_and_the_run_goes_on():
     specs = group_specs(task, tok)
     w.handle(Start(specs))
     run_to_end(w)
-    wait_for(lambda: (w.collect_scores(), w.flush(), not w.scoring)[-1], "the scores")
+    wait_for(lambda: (w.collect_scores(), w.flush(), not len(w.scorer))[-1], "the scores")
     scored = events_of(ch, "reward_scored")
     assert sorted(e.req_id for e in scored) == sorted(sp.req_id for sp in specs)
     failed = [e for e in scored if e.data["failed"]]
@@ -443,7 +442,7 @@ def test_async_scoring_a_call_past_its_timeout_scores_zero_failed_and_stop_cance
         wait_for(lambda: len(calls) == 1, "the hung call")
         ch.inbox.put(Stop())
         th.join(2.0)
-        assert not th.is_alive() and not w.scoring and w.scorer.pool._shutdown
+        assert not th.is_alive() and not len(w.scorer) and w.scorer.pool._shutdown
         assert [e.req_id for e in events_of(ch, "reward_scored")].count(99) == 0
     finally:
         gate.set()
@@ -468,23 +467,23 @@ def test_a_publication_arrives_on_the_relay_thread_while_the_engine_decodes():
     `weights_received` event counts the tokens decoded meanwhile."""
     w, ch, task, tok = make_worker(verify=True, max_new_tokens=8)
     rx = GatedReceiver(published(w.engine, 2.0), 5)
-    w.receiver = rx
+    w.relay.receiver = rx
     prompt, answer = task.prompts()[0]
     w.handle(Start([StartRequest(1, 0, 0, 0, tok.encode(prompt, add_special_tokens=False), answer)]))
     w.handle(ReceiveWeights(5))
     for _ in range(3):
         w.step()
-        w._take_relay()
-    assert w.relay_version == -1 and not w.relay and w.engine.num_tokens_decoded >= 3
+        w.relay.take()
+    assert w.relay.version == -1 and not w.relay.tensors and w.engine.num_tokens_decoded >= 3
     rx.gate.set()
     w.handle(LoadWeights(0, 5))
-    assert w.relay_version == w.engine.version == 5 and w.publications.pending == []
+    assert w.relay.version == w.engine.version == 5 and w.relay.publications.pending == []
     want = dict(published(w.engine))   # the engine now holds the published (scaled) weights, checked by checksum
-    assert all(torch.equal(w.relay[k], v) for k, v in want.items())
+    assert all(torch.equal(w.relay.tensors[k], v) for k, v in want.items())
     got = [e for e in w.outbox if e.kind == "weights_received"]
     assert len(got) == 1 and got[0].version == 5 and got[0].data["tokens_decoded"] >= 3
     w.close()
-    assert w.publications.thread is None
+    assert w.relay.publications.thread is None
 
 
 @pytest.mark.parametrize("report", [True, False])

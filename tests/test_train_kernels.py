@@ -203,9 +203,9 @@ def test_fused_kernels_off_keeps_the_eager_modules():
 @needs_interpreter
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_the_memory_plan_counts_what_the_fused_model_keeps_interpreter(monkeypatch, qk_norm):
-    """runtime/preflight.py's bytes per token for the fused model (Triton, bf16: what a GPU trains with) against the
+    """runtime/memory_plan.py's bytes per token for the fused model (Triton, bf16: what a GPU trains with) against the
     tensors autograd keeps (tests/test_preflight.py's counter)."""
-    from runtime.preflight import outside_blocks_bytes_per_token, saved_bytes_per_token
+    from runtime.memory_plan import outside_blocks_bytes_per_token, saved_bytes_per_token
     from tests.test_preflight import saved_by_autograd
     monkeypatch.setenv("TIDAL_KERNELS", "triton")
     shape = dict(hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=qk_norm)
