@@ -68,7 +68,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
 
     def num_params(self) -> int:
-        """Parameters of the model these shapes make (runtime/preflight.py's memory plan)."""
+        """Parameters of the model these shapes make (runtime/memory_plan.py)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         attn = qkv + self.num_heads * self.head_dim * h + (qkv // h if self.attention_bias else 0)

@@ -1,4 +1,4 @@
-"""The README's "Adding a policy" example is a real file that works: the README shows it verbatim, and it runs in
+"""The README's "Add a policy" example is a real file that works: the README shows it verbatim, and it runs in
 the simulator and on real ranks with the invariants every preset keeps."""
 from __future__ import annotations
 
