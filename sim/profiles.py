@@ -251,7 +251,7 @@ def _cpu_tiny() -> CostModel:
     3 train + 1 rollout, 4 prompts x 8 per step, max_new_tokens 32, max_num_seqs 64, kv_cache_tokens 4096): decode fit
     over 177 counter intervals, mean batch 10.9. The tiny model on CPU is compute-bound per token, so k1 = k2 = 0.
     Check: simulating that run (sync, workload cpu_tiny, 1 engine, 3 train GPUs, 60 steps) against its own
-    events.jsonl is in sim/README.md."""
+    events.jsonl is in sim/README.md, "Validation against our own run"."""
     measured = "measured (sim.calibrate on a 60-step tiny sync run, 2-core CPU)"
     return CostModel(
         name="cpu_tiny", k1=0.0, k2=0.0, k3=4.6e-5, k4=2.3e-3, prefill_s_per_token=4.6e-5, kv_capacity_tokens=4096,
@@ -317,7 +317,7 @@ def measured(path: Path, name: str | None = None) -> CostModel:
 
 
 def h100_measured(path: Path = H100_CAMPAIGN) -> CostModel:
-    """The first GPU campaign's calibration (one H100, 2026-11-24)."""
+    """The first GPU campaign's calibration (one H100, `H100_CAMPAIGN`)."""
     return measured(path, "h100_qwen3_0p6b")
 
 

@@ -114,7 +114,7 @@ def prompt_source(workload: Workload):
 # millions of short-lived objects and keeps a growing heap of long-lived ones (requests, events), and CPython's default
 # (700, 10, 10) re-scans that heap so often that collection took 15-22% of a StaleFlow or AReaL run and half of a
 # reproduction's main process; almost nothing it makes is cyclic garbage (a run leaves ~20-70k objects of it, a
-# fraction of a MB), so collections 70x rarer change no result and no peak memory measurably (measured 2026-11-27).
+# fraction of a MB), so collections 70x rarer change no result and no peak memory measurably.
 SIM_GC_THRESHOLD = (50_000, 20, 100)
 
 

@@ -21,9 +21,9 @@ streaming granularity); and that nothing was lost or trained twice (every sample
 once, the same count as the fault-free run). Last line: training throughput with the fault over without.
 
 In this model Laminar's 16 engines generate about two batches per trainer step at this placement (the throughput
-rows' missing detail, sim/README.md), so the trainer has a backlog to draw on through the outage; `--train-speed F`
-(every profile trains F times faster per token, as `python -m sim.repro --train-speed`) is the sensitivity that
-brings generation and training closer to balance.
+rows' missing detail, sim/repro/laminar.md), so the trainer has a backlog to draw on through the outage;
+`--train-speed F` (every profile trains F times faster per token, as `python -m sim.repro --train-speed`) is the
+sensitivity that brings generation and training closer to balance.
 """
 from __future__ import annotations
 

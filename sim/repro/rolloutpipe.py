@@ -93,8 +93,8 @@ ROWS = [
 
 # -------------------------------------------------------------------------------- what the FGD misses depend on
 def fgd_sensitivity(runs: Runs) -> str:
-    """The FGD misses' sensitivity (sim/README.md, RolloutPipe): the frontier width, the per-step overhead k4 and the
-    within-group dispersion, on R = 96 (seed of `runs`); each cut is 1 - main time / Slime's main time."""
+    """The FGD misses' sensitivity (sim/repro/rolloutpipe.md, "Misses"): the frontier width, the per-step overhead
+    k4 and the within-group dispersion, on R = 96 (seed of `runs`); each cut is 1 - main time / Slime's main time."""
     slime = step_s(runs, SLIME, 96)
     cut = lambda t: f"{1 - t / slime:+.1%}"  # noqa: E731
     widths = []
