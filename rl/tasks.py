@@ -10,7 +10,7 @@ the transformed string followed by `<eos>` (the tokenizer is character level, se
     reverse  the string reversed             "cafd=" -> "dfac"
     repeat   a symbol n times                "c7="   -> "ccccccc"
 
-`repeat` is the long-tail length workload (issue 6: the scheduling presets need rounds whose groups finish at very
+`repeat` is the long-tail length workload (the scheduling presets need rounds whose groups finish at very
 different times, as in the papers' reasoning traces). The prompt states how long the answer is, and n is drawn per
 prompt from a heavy-tailed `LengthDist` (by default 7 prompts in 8 answer in 1-4 tokens, 1 in 8 in 24-32), so the
 length is a property of the prompt, shared by the whole GRPO group (within-group correlation, RollPacker §2.2,

@@ -1,5 +1,5 @@
 """A migrated request's KV, moved between rollout ranks over torch.distributed instead of re-prefilled at the
-destination (issue 17: Laminar's repack, §5, moves long-tail trajectories between rollouts of one weight version;
+destination (Laminar's repack, §5, moves long-tail trajectories between rollouts of one weight version;
 StaleFlow's migration, §5.3, moves trajectories between instances; neither paper says how the KV travels, see
 shared/research/seeds_laminar.md §1.5).
 

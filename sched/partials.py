@@ -10,7 +10,7 @@ closes when the request leaves its engine (finished, interrupted, aborted). When
 `take_back` (below) returns its requests to PENDING, each resuming from its entry (`take`); `rejoin` lets the engine
 take work again once it reports itself rebuilt.
 
-The streaming granularity is not in the paper ([GAP] in ../shared/research/seeds_laminar.md, invariant 6); ours is
+The streaming granularity is not in the paper (Laminar §3.3 gives none); ours is
 the engines' counters period (every `counters_every` engine steps, runtime/rollout_worker.py; the simulator's
 `counters_every_s`). The simulator's chunks are run-length sequences (rl.types.RunLengthSequence: fake ids, a few
 runs each) that carry a request's whole trajectory so far (start 0), cheap to resend at every tick; the pool keeps

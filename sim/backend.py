@@ -50,8 +50,8 @@ their requests' tokens to the controller's partial-response pool every `stream_e
 the counters tick (`isolates_faults`; a kill loses what each request generated since), and a kill reports
 `engine_failed` with what each request held, as the runtime's rollout worker does; commands that reach a dead
 engine before the controller has folded its failure are void there (the runtime's rollout worker voids them until
-ResetEngine, a no-op here). The streaming period is an assumption ([GAP] in the paper, invariant 6 of
-../shared/research/seeds_laminar.md): our runtime streams at every counters report, a few engine steps; the
+ResetEngine, a no-op here). The streaming period is an assumption (Laminar §3.3 gives no granularity):
+our runtime streams at every counters report, a few engine steps; the
 simulator's default, 10 s, keeps a fault run of Laminar's 128-GPU setting within ~2x a fault-free one's CPU time
 (at 1 s, 10x: every running request's chunk at every tick), and bounds what a kill loses to ~10 s of decoding per
 request (the figure that reads it says so).

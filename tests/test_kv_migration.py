@@ -1,4 +1,4 @@
-"""A request moved between engines with its KV (issue 17, Laminar's repack and StaleFlow's migration): the
+"""A request moved between engines with its KV (Laminar's repack and StaleFlow's migration): the
 destination adopts the K/V instead of re-prefilling, and decoding continues exactly as it would have on the source.
 Engine level here (prefix-shared and partly filled blocks, mid-prefill, the version and room fallbacks); between two
 gloo ranks, and a sender that never sends, in tests/test_kv_transfer_dist.py."""

@@ -1,4 +1,4 @@
-"""Partial trajectories (issue 7): an engine interrupts a running request and hands back its tokens, logprobs and
+"""Partial trajectories: an engine interrupts a running request and hands back its tokens, logprobs and
 per-token versions; another engine resumes it by re-prefill. A seeded continuation under the same weights is the
 uninterrupted run; under newer weights its tokens carry the new version and the new weights' logprobs. The
 trainer's side: decoupled PPO's proximal policy is the weights at the start of the call, and per-token staleness."""
