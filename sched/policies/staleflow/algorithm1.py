@@ -4,7 +4,7 @@ A StaleFlow preset names four mechanisms (configs/sched/staleflow.toml); three o
 snapshot, as the paper's coordinator does. `StaleFlow` is the preset's dispatch (its table holds the design's
 parameters, state.py) and a Design (sched/base.py): at bind it takes the preset's StaleFlow weight sync (sync.py,
 Algorithm 4 or vanilla) and migration (migration.py, Algorithm 5) as its parts, and each decision round it returns
-the decisions of all three kinds. On a coordination pass that is `algorithm1` below, numbered as the paper's lines:
+the decisions of every kind it fills. On a coordination pass that is `algorithm1` below, numbered as the paper's lines:
 sync, then migration, then routing (routing.py, Algorithms 2-3), each on the snapshot the commands before it left.
 The hand-off (handoff.py, Consume §4.2) reads the same state; the update is the ordinary step_publish.
 
@@ -133,27 +133,32 @@ def algorithm1(v: Views, st: StaleFlowState, S: Snaps, route: Route, sync: Stale
                migration: StaleFlowMigration | None) -> tuple[list[Submit], list[Interrupt | LoadWeights],
                                                                list[Interrupt]]:
     """Algorithm 1, the rollout coordination procedure, on S, the snapshot of every instance (validated by Eq. 1,
-    state.py; changed here as the paper's S is). Returns the pass's Routes (one Submit per instance), its sync's
-    Interrupts and Pulls, and its migration's Interrupts. Lines 9 and 14 (interrupted trajectories rejoin ts_trajs)
-    take effect later: a trajectory is back in the TS once its Interrupt lands (§5.2, "a Route command must wait until
-    all interrupted trajectories have been returned to the TS"), and a later pass routes it."""
+    state.py; changed here as the paper's S is). Returns the pass's Routes (one Submit per instance; routing has
+    Reserved their buffer entries), its sync's Interrupts and Pulls, and its migration's Interrupts. Lines 9 and 14
+    take effect later: an interrupted trajectory is back in the TS once its Interrupt lands (§5.2, "a Route command
+    must wait until all interrupted trajectories have been returned to the TS"), and a later pass routes it."""
     buffers = st.buffers(v)
-    ts = TSQueue(v, buffers, st.aborts.dropping)                    # 1  ts_trajs <- get_ts_trajs()  (in MLQ order)
-    ps = v.trainer.published                                        # 2  ps_version <- get_ps_version()
+    ts = TSQueue(v, buffers, st.aborts.dropping)            # 1  ts_trajs <- get_ts_trajs()   (in MLQ order)
+    ps = v.trainer.published                                # 2  ps_version <- get_ps_version()
     pulls: list[Interrupt | LoadWeights] = []
-    for inst in (sync.select(S, ts, buffers, ps, route) if sync else []):   # 4  foreach inst in SynchronizationStrategy
-        trajs = list(S[inst].requests)                              # 5    trajs <- run_trajs U wait_trajs
-        if trajs:                                                   # 6    IssueCommand(Interrupt(inst, trajs),
-            pulls.append(Interrupt(inst, trajs))                    #                   Pull(inst))
+    selected = sync.select(S, ts, buffers, ps, route) if sync else []
+    for inst in selected:                                   # 4  foreach inst in SynchronizationStrategy(S, ts, ps)
+        trajs = list(S[inst].requests)                      # 5    trajs <- S[inst].run_trajs U S[inst].wait_trajs
+        if trajs:                                           # 6    IssueCommand(Interrupt(inst, trajs), Pull(inst))
+            pulls.append(Interrupt(inst, trajs))
         pulls.append(LoadWeights(inst, ps))
-        S[inst] = replace(discard(S[inst], trajs), version=ps, loading=True)   # 7-8  discard; inst_version <- ps
+        S[inst] = discard(S[inst], trajs)                   # 7    S[inst].discard(trajs)
+        S[inst] = replace(S[inst], version=ps, loading=True)  # 8   S[inst].inst_version <- ps (mid-Pull)
+                                                            # 9    ts_trajs <- ts_trajs U trajs (once they land)
     moves: list[Interrupt] = []
-    for inst, trajs in (migration.select(S, st.model) if migration else []):   # 11 foreach (inst, trajs) in Migration
-        moves.append(Interrupt(inst, trajs))                        # 12   IssueCommand(Interrupt(inst, trajs))
-        S[inst] = discard(S[inst], trajs)                           # 13   S[inst].discard(trajs)
+    migrating = migration.select(S, st.model) if migration else []
+    for inst, trajs in migrating:                           # 11 foreach (inst, trajs) in MigrationStrategy(S)
+        moves.append(Interrupt(inst, trajs))                # 12   IssueCommand(Interrupt(inst, trajs))
+        S[inst] = discard(S[inst], trajs)                   # 13   S[inst].discard(trajs)
+                                                            # 14   ts_trajs <- ts_trajs U trajs (once they land)
     routed: dict[int, list[int]] = {}
-    for inst, it in route(S, ts, buffers):                          # 16 foreach (inst, trajs) in RoutingStrategy
-        routed.setdefault(inst, []).append(it.req.req_id)           # 17   IssueCommand(Route(inst, trajs))
+    for inst, it in route(S, ts, buffers):                  # 16 foreach (inst, trajs) in RoutingStrategy(S, ts)
+        routed.setdefault(inst, []).append(it.req.req_id)   # 17   IssueCommand(Route(inst, trajs))
         st.routed.add(it.req.req_id)
     return [Submit(e, ids) for e, ids in sorted(routed.items())], pulls, moves
 
