@@ -11,20 +11,21 @@ A scheduling policy is five small objects, one per mechanism kind:
 
 Each reads `Views` (the controller's picture of requests, groups, engines and trainer, sched/views.py) and returns
 plain decisions (the dataclasses of sched/decisions.py). The controller (sched/controller.py) is the only caller. A
+paper that decides several kinds together on one picture is a `Design`: one object filling those kinds. A
 `Preset` names one mechanism per kind; a mechanism class registers itself with the bare decorator `@register`, which
 reads its `kind` and `name`, and takes its parameters as a `Params` dataclass that `build_policy` fills from a
 config table through the one config validator (config.build).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from config import build
 from sched.views import Views
 
 if TYPE_CHECKING:
-    from sched.decisions import (AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Migrate, Reshard,
+    from sched.decisions import (AddEngines, Abort, Interrupt, Joint, LendEngines, LoadWeights, Migrate, Reshard,
                                  ReturnEngines, RoundPlan, Submit, TrainCall)
 
 
@@ -56,8 +57,8 @@ class Policy:
         self.p = params if params is not None else self.Params()
 
     def bind(self, preset: "Preset") -> None:
-        """Called once when the preset is assembled. A mechanism of a coupled design (StaleFlow's four, AReaL's
-        hand-off) takes its partners here, and raises ValueError if the preset lacks them."""
+        """Called once when the preset is assembled. A Design takes its parts here, a part of a coupled design
+        (StaleFlow's, AReaL's hand-off) its partner; either raises ValueError if the preset lacks them."""
 
     def state_dict(self) -> dict[str, Any]:
         """Anything the policy must carry across a checkpoint/resume (most policies are stateless)."""
@@ -143,6 +144,17 @@ class Rebalance(Policy):
         return []
 
 
+class Design(Policy):
+    """A composite mechanism: one object filling several kinds, for a paper that decides them together (StaleFlow's
+    Algorithm 1: sync, migrate, route on one snapshot). It is the preset's mechanism of one kind (its table holds the
+    parameters) and takes the preset's mechanisms of its other kinds as parts at bind (they keep names and tables).
+    The controller calls `decide` once per round, where it would ask Dispatch.admit, and issues each filled kind's
+    decisions (Joint) where it would ask that kind; unfilled ones (None), intake and the hand-off: asked as usual."""
+
+    def decide(self, v: Views) -> Joint:
+        raise NotImplementedError
+
+
 KIND_BASES: dict[str, type[Policy]] = {
     "dispatch": Dispatch, "handoff": Handoff, "update": Update, "weight_sync": WeightSync, "rebalance": Rebalance}
 REGISTRY: dict[str, dict[str, type[Policy]]] = {k: {} for k in KIND_BASES}
@@ -167,10 +179,12 @@ class Preset:
     update: Update
     weight_sync: WeightSync
     rebalance: Rebalance
+    design: Design | None = field(default=None, init=False, repr=False)   # the mechanism that is a Design, if any
 
     def __post_init__(self) -> None:
         for p in self.policies().values():
             p.bind(self)
+        self.design = next((p for p in self.policies().values() if isinstance(p, Design)), None)
         if self.failures_isolated():
             blind = [f"{k} {p.name!r}" for k, p in self.policies().items() if not p.skips_failed_engines]
             if blind:
@@ -187,7 +201,7 @@ class Preset:
         return ", ".join(f"{k} {p.name!r}" for k, p in self.policies().items() if p.failures_isolated())
 
     def policies(self) -> dict[str, Policy]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: getattr(self, k) for k in KIND_BASES}
 
     def reads_progress(self) -> bool:
         """Whether any of its mechanisms reads the engines' per-request progress (Policy.reads_progress)."""

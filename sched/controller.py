@@ -3,9 +3,9 @@
 five calls.
 
 Loop: take the next event (with every event that arrived together with it), fold it into the views, then ask each
-mechanism for decisions and hand them to the backend. Every change of the views goes through the request
-lifecycle (sched/lifecycle.py), which also checks the invariants every preset must keep, so a buggy policy fails
-loudly in tests.
+mechanism for decisions (a Design once for all the kinds it fills) and hand them to the backend. Every change of
+the views goes through the request lifecycle (sched/lifecycle.py), which also checks the invariants every preset
+must keep, so a buggy policy fails loudly in tests.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any, Callable, Protocol
 
 from rl.types import Group
 from sched.base import InvariantError, Preset
-from sched.decisions import (AddEngines, Abort, Interrupt, LendEngines, LoadWeights, Migrate, Reshard, ResetEngine,
-                             ReturnEngines, RoundPlan, Submit, TrainCall)
+from sched.decisions import (AddEngines, Abort, Interrupt, Joint, LendEngines, LoadWeights, Migrate, Reshard,
+                             ResetEngine, ReturnEngines, RoundPlan, Submit, TrainCall)
 from sched.events import Event, EventLog
 from sched.lifecycle import Lifecycle
 from sched.partials import PartialPool
@@ -126,9 +126,10 @@ class Controller:
         for sub, src in self.life.due_migrations():   # migrated requests land before any other admission
             self.submit(backend, sub)
             self.life.migrated(sub, src)
-        for sub in p.dispatch.admit(v):
+        joint = p.design.decide(v) if p.design is not None else Joint()   # a Design decides its kinds at once
+        for sub in p.dispatch.admit(v) if joint.submit is None else joint.submit:
             self.submit(backend, sub)
-        for cmd in p.rebalance.plan(v):
+        for cmd in p.rebalance.plan(v) if joint.rebalance is None else joint.rebalance:
             self.command(backend, cmd)
         for cmd in p.handoff.evict(v):
             self.command(backend, cmd)
@@ -136,7 +137,7 @@ class Controller:
             gids = p.handoff.ready(v)
             if gids:
                 self.train(backend, p.update.decide(gids, v), gids)
-        for cmd in p.weight_sync.engines_to_load(v):
+        for cmd in p.weight_sync.engines_to_load(v) if joint.weight_sync is None else joint.weight_sync:
             self.command(backend, cmd)
 
     def start_round(self, plan: int | RoundPlan) -> None:

@@ -11,6 +11,7 @@ the rules every preset keeps; the backends receive the ones that concern them (`
     LoadWeights                  weight_sync: an engine adopts a published version
     TrainCall                    update: train these groups; step the optimizer; publish
     ResetEngine                  (the lifecycle, not a policy) a failed engine's requests were taken back
+    Joint                        a Design's decisions of one round, by the kind each stands in for
 """
 from __future__ import annotations
 
@@ -113,3 +114,12 @@ class TrainCall:
     step: bool                   # apply the optimizer step after accumulating these groups' gradients
     publish: bool                # broadcast the new weights to the rollout ranks afterwards
     overlap_publish: bool = False  # send them while the next call trains (the trainer waits only for the gather)
+
+
+@dataclass
+class Joint:
+    """A Design's decisions of one round (sched/base.py), each in place of what one kind's mechanism returns; None:
+    a kind the design does not fill, asked of its own mechanism."""
+    submit: list[Submit] | None = None                                                   # Dispatch.admit
+    rebalance: list[Abort | Interrupt | Migrate | LendEngines | ReturnEngines | AddEngines | Reshard] | None = None
+    weight_sync: list[LoadWeights | Interrupt] | None = None                             # engines_to_load

@@ -102,7 +102,7 @@ def import_cycle(mods: Modules) -> list[str] | None:
 
 def test_the_repository_keeps_every_rule():
     mods = scan(ROOT)
-    assert len(mods) > 100 and "sched.lifecycle" in mods and "sched.policies.staleflow.dispatch" in mods
+    assert len(mods) > 100 and "sched.lifecycle" in mods and "sched.policies.staleflow.algorithm1" in mods
     assert layering_violations(mods) == []
     assert core_imports_of_policies(mods) == []
     assert cross_paper_imports(mods) == []
@@ -148,7 +148,7 @@ def test_python_m_sched_lists_every_mechanism_with_its_file_and_paper(capsys):
         for paper in papers & set(presets.split(", ")):
             if name.startswith(paper):
                 assert path.startswith(f"sched/policies/{paper}"), (name, path)
-    assert main() == 0 and "sched/policies/staleflow/dispatch.py" in capsys.readouterr().out
+    assert main() == 0 and "sched/policies/staleflow/algorithm1.py" in capsys.readouterr().out
 
 
 NEW_MECHANISM = '''from dataclasses import dataclass

@@ -17,10 +17,11 @@ from sched.controller import Controller, PromptItem
 from sched.events import EventLog
 from sched.policies.staleflow.buffers import StalenessBuffers
 from sched.policies.staleflow.cost import InstanceSnap, ThroughputModel
-from sched.policies.staleflow.dispatch import StaleFlowRouting, fewest_routes, marginal_routes
-from sched.policies.staleflow.rebalance import StaleFlowMigration
+from sched.policies.staleflow.algorithm1 import StaleFlow, algorithm1, discard
+from sched.policies.staleflow.migration import StaleFlowMigration
+from sched.policies.staleflow.routing import fewest_routes, marginal_routes
 from sched.policies.staleflow.state import StaleFlowParams, StaleFlowState
-from sched.policies.staleflow.store import Item
+from sched.policies.staleflow.store import Item, TSQueue
 from sched.resources import EngineView
 from sched.views import ON_ENGINE, GroupState, Request, RequestState, Views
 from sim.backend import SimBackend
@@ -149,15 +150,14 @@ def test_migration_trims_long_wait_queues_and_drains_the_fastest_instance_on_imb
         for _ in range(n):
             v.requests[rid] = Request(rid, rid, 0, rid, 0, 10, state="running", engine=eng)
             rid += 1
-    routing = StaleFlowRouting(StaleFlowRouting.Params(eta=1, period_s=0))
+    routing = StaleFlow(StaleFlow.Params(eta=1, period_s=0))
     routing.state.routed = set(range(rid))
     m = StaleFlowMigration()
     m.bind(SimpleNamespace(dispatch=routing))
-    out = {c.engine: c.req_ids for c in m.migrate(v, routing.state.snapshots(v, float("inf")))}
+    out = dict(m.select(routing.state.snapshots(v, float("inf")), routing.state.model))
     assert out[2] == [11, 12]                         # 5 waiting > phi_wait 3: the 2 latest
     assert out[0] == [0, 1, 2, 3, 4, 5]               # T(6) / T(1) > 5: everything on the fastest
     assert 1 not in out and 3 not in out
-    assert m.plan(v) == []                            # the controller's ask: only what a pass issued
 
 
 # ---- Algorithm 1: one pass, sync -> migrate -> route -------------------------------------------------------------
@@ -182,23 +182,23 @@ def test_algorithm_1_syncs_then_migrates_then_routes_on_one_snapshot():
     preset = sched.load_preset("staleflow", {"dispatch": {"eta": 0, "period_s": 0.0}})
     preset.dispatch.state.routed = {10}
     preset.dispatch.state._buffers = StalenessBuffers(eta=0, batch=4, v_next=1)
-    subs = preset.dispatch.admit(v)
+    assert preset.design is preset.dispatch           # the routing dispatch decides the three kinds together
+    joint = preset.design.decide(v)
+    subs = joint.submit
     assert [s.engine for s in subs] == [1] and sorted(subs[0].req_ids) == [0, 1, 2]
-    cmds = preset.weight_sync.engines_to_load(v)
+    cmds = joint.weight_sync
     assert [(type(c).__name__, c.engine) for c in cmds] == [("Interrupt", 0), ("LoadWeights", 0)]
     assert cmds[0].req_ids == [10] and cmds[1].version == 1
-    assert preset.rebalance.plan(v) == [] and preset.weight_sync.engines_to_load(v) == []   # handed out once
+    assert joint.rebalance == []                      # nothing waits or runs unevenly enough to migrate
 
 
-def test_after_commands_empties_a_pulling_instance_and_takes_interrupted_trajectories_off_waiting_first():
-    from sched.decisions import Interrupt, LoadWeights
-    from sched.policies.staleflow.state import after_commands
+def test_discard_takes_interrupted_trajectories_off_waiting_first_and_the_kv_in_proportion():
     snaps = {0: InstanceSnap(0, 0, running=4, waiting=2, kv=400.0, requests=(1, 2, 3, 4, 5, 6)),
              1: InstanceSnap(1, 0, running=2, kv=200.0, requests=(7, 8))}
-    out = after_commands(snaps, [Interrupt(0, [5, 6, 4]), Interrupt(1, [7, 8]), LoadWeights(1, 3)])
+    out = {0: discard(snaps[0], [5, 6, 4]), 1: discard(snaps[1], [7, 8])}
     assert (out[0].running, out[0].waiting, out[0].kv, out[0].requests) == (3, 0, 300.0, (1, 2, 3))
-    assert (out[1].running, out[1].kv, out[1].requests, out[1].version, out[1].loading) == (0, 0.0, (), 3, True)
-    assert snaps[0].running == 4                                           # the input is not changed
+    assert (out[1].running, out[1].kv, out[1].requests) == (0, 0.0, ())
+    assert snaps[0].running == 4 and discard(snaps[0], []) is snaps[0]     # the input is not changed
 
 
 # ---- Algorithm 4, vanilla sync, the TS summary and intake -------------------------------------------------------
@@ -218,21 +218,29 @@ def sync_case(ts_version: int | None) -> tuple[Views, Any]:
     return v, preset
 
 
+def selected(v: Views, p: Any) -> list[int]:
+    """The instances Algorithm 4 selects on a fresh snapshot."""
+    st_ = p.dispatch.state
+    b = st_.buffers(v)
+    return p.weight_sync.select(st_.snapshots(v, float("inf")), TSQueue(v, b, st_.aborts.dropping), b,
+                                v.trainer.published, p.dispatch.route)
+
+
 def test_algorithm_4_syncs_only_lagging_instances_nothing_routable_can_use_and_a_tentative_plan_would_fill():
     v, p = sync_case(None)                     # fresh groups: version 0 + eta 1 < v_next 2, so none is routable
-    snaps = p.dispatch.state.snapshots(v, float("inf"))
-    got = [(type(c).__name__, c.engine) for c in p.weight_sync.plan(v, snaps)]
+    st_ = p.dispatch.state
+    _, pulls, _ = algorithm1(v, st_, st_.snapshots(v, float("inf")), p.dispatch.route, p.weight_sync, None)
+    got = [(type(c).__name__, c.engine) for c in pulls]
     assert got == [("LoadWeights", 0), ("Interrupt", 1), ("LoadWeights", 1)]      # the busy one interrupted first
     v, p = sync_case(0)                        # a partial trajectory of version 0: routable at version 0
-    assert p.weight_sync.plan(v, p.dispatch.state.snapshots(v, float("inf"))) == []   # still useful as it is
+    assert selected(v, p) == []                # still useful as it is
     v, p = sync_case(2)                        # needs version 2: eligible; each instance's own tentative plan
-    assert [c.engine for c in p.weight_sync.plan(v, p.dispatch.state.snapshots(v, float("inf")))   # places it
-            if type(c).__name__ == "LoadWeights"] == [0, 1]
+    assert selected(v, p) == [0, 1]            # places it
     v, p = sync_case(None)
     p.dispatch.state._buffers = StalenessBuffers(eta=1, batch=1, v_next=2)
     p.dispatch.state._buffers.reserve(77, 2)   # both version-2 slots (buffers 3 and 2) taken: a sync would not
     p.dispatch.state._buffers.reserve(78, 2)   # be used
-    assert p.weight_sync.plan(v, p.dispatch.state.snapshots(v, float("inf"))) == []
+    assert selected(v, p) == []
 
 
 def test_vanilla_sync_pulls_every_lagging_instance_at_once_interrupting_what_runs():
@@ -240,7 +248,7 @@ def test_vanilla_sync_pulls_every_lagging_instance_at_once_interrupting_what_run
     p = sched.load_preset("staleflow_vanilla", {"dispatch": {"eta": 1, "period_s": 1e9}})
     p.dispatch.state.routed = {9}
     p.dispatch.state.last_pass = v.now = 0.0     # mid-period: event-driven, not part of a pass
-    cmds = p.weight_sync.engines_to_load(v)
+    cmds = p.design.decide(v).weight_sync
     assert [(type(c).__name__, c.engine) for c in cmds] == [("LoadWeights", 0), ("Interrupt", 1),
                                                             ("LoadWeights", 1)]
     assert cmds[1].req_ids == [9] and all(c.version == 2 for c in cmds if type(c).__name__ == "LoadWeights")
@@ -353,7 +361,10 @@ def test_staleflow_interrupts_and_resumes_and_reaches_the_bound():
 def test_a_coupled_design_has_one_parameter_set_and_needs_its_partners():
     p = sched.load_preset("staleflow", {"dispatch": {"eta": 1}})       # set once, in the routing's table
     assert [q.staleness_bound() for q in p.policies().values()] == [1, None, None, None, None]
-    assert p.handoff.routing is p.weight_sync.routing is p.rebalance.routing is p.dispatch
+    assert p.design is p.dispatch and p.dispatch.sync is p.weight_sync and p.dispatch.migration is p.rebalance
+    assert p.handoff.state is p.dispatch.state
+    q = sched.load_preset("staleflow_vanilla")                         # its rebalance `none` is asked as usual
+    assert q.design is q.dispatch and q.dispatch.sync is q.weight_sync and q.dispatch.migration is None
     with pytest.raises(ValueError, match="sched.handoff.eta .*'staleflow' takes no parameters"):
         sched.load_preset("staleflow", {"handoff": {"eta": 1}})       # no second eta that could disagree
     with pytest.raises(ValueError, match="needs a StaleFlow routing dispatch .* dispatch is 'fifo'"):

@@ -1,14 +1,17 @@
-"""StaleFlow (configs/sched/staleflow.toml, staleflow_vanilla.toml): staleness-bounded asynchronous RL. Four
-mechanisms of one design, sharing one parameter set and one state (state.py), both owned by the routing dispatch:
+"""StaleFlow (configs/sched/staleflow.toml, staleflow_vanilla.toml): staleness-bounded asynchronous RL. The preset's
+routing dispatch is a Design (sched/base.py): one object that also fills the weight sync and the migration, and
+runs the paper's coordination pass as one function. Read algorithm1.py first.
 
-    dispatch.py     staleflow / staleflow_vanilla  dispatch     routing, Algorithms 2-3 (§5.3) / vanilla (§6.5)
+    algorithm1.py   staleflow / staleflow_vanilla  dispatch     the design: Algorithm 1 (§5.2) over routing, sync
+                                                                and migration on one snapshot; TS intake (§5.1)
+    routing.py      the routing strategies: Algorithm 3 (§5.3) and the vanilla one (§6.5)
+    sync.py         staleflow / staleflow_vanilla  weight_sync  Algorithm 4 / vanilla (§6.5): parts of the design
+    migration.py    staleflow                      rebalance    Algorithm 5 (§5.3): a part of the design
     handoff.py      staleflow                      handoff      Consume of Ready buffers (§4.2)
-    weight_sync.py  staleflow / staleflow_vanilla  weight_sync  per-instance sync, Algorithm 4 / vanilla (§6.5)
-    rebalance.py    staleflow                      rebalance    migration, Algorithm 5 (§5.3)
+    state.py        the shared parameters and state; the snapshot (Eq. 1); how the paper's pieces map onto ours
     buffers.py      the staleness manager's virtual buffers: Reserve / Occupy / Consume (§4.2-4.3)
     aborts.py       the staleness manager's Aborts: batch / group redundancy, uniform and stuck filters (§4.3)
     store.py        the trajectory store (TS) in MLQ order, Alg. 2's routability check (§5.1, §5.3)
     cost.py         the throughput model of Eq. 2-4 (Table 4)
-    state.py        the shared parameters and state; how the paper's pieces map onto the runtime's
 """
-from sched.policies.staleflow import dispatch, handoff, rebalance, weight_sync  # noqa: F401  (registration)
+from sched.policies.staleflow import algorithm1, handoff, migration, sync  # noqa: F401  (registration)

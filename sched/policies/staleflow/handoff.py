@@ -1,9 +1,13 @@
-"""StaleFlow hand-off: Consume (§4.2)."""
+"""StaleFlow's hand-off: Consume (§4.2), the trainer's side of the staleness manager, reading the design's state
+(state.py). Outside Algorithm 1: the controller asks it after the round's routes and migrations, as any hand-off.
+
+Invariant kept: consumed buffers are Ready, in version order, each group in them has V + eta >= w.
+"""
 from __future__ import annotations
 
 from sched.base import Handoff, Preset, register
 from sched.decisions import Abort
-from sched.policies.staleflow.weight_sync import staleflow_routing
+from sched.policies.staleflow.state import design_state
 from sched.views import Views
 
 
@@ -24,17 +28,17 @@ class StaleFlowHandoff(Handoff):
     paper = "StaleFlow §4.2 (Consume)"
 
     def bind(self, preset: Preset) -> None:
-        self.routing = staleflow_routing(preset, f"the {self.name!r} handoff")
+        self.state = design_state(preset, f"the {self.name!r} handoff")
 
     def evict(self, v: Views) -> list[Abort]:
-        st = self.routing.state
+        st = self.state
         if not st.aborts.on:
             return []
         st.sync_buffers(v)
         return st.aborts.plan(v, st.buffers(v))
 
     def ready(self, v: Views) -> list[int] | None:
-        st = self.routing.state
+        st = self.state
         st.sync_buffers(v)
         sb = st.buffers(v)
         if sb.v_next != v.trainer.version:

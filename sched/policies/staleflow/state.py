@@ -1,10 +1,10 @@
-"""What StaleFlow's mechanisms share (§3, §5.1-5.2): one parameter set, and one state owned by the routing
-dispatch, which the hand-off, the weight sync and the migration take at bind time (Policy.bind).
+"""What StaleFlow's mechanisms share (§3, §5.1-5.2): one parameter set and one state, held by the design object (the
+routing dispatch, algorithm1.py); the hand-off, the weight sync and the migration check for it at bind time.
 
     StaleFlowParams  eta, the coordination period, the trajectory-store capacity, the KV block size and the cost
                      model's coefficients: set once, in the preset's [dispatch] table
-    StaleFlowState   the staleness manager's buffers (buffers.py), the requests routed and maybe still on an
-                     engine, the coordination-pass memo, and the coordinator's validated snapshot
+    StaleFlowState   the staleness manager's buffers (buffers.py) and Aborts (aborts.py), the requests routed and
+                     maybe still on an engine, the coordination-pass memo, and the snapshot of Eq. 1 (`snapshots`)
 
 How the paper's pieces map onto ours:
 - Trajectory store = the controller's pending requests, read in MLQ order (store.py).
@@ -24,34 +24,31 @@ How the paper's pieces map onto ours:
   estimated snapshots (`Dispatch.stats`: `snapshots_empty_pull`).
 - Coordination period: Algorithm 1 runs at most once per `period_s` (the paper's snapshot period, unreported), on
   the first event after it elapsed, or at once whenever nothing is in flight (else no event would ever come).
-- Algorithm 1's order: one pass on one snapshot, sync (Alg. 4), then migration (Alg. 5), then routing (Alg. 2-3).
-  The weight sync and the rebalance register their step here at bind time (`steps`); the routing dispatch, which
-  the controller asks first, runs the pass (`coordinate`): each step's commands are applied to the snapshot before
-  the next step plans (`after_commands`: a synced instance is mid-Pull and empty, interrupted trajectories are off
-  their instance), and the weight sync and the rebalance hand this pass's commands to the controller when it asks
-  them (`take`). Interrupted trajectories come back to the TS when their interrupt lands ("Route is pending until
-  the Interrupt lands", §5.2), so routing re-places them on a later pass.
 - Staleness protocol from the views (`sync_buffers`): a reserved group is completed (Occupy, after the reward of
   every member, §4.3) once the controller reports it materialised, and removed if it became void. The staleness
   manager's own Aborts (redundancy and filtering, aborts.py) drop a group's entry there first; the hand-off sends
   the Aborts.
+
+Invariant kept: the buffers change only through the staleness protocol (Reserve at routing, Occupy, Consume,
+the Aborts' removals), so every entry keeps V_traj + eta >= V_buf (StalenessBuffers.check asserts it).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from config import F
 from sched.policies.staleflow.aborts import StalenessAborts, spare
 from sched.policies.staleflow.buffers import StalenessBuffers
-from sched.decisions import Interrupt, LoadWeights
 from sched.policies.staleflow.cost import CostParams, InstanceSnap, ThroughputModel
 from sched.views import ON_ENGINE, Request, RequestState, Views
 
+if TYPE_CHECKING:
+    from sched.base import Preset
+
 Snaps = dict[int, InstanceSnap]
-PASS_STEPS = ("sync", "migrate")   # Algorithm 1's order before routing
 RUNNING = RequestState.RUNNING
 _req_id = attrgetter("req_id")
 
@@ -88,9 +85,6 @@ class StaleFlowState:
         self.pass_seq = -1
         self.passing = False
         self.synced: tuple[int, int] | None = None  # (v.materialized, v.dropped) at the last buffer sync
-        self.steps: dict[str, Callable[[Views, Snaps], list[Any]]] = {}  # Alg. 1's sync / migrate (bind time)
-        self.issued: dict[str, list[Any]] = {}   # this pass's commands by step, until the controller takes them
-        self.issued_seq = -1                     # Views.seq of the pass that issued them
         self.snaps_accepted = 0                  # engine reports Eq. 1 accepted in a snapshot
         self.snaps_estimated = 0                 # ... and those it replaced by P's estimate (they predated a command)
         self.snaps_empty_pull = 0                # empty instances mid-Pull: P is exact (nothing on it), no report read
@@ -115,21 +109,6 @@ class StaleFlowState:
             if self.passing:
                 self.last_pass = v.now
         return self.passing
-
-    def coordinate(self, v: Views, snaps: Snaps) -> Snaps:
-        """Algorithm 1 up to routing: each registered step (sync, then migration) plans on the snapshot its
-        predecessors' commands left; returns the snapshot routing plans on."""
-        self.issued, self.issued_seq = {}, v.seq
-        for name in PASS_STEPS:
-            step = self.steps.get(name)
-            if step is not None:
-                cmds = self.issued[name] = step(v, snaps)
-                snaps = after_commands(snaps, cmds)
-        return snaps
-
-    def take(self, v: Views, name: str) -> list[Any]:
-        """The commands step `name` issued in this event's pass (once; [] on any other event)."""
-        return self.issued.pop(name, []) if self.issued_seq == v.seq else []
 
     def sync_buffers(self, v: Views) -> None:
         """Occupy groups that materialised, remove groups that became void (§4.2-4.3); the staleness manager's
@@ -201,22 +180,12 @@ class StaleFlowState:
         self.aborts.load_state_dict(state)
 
 
-def after_commands(snaps: Snaps, cmds: list[Any]) -> Snaps:
-    """The snapshot once `cmds` (a pass step's Interrupts and LoadWeights) took effect: an instance pulling a new
-    version is mid-Pull (routing skips it); interrupted trajectories leave their instance, waiting ones first (Alg. 5
-    Case 1 takes the excess of the wait queue), the KV of those that were running in proportion."""
-    out = dict(snaps)
-    for c in cmds:
-        s = out[c.engine]
-        if isinstance(c, LoadWeights):
-            out[c.engine] = replace(s, version=c.version, loading=True)
-        elif isinstance(c, Interrupt):
-            gone = set(c.req_ids)
-            n = sum(1 for i in s.requests if i in gone)
-            from_wait = min(s.waiting, n)
-            running = max(0, s.running - (n - from_wait))
-            kv = s.kv * running / s.running if s.running else 0.0
-            out[c.engine] = replace(s, running=running, waiting=s.waiting - from_wait, kv=kv,
-                                    requests=tuple(i for i in s.requests if i not in gone))
-    return out
 
+def design_state(preset: "Preset", who: str) -> StaleFlowState:
+    """The state of the preset's StaleFlow design, which its routing dispatch is (algorithm1.py)."""
+    st = getattr(preset.dispatch, "state", None)
+    if not isinstance(st, StaleFlowState):
+        raise ValueError(f"{who} needs a StaleFlow routing dispatch (staleflow or staleflow_vanilla), which holds "
+                         f"the design's parameters and staleness buffers; this preset's dispatch is "
+                         f"{preset.dispatch.name!r}")
+    return st

@@ -1,20 +1,25 @@
-"""StaleFlow migration: Algorithm 5 (§5.3), phi_wait = 3, phi_throughput = 5 (§6.1)."""
+"""StaleFlow's migration strategy: Algorithm 5 (§5.3, App. D), phi_wait = 3, phi_throughput = 5 (§6.1).
+
+A part of the StaleFlow design (algorithm1.py): `select` is the MigrationStrategy of Algorithm 1's line 11, on the
+snapshot the sync step left; line 12 interrupts what it selects, and routing (line 16) re-places the trajectories
+by MLQ priority once their interrupts land. They may not resume on an instance older than their newest token (the
+controller checks it).
+
+Invariant kept: migration never changes a V_traj or a buffer entry (§4.3: transparent to the protocol).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from config import F
 from sched.base import Preset, Rebalance, register
-from sched.decisions import Abort, Interrupt, Migrate
-from sched.policies.staleflow.state import Snaps
-from sched.policies.staleflow.weight_sync import staleflow_routing
-from sched.views import Views
+from sched.policies.staleflow.cost import ThroughputModel
+from sched.policies.staleflow.state import Snaps, design_state
 
 
 @register
 class StaleFlowMigration(Rebalance):
-    """On a coordination pass:
+    """Algorithm 5 on a snapshot:
       Case 1 (long wait queue, KV full): an instance with more than phi_wait trajectories in its engine's wait
         queue has the excess interrupted. Which ones the paper leaves open: we take the latest requests (highest
         ids, mostly the most recently routed: the back of the engine's FIFO queue, the ones that would wait longest).
@@ -22,11 +27,7 @@ class StaleFlowMigration(Rebalance):
         trajectory on the highest-throughput instance is interrupted "and returned to the TS for redistribution by
         the routing strategy". The paper does not say what an idle instance (T = 0) or one mid-Pull does to the
         ratio; both would make it infinite and fire every pass, so both are left out of the min and the max (an
-        idle instance is routing's to fill, not migration's).
-    Interrupted trajectories go back to the TS (pending, with their V_traj and tokens) and routing re-places them by
-    MLQ priority; they may not resume on an instance older than their newest token (the controller checks it).
-
-    Invariant kept: migration never changes a V_traj or a buffer entry (§4.3: transparent to the protocol)."""
+        idle instance is routing's to fill, not migration's)."""
     name = "staleflow"
     paper = "StaleFlow §5.3, Algorithm 5 (migration)"
 
@@ -35,30 +36,20 @@ class StaleFlowMigration(Rebalance):
         phi_wait: int = F(3, ge=0, help="Case 1: wait-queue length above which the excess migrates")
         phi_throughput: float = F(5.0, ge=1, help="Case 2: max/min instance throughput ratio that drains the max")
 
-    def __init__(self, params: Any = None):
-        super().__init__(params)
-        self.migrated = 0
-
     def bind(self, preset: Preset) -> None:
-        self.routing = staleflow_routing(preset, f"the {self.name!r} rebalance")
-        self.routing.state.steps["migrate"] = self.migrate
+        design_state(preset, f"the {self.name!r} rebalance")       # a part of the design its dispatch is
 
-    def plan(self, v: Views) -> list[Abort | Interrupt | Migrate]:
-        return self.routing.state.take(v, "migrate")
-
-    def migrate(self, v: Views, snaps: Snaps) -> list[Interrupt]:
-        """Algorithm 5 on the pass's snapshot, after sync (Algorithm 1's second step)."""
-        st = self.routing.state
+    def select(self, S: Snaps, model: ThroughputModel) -> list[tuple[int, list[int]]]:
+        """(instance, trajectories to interrupt) pairs, by instance (Algorithm 5)."""
         out: dict[int, list[int]] = {}
-        for e, s in snaps.items():                                    # Case 1
+        for e, s in S.items():                                        # Case 1
             excess = s.waiting - self.p.phi_wait
             if excess > 0 and s.requests:
                 out[e] = list(s.requests[-excess:])
-        thr = {e: st.model.throughput(s) for e, s in snaps.items() if s.running > 0 and not s.loading}
+        thr = {e: model.throughput(s) for e, s in S.items() if s.running > 0 and not s.loading}
         if len(thr) >= 2:                                              # Case 2
             hi, lo = max(thr, key=lambda e: (thr[e], -e)), min(thr, key=lambda e: (thr[e], e))
             if thr[hi] > self.p.phi_throughput * thr[lo]:
                 picked = set(out.get(hi, []))
-                out[hi] = out.get(hi, []) + [i for i in snaps[hi].requests if i not in picked]
-        self.migrated += sum(len(ids) for ids in out.values())
-        return [Interrupt(e, ids) for e, ids in sorted(out.items()) if ids]
+                out[hi] = out.get(hi, []) + [i for i in S[hi].requests if i not in picked]
+        return [(e, ids) for e, ids in sorted(out.items()) if ids]
