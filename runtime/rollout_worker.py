@@ -482,7 +482,7 @@ class RolloutWorker:
         finished: list[RequestOutput] = []
         before = self.steps
         try:
-            finished = self.engine.step(self.engine.config.cpu_decode_steps)
+            finished = self.engine.step()
             self.steps += self.engine.last_step.steps   # several when the engine ran decode steps in one C call
             progress(f"{len(finished)} finished, {len(self.engine.seqs)} in the engine")
             injected = injected_engine_fault()   # runtime/faults.py `fail`
