@@ -74,9 +74,8 @@ def local_includes(source: Path) -> set[Path]:
 
 
 def build(force: bool = False, source: Path = SOURCE) -> Path:
-    """Compile `source` (the paged-attention kernel unless told) unless a
-    cached build exists, and return the shared object's path. Raises RuntimeError naming the compiler command and
-    its output on failure."""
+    """Compile `source` (the paged-attention kernel unless told) unless a cached build exists, and return the shared
+    object's path. Raises RuntimeError naming the compiler command and its output on failure."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
