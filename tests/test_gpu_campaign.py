@@ -311,6 +311,7 @@ def test_train_bench_frees_each_modes_trainer_before_the_next():
     """On an H200 one bench/train.py process ran out of memory at its ninth run: every earlier mode's trainer (FSDP2's
     modules hold reference cycles) was still alive. With automatic collection off, none may survive its mode."""
     script = ("import gc; gc.disable()\n"
+              "import cpu; cpu.enable()\n"
               "from bench import train as bt\n"
               "from trainer.trainer import Trainer\n"
               "bt.init_one_rank('cpu')\n"

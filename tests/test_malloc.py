@@ -16,7 +16,9 @@ STEPS = textwrap.dedent("""
     from config import TrainConfig
     from model.presets import preset_config
     from model.transformer import Transformer
+    import cpu
     from cpu.process import keep_freed_memory
+    cpu.enable()   # the C train ops, as a CPU rank runs them
     from trainer.batch import Sample
     from trainer.trainer import Trainer
     if sys.argv[1] == "keep" and not keep_freed_memory():
