@@ -222,14 +222,14 @@ class PerfConfig:
                             "CUDA, C on the CPU in fp32, where the attention and the MLP are C kernels too "
                             "(trainer/fused.py); false: the eager modules")
     cpu_forward: bool = F(True, help="CPU fp32 engines of small models: each step's whole forward in one C call, the "
-                          "same bits as op by op (engine/cpu_forward.py; ignored where it does not apply)")
+                          "same bits as op by op (cpu/forward.py; ignored where it does not apply)")
     cpu_decode_steps: int = F(16, ge=1, help="with cpu_forward: decode steps run in one C call when every running "
                               "sequence decodes, samples plainly and is seeded (engine/engine.py; same tokens as "
                               "step by step); 1 = off")
     cpu_threads: int = F(1, ge=0, help="torch threads per CPU rank; 0 = cores / ranks on the node (more threads "
                          "than free cores make small ops many times slower)")
     cpu_keep_freed_memory: bool = F(True, help="CPU ranks: the C allocator keeps freed blocks of up to 32 MiB for "
-                                    "reuse (glibc mallopt, runtime/malloc.py) instead of returning them to the OS, so "
+                                    "reuse (glibc mallopt, cpu/process.py) instead of returning them to the OS, so "
                                     "a train step does not page-fault its activations back in every micro-batch; a "
                                     "rank then holds its peak heap until it exits")
     cpu_affinity: str = F("none", choices=("none", "partition"),

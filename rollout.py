@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+import cpu
 from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
 from rl.jsonl import iter_jsonl
 
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except SystemExit as e:  # argparse has printed its message
         return int(e.code or 0)
+    cpu.enable()   # the C backend for CPU engines (cpu/)
     try:
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             raise UsageError("--device cuda, but CUDA is not available")
@@ -143,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--out: {out_path} is a directory; give a file name")
         prompts = load_prompts(args.prompts, args.prompt_field)
         engine = load_engine(args.model, args.device, args.dtype, max_num_seqs=args.max_num_seqs,
-                             max_batch_tokens=max(4096, args.max_num_seqs), num_kv_tokens=args.num_kv_tokens)
+                             max_batch_tokens=max(4096, args.max_num_seqs), num_kv_tokens=args.num_kv_tokens,
+                             cpu_decode_steps=16)   # a CPU engine: up to 16 decode steps a C call, the same tokens
         prompt_ids = encode(engine, prompts, args.chat_template)
     except UsageError as e:
         print(f"rollout.py: error: {e}", file=sys.stderr)

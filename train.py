@@ -37,6 +37,7 @@ gc.disable()   # start-up makes ~300k long-lived objects (imports, model, data):
 import torch
 import torch.distributed as dist
 
+import cpu
 import sched
 from config import Config, ConfigError, describe, load_config
 from runtime import faults, watchdog
@@ -45,13 +46,11 @@ from runtime.build import (RunParts, build_run, deterministic_algorithms, device
                            make_engine, make_trainer, model_dtype, model_for_rank, relay_chain)
 from runtime.channel import Channel
 from runtime.logger import MetricsLogger
-from runtime.malloc import keep_freed_memory
 from runtime.messages import ExportHF, Publish, SaveCheckpoint
 from runtime.rollout_worker import RolloutWorker
 from runtime.rundir import (checkpoint_dir, finish_run, leader_state, periodic_checkpoints, prepare_run_dir,
                             restart_count, restore, resume_path)
-from runtime.topology import (Topology, gpu_count, init_distributed, partition_cores, pin_to_cores, shared_devices,
-                              split_ranks)
+from runtime.topology import Topology, gpu_count, init_distributed, shared_devices, split_ranks
 from runtime.watchdog import Phase, waiting
 from sched.base import Preset
 from sched.controller import Controller
@@ -148,16 +147,7 @@ def main(argv: list[str]) -> int:
 
     # 3. ranks and process groups; one run directory, named on rank 0
     topo = init_distributed(c.rollout_ranks, c.rollout_fraction, c.colocate, c.backend, c.timeout_s)
-    if cfg.perf.cpu_affinity == "partition":
-        local, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        node_ranks = list(range(topo.rank - local, topo.rank - local + local_world))
-        train_cores, rollout_cores = partition_cores(sorted(os.sched_getaffinity(0)), node_ranks, topo)
-        pin_to_cores(rollout_cores if topo.is_rollout else train_cores)
-    if topo.device.type == "cpu":
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(cfg.perf.cpu_threads or max(1, (os.cpu_count() or 1) // local_ranks))
-        if cfg.perf.cpu_keep_freed_memory:
-            keep_freed_memory()   # runtime/malloc.py: no page faults on each step's activations
+    cpu.enable(cfg, topo)   # the C backend for CPU runs (cpu/), and this rank's cores, threads and allocator
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:
         deterministic_algorithms(True)

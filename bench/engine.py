@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cpu  # noqa: E402
 from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams  # noqa: E402
 from model import load_model  # noqa: E402
 
@@ -56,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--unfused-baseline", action="store_true", help="also run our engine without its fused ops and "
                    "sampling kernel (alternating) and print the ratio")
     p.add_argument("--op-by-op-baseline", action="store_true", help="also run our engine with its forward op by "
-                   "op instead of one C call (CPU, small models: engine/cpu_forward.py)")
+                   "op instead of one C call (CPU, small models: cpu/forward.py)")
     p.add_argument("--hf-cb-deadline", type=float, default=600.0, help="seconds before continuous batching gives up")
     p.add_argument("--threads", type=int, help="torch CPU threads for both (default: torch's)")
     p.add_argument("--repeats", type=int, default=2, help="alternate engine and hf generate runs; keep each's best")
@@ -95,7 +96,7 @@ def sync(device):
 def run_engine(model, prompts, outs, args, fused: bool = True, cpu_forward: bool = True):
     """(seconds, decode bytes per second, stats) of our engine on the workload; `fused=False`: without the fused
     model ops and sampling kernel (engine/fused.py, kernels/sample.py), the engine as it was before them;
-    `cpu_forward=False`: a CPU engine's forward op by op instead of in one C call (engine/cpu_forward.py)."""
+    `cpu_forward=False`: a CPU engine's forward op by op instead of in one C call (cpu/forward.py)."""
     pool = None if args.device == "cuda" else args.max_num_seqs * 2 * args.max_len  # CPU: room for all at full length
     eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=max(2048, args.max_num_seqs),
                                         num_kv_tokens=pool, memory_fraction=0.5, fused_ops=fused,
@@ -291,6 +292,7 @@ def copy_bandwidth(device: str) -> float:
 
 def main(argv=None):
     args = parse_args(argv)
+    cpu.enable()   # the C backend for CPU engines (cpu/)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.section:
+        import cpu
+        cpu.enable()   # the C backend for the dry run's CPU engines and trainers (cpu/)
         run_child(a.section, a.dry_run, a.json)
         return 0
     if a.report:

@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a script: bench/ would shadow the kernel
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import cpu  # noqa: E402
 from kernels.logprobs import token_logprobs, token_logprobs_naive  # noqa: E402
 from kernels.memtrack import LiveBytes  # noqa: E402
 from kernels.paged_attention import paged_decode  # noqa: E402
@@ -155,6 +156,7 @@ def bench_norm_rope(dtype: torch.dtype) -> None:
 
 
 def main() -> None:
+    cpu.enable()   # the C kernels for fp32 CPU tensors (cpu/), as the entry points run them
     torch.manual_seed(0)
     if CUDA:
         print(f"device: {torch.cuda.get_device_name()}; Triton kernels vs PyTorch peers, bf16")

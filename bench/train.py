@@ -47,6 +47,7 @@ if __package__ in (None, ""):  # run as a script: bench/ would shadow nothing he
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import cpu  # noqa: E402
 from config import load_config  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.presets import preset_config  # noqa: E402
@@ -317,6 +318,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    cpu.enable()   # the C backend for CPU trainers (cpu/)
     res = run(args)
     print(headline(res))
     if dist.is_initialized():

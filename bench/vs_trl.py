@@ -32,7 +32,7 @@ checkpoint and teardown included), completion tokens per second over the N steps
 and last 10 steps, and the peak resident memory of all its processes together (/proc, sampled every 0.2 s).
 The last line: TRL's N-step wall time over ours, per mode and setting (medians over repeats).
 
-Allocator: our CPU ranks keep freed heap memory for reuse (runtime/malloc.py, `perf.cpu_keep_freed_memory`, on
+Allocator: our CPU ranks keep freed heap memory for reuse (cpu/process.py, `perf.cpu_keep_freed_memory`, on
 by default). TRL runs as a new user runs it, with glibc's default thresholds, unless `--trl-allocator kept` gives its
 process the same settings through glibc's environment variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_):
 the comparison with that difference removed (TRL's long job gained 13-14% from it: bench/results/cpu-vs-trl.md).
@@ -249,7 +249,7 @@ def trl_env(allocator: str = "default") -> dict[str, str]:
     """The TRL process's environment; allocator "kept": glibc keeps freed memory as our CPU ranks' mallopt does."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     if allocator == "kept":
-        from runtime.malloc import MMAP_THRESHOLD_MAX, TRIM_THRESHOLD
+        from cpu.process import MMAP_THRESHOLD_MAX, TRIM_THRESHOLD
         env.update(MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD_MAX), MALLOC_TRIM_THRESHOLD_=str(TRIM_THRESHOLD))
     elif allocator != "default":
         raise ValueError(f"allocator must be 'default' or 'kept', got {allocator!r}")

@@ -7,10 +7,8 @@ pool, so a prefill chunk sees the sequence's earlier chunks and a fork sees its 
 
 Which implementation: on CUDA the `kernels/` dispatchers (Triton). On CPU the kernels' references loop over
 sequences in Python, which dominates a small model's step time, so CPU tensors go through the batched functions
-below instead: gather every sequence's blocks into one padded tensor and make one SDPA call with a mask. On CPU
-with fp32 caches, the C kernel of kernels/cpu_native.py takes over when it builds: it reads the pool in place
-through the block table, one query row at a time (each row attends up to its own position), so a step's decode
-rows and prefill chunks go through one call. Tests check all of them against the kernels' references.
+below instead: gather every sequence's blocks into one padded tensor and make one SDPA call with a mask. Tests check
+both against the kernels' references.
 """
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
 from kernels.kv_cache import write_kv
 from kernels.paged_attention import paged_decode, paged_prefill
 
@@ -43,28 +40,16 @@ class AttentionMetadata:
 class PagedAttention:
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], scale: float,
                  impl: str = "auto"):
-        if impl not in ("auto", "kernels", "batched", "native"):
-            raise ValueError(f"attention impl must be auto, kernels, batched or native, got {impl!r}")
+        if impl not in ("auto", "kernels", "batched"):
+            raise ValueError(f"attention impl must be auto, kernels or batched, got {impl!r}")
         self.k_caches, self.v_caches, self.scale = k_caches, v_caches, scale
-        cpu = k_caches[0].device.type == "cpu"
-        self.batched = impl in ("batched", "native") or (impl == "auto" and cpu)
-        # decode rows through the C kernel: asked for, or "auto" on CPU when it builds and takes this dtype
-        self.native = impl == "native" or (impl == "auto" and cpu and k_caches[0].dtype == torch.float32
-                                           and cpu_native.native_available())
-        if impl == "native" and not cpu_native.native_available():
-            raise RuntimeError(f"attention impl 'native': {cpu_native.unavailable_reason()}")
+        self.batched = impl == "batched" or (impl == "auto" and k_caches[0].device.type == "cpu")
         self.meta: AttentionMetadata | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         m, kc, vc = self.meta, self.k_caches[layer], self.v_caches[layer]
         assert m is not None, "the runner sets .meta before each forward pass"
-        if self.batched and m.slots_valid:  # CPU: one index_copy_ per cache, no mask of -1 slots to apply
-            kc.view(-1, *kc.shape[2:]).index_copy_(0, m.slot_mapping, k.to(kc.dtype))
-            vc.view(-1, *vc.shape[2:]).index_copy_(0, m.slot_mapping, v.to(vc.dtype))
-        else:
-            write_kv(k, v, kc, vc, m.slot_mapping)
-        if self.native and m.query_seq is not None:  # decode rows and prefill chunks alike, in one call
-            return cpu_native.paged_attention_native(q, kc, vc, m.block_tables, m.query_seq, m.query_len, self.scale)
+        self.write(m, kc, vc, k, v)
         nd, T = m.num_decode, q.shape[0]
         if nd == T:
             return self._decode(q, kc, vc, m.block_tables, m.context_lens)
@@ -74,16 +59,21 @@ class PagedAttention:
             self._decode(q[:nd], kc, vc, m.block_tables[:nd], m.context_lens[:nd]),
             self._prefill(q[nd:], kc, vc, m.cu_seqlens_q, m.context_lens[nd:], m.block_tables[nd:])])
 
+    def write(self, m: AttentionMetadata, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> None:
+        """The step's new K/V into the layer's pool."""
+        if self.batched and m.slots_valid:  # CPU: one index_copy_ per cache, no mask of -1 slots to apply
+            kc.view(-1, *kc.shape[2:]).index_copy_(0, m.slot_mapping, k.to(kc.dtype))
+            vc.view(-1, *vc.shape[2:]).index_copy_(0, m.slot_mapping, v.to(vc.dtype))
+        else:
+            write_kv(k, v, kc, vc, m.slot_mapping)
+
     def _decode(self, q, kc, vc, block_tables, context_lens):
-        if self.native:
-            return cpu_native.paged_decode_native(q, kc, vc, block_tables, context_lens, self.scale)
         if self.batched:
             return batched_decode(q, kc, vc, block_tables, context_lens, self.scale, self.meta.max_context_len)
         return paged_decode(q, kc, vc, block_tables, context_lens, self.scale)
 
     def _prefill(self, q, kc, vc, cu_seqlens_q, context_lens, block_tables):
-        if self.native:
-            return cpu_native.paged_prefill_native(q, kc, vc, cu_seqlens_q, context_lens, block_tables, self.scale)
         if self.batched:
             return batched_prefill(q, kc, vc, cu_seqlens_q, context_lens, block_tables, self.scale,
                                    self.meta.max_context_len, self.meta.max_query_len)

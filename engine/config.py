@@ -23,22 +23,22 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None  # weights and KV; default: the model's parameter dtype
     device: str | torch.device | None = None  # default: where the model's parameters are
     cuda_graphs: bool = True  # capture decode steps per batch-size bucket (CUDA only)
-    # "auto" | "kernels" (the kernels/ dispatchers) | "batched" (the CPU batched path) | "native" (batched, decode
-    # rows through the C kernel of kernels/cpu_native.py; "auto" picks it on CPU for fp32 when it builds)
+    # "auto" | "kernels" (the kernels/ dispatchers) | "batched" (the CPU batched path) | "native" (the cpu/ package:
+    # batched, rows through its C paged attention; there "auto" picks it on CPU for fp32 when it builds)
     attention: str = "auto"
-    # CPU fp32: Linear layers through oneDNN on pre-packed weights (engine/cpu_linear.py), those whose weight has at
-    # least cpu_packed_min_weight elements (smaller ones: MKL on rows padded to a multiple of 8, faster there and
-    # nothing to repack per load; batch-invariant either way)
+    # RMSNorm (+ the residual add), rotary embedding and SwiGLU as one kernel each (engine/fused.py): Triton where
+    # the kernel dispatcher picks it (CUDA, or anywhere with TIDAL_KERNELS=triton), a registered family elsewhere
+    # (cpu/'s C kernels for fp32 on the CPU)
+    fused_ops: bool = True
+    # The CPU engine of the optional cpu/ package (cpu/engine.py), fp32: Linear layers through oneDNN on pre-packed
+    # weights, those with at least cpu_packed_min_weight elements (smaller ones: MKL on rows padded to a multiple of
+    # 8, faster there and nothing to repack per load; batch-invariant either way); for small models the whole
+    # forward of a step in one C call (cpu_forward), same bits as op by op; and up to cpu_decode_steps decode steps
+    # in one C call per `step()` (1: one step a call, as every other engine); the same tokens and logprobs either way
     cpu_packed_linear: bool = True
     cpu_packed_min_weight: int = 1 << 20
-    # RMSNorm (+ the residual add), rotary embedding and SwiGLU as one kernel each (engine/fused.py): Triton where
-    # the kernel dispatcher picks it (CUDA, or anywhere with TIDAL_KERNELS=triton), C for fp32 on the CPU
-    fused_ops: bool = True
-    # CPU fp32, small models: the whole forward of a step in one C call (engine/cpu_forward.py), same bits as op by op
     cpu_forward: bool = True
-    # with cpu_forward: up to this many decode steps in one C call where generate() and the rollout worker step
-    # (LLMEngine.step(max_steps), _steps_ahead says when); the same tokens and logprobs as one step at a time
-    cpu_decode_steps: int = 16
+    cpu_decode_steps: int = 1
     # plain temperature sampling as one Triton kernel where the dispatcher picks Triton (kernels/sample.py)
     fused_sampling: bool = True
     seed: int = 0  # the engine's generator, used by requests without their own seed

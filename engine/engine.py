@@ -3,12 +3,11 @@
     engine = LLMEngine(model, EngineConfig(max_num_seqs=64))
     outputs = engine.generate([GenRequest(prompt_ids, SamplingParams(temperature=1.0, seed=i), group_id=g, ...)])
 
-`step()` is schedule -> run the model -> sample -> append tokens and retire finished sequences (on a CPU engine with
-the C forward, a step where every sequence decodes may run up to `cpu_decode_steps` of them in one C call:
-`_steps_ahead`). Around it: `abort`,
+`step()` is schedule -> run the model -> sample -> append tokens and retire finished sequences. Around it: `abort`,
 `export` / `import_request` (move an unfinished request between engines, with its KV), `load_weights` (new weights
 tagged with a version; running sequences are recomputed under them, so no KV from the old weights is reused),
-`reset` (drop everything after a failed step) and `stats`.
+`reset` (drop everything after a failed step) and `stats`. A backend may serve a device with a subclass
+(`register_engine`; the optional cpu/ package registers its CPU engine): `LLMEngine(...)` builds it.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from engine.sampler import ERROR_TOKEN, Sampler
 from engine.sampling import SamplingParams
-from engine.scheduler import EngineStats, Scheduler
+from engine.scheduler import EngineStats, ScheduledBatch, Scheduler
 from engine.sequence import GenRequest, KVState, RequestId, RequestOutput, Sequence, UnfinishedRequest
 from model.transformer import Transformer
 
@@ -37,17 +36,37 @@ class StepStats:
     num_sampled: int = 0
     context_tokens: int = 0  # sum over computed sequences of their context length (KV tokens attended to)
     seconds: float = 0.0
-    steps: int = 1  # model steps the call ran (several when decode steps ran in one C call)
+    steps: int = 1  # model steps the call ran (several where a backend's engine runs decode steps ahead)
+
+
+# Engine subclasses a backend registered (`register_engine`): each a function of (model, config) giving the class
+# that serves them, or None (the optional cpu/ package: its CPU engine for models on the CPU).
+ENGINES: list[Callable[[Transformer, EngineConfig], type[LLMEngine] | None]] = []
+
+
+def register_engine(pick: Callable[[Transformer, EngineConfig], type[LLMEngine] | None]) -> None:
+    """Register a backend's engine: `pick(model, config)` gives the LLMEngine subclass that serves them, or None."""
+    if pick not in ENGINES:
+        ENGINES.append(pick)
 
 
 class LLMEngine:
+    runner_class: type[ModelRunner] = ModelRunner
+
+    def __new__(cls, model: Transformer | None = None, config: EngineConfig | None = None, *args, **kwargs):
+        """`LLMEngine(...)` builds the subclass the first registered backend picks for the model and config."""
+        if cls is LLMEngine and model is not None:
+            cfg = config or EngineConfig()
+            cls = next((c for c in (pick(model, cfg) for pick in ENGINES) if c is not None), cls)
+        return super().__new__(cls)
+
     def __init__(self, model: Transformer, config: EngineConfig | None = None, tokenizer=None, version: int = 0,
                  clock: Callable[[], float] = time.time):
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.version = version
         self.clock = clock
-        self.runner = ModelRunner(model, config)
+        self.runner = self.runner_class(model, config)
         self.device = self.runner.device
         self.block_manager, self.scheduler = self._fresh_pool()
         self.sampler = Sampler(self.device, config.seed, fused=config.fused_sampling)
@@ -89,18 +108,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- stepping ---------------------------------------------------------------------------------------------
-    def step(self, max_steps: int = 1) -> list[RequestOutput]:
-        """Run one step; return the requests that finished in it. With `max_steps` > 1, a step where every sequence
-        decodes may run up to that many decode steps in one C call (CPU engines with the C forward:
-        `_steps_ahead`); `generate` and the rollout worker pass `config.cpu_decode_steps`."""
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that finished in it."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             self.last_step = StepStats()
             return []
-        k = self._steps_ahead(batch, max_steps)
-        if k > 1:
-            return self._decode_steps(batch, k, t0)
+        return self.run_batch(batch, t0)
+
+    def run_batch(self, batch: ScheduledBatch, t0: float) -> list[RequestOutput]:
+        """The step of a scheduled batch: run the model, sample, append the tokens, retire finished sequences."""
         logits = self.runner.run(batch)
         tokens, logprobs, sampling_logprobs = [], [], []
         if batch.sample_seqs:
@@ -117,9 +135,7 @@ class LLMEngine:
                 seq.append(tok, lp, slp, version, now)
                 reason = self._stop_reason(seq, tok)
             if reason is not None:
-                seq.finish_reason, seq.finish_time = reason, now
-                self.scheduler.finish(seq)
-                finished.append(self.seqs.pop(seq.request_id).output())
+                finished.append(self.retire(seq, reason, now))
         self.num_steps += 1
         self.num_tokens_decoded += len(tokens)
         self.num_prefill_tokens += batch.num_batched_tokens - batch.num_decode
@@ -128,68 +144,11 @@ class LLMEngine:
             sum(s.num_cached_tokens for s in batch.seqs), time.perf_counter() - t0)
         return finished
 
-    def _steps_ahead(self, batch, max_steps: int) -> int:
-        """How many decode steps this step may run in one C call (CPU engines with the C forward; 1: just this one).
-
-        Several steps in one call (the CPU's counterpart of vLLM's multi-step scheduling) take the host's per-step
-        Python (scheduling, batch tensors, sampling and bookkeeping of every sequence, ~0.7 ms a step at 256
-        sequences of the tiny model, a quarter of the step) once per call. Each step is computed exactly as
-        `step()` computes it, so the tokens and logprobs are the same bits (tests/test_engine_decode_steps.py).
-        When: every running sequence decodes one token (none waits to be admitted, no block to copy), every one
-        samples plainly (temperature, no top-k / top-p, not greedy) with its own seed through the C sampler, and
-        none reaches max_new_tokens or the model length before the last of the k steps; the blocks for the k
-        tokens are free. A sequence that samples a stop token or has non-finite logits leaves the C loop's batch
-        there, as it would leave the engine's next step: every step computes the batch one step at a time would."""
-        seqs, k = batch.seqs, max_steps
-        if (k <= 1 or not self.runner.decode_steps_ok or self.scheduler.waiting or batch.copies
-                or batch.num_decode != len(seqs) or len(batch.sample_seqs) != len(seqs)):
-            return 1
-        if not self.sampler.plain_seeded_c([s.params for s in seqs]):
-            return 1
-        limit = self.runner.max_model_len
-        for s in seqs:
-            n = len(s.token_ids)
-            k = min(k, s.params.max_new_tokens - (n - s.num_prompt_tokens), limit - n)
-        bm = self.block_manager
-        if k <= 1 or sum(bm.blocks_needed(s, k) for s in seqs) > bm.num_free:
-            return 1
-        return k
-
-    def _decode_steps(self, batch, k: int, t0: float) -> list[RequestOutput]:
-        """`step()` for k decode steps of the batch in one C call (see `_steps_ahead`)."""
-        seqs = batch.seqs
-        for s in seqs:
-            copies = self.block_manager.allocate(s, k)   # the last block is the sequence's own: nothing to copy
-            assert not copies, f"{s.request_id}: a block copy while allocating ahead"
-        b = self.sampler.batch_params([s.params for s in seqs])
-        u = self.sampler.uniforms_ahead(b, [s.num_generated for s in seqs], k)
-        stops = [list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else list(self.eos_ids)) for s in seqs]
-        width = max(1, max(map(len, stops)))
-        stop_t = torch.tensor([row + [-1] * (width - len(row)) for row in stops], dtype=torch.long)
-        tokens, logprobs, counts = self.runner.decode_steps(seqs, k, b.temps, u, stop_t)
-        now, finished, version = self.clock(), [], self.version
-        counts_l = counts.tolist()
-        ran = max(counts_l)
-        self.sampler.skip_draws((counts[None, :] > torch.arange(ran)[:, None]).sum(1).tolist())   # rows at each step
-        sampled, context = sum(counts_l), 0
-        for seq, toks, lps, n in zip(seqs, tokens.T.tolist(), logprobs.T.tolist(), counts_l):
-            toks, lps = toks[:n], lps[:n]
-            context += n * seq.num_cached_tokens + n * (n + 1) // 2   # its context at each of its n steps
-            seq.num_cached_tokens += n
-            error = lps[-1] != lps[-1]   # non-finite logits (engine/sampler.py): that token is not appended
-            if error:
-                toks, lps = toks[:-1], lps[:-1]
-            if toks:
-                seq.extend(toks, lps, version, now)
-            reason = "error" if error else self._stop_reason(seq, toks[-1])
-            if reason is not None:
-                seq.finish_reason, seq.finish_time = reason, now
-                self.scheduler.finish(seq)
-                finished.append(self.seqs.pop(seq.request_id).output())
-        self.num_steps += ran
-        self.num_tokens_decoded += sampled
-        self.last_step = StepStats(len(seqs), sampled, len(seqs), sampled, context, time.perf_counter() - t0, ran)
-        return finished
+    def retire(self, seq: Sequence, reason: str, now: float) -> RequestOutput:
+        """Finish a sequence (its blocks back to the pool) and return its output."""
+        seq.finish_reason, seq.finish_time = reason, now
+        self.scheduler.finish(seq)
+        return self.seqs.pop(seq.request_id).output()
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p, n = seq.params, len(seq.token_ids)  # plain attributes: this runs for every token of every step
@@ -207,7 +166,7 @@ class LLMEngine:
         while wanted - done.keys():
             if not self.has_unfinished():
                 raise RuntimeError("requests vanished from the engine (aborted or exported during generate)")
-            outs = self.step(self.config.cpu_decode_steps)
+            outs = self.step()
             if not outs and not self.last_step.num_seqs:
                 raise RuntimeError("the engine made no progress: no waiting request could be admitted")
             done.update((o.request_id, o) for o in outs if o.request_id in wanted)

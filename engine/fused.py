@@ -1,7 +1,8 @@
 """The engine's model runs RMSNorm (fused with the residual add before it), the rotary embedding and SwiGLU's
 elementwise part as one kernel each, through the dispatchers of kernels/ (rmsnorm.py, rope.py, swiglu.py): the
-Triton kernels on CUDA (or TIDAL_KERNELS=triton under TRITON_INTERPRET=1, the tests' path), the C kernels of
-kernels/cpu_train.py for fp32 on the CPU. Applied from outside like the trainer's kernels
+Triton kernels on CUDA (or TIDAL_KERNELS=triton under TRITON_INTERPRET=1, the tests' path), or a family of kernels a
+backend registered (`register_ops`: the optional cpu/ package's C kernels for fp32 on the CPU). Applied from
+outside like the trainer's kernels
 (trainer/fused.py): the model stays a plain `nn.Module` with its Hugging Face parameters and state dict, so
 weight loads and publications are unchanged; `use_fused_ops(model)` swaps the class of the `Transformer`, of each
 `Attention` and of each `MLP` for a subclass whose forward calls the kernels when a dispatcher picks one for its
@@ -36,8 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kernels import cpu_train
-from kernels.dispatch import use_cpu_c, use_triton
+from kernels.dispatch import use_triton
 from kernels.rmsnorm import rms_norm
 from kernels.rope import rope
 from kernels.swiglu import silu_mul
@@ -54,24 +54,31 @@ class Ops:
     silu_mul: Callable[..., Any]
 
 
-def _c_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inplace: bool = False):
-    if not (inplace and q.is_contiguous() and k.is_contiguous()):
-        return rope(q, k, cos, sin, inplace=inplace)   # the dispatcher's copies
-    return cpu_train.rotary_inplace(q, cos, sin), cpu_train.rotary_inplace(k, cos, sin)
-
-
 TRITON = Ops(partial(rms_norm, impl="triton"), partial(rope, impl="triton"), partial(silu_mul, impl="triton"))
-C = Ops(cpu_train.rms_norm_infer, _c_rope, cpu_train.silu_mul_infer)
+# Kernel families a backend registered (`register_ops`): each a function of the tensors giving its Ops, or None
+# where it does not take them (the optional cpu/ package: its C kernels for fp32 CPU tensors).
+FAMILIES: list[Callable[..., Ops | None]] = []
+
+
+def register_ops(pick: Callable[..., Ops | None]) -> None:
+    """Register a backend's kernel family: `pick(*tensors)` gives its Ops for these tensors, or None."""
+    if pick not in FAMILIES:
+        FAMILIES.append(pick)
 
 
 def kernels_for(*tensors: torch.Tensor) -> Ops | None:
     """The kernels that run on these tensors, None for the eager ops: none while a graph is recorded (the kernels
-    are forward-only), else Triton or C as the dispatchers would pick (kernels/dispatch.py)."""
+    are forward-only), else Triton as the dispatchers would pick it (kernels/dispatch.py), else the first registered
+    family that takes them."""
     if torch.is_grad_enabled():
         return None
     if use_triton(None, *tensors):
         return TRITON
-    return C if use_cpu_c(None, *tensors) else None
+    for pick in FAMILIES:
+        ops = pick(*tensors)
+        if ops is not None:
+            return ops
+    return None
 
 
 def fused(*tensors: torch.Tensor) -> bool:

@@ -5,25 +5,21 @@ GPU memory, and a block-table tensor with one row per running seat, kept in sync
 only rewritten from the first entry that changed). All batch tensors are built with a handful of vectorised ops on
 the host and moved to the device once. Logits are computed only for the last token of sequences that sample. The
 model's norms (with the residual adds), rotary embedding and SwiGLU run as one kernel each (engine/fused.py):
-Triton on CUDA, C on the CPU in fp32. On CUDA pure-decode steps replay CUDA graphs captured per batch-size bucket
-(engine/cuda_graphs.py). On CPU in fp32, the Linear layers run through oneDNN on pre-packed weights
-(engine/cpu_linear.py) and attention through the C kernel of kernels/cpu_native.py; for a small model (every layer
-Linear on the padded path) the whole forward runs in one C call instead (engine/cpu_forward.py), the same bits.
+Triton on CUDA, or a registered family (cpu/'s C kernels on the CPU in fp32). On CUDA pure-decode steps replay CUDA
+graphs captured per batch-size bucket (engine/cuda_graphs.py). A backend may subclass the runner (the optional
+cpu/ package does, for its C forward), and `attention_class` is the attention backend it builds.
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_linear
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.block_manager import cdiv
 from engine.config import EngineConfig
-from engine.cpu_forward import CpuForward, why_not
 from engine.fused import has_kernels, use_eager_ops, use_fused_ops
 from engine.scheduler import ScheduledBatch
 from kernels.dispatch import resolve_impl
@@ -34,6 +30,8 @@ CPU_DEFAULT_POOL_BYTES = 1 << 30
 
 
 class ModelRunner:
+    attention_class: type[PagedAttention] = PagedAttention
+
     def __init__(self, model: Transformer, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device) if config.device is not None else next(model.parameters()).device
@@ -54,21 +52,8 @@ class ModelRunner:
         # zeros, not empty: masked-out garbage must be finite (0 * NaN would leak into SDPA's output)
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
-        self.attn = PagedAttention(self.k_caches, self.v_caches, cfg.head_dim ** -0.5, config.attention)
+        self.attn = self.attention_class(self.k_caches, self.v_caches, cfg.head_dim ** -0.5, config.attention)
         self.block_tables = torch.zeros(config.max_num_seqs, self.max_blocks_per_seq, dtype=torch.int32)
-        self.packed = None  # CPU fp32: Linear layers through oneDNN with pre-packed weights (engine/cpu_linear.py)
-        if (config.cpu_packed_linear and self.device.type == "cpu" and self.dtype == torch.float32
-                and cpu_linear.available()):
-            self.packed = cpu_linear.PackedLinears(self.model, batch_hint=config.max_num_seqs,
-                                                   min_weight=config.cpu_packed_min_weight)
-        # CPU fp32, small models: the whole forward in one C call (engine/cpu_forward.py)
-        self.cpu_forward = None
-        if config.cpu_forward and self.device.type == "cpu" and why_not(self.model, self.attn, self.packed) is None:
-            self.cpu_forward = CpuForward(self.model, self.attn)
-        # several decode steps a call (LLMEngine._steps_ahead): the LM head must be on the padded path too
-        head = getattr(self.model, "lm_head", None)
-        self.decode_steps_ok = (self.cpu_forward is not None and config.cpu_decode_steps > 1 and head is not None
-                                and any(m is head for m in self.packed.small) and head.bias is None)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             from engine.cuda_graphs import DecodeGraphs
@@ -181,29 +166,8 @@ class ModelRunner:
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                 logit_idx: torch.Tensor | None = None) -> torch.Tensor:
         self.attn.meta = meta
-        with self.packed.active() if self.packed is not None else contextlib.nullcontext():
-            if self.cpu_forward is not None and meta.slots_valid and meta.query_seq is not None:
-                hidden = self.cpu_forward(ids, pos, meta)
-            else:
-                hidden = self.model(ids, pos, self.attn)
-            return self.model.logits(hidden if logit_idx is None else hidden[logit_idx])
-
-    @torch.inference_mode()
-    def decode_steps(self, seqs: list, k: int, temps: torch.Tensor, u: torch.Tensor, stops: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """k decode steps of `seqs` (each with one uncomputed token and blocks for k) in one C call
-        (kernels/cpu_forward.py `decode_steps`): (tokens [k, T], logprobs [k, T], counts [T])."""
-        seats = self._sync_block_tables(seqs)
-        starts = torch.tensor([s.num_cached_tokens for s in seqs], dtype=torch.long)
-        ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long)
-        bs = self.block_size
-        bt = self.block_tables[seats, :cdiv(int(starts.max()) + k, bs)]
-        pos = starts[None, :] + torch.arange(k)[:, None]                       # [k, T]
-        slots = bt.long().gather(1, (pos // bs).T).T * bs + pos % bs
-        cos, sin = self.model.rotary.cos_sin(pos.reshape(-1), torch.float32)
-        T, D = len(seqs), cos.shape[-1]
-        return self.cpu_forward.steps(ids, cos.view(k, T, D), sin.view(k, T, D), slots, bt.contiguous(),
-                                      (starts + 1).to(torch.int32), temps, u, stops)
+        hidden = self.model(ids, pos, self.attn)
+        return self.model.logits(hidden if logit_idx is None else hidden[logit_idx])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([c[0] for c in copies], device=self.device)
@@ -257,6 +221,4 @@ class ModelRunner:
                 raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the model's is {tuple(p.shape)}")
             p.data.copy_(t)
             n += 1
-        if self.packed is not None:
-            self.packed.repack()
         return n

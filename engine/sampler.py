@@ -15,8 +15,9 @@ after n tokens and resumed anywhere, on another engine or device, draws the same
 256 seeded rows costs one copy, not 256 generator launches (4.6 ms of an 18 ms decode step on an H100 before,
 bench/RESULTS.md). Rows without a seed share one draw from the engine's generator. The host waits only for the
 sampled tokens. A batch of plain temperature sampling (no greedy row, no truncation: GRPO's rollouts) runs as one
-kernel (kernels/sample.py: Triton on CUDA, C for fp32 logits on the CPU), which reads the logits a few times instead
-of materialising the scaled logits, log-probs, probabilities and their cumulative sum over the whole vocabulary.
+kernel (kernels/sample.py: Triton on CUDA, or a registered kernel: cpu/'s C one for fp32 CPU logits), which reads
+the logits a few times instead of materialising the scaled logits, log-probs, probabilities and their cumulative
+sum over the whole vocabulary.
 What the params ask of each row (temperatures, greedy rows, the seeds' half of the hash) is worked out once per
 batch composition (`BatchParams`), not every step: on the CPU the per-row Python of the sampler was most of its
 ~280 us a decode step at batch 256.
@@ -38,8 +39,7 @@ import torch
 ERROR_TOKEN = -1  # sampled for a row with non-finite logits: no token, the request ends with an error
 
 from engine.sampling import SamplingParams
-from kernels import cpu_sample
-from kernels.dispatch import use_cpu_c, use_triton
+from kernels.dispatch import impl_for, use_triton
 from kernels.sample import sample, sample_inverse_cdf
 
 
@@ -78,7 +78,7 @@ class BatchParams:
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, fused: bool = True):
         self.device = device
-        self.fused = fused  # plain temperature batches through kernels/sample.py's kernels (Triton, or C on the CPU)
+        self.fused = fused  # plain temperature batches through kernels/sample.py's kernels (Triton, or registered)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._batch: BatchParams | None = None
 
@@ -97,7 +97,7 @@ class Sampler:
         greedy = b.greedy
         temps = b.on(logits.device, "temps", lambda: b.temps)
         if (self.fused and not b.truncates and not any(greedy)
-                and (use_triton(None, logits) or use_cpu_c(None, logits))):
+                and (use_triton(None, logits) or impl_for("sample", None, logits) is not None)):
             # plain temperature sampling (GRPO's rollouts): one fused kernel, no [B, V] intermediates
             tokens, lp = sample(logits, temps, self._uniforms(b, counters, logits.device))
             return self._lists(tokens, lp, None, greedy)
@@ -129,26 +129,6 @@ class Sampler:
             tokens_l = [ERROR_TOKEN if math.isnan(x) else t for t, x in zip(tokens_l, lp_l)]
         slp_l = lp_l if slp is None else slp.tolist()
         return tokens_l, lp_l, [0.0 if g else x for g, x in zip(greedy, slp_l)] if any(greedy) else list(slp_l)
-
-    def plain_seeded_c(self, params: list[SamplingParams]) -> bool:
-        """Whether every row samples plainly (temperature, no truncation, not greedy) with its own seed through the
-        C kernel on the CPU: what a caller running several steps' sampling in C reproduces (LLMEngine)."""
-        b = self.batch_params(params)
-        return (self.fused and self.device.type == "cpu" and not b.truncates and not any(b.greedy)
-                and len(b.seeded) == len(params) and cpu_sample.available() and use_cpu_c(None, b.temps))
-
-    def uniforms_ahead(self, b: BatchParams, counters: list[int], k: int) -> torch.Tensor:
-        """u [k, B] for k steps of an all-seeded batch (row i's draw j: counter counters[i] + j). The caller then
-        advances the generator (`skip_draws`) as the steps it ran would have."""
-        c = np.asarray(counters, dtype=np.int64)[None, :] + np.arange(k, dtype=np.int64)[:, None]
-        u = counter_hash(np.tile(b.seed_hash, k), c.ravel())  # type: ignore[arg-type]
-        return torch.from_numpy(u).view(k, len(counters))
-
-    def skip_draws(self, rows_per_step: list[int]) -> None:
-        """Advance the engine's generator as calls of these batch sizes would (each draws one u per row, seeded
-        rows included): after steps sampled elsewhere, an unseeded request later draws what it would have."""
-        for n in rows_per_step:
-            torch.rand(n, generator=self.generator, device=self.device)
 
     def _uniforms(self, b: BatchParams, counters: list[int], device: torch.device) -> torch.Tensor:
         u = torch.rand(len(b.params), generator=self.generator, device=device)

@@ -1,9 +1,11 @@
-"""Which implementation a dispatcher runs: the Triton kernel (kernels/triton_ops/), a C kernel for CPU tensors where
-the op has one (kernels/cpu_train.py: RMSNorm, rotary embedding, SwiGLU), or the PyTorch reference.
+"""Which implementation a dispatcher runs: the Triton kernel (kernels/triton_ops/), an implementation a backend
+registered for the op (`register_impl`: the optional cpu/ package registers its C kernels for fp32 CPU tensors),
+or the PyTorch reference.
 
 `impl` argument of every dispatcher, or the environment variable `TIDAL_KERNELS` when it is None:
-  "auto"   Triton when every tensor is on CUDA and triton is installed; the C kernel when every tensor is fp32 on
-           the CPU, no gradient is recorded for them and the C kernels build; the reference otherwise (default);
+  "auto"   Triton when every tensor is on CUDA and triton is installed; else the first registered implementation
+           of the op that accepts the tensors, while no gradient is recorded for them (the dispatchers are forward
+           only); the reference otherwise (default);
   "triton" always the Triton kernel (on CPU tensors this needs TRITON_INTERPRET=1: the tests' path);
   "ref"    always the plain-PyTorch reference.
 Deciding imports nothing: the dispatchers import kernels.triton_ops only once this file said Triton, so a machine
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -50,14 +54,31 @@ def use_triton(impl: str | None, *tensors: torch.Tensor) -> bool:
     return True
 
 
-def use_cpu_c(impl: str | None, *tensors: torch.Tensor) -> bool:
-    """Whether a dispatcher with a C kernel runs it (see the module docstring): forward only, so never while autograd
-    records any of the tensors."""
-    if resolve_impl(impl) != "auto":
-        return False
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
-        return False
+@dataclass(frozen=True)
+class Impl:
+    """An implementation of a dispatcher's op that a backend registered: `fn` takes the dispatcher's arguments
+    (without `impl`), `accepts(*tensors)` says whether it takes these tensors (e.g. fp32 on the CPU, its library
+    built)."""
+    backend: str
+    fn: Callable[..., object]
+    accepts: Callable[..., bool]
+
+
+REGISTRY: dict[str, list[Impl]] = {}   # op ("rms_norm", "rope", "silu_mul", "sample") -> its registered impls
+
+
+def register_impl(op: str, backend: str, fn: Callable[..., object], accepts: Callable[..., bool]) -> None:
+    """Register `fn` as `backend`'s implementation of `op` (registering a backend's op again replaces it)."""
+    impls = [i for i in REGISTRY.get(op, []) if i.backend != backend]
+    REGISTRY[op] = impls + [Impl(backend, fn, accepts)]
+
+
+def impl_for(op: str, impl: str | None, *tensors: torch.Tensor) -> Callable[..., object] | None:
+    """The registered implementation of `op` a dispatcher runs on these tensors, None for none: only under "auto",
+    never while autograd records any of the tensors, else the first whose `accepts` takes them."""
+    impls = REGISTRY.get(op)
+    if not impls or resolve_impl(impl) != "auto":
+        return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    from kernels import cpu_train
-    return cpu_train.available()
+        return None
+    return next((i.fn for i in impls if i.accepts(*tensors)), None)

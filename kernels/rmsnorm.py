@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_cpu_c, use_triton
+from kernels.dispatch import impl_for, use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -28,14 +28,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
              impl: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher: the Triton kernel on CUDA, the C kernel for fp32 on the CPU, the reference otherwise (see
-    kernels/dispatch.py); impl "triton" / "ref" forces one. Forward only (no autograd): for the engine, not the
-    trainer."""
+    """Dispatcher: the Triton kernel on CUDA, a registered implementation that takes the tensors (the C kernel for
+    fp32 on the CPU, cpu/), the reference otherwise (see kernels/dispatch.py); impl "triton" / "ref" forces one.
+    Forward only (no autograd): for the engine, not the trainer."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if use_triton(impl, *tensors):
         from kernels.triton_ops.rmsnorm import rms_norm_triton
         return rms_norm_triton(x, weight, eps, residual)
-    if use_cpu_c(impl, *tensors):
-        from kernels.cpu_train import rms_norm_infer
-        return rms_norm_infer(x, weight, eps, residual)
+    fn = impl_for("rms_norm", impl, *tensors)
+    if fn is not None:
+        return fn(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_cpu_c, use_triton
+from kernels.dispatch import impl_for, use_triton
 
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -26,17 +26,15 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inplace: bool = False,
          impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher: the Triton kernel on CUDA, the C kernel for fp32 on the CPU, the reference otherwise (see
-    kernels/dispatch.py); impl "triton" / "ref" forces one. Forward only. inplace=True writes the result into q
-    and k (every path)."""
+    """Dispatcher: the Triton kernel on CUDA, a registered implementation that takes the tensors (the C kernel for
+    fp32 on the CPU, cpu/), the reference otherwise (see kernels/dispatch.py); impl "triton" / "ref" forces one.
+    Forward only. inplace=True writes the result into q and k (every path)."""
     if use_triton(impl, q, k, cos, sin):
         from kernels.triton_ops.rope import rope_triton
         return rope_triton(q, k, cos, sin, inplace)
-    if use_cpu_c(impl, q, k, cos, sin) and (not inplace or (q.is_contiguous() and k.is_contiguous())):
-        from kernels.cpu_train import rotary_inplace
-        if not inplace:
-            q, k = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
-        return rotary_inplace(q, cos, sin), rotary_inplace(k, cos, sin)
+    fn = impl_for("rope", impl, q, k, cos, sin)
+    if fn is not None:
+        return fn(q, k, cos, sin, inplace)
     qr, kr = rope_ref(q, k, cos, sin)
     if inplace:
         return q.copy_(qr), k.copy_(kr)

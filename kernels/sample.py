@@ -2,15 +2,14 @@
 with a given uniform per row, and the token's logprob under log_softmax(logits / T) (engine/sampler.py's
 contract: the GRPO rollout's case). This file: the reference (torch: log_softmax, cumsum, searchsorted) and the
 dispatcher; the Triton kernel, which reads each row twice and writes two numbers instead of materialising four
-[B, V] fp32 tensors, is in kernels/triton_ops/sample.py, its C counterpart for fp32 CPU logits in
-kernels/cpu_sample.py.
+[B, V] fp32 tensors, is in kernels/triton_ops/sample.py (a C counterpart for fp32 CPU logits registers itself
+from cpu/sample.py).
 """
 from __future__ import annotations
 
 import torch
 
-from kernels import cpu_sample
-from kernels.dispatch import use_cpu_c, use_triton
+from kernels.dispatch import impl_for, use_triton
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -35,14 +34,16 @@ def sample_ref(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> tu
 
 def sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, *, impl: str | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher (see `sample_ref`): the Triton kernel on CUDA, the C kernel for fp32 on the CPU, else the
-    reference; impl forces Triton or the reference (kernels/dispatch.py)."""
+    """Dispatcher (see `sample_ref`): the Triton kernel on CUDA, a registered implementation that takes the tensors
+    (the C kernel for fp32 on the CPU, cpu/), else the reference; impl forces Triton or the reference
+    (kernels/dispatch.py)."""
     if logits.dim() != 2 or temps.shape != (logits.shape[0],) or u.shape != (logits.shape[0],):
         raise ValueError(f"sample: logits [B, V] with temps and u [B], got {tuple(logits.shape)}, "
                          f"{tuple(temps.shape)}, {tuple(u.shape)}")
     if use_triton(impl, logits, temps, u):
         from kernels.triton_ops.sample import sample_triton
         return sample_triton(logits, temps, u)
-    if use_cpu_c(impl, logits, temps, u) and cpu_sample.available():
-        return cpu_sample.sample_c(logits, temps, u)
+    fn = impl_for("sample", impl, logits, temps, u)
+    if fn is not None:
+        return fn(logits, temps, u)
     return sample_ref(logits, temps, u)

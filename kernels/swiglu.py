@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import use_cpu_c, use_triton
+from kernels.dispatch import impl_for, use_triton
 
 
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -17,15 +17,16 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
-    """Dispatcher: the Triton kernel on CUDA, the C kernel for fp32 on the CPU, the reference otherwise (see
-    kernels/dispatch.py); impl "triton" / "ref" forces one. Forward only."""
+    """Dispatcher: the Triton kernel on CUDA, a registered implementation that takes the tensors (the C kernel for
+    fp32 on the CPU, cpu/), the reference otherwise (see kernels/dispatch.py); impl "triton" / "ref" forces one.
+    Forward only."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                          "must match")
     if use_triton(impl, gate, up):
         from kernels.triton_ops.swiglu import silu_mul_triton
         return silu_mul_triton(gate, up)
-    if use_cpu_c(impl, gate, up):
-        from kernels.cpu_train import silu_mul_infer
-        return silu_mul_infer(gate, up)
+    fn = impl_for("silu_mul", impl, gate, up)
+    if fn is not None:
+        return fn(gate, up)
     return silu_mul_ref(gate, up)

@@ -54,7 +54,7 @@ class AttentionBackend(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
-# Who attends to whom in a packing, as rows a kernel can read in place (kernels/cpu_attention.py): a list of tasks,
+# Who attends to whom in a packing, as rows a kernel can read in place (cpu/train_attention.py): a list of tasks,
 # each a list of rows (first query token, query count, first prefix token, prefix count). Query i of a row sees
 # the whole prefix and its own row's tokens up to i; a task is the rows whose keys share tokens (a prompt's row
 # and its children's), so their key and value gradients are summed in one place.
@@ -182,8 +182,8 @@ class SharedPrefixCausal(_Derived):
         The varlen way removes the rows' gathers of q and the output, their index_add backward and the copies
         around the padded call; on the H200 (2026-11-27, 1.7B bench, P = 512, R = 1535, equal lengths: no padding
         wasted) the step took the same time either way (2.01-2.16 s varlen, 2.08 s rows; the step is host-bound).
-    The trainer's swapped model on CPU (fp32) takes neither way: `row_spans()` gives kernels/cpu_attention.py the
-    same rows without a copy, a prompt's queries once (trainer/fused.py).
+    The trainer's swapped model on CPU (fp32) takes neither way: `row_spans()` gives cpu/train_attention.py the
+    same rows without a copy, a prompt's queries once (cpu/trainer.py, through trainer/fused.py).
     """
 
     ROWS_MAX_PROMPT_SHARE = {"cpu": 0.25, "cuda": float("inf")}

@@ -240,7 +240,7 @@ def engine_rank(plan: Plan, e: int, ctx: float, max_len: int) -> RankMemory:
     m, limit = plan.model, plan.device_bytes
     weights = Item("engine weights", e * m.num_params(), "model.dtype")
     extra = [Item("CUDA context (assumed)", ctx)] if plan.gpu else [Item("packed linears", 4 * m.num_params(),
-                                                                         "oneDNN copies (engine/cpu_linear.py)")]
+                                                                         "oneDNN copies (cpu/linear.py)")]
     free = (limit - ctx - weights.nbytes) if plan.gpu else 0.0
     act, kv = kv_item(plan, free, e, max_len)
     return RankMemory(f"rollout rank ({len(plan.rollout_ranks)})", [weights, act, kv, *extra], limit)

@@ -229,13 +229,6 @@ class RolloutWorker:
         with doing(f"engine step {self.steps + 1}", phase=Phase.DECODE, step=self.engine.version):
             self._step()
 
-    def _engine_step(self) -> list[RequestOutput]:
-        """One engine step; the one place the worker meets the CPU backend (perf.cpu_decode_steps: several decode
-        steps in one C call, all counted in `steps`)."""
-        finished = self.engine.step(self.engine.config.cpu_decode_steps)
-        self.steps += self.engine.last_step.steps   # several when the engine ran decode steps in one C call
-        return finished
-
     def _step(self) -> None:
         if not self.busy:
             self.busy = True
@@ -243,7 +236,8 @@ class RolloutWorker:
         finished: list[RequestOutput] = []
         before = self.steps
         try:
-            finished = self._engine_step()
+            finished = self.engine.step()
+            self.steps += self.engine.last_step.steps   # a CPU engine may run several a call (perf.cpu_decode_steps)
             progress(f"{len(finished)} finished, {len(self.engine.seqs)} in the engine")
             self.health.check(finished)
         except Exception as err:

@@ -1,12 +1,16 @@
 """Test-session setup. Triton fixes its interpreter mode when first imported, so without a GPU the interpreter
-must be switched on before anything imports triton: here, before any test module is collected."""
+must be switched on before anything imports triton: here, before any test module is collected. The optional CPU
+backend (cpu/) is enabled as the entry points enable it."""
 import os
 
 import pytest
 import torch
 
+import cpu
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+cpu.enable()   # the C backend for CPU runs, as the entry points enable it (train.py, rollout.py)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Spawn a small gloo world for a test: `run_world(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in
 `world_size` fresh processes with the default group initialised (explicit short timeout), and returns each rank's
 return value (anything torch.save can write). A rank that raises fails the test with its traceback; a world that
-hangs is killed after `deadline_s`."""
+hangs is killed after `deadline_s`. The ranks enable the optional CPU backend (cpu/), as the entry points do."""
 from __future__ import annotations
 
 import os
@@ -16,6 +16,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import cpu
 
 PG_TIMEOUT = timedelta(seconds=60)
 
@@ -34,6 +36,7 @@ def new_group(ranks: list[int]) -> dist.ProcessGroup:
 def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    cpu.enable()
     try:   # a failed rendezvous (a port taken meanwhile, a peer that never came) is reported like an error in fn
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
         result = fn(rank, world_size, *args)

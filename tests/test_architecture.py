@@ -1,5 +1,6 @@
 """The dependency rules of docs/architecture.md ("Packages and the dependency rule"), read from the source's import
-statements: which package may import which, the scheduling core never importing a policy, a paper's module never
+statements: which package may import which (the optional CPU backend, cpu/, depends one way: no package of the core
+imports it, it registers itself into theirs), the scheduling core never importing a policy, a paper's module never
 importing another paper's, and no import cycle. Each rule is also run on a small tree that breaks it."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("config", "model", "kernels", "engine", "rl", "trainer", "sched", "sim", "runtime")
+PACKAGES = ("config", "model", "kernels", "engine", "rl", "trainer", "sched", "sim", "runtime", "cpu")
 ALLOWED = {                     # package -> the packages of ours it may import
     "config": set(),
     "model": set(),
@@ -22,6 +23,7 @@ ALLOWED = {                     # package -> the packages of ours it may import
     "sched": {"config", "rl"},
     "sim": {"sched", "rl"},
     "runtime": {"config", "model", "kernels", "engine", "rl", "trainer", "sched"},
+    "cpu": {"config", "model", "kernels", "engine", "trainer", "runtime"},   # optional: nothing above imports it
 }
 REGISTRY_LOADERS = {"sched", "sched.__main__"}   # import sched.policies to fill the registry
 Modules = dict[str, tuple[set[str], set[str]]]   # module -> (every module of ours it imports, the top-level ones)
@@ -65,6 +67,12 @@ def layering_violations(mods: Modules) -> list[str]:
             if dep.split(".")[0] != name.split(".")[0] and dep.split(".")[0] not in ALLOWED[name.split(".")[0]]]
 
 
+def core_imports_of_the_cpu_backend(mods: Modules) -> list[str]:
+    """The one-way rule of the optional CPU backend, by itself: no package but cpu/ imports it, at any depth."""
+    return [f"{name} imports {dep}" for name, (deps, _) in mods.items() if name.split(".")[0] != "cpu"
+            for dep in sorted(deps) if dep.split(".")[0] == "cpu"]
+
+
 def core_imports_of_policies(mods: Modules) -> list[str]:
     return [f"{name} imports {dep}" for name, (deps, _) in mods.items()
             if name.startswith("sched") and not name.startswith("sched.policies") and name not in REGISTRY_LOADERS
@@ -103,7 +111,9 @@ def import_cycle(mods: Modules) -> list[str] | None:
 def test_the_repository_keeps_every_rule():
     mods = scan(ROOT)
     assert len(mods) > 100 and "sched.lifecycle" in mods and "sched.policies.staleflow.algorithm1" in mods
+    assert "cpu.engine" in mods and "engine.engine" in mods
     assert layering_violations(mods) == []
+    assert core_imports_of_the_cpu_backend(mods) == []
     assert core_imports_of_policies(mods) == []
     assert cross_paper_imports(mods) == []
     assert import_cycle(mods) is None
@@ -121,12 +131,17 @@ def test_each_rule_names_a_tree_that_breaks_it(tmp_path):
         "sched/policies/a/state.py": "",
         "sched/policies/b.py": "def f():\n    from sched.policies.a.state import S\n",
         "engine/engine.py": "from rl.types import Trajectory\n",
+        "kernels/rmsnorm.py": "def f():\n    from cpu import ops\n",   # the core reaching into the CPU backend
+        "cpu/__init__.py": "",
+        "cpu/ops.py": "from kernels.dispatch import register_impl\n",    # the backend registering: fine
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     mods = scan(tmp_path)
-    assert layering_violations(mods) == ["engine.engine imports rl.types", "sched.controller imports runtime.backend"]
+    assert layering_violations(mods) == ["kernels.rmsnorm imports cpu.ops", "engine.engine imports rl.types",
+                                         "sched.controller imports runtime.backend"]
+    assert core_imports_of_the_cpu_backend(mods) == ["kernels.rmsnorm imports cpu.ops"]
     assert core_imports_of_policies(mods) == ["sched.controller imports sched.policies.a"]
     assert cross_paper_imports(mods) == ["sched.policies.b imports sched.policies.a.state"]
     assert import_cycle(mods) == ["sched.tables", "sched.views", "sched.tables"]

@@ -1,4 +1,4 @@
-"""The trainer's causal attention kernel on CPU (kernels/cpu_attention.py, kernels/csrc/train_attention.c) against
+"""The trainer's causal attention kernel on CPU (cpu/train_attention.py, cpu/csrc/train_attention.c) against
 SDPA through the packings' own backends: values and gradients of packed causal sequences and of prompt-shared
 families (head dims on and off the vector path, GQA, rows that end mid-vector, children with no tokens), its
 plan's checks, NaN propagation, independence from the thread count, and the trainer's swapped model using it."""
@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from kernels import cpu_attention
+from cpu import train_attention as cpu_attention
 from model.attention import PackedCausal, SharedPrefixCausal, cu_seqlens_from_lengths
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason=f"no C compiler: {cpu_attention.ATTENTION.error}")

@@ -1,4 +1,4 @@
-"""The CPU engine's whole forward in one C call (engine/cpu_forward.py, kernels/csrc/decode_forward.c): the same
+"""The CPU engine's whole forward in one C call (cpu/forward.py, cpu/csrc/decode_forward.c): the same
 bits as the op-by-op forward for decode, prefill chunks and mixed batches of any row count, on one thread and two,
 with and without Qwen3's head norms; used only where it reproduces that forward; never reading stale weights; bad
 input raises before anything is written."""
@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
-from engine.cpu_forward import why_not
-from kernels import cpu_forward, cpu_native
+from cpu.forward import why_not
+from cpu import build as cpu_native
+from cpu import forward as cpu_forward
 from model.presets import preset_config
 from model.transformer import Transformer
 

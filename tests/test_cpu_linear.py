@@ -1,4 +1,4 @@
-"""The CPU engine's pre-packed Linear layers (engine/cpu_linear.py): same results as F.linear for every row count,
+"""The CPU engine's pre-packed Linear layers (cpu/linear.py): same results as F.linear for every row count,
 only inside the engine's forward, never stale after a weight change, a bounded set of row counts."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_linear
-from engine.cpu_linear import CHUNK, PackedLinear, PackedLinears, row_pieces
+from cpu import linear as cpu_linear
+from cpu.linear import CHUNK, PackedLinear, PackedLinears, row_pieces
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="torch built without oneDNN")
 

@@ -1,4 +1,4 @@
-"""The trainer's fused CPU ops (kernels/cpu_train.py, trainer/fused.py) against the eager formulas: values and
+"""The trainer's fused CPU ops (cpu/ops.py, trainer/fused.py) against the eager formulas: values and
 gradients of each op (non-contiguous inputs, rows past a weight-gradient chunk, extreme and non-finite values),
 independence from the thread count, and a whole model whose modules were swapped matching an unswapped copy."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_train
+from cpu import ops as cpu_train
 from model.rope import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_train.available(), reason=f"no C compiler: {cpu_train.unavailable_reason()}")

@@ -1,4 +1,4 @@
-"""Several decode steps in one C call (LLMEngine.step(max_steps), `_steps_ahead`; kernels/csrc/decode_forward.c
+"""Several decode steps in one C call (cpu/engine.py `CpuEngine`, `_steps_ahead`; cpu/csrc/decode_forward.c
 `decode_steps_f32`): the same tokens, logprobs, finish reasons and versions, bit for bit, as one step at a time and
 as the op-by-op forward, with stop tokens mid-call, lengths that differ, block boundaries every few tokens, shared
 prompts and two threads; taken only where it reproduces one step at a time; the engine's generator left as one
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
-from kernels import cpu_forward
+from cpu import forward as cpu_forward
 from model.presets import preset_config
 from model.transformer import Transformer
 
@@ -118,12 +118,14 @@ def test_non_finite_logits_end_a_request_with_an_error_as_one_step_at_a_time_doe
         calls = Calls(eng)
         ids = [eng.add_request(r) for r in requests(8, max_new_tokens=30)]
         outs = {}
+        eng.config.cpu_decode_steps = 1
         for _ in range(3):   # prefill, then decode a few tokens
             outs.update((o.request_id, o) for o in eng.step())
         with torch.no_grad():
             eng.runner.model.lm_head.weight[3].fill_(float("nan"))   # every row's logits non-finite from now on
+        eng.config.cpu_decode_steps = steps
         while eng.has_unfinished():
-            outs.update((o.request_id, o) for o in eng.step(steps))
+            outs.update((o.request_id, o) for o in eng.step())
         results.append([(outs[i].token_ids, outs[i].finish_reason) for i in ids])
         assert (calls.ks != []) == (steps > 1)
     assert results[0] == results[1] and "error" in {r for _, r in results[0]}

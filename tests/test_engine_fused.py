@@ -1,7 +1,7 @@
 """The engine's fused ops (engine/fused.py, kernels/swiglu.py, rmsnorm.py, rope.py): the kernels against their
 references, the fused model against the eager one (same parameters, every family), eager whenever a gradient is
 recorded, and an engine with the fused ops generating what the engine without them generates. Through Triton's
-interpreter on CPU (TIDAL_KERNELS=triton), through the C kernels of kernels/cpu_train.py for fp32 on the CPU (the
+interpreter on CPU (TIDAL_KERNELS=triton), through the C kernels of cpu/ops.py for fp32 on the CPU (the
 default there), and the Triton checks on CUDA when there is one."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
 from engine.fused import FusedAttention, FusedMLP, FusedTransformer, use_fused_ops
-from kernels import cpu_train
+from cpu import ops as cpu_train
 from kernels.dispatch import interpreting
 from kernels.rmsnorm import rms_norm, rms_norm_ref
 from kernels.rope import rope, rope_ref
@@ -139,7 +139,7 @@ def test_fused_model_matches_eager(family_model, dtype, monkeypatch):
 @needs_c
 def test_fused_model_matches_eager_through_the_c_kernels(family_model, monkeypatch):
     monkeypatch.delenv("TIDAL_KERNELS", raising=False)
-    import engine.fused as ef
+    import cpu.engine as ef
     calls = []
     real = ef.C.rms_norm
     def counted(x, w, eps, residual=None):

@@ -303,7 +303,7 @@ def test_train_bench_profiles_one_step_of_each_mode(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("trainer_mfu: ")
     fused, eager = (tmp_path / "p.off-fused.txt").read_text(), (tmp_path / "p.off-eager.txt").read_text()
     assert "aten::mm" in fused and "=== by CPU time" in fused
-    from kernels import cpu_train
+    from cpu import ops as cpu_train
     if cpu_train.available():   # the C kernels are the CPU's fused path: their autograd op only in the fused mode
         assert "RMSNormBackward" in fused and "RMSNormBackward" not in eager
 
@@ -312,6 +312,7 @@ def test_train_bench_frees_each_modes_trainer_before_the_next():
     """On an H200 one bench/train.py process ran out of memory at its ninth run: every earlier mode's trainer (FSDP2's
     modules hold reference cycles) was still alive. With automatic collection off, none may survive its mode."""
     script = ("import gc; gc.disable()\n"
+              "import cpu; cpu.enable()\n"
               "from bench import train as bt\n"
               "from trainer.trainer import Trainer\n"
               "bt.init_one_rank('cpu')\n"

@@ -10,7 +10,7 @@ import torch
 
 from engine.sampler import ERROR_TOKEN, Sampler
 from engine.sampling import SamplingParams
-from kernels import cpu_sample
+from cpu import sample as cpu_sample
 from kernels.dispatch import interpreting
 from kernels.sample import sample, sample_ref
 

@@ -1,4 +1,4 @@
-"""runtime/malloc.py: a CPU rank's train steps reuse their freed memory instead of faulting it back in every step."""
+"""cpu/process.py `keep_freed_memory`: a CPU rank's train steps reuse their freed memory instead of faulting it back in every step."""
 import subprocess
 import sys
 import textwrap
@@ -16,7 +16,9 @@ STEPS = textwrap.dedent("""
     from config import TrainConfig
     from model.presets import preset_config
     from model.transformer import Transformer
-    from runtime.malloc import keep_freed_memory
+    import cpu
+    from cpu.process import keep_freed_memory
+    cpu.enable()   # the C train ops, as a CPU rank runs them
     from trainer.batch import Sample
     from trainer.trainer import Trainer
     if sys.argv[1] == "keep" and not keep_freed_memory():

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_train
+from cpu import ops as cpu_train
 from kernels.dispatch import HAS_TRITON, interpreting
 from model.config import ModelConfig
 from model.presets import preset_config

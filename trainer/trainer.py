@@ -89,7 +89,7 @@ class Trainer:
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.model = model.to(self.device)
         self.ref_model = ref_model.to(self.device).eval().requires_grad_(False) if ref_model is not None else None
-        if fused_kernels:  # fused RMSNorm / SwiGLU / rotary (and on CPU attention, MLP): trainer/fused.py
+        if fused_kernels:  # fused RMSNorm / SwiGLU / rotary, and what a backend adds: trainer/fused.py
             for m in (self.model, self.ref_model):
                 if m is not None:
                     use_fused_train_ops(m, self.device)

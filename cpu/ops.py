@@ -1,5 +1,7 @@
-"""Fused MLP, SwiGLU, RMSNorm and rotary embedding for the trainer on CPU: autograd functions over the C kernels of
-`kernels/csrc/train_ops.c`, built and cached like the engine's paged attention (kernels/cpu_native.py).
+"""Fused MLP, SwiGLU, RMSNorm and rotary embedding on the CPU in fp32: autograd functions over the C kernels of
+`cpu/csrc/train_ops.c` for the trainer (cpu/trainer.py registers them into trainer/fused.py), and forward-only
+versions for the engine (registered into the dispatchers of kernels/ by `cpu.enable`). Built and cached by
+cpu/build.py.
 
 Eager PyTorch computes `silu(g) * u` as two passes forward and four backward (keeping silu(g) alive in between),
 RMSNorm's backward as about six, the rotary embedding as four each way; on a CPU those element-wise passes over
@@ -12,26 +14,26 @@ The whole MLP (`mlp`) goes further: its [tokens, intermediate] activations never
 MLP_ROWS rows at a time through the projections (torch's own sgemm) and SwiGLU while they sit in cache, and
 recomputes the gate/up output in backward. The long vs-TRL job's MLP (17,408 rows x 64 -> 2 x 256 -> 64, one
 thread) took 55-58 ms forward + backward a micro-batch unfused and 43-46 ms this way, the job's train step
-0.98-1.04 -> 0.86-0.93 s (bench/RESULTS.md, stop 39).
+0.98-1.04 -> 0.86-0.93 s (bench/RESULTS.md).
 
 Only fp32 CPU tensors take these paths (`fused(x)`); anything else, a build failure or `TIDAL_CPU_NATIVE=0` keeps the
-eager ops (`trainer/fused.py` decides per call).
+eager ops (trainer/fused.py and kernels/dispatch.py decide per call).
 """
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from kernels import cpu_native
+from cpu import build
+from kernels.rope import rope_ref
 
-SOURCE = Path(__file__).with_name("csrc") / "train_ops.c"
+SOURCE = build.CSRC / "train_ops.c"
 CHUNK = 512  # rows per partial sum of RMSNorm's weight gradient (fixed: results independent of threads)
 MLP_ROWS = 256  # rows of the MLP computed at a time: their [rows, 3 x intermediate] floats stay in a core's cache
 
 _P, _I, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-TRAIN_OPS = cpu_native.NativeLibrary(SOURCE, {
+TRAIN_OPS = build.NativeLibrary(SOURCE, {
     "swiglu_fwd": ([_P, _P, _P, _I, _T], None),
     "swiglu_bwd": ([_P, _P, _P, _P, _P, _I, _T], None),
     "mlp_fwd": ([_P] * 7 + [_I] * 5 + [_T], None),
@@ -65,11 +67,11 @@ def _kernels() -> ctypes.CDLL:
 
 def mlp_available() -> bool:
     """Whether `mlp` can run: the kernels built and torch's sgemm found (`fused` tensors assumed)."""
-    return available() and cpu_native.sgemm_address() is not None
+    return available() and build.sgemm_address() is not None
 
 
 def _sgemm() -> int:
-    addr = cpu_native.sgemm_address()
+    addr = build.sgemm_address()
     if addr is None:
         raise RuntimeError("mlp: torch's CPU library exports no sgemm_ (a build without MKL); use the unfused MLP")
     return addr
@@ -106,7 +108,7 @@ class MLP(torch.autograd.Function):
     """down(silu(x gate^T) * (x up^T)) in one C call each way (train_ops.c `mlp_fwd` / `mlp_bwd`), MLP_ROWS rows at a
     time: a block's gate/up output, its SwiGLU and the down projection's input stay in cache between the matmuls,
     where the unfused MLP writes [tokens, intermediate] tensors three times to memory and reads them back. The
-    projections are torch's own BLAS sgemm (cpu_native.sgemm_address). Only x is kept for backward (the gate/up
+    projections are torch's own BLAS sgemm (build.sgemm_address). Only x is kept for backward (the gate/up
     output is recomputed block by block: cheaper than keeping it in memory). The weight gradients are sums over
     blocks in a fixed order (results do not depend on the thread count); same values as the unfused MLP to fp32
     rounding."""
@@ -214,7 +216,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 # Forward only, no autograd (the engine's CPU path, through the dispatchers of kernels/rmsnorm.py, rope.py and
-# swiglu.py): fp32 CPU tensors, contiguous rows.
+# swiglu.py, and engine/fused.py's C family): fp32 CPU tensors, contiguous rows.
 
 def rms_norm_infer(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -248,3 +250,29 @@ def silu_mul_infer(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     h = torch.empty_like(g)
     _kernels().swiglu_fwd(g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel(), _threads())
     return h
+
+
+def rope_infer(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inplace: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/rope.py's contract on fp32 CPU tensors: rotated copies, or q and k rotated in place (the reference's
+    values copied in where they are not contiguous)."""
+    if not inplace:
+        q, k = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
+    elif not (q.is_contiguous() and k.is_contiguous()):
+        qr, kr = rope_ref(q, k, cos, sin)
+        return q.copy_(qr), k.copy_(kr)
+    return rotary_inplace(q, cos, sin), rotary_inplace(k, cos, sin)
+
+
+# What `cpu.enable` registers into kernels/dispatch.py: each calls this module's function by name at call time.
+
+def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    return rms_norm_infer(x, weight, eps, residual)
+
+
+def rope_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False):
+    return rope_infer(q, k, cos, sin, inplace=inplace)
+
+
+def silu_mul_impl(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return silu_mul_infer(gate, up)

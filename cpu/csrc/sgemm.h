@@ -1,5 +1,5 @@
 /* The Fortran BLAS sgemm that torch's own F.linear calls, reached through its address in torch's CPU library
- * (kernels/cpu_native.py `sgemm_address`) by the kernels that run whole blocks of a model in C. */
+ * (cpu/build.py `sgemm_address`) by the kernels that run whole blocks of a model in C. */
 #ifndef TIDAL_SGEMM_H
 #define TIDAL_SGEMM_H
 

@@ -1,5 +1,5 @@
 /* The engine's whole model forward over one step's tokens on the CPU (fp32) in one call: the CPU's counterpart of
- * a CUDA graph (kernels/cpu_forward.py, engine/cpu_forward.py).
+ * a CUDA graph (cpu/forward.py).
  *
  * A small model's decode step is a few dozen ops of a few microseconds of arithmetic each; called one by one from
  * Python each costs about as much in dispatch, allocation and argument checks as in work (the tiny model's step
@@ -12,7 +12,7 @@
  *
  * The element-wise ops and the attention are this directory's kernels, compiled into this object (the #includes
  * below), and the projections are the BLAS sgemm that torch's F.linear calls (its address is passed in: torch's
- * own MKL), on rows padded to a multiple of 8 with zeros as engine/cpu_linear.py `padded_linear` does: so a row's
+ * own MKL), on rows padded to a multiple of 8 with zeros as cpu/linear.py `padded_linear` does: so a row's
  * result is bit for bit the one the op-by-op forward gives on the same batch (tests/test_cpu_forward.py).
  *
  * Layout: weights as the nn.Linear layers hold them ([out, in], contiguous), norms [dim], cos / sin [T, D], the
@@ -120,7 +120,7 @@ int decode_forward_f32(const model_ptrs *m, const int64_t *ids, const float *cs,
     return rc;
 }
 
-/* Several decode steps in one call (kernels/cpu_forward.py `decode_steps`; the CPU's counterpart of vLLM's
+/* Several decode steps in one call (cpu/forward.py `decode_steps`; the CPU's counterpart of vLLM's
  * multi-step scheduling): each step is decode_forward_f32 over the rows still running, the LM head (on rows padded
  * to 8, as padded_linear computes it) and sample.c's temperature sampling, the sampled tokens fed back as the next
  * step's ids. What a step takes that depends on the step is prepared by the caller for all of them: rotary cos /

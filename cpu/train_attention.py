@@ -1,5 +1,5 @@
-"""The trainer's causal attention on CPU as one C kernel each way (`kernels/csrc/train_attention.c`), built and
-cached like the other CPU kernels (kernels/cpu_native.py).
+"""The trainer's causal attention on CPU as one C kernel each way (`cpu/csrc/train_attention.c`), built and cached by
+cpu/build.py.
 
 SDPA's CPU flash kernel serves the trainer's packed sequences only through a padded [B, H, Lmax, D] copy, and a
 prompt-shared packing (model/attention.py `SharedPrefixCausal`) through rows that gather the prompt again for every
@@ -12,22 +12,20 @@ step 0.94-0.97 s against 1.20-1.25 s (bench/RESULTS.md). Same values as SDPA to 
 (tests/test_cpu_attention.py); results do not depend on the thread count (see the C file).
 
 Only fp32 CPU tensors take this path (`fused`); anything else, a failed build or `TIDAL_CPU_NATIVE=0` keeps the
-backend's own SDPA call (trainer/fused.py decides per call).
+backend's own SDPA call (cpu/trainer.py decides per call).
 """
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
-from kernels import cpu_native
+from cpu import build
 
-SOURCE = Path(__file__).with_name("csrc") / "train_attention.c"
+SOURCE = build.CSRC / "train_attention.c"
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-ATTENTION = cpu_native.NativeLibrary(SOURCE, {
+ATTENTION = build.NativeLibrary(SOURCE, {
     "attention_fwd": ([_P] * 5 + [_P, _I, _P, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int], ctypes.c_int),
     "attention_bwd": ([_P] * 9 + [_P, _I, _P, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int], ctypes.c_int),
 }, "the trainer keeps SDPA")

@@ -1,6 +1,6 @@
-"""Temperature sampling for CPU engines: the C kernel of `kernels/csrc/sample.c`, built and cached like the engine's
-paged attention (kernels/cpu_native.py). Contract: kernels.sample.sample_ref (one token per row by inverse CDF with
-the given uniform, and its logprob under log_softmax(logits / T)).
+"""Temperature sampling for CPU engines: the C kernel of `cpu/csrc/sample.c`, built and cached by cpu/build.py and
+registered into kernels/sample.py's dispatcher by `cpu.enable`. Contract: kernels.sample.sample_ref (one token per
+row by inverse CDF with the given uniform, and its logprob under log_softmax(logits / T)).
 
 The reference materialises the scaled logits, log-probs, probabilities and their cumulative sum, each a [B, V] fp32
 pass, then a search and two gathers: about ten op launches whatever the size. The kernel reads each row three times
@@ -13,15 +13,15 @@ boundary (tests/test_kernels_sample.py).
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from kernels import cpu_native
+from cpu import build
+from kernels.sample import sample_ref
 
-SOURCE = Path(__file__).with_name("csrc") / "sample.c"
+SOURCE = build.CSRC / "sample.c"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-SAMPLE = cpu_native.NativeLibrary(SOURCE, {"sample_f32": ([_P, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int], None)},
+SAMPLE = build.NativeLibrary(SOURCE, {"sample_f32": ([_P, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int], None)},
                                   "the PyTorch sampler runs instead")
 
 
@@ -42,3 +42,9 @@ def sample_c(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> tupl
         SAMPLE.require().sample_f32(x.data_ptr(), B, V, x.stride(0), temps.data_ptr(), u.data_ptr(),
                                     tokens.data_ptr(), logprobs.data_ptr(), torch.get_num_threads())
     return tokens, logprobs
+
+
+def sample_impl(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `cpu.enable` registers for kernels/sample.py's dispatcher: the kernel, or the reference where it does not
+    build."""
+    return sample_c(logits, temps, u) if available() else sample_ref(logits, temps, u)

@@ -1,4 +1,4 @@
-/* Temperature sampling by inverse CDF for CPU engines (kernels/cpu_sample.py; contract: kernels.sample.sample_ref,
+/* Temperature sampling by inverse CDF for CPU engines (cpu/sample.py; contract: kernels.sample.sample_ref,
  * arithmetic: the Triton kernel of kernels/triton_ops/sample.py). Per row of fp32 logits x and temperature T, with
  * z = x / T:
  *   1. m = max z, and whether the row is bad (a NaN or +inf anywhere, or every entry -inf);

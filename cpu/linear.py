@@ -110,8 +110,9 @@ class PackedLinear(nn.Linear):
 class PackedLinears:
     """The model's fp32 CPU Linear layers with at least `min_weight` weight elements, packed; smaller ones compute
     `padded_linear` (MKL's sgemm, batch-invariant like the packed path). Why not pack them: measured on a 2-core
-    AMD EPYC VM (one thread), oneDNN's call costs ~40 us more than MKL's sgemm on a 64 x 64 weight (7.5 vs 47 us at 8 rows, 41 vs 74 us at 256) and a reorder costs ~0.35 ms per weight and
-    load; from 1024 x 1024 up it wins at few rows (1.7-1.9x at 8) and is within 10% either way at 64-256 rows."""
+    AMD EPYC VM (one thread), oneDNN's call costs ~40 us more than MKL's sgemm on a 64 x 64 weight (7.5 vs 47 us at 8
+    rows, 41 vs 74 us at 256) and a reorder costs ~0.35 ms per weight and load; from 1024 x 1024 up it wins at few
+    rows (1.7-1.9x at 8) and is within 10% either way at 64-256 rows."""
 
     def __init__(self, model: nn.Module, batch_hint: int = 64, min_weight: int = 0):
         self.batch_hint = batch_hint

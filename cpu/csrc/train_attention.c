@@ -1,4 +1,4 @@
-/* Causal self-attention of the trainer on CPU, forward and backward, over packed rows (kernels/cpu_attention.py).
+/* Causal self-attention of the trainer on CPU, forward and backward, over packed rows (cpu/train_attention.py).
  *
  * Layout: q, o, dq, do [T, Hq, D]; k, v, dk, dv [T, Hkv, D]; lse [T, Hq]; fp32, contiguous. Hq a multiple of Hkv
  * (GQA: query head h reads kv head h / (Hq / Hkv)). rows [R, 4] int64: a row is the query tokens
@@ -6,7 +6,7 @@
  * causally to its own tokens, so query i of the row sees np + i + 1 keys. A packed causal sequence is a row with
  * no prefix; a GRPO child is a row whose prefix is its group's one copy of the prompt, whose own row (no prefix)
  * computes the prompt's queries once (model/attention.py SharedPrefixCausal). tasks [ntasks + 1]: task t is rows
- * [tasks[t], tasks[t + 1]). The caller guarantees (cpu_attention.CausalRows checks): every token is the query of
+ * [tasks[t], tasks[t + 1]). The caller guarantees (train_attention.CausalRows checks): every token is the query of
  * exactly one row, and a row's prefix tokens are queries of rows of its own task.
  *
  * One work item = one task x one kv head, over OpenMP threads: its rows in order, the query heads of the kv head in

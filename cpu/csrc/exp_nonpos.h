@@ -1,4 +1,4 @@
-/* Shared by the C kernels of kernels/csrc (cpu_native.build hashes this header into every kernel's cache key). */
+/* Shared by the C kernels of cpu/csrc (cpu/build.py `build` hashes this header into every kernel's cache key). */
 #ifndef TIDAL_EXP_NONPOS_H
 #define TIDAL_EXP_NONPOS_H
 

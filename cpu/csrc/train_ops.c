@@ -1,4 +1,4 @@
-/* Fused element-wise ops of the trainer's CPU forward and backward (kernels/cpu_train.py): SwiGLU, RMSNorm and
+/* Fused element-wise ops of the trainer's CPU forward and backward (cpu/ops.py): SwiGLU, RMSNorm and
  * rotary embedding, each one pass over memory where eager PyTorch makes three to six (and keeps the intermediates
  * alive for backward). fp32, contiguous tensors; rows spread over OpenMP threads.
  *
@@ -36,7 +36,7 @@ void swiglu_bwd(const float *restrict g, const float *restrict u, const float *r
     }
 }
 
-/* The MLP's gate and up projections side by side (kernels/cpu_train.py `mlp`): row r of gu is [g | u], 2 I
+/* The MLP's gate and up projections side by side (cpu/ops.py `mlp`): row r of gu is [g | u], 2 I
  * floats. h[r] = silu(g) * u, I floats a row. */
 void swiglu_fwd_gu(const float *restrict gu, float *restrict h, int64_t rows, int64_t I, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows * I >= 65536)
@@ -66,7 +66,7 @@ void swiglu_bwd_gu(const float *restrict gu, const float *restrict dh, float *re
     }
 }
 
-/* The trainer's MLP, y = down(silu(x gate^T) * (x up^T)) for x [T, H] (kernels/cpu_train.py `MLP`), `block` rows
+/* The trainer's MLP, y = down(silu(x gate^T) * (x up^T)) for x [T, H] (cpu/ops.py `MLP`), `block` rows
  * at a time, so that a block's gate/up output gu [block, 2I] and SwiGLU output h [block, I] (scratch from the
  * caller) stay in cache between the matmuls. wgu_t [H, 2I] is the gate and up weights side by side, transposed;
  * wd [O, I]. */
