@@ -96,7 +96,7 @@ def free_cuda(dev: str) -> None:
 # ----------------------------------------------------------------------------------------------------- sections
 
 def section_tests(s: Sizes, dry: bool) -> dict[str, Any]:
-    files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py")
+    files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")
                    if "mark.gpu" in p.read_text(encoding="utf-8"))
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *files]  # -q: pyproject's addopts
     cmd += ["--collect-only"] if dry else []

@@ -9,7 +9,7 @@ forward in one C call (cpu/forward.py), the same bits as op by op.
 C call (the CPU's counterpart of vLLM's multi-step scheduling). It takes the host's per-step Python (scheduling,
 batch tensors, sampling and bookkeeping of every sequence, ~0.7 ms a step at 256 sequences of the tiny model, a
 quarter of the step) once per call. Each step is computed exactly as `LLMEngine.run_batch` computes it, so the
-tokens and logprobs are the same bits (tests/test_engine_decode_steps.py).
+tokens and logprobs are the same bits (tests/cpu/test_engine_decode_steps.py).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from Python costs as much again in dispatch, allocation and checks. The tiny mod
 long vs-TRL job, one thread): forward 3.1-3.4 ms op by op, 2.2-2.5 ms in one call; the job's engine round of 256
 steps 1.02-1.09 -> 0.78-0.86 s (bench/RESULTS.md). The C forward runs the same kernels in the same order as the
 fused model (engine/fused.py with the C kernels of cpu/ops.py) and the projections through the same BLAS call as
-`padded_linear` (cpu/linear.py), so it gives the same bits (tests/test_cpu_forward.py): a sequence decodes the same
+`padded_linear` (cpu/linear.py), so it gives the same bits (tests/cpu/test_cpu_forward.py): a sequence decodes the same
 tokens with it or without it, whatever it is batched with.
 
 The projections call the BLAS `sgemm_` that torch's own F.linear calls, found in torch's shared library

@@ -82,7 +82,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear over the rows padded to a multiple of 8: MKL's sgemm then gives each row the same bits whatever
     the row count and the row's place (unpadded, 1-3 rows take another kernel), so a sequence's logits do not
-    depend on the batch it decodes in (tests/test_cpu_linear.py checks it)."""
+    depend on the batch it decodes in (tests/cpu/test_cpu_linear.py checks it)."""
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     if m % 8:

@@ -7,7 +7,7 @@ Eager PyTorch computes `silu(g) * u` as two passes forward and four backward (ke
 RMSNorm's backward as about six, the rotary embedding as four each way; on a CPU those element-wise passes over
 [tokens, intermediate] activations are memory-bound, about a fifth of a small model's train step. Each function
 here makes one pass each way, keeps only its inputs (and RMSNorm's per-row 1/rms) for backward, and gives the same
-values as the eager formulas to fp32 rounding (tests/test_cpu_train.py; the sigmoid uses the kernels' exp
+values as the eager formulas to fp32 rounding (tests/cpu/test_cpu_train.py; the sigmoid uses the kernels' exp
 polynomial, relative error ~2e-7). Results do not depend on the thread count (see the C file).
 
 The whole MLP (`mlp`) goes further: its [tokens, intermediate] activations never reach memory. It runs a block of

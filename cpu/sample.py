@@ -8,7 +8,7 @@ pass, then a search and two gathers: about ten op launches whatever the size. Th
 logits a decode step) the reference took ~40 us a step, the kernel ~3 us; at a 151,936-token vocabulary it saves
 the four [B, V] intermediates. Logprobs agree with the reference to fp32 rounding (its exp is the kernels'
 polynomial, relative error ~2e-7); tokens agree wherever u does not fall within that rounding of a token's
-boundary (tests/test_kernels_sample.py).
+boundary (tests/kernels/test_kernels_sample.py).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ gradients are summed over its children inside the kernel. At head_dim 16, where 
 core's rate, one micro-batch of the long vs-TRL job (8 prompts of 12 tokens x 8 children of 255, 4 query and 2 kv
 heads, one thread) takes 32-35 ms forward + backward against SDPA's 62-68 ms through the rows, and the job's train
 step 0.94-0.97 s against 1.20-1.25 s (bench/RESULTS.md). Same values as SDPA to fp32 rounding
-(tests/test_cpu_attention.py); results do not depend on the thread count (see the C file).
+(tests/cpu/test_cpu_attention.py); results do not depend on the thread count (see the C file).
 
 Only fp32 CPU tensors take this path (`fused`); anything else, a failed build or `TIDAL_CPU_NATIVE=0` keeps the
 backend's own SDPA call (cpu/trainer.py decides per call).

@@ -21,7 +21,7 @@ with the kernels chosen once per module call (`kernels_for`) instead of per op.
 Same math as the eager model: the residual stream is carried into the next norm (x + attn(...) is the fused norm's
 `residual` output, so the sum is rounded exactly as torch's add), each norm rounds the normalised value to the
 activation dtype before the weight multiply, silu is rounded before the product. Only the order of the fp32 sums
-inside a norm differs, so outputs agree to rounding (tests/test_engine_fused.py). Measured (H200, 2026-11-27, with
+inside a norm differs, so outputs agree to rounding (tests/engine/test_engine_fused.py). Measured (H200, 2026-11-27, with
 the sampling kernel of kernels/sample.py): the 256-sequence engine benchmark 16.4 -> 9.4 s, a decode step at batch
 255 12.6 -> 8.7 ms, 0.36 -> 0.52 of the memory roofline.
 

@@ -150,7 +150,7 @@ ROLLPACKER_TRAIN_SOURCE = (
     "size as actor); MFU 0.0977 calibrated from RollPacker Table 1: the MFU at which the simulated veRL 14B/16k step "
     "(sync, colocated, synchronous reward stage; seeds 0-2) spends Table 1's 22% training (the mean of its math / "
     "code / judge rows); rollout and reward do not depend on it there. Recomputed by "
-    "sim.repro.rollpacker.calibrate_train_mfu (tests/test_repro_figures.py checks the recorded value)")
+    "sim.repro.rollpacker.calibrate_train_mfu (tests/sim/test_repro_figures.py checks the recorded value)")
 
 
 def _rollpacker(model: Model, tp: int, name: str, train_mfu: float = ROLLPACKER_TRAIN_MFU,
@@ -285,7 +285,7 @@ def measured(path: Path, name: str | None = None) -> CostModel:
     named `<device tag>_qwen3_0p6b` unless `name` says otherwise. The decode line is the engine section's whole
     decode steps as one effective bandwidth: k1 and k2 are KV and weight bytes over the measured bytes/time of every
     pure-decode step of its 256-sequence run (scheduling, sampling and launches folded in, so k3 = k4 = 0); that
-    run's separately timed 60 steps at batch 255 are the check (tests/test_sim_engine.py). Prefill is an upper
+    run's separately timed 60 steps at batch 255 are the check (tests/sim/test_sim_engine.py). Prefill is an upper
     bound: a whole mixed step charged to its 2048 batch tokens. Training, publication, load and reward latency are
     `sim.calibrate` on the campaign's colocated `train.py` run; the KV pool is the colocated GRPO step's engine's."""
     data = json.loads(path.read_text())

@@ -19,7 +19,7 @@ Math, that of the eager modules (model/transformer.py, model/rope.py), with the 
   * Rotary: the kernel of kernels/triton_ops/rope.py forward; backward rotates the gradient back
     (dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1), cos and sin being constants.
 The eager backward rounds every intermediate to bf16; these round once, so gradients agree to bf16 rounding
-(tests/test_train_kernels.py, under TRITON_INTERPRET=1 on CPU and on CUDA).
+(tests/kernels/test_train_kernels.py, under TRITON_INTERPRET=1 on CPU and on CUDA).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """An example of a new mechanism, included verbatim in the README ("Add a policy"): a dispatch that sends each
 pending group, whole, to the engine with the fewest tokens in flight (no paper). Tests run it in the simulator and on
-real ranks (tests/test_policy_example.py)."""
+real ranks (tests/sched/test_policy_example.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,5 @@
 """Figures computed from a simulated run's event log, shared by the papers' rows (each a pure function of a
-SimResult, tested on hand-built logs in tests/test_repro_figures.py)."""
+SimResult, tested on hand-built logs in tests/sim/test_repro_figures.py)."""
 from __future__ import annotations
 
 from typing import Callable

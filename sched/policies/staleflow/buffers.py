@@ -22,7 +22,7 @@ reserved entry: training and more reservations wait for it). The paper leaves op
 group's entry was reserved; ours joins only if its version still reaches the entry's buffer (`admits`), and the
 group's version becomes the smaller of the two.
 
-Invariants kept (`check`; random schedules in tests/test_staleness.py):
+Invariants kept (`check`; random schedules in tests/sched/test_staleness.py):
     every entry in buffer b:  V + eta >= b  and  b >= V            (staleness b - V in [0, eta])
     buffers are consumed in version order, each only when Ready, with exactly `batch` occupied entries
     live entries <= (eta + 1) x (batch + extra): only buffers v_next .. v_next + eta hold entries (V_traj <= v_next)
