@@ -1,4 +1,5 @@
-"""cpu/process.py `keep_freed_memory`: a CPU rank's train steps reuse their freed memory instead of faulting it back in every step."""
+"""cpu/process.py `keep_freed_memory`: a CPU rank's train steps reuse their freed memory instead of faulting it
+back in every step."""
 import subprocess
 import sys
 import textwrap

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.policies import WORKLOAD
-from tests.e2e.test_train_e2e import metrics, torchrun
+from tests.support.launch import metrics, torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -161,9 +161,9 @@ def test_the_log_checker_catches_an_off_policy_sample_and_a_double_handoff(tmp_p
 def test_offpolicy_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, bound, tmp_path):
     """Off-policy presets: samples may be older than the step (bounded where the preset says so), but no group is
     trained twice or before it materialised, no finished sample of a trained group is missing, and every
-    interrupted request comes back (tests/sched/test_offpolicy_presets.py `check_offpolicy_log`). Laminar's real-rank runs
+    interrupted request comes back (tests/support/offpolicy_log.py). Laminar's real-rank runs
     (a full buffer, forced repacks, a failed engine) follow, each with the same checks."""
-    from tests.sched.test_offpolicy_presets import check_offpolicy_log
+    from tests.support.offpolicy_log import check_offpolicy_log
     run = tmp_path / preset
     torchrun(4, f"--log.dir={run}", f"--sched.preset={preset}", "--cluster.rollout_ranks=2", "--train.steps=6",
              "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false")
@@ -180,7 +180,7 @@ def test_laminar_with_a_full_experience_buffer_evicts_on_real_ranks_and_keeps_th
     and the off-policy invariants hold. The trainer is slowed at steps 2 and 4 (a train rank sleeps 0.3 s at each
     progress report): the tiny model's train step alone (~0.1 s) is sometimes faster than the engines' batches, and
     then nothing would ever be evicted."""
-    from tests.sched.test_offpolicy_presets import check_offpolicy_log
+    from tests.support.offpolicy_log import check_offpolicy_log
     run = tmp_path / "laminar"
     torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=6",
              "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--sched.handoff.capacity=8",
@@ -202,7 +202,7 @@ def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(
     off-policy invariants hold; in colocated mode too (2 ranks, each an engine and a trainer shard). The repack monitor
     runs every 10 ms: on a fast host a round's tail lasts less than its old 50 ms period, and colocated runs saw 0-186
     migrations (three runs) where every run now sees ~200."""
-    from tests.sched.test_offpolicy_presets import check_offpolicy_log
+    from tests.support.offpolicy_log import check_offpolicy_log
     run = tmp_path / "laminar"
     ranks = ["--cluster.colocate=true", "--cluster.world_size=2"] if colocate else ["--cluster.rollout_ranks=2"]
     torchrun(2 if colocate else 4, f"--log.dir={run}", "--sched.preset=laminar", *ranks, "--train.steps=6",
@@ -241,7 +241,7 @@ def test_laminar_isolates_an_engine_failure_on_real_ranks_and_loses_nothing(tmp_
     so the fault lands mid-batch, after two streams.) Train rank 0 sleeps 0.8 s at each progress report of step 3,
     so the run outlasts the engine's second of downtime on any host (on a fast one the six steps it ran before took
     0.9 s in all, and the engine had nothing left to rejoin)."""
-    from tests.sched.test_offpolicy_presets import check_offpolicy_log
+    from tests.support.offpolicy_log import check_offpolicy_log
     run = tmp_path / "laminar"
     env = {"TIDAL_FAULTS": "fail 2 decode 20 1.0 & slow 0 train 3 0.8"}
     torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=8",

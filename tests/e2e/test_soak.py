@@ -13,7 +13,7 @@ import pytest
 from config import TrainConfig
 from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
 from trainer import Trainer
-from tests.trainer.test_trainer import make_groups, tiny_model
+from tests.support.trainer import make_groups, tiny_model
 
 RSS_BOUND_MB = 24.0
 

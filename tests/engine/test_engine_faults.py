@@ -13,7 +13,7 @@ from runtime.engine_health import Health
 from runtime.watchdog import Phase
 from sched.decisions import LoadWeights, ResetEngine
 from sched.partials import PartialPool
-from tests.runtime.test_rollout_worker import events_of, group_specs, loaded_worker, published, run_to_end
+from tests.support.worker import events_of, group_specs, loaded_worker, published, run_to_end
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

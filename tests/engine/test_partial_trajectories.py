@@ -225,12 +225,12 @@ DIST_CFG = dict(lr=1e-2, micro_batch_tokens=24, minibatches=2, ppo_epochs=1, off
 
 
 def _dist_batches():
-    from tests.trainer.test_trainer import make_groups  # made-up behaviour logprobs: weights far from 1, some truncated
+    from tests.support.trainer import make_groups  # made-up behaviour logprobs: weights far from 1, some truncated
     return [make_groups(1, n_groups=2), make_groups(3, n_groups=1, group_size=2)]  # the last: a rank gets none
 
 
 def _dist_world(rank: int, world: int):
-    from tests.trainer.test_trainer import tiny_model as trainer_model
+    from tests.support.trainer import tiny_model as trainer_model
     from trainer.fsdp import full_state_dict
     tr = Trainer(trainer_model(), TrainConfig(**DIST_CFG))
     metrics = [tr.train_step(b) for b in _dist_batches()]
@@ -240,7 +240,7 @@ def _dist_world(rank: int, world: int):
 @pytest.mark.dist
 def test_decoupled_multi_step_call_under_fsdp_matches_one_process():
     from tests.support.dist_utils import run_world
-    from tests.trainer.test_trainer import tiny_model as trainer_model
+    from tests.support.trainer import tiny_model as trainer_model
     ranks = run_world(_dist_world, 2)
     ref = Trainer(trainer_model(), TrainConfig(**DIST_CFG))
     ref_metrics = [ref.train_step(b) for b in _dist_batches()]

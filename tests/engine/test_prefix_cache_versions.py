@@ -6,7 +6,7 @@ import torch
 
 from engine import GenRequest, SamplingParams
 from model import load_model
-from tests.engine.test_engine import assert_pool_whole, drain, engine, packed_logprobs, prompts, sharp_model
+from tests.support.engine import assert_pool_whole, drain, engine, packed_logprobs, prompts, sharp_model
 
 
 @pytest.fixture(scope="module")

@@ -241,7 +241,7 @@ def test_a_train_step_through_the_triton_ops_matches_the_eager_modules_interpret
     """The Trainer's whole step (micro-batches, prompts shared, PPO epochs, activation checkpointing recomputing
     the Triton forward in backward) with the Triton ops gives the eager modules' update and metrics."""
     from config import TrainConfig
-    from tests.trainer.test_trainer import SMOOTH_ADAM, make_groups, tiny_model, weights
+    from tests.support.trainer import SMOOTH_ADAM, make_groups, tiny_model, weights
     from trainer.trainer import Trainer
     out = []
     for fused in (False, True):

@@ -151,7 +151,7 @@ def matrix(tmp_path_factory):
             lines.append(f"  {c.name:30s} ended {took:>6s} after the fault; report: {named_report(result[name], c)}; "
                          f"{c.resumed.split(': ', 1)[-1]}")
     print("\n" + "\n".join(lines))
-    (root / "summary.txt").write_text("\n".join(lines) + "\n")   # kept with the runs, for docs/fault-tolerance.md's figures
+    (root / "summary.txt").write_text("\n".join(lines) + "\n")   # kept with the runs (docs/fault-tolerance.md)
     return result
 
 

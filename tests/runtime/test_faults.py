@@ -1,6 +1,7 @@
 """Isolated faults (a reward function that raises, a prompt the tokenizer rejects, a request whose logits go
 non-finite) are marked failed and counted, and the run goes on. A rank that stalls, freezes or dies ends the job
-with a named report: tests/runtime/test_fault_matrix.py; the deadline rules themselves: tests/runtime/test_watchdog.py."""
+with a named report: tests/runtime/test_fault_matrix.py; the deadline rules themselves:
+tests/runtime/test_watchdog.py."""
 import itertools
 import math
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_a_reward_function_that_raises_scores_zero_marked_failed():
 
 
 def test_the_rollout_worker_goes_on_through_a_raising_reward_and_counts_it():
-    from tests.runtime.test_rollout_worker import make_worker, published
+    from tests.support.worker import make_worker, published
     w, ch, task, tok = make_worker(max_new_tokens=3)
     calls = itertools.count()  # every other call raises: the outcome does not hang on what was sampled
     w.scorer.fn = CheckedReward("custom", lambda text, answer: 1 // 0 if next(calls) % 2 else RewardResult(0.5, False))
@@ -90,7 +91,7 @@ def test_the_sampler_gives_no_token_for_non_finite_logits():
 
 
 def test_a_request_whose_logits_go_non_finite_is_dropped_and_the_rest_go_on():
-    from tests.runtime.test_rollout_worker import make_worker, published
+    from tests.support.worker import make_worker, published
     w, ch, task, tok = make_worker(max_new_tokens=4)
     w.relay.fill(published(w.engine), 0)
     w.handle(LoadWeights(0, 0))

@@ -8,7 +8,7 @@ import torch
 from engine import GenRequest, KVState, LLMEngine, SamplingParams
 from model import Transformer
 from model.presets import preset_config
-from tests.engine.test_engine import assert_pool_whole, drain, engine, prompts
+from tests.support.engine import assert_pool_whole, drain, engine, prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -154,7 +154,7 @@ def test_the_backend_sends_the_kv_s_keeper_a_sendkv_right_before_the_destination
     from runtime.topology import Topology
     from sched.controller import PromptItem
     from sched.views import Request
-    from tests.runtime.test_rollout_worker import FakeChannel
+    from tests.support.worker import FakeChannel
     topo = Topology(rank=0, world=4, train_ranks=[0], rollout_ranks=[1, 2, 3], colocate=False,
                     device=torch.device("cpu"))
     ch = FakeChannel()
@@ -197,7 +197,7 @@ def test_a_migrated_request_aborted_while_pending_has_its_kept_kv_dropped_at_its
     assert [r.state for r in ctl.v.requests.values()] == ["aborted", "aborted"]
 
     from runtime.messages import Start, StartRequest
-    from tests.runtime.test_rollout_worker import events_of, loaded_worker
+    from tests.support.worker import events_of, loaded_worker
     w, ch, task, tok = loaded_worker(verify=False)
     w.handle(Start([StartRequest(REQ, 0, 0, 0, tok.encode(task.prompts()[0][0], add_special_tokens=False), "a")]))
     w.step()
@@ -285,7 +285,7 @@ def test_a_worker_resumes_a_migrated_request_from_its_kv_kept_here_or_received(c
     import dataclasses
     from runtime.messages import SendKV, Start, StartRequest
     from sched.decisions import Interrupt, LoadWeights
-    from tests.runtime.test_rollout_worker import make_worker, published
+    from tests.support.worker import make_worker, published
     wire = Wire()
 
     def worker(rank):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests import dist_utils
+from tests.support import dist_utils
 
 pytestmark = pytest.mark.dist
 
@@ -24,8 +24,8 @@ def _move(rank: int, world: int):
     rest of the request); rank 1's engine imports and finishes it. Rank 0 then runs it uninterrupted for reference."""
     from engine import GenRequest, SamplingParams
     from runtime.kv_transfer import KVReceiver, KVSender
-    from tests.engine.test_engine import engine, prompts
     from tests.runtime.test_kv_migration import tiny_model
+    from tests.support.engine import engine, prompts
     group = dist.new_group([0, 1], backend="gloo")
     model = tiny_model()   # the same weights on both ranks (seeded init)
     outs = {}

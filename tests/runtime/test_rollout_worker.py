@@ -8,10 +8,8 @@ import time
 import pytest
 import torch
 
-from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
-from model import Transformer, cu_seqlens_from_lengths
-from model.presets import preset_config
-from rl.tasks import SyntheticTask
+from engine import GenRequest, SamplingParams
+from model import cu_seqlens_from_lengths
 from rl.rewards import RewardResult
 from rl.types import Trajectory
 from runtime.backend import RuntimeBackend
@@ -19,46 +17,16 @@ from runtime.channel import ChannelTimeout
 from runtime.messages import ReceiveWeights, Start, StartRequest, Stop
 from runtime.relay import WeightMismatchError
 from runtime.reward_scorer import InlineScorer
-from runtime.rollout_worker import RolloutWorker, SamplingConfig
-from runtime.samples import response_decoder, trajectory_of
+from runtime.samples import trajectory_of
 from runtime.topology import Topology
 from sched.controller import PromptItem
 from sched.decisions import Abort, Interrupt, LoadWeights, Migrate
 from sched.events import Event
 from sched.views import Request as SchedRequest
+from tests.support.worker import FakeChannel, events_of, group_specs, loaded_worker, make_worker, published, run_to_end
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class FakeChannel:
-    def __init__(self):
-        self.sent = []
-
-    def send(self, obj, dst, port=0):
-        self.sent.append((dst, obj))
-
-
-def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None, rank=1):
-    task = SyntheticTask("reverse", 16, 0)
-    tok = task.tokenizer()
-    cfg = preset_config("tiny", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    engine = LLMEngine(Transformer(cfg).init_weights(seed=0), EngineConfig(
-        num_kv_tokens=512, max_num_seqs=16, max_batch_tokens=256,
-        cpu_decode_steps=1), version=-1)   # a worker step is one engine step here (the tests count them)
-    ch = FakeChannel()
-    w = RolloutWorker(engine, ch, engine_index=0, rank=rank,
-                      scorer=scorer if scorer is not None else InlineScorer(task.score),
-                      decode=response_decoder(tok, engine.eos_ids), receiver=None,
-                      sampling=SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0,
-                      verify_weights=verify)
-    return w, ch, task, tok
-
-
-def published(engine, scale=1.0):
-    return [(k, v.detach().clone() * scale) for k, v in engine.runner.model.state_dict().items()
-            if k != "lm_head.weight" or not engine.runner.model.config.tie_word_embeddings]
 
 
 def test_trajectory_of_an_engine_output():
@@ -124,29 +92,6 @@ def test_loading_a_version_the_relay_does_not_hold_fails():
     w, _, _, _ = make_worker()
     with pytest.raises(RuntimeError, match="relay holds"):
         w.handle(LoadWeights(0, 5))
-
-
-# ---- partial trajectories: interrupt, resume, load on a busy engine ------------------------------------------------
-def loaded_worker(version=0, scale=1.5, **kw):
-    w, ch, task, tok = make_worker(**kw)
-    w.relay.fill(published(w.engine, scale), version)
-    w.handle(LoadWeights(0, version))
-    return w, ch, task, tok
-
-
-def group_specs(task, tok, n_groups=2, group_size=3):
-    return [StartRequest(10 * g + s, g, s, g, tok.encode(p, add_special_tokens=False), a)
-            for g, (p, a) in enumerate(task.prompts()[:n_groups]) for s in range(group_size)]
-
-
-def events_of(ch, kind):
-    return [e for _, batch in ch.sent for e in batch if e.kind == kind]
-
-
-def run_to_end(w):
-    while w.engine.has_unfinished():
-        w.step()
-    w.flush()
 
 
 def training_logprobs(model, prompt, response, temperature=1.0):

@@ -10,7 +10,7 @@ import pytest
 import sched
 from sim.run import simulate
 from tests.e2e.test_presets_e2e import check_log
-from tests.e2e.test_train_e2e import metrics, torchrun
+from tests.support.launch import metrics, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "sched" / "policies" / "fewest_tokens.py"

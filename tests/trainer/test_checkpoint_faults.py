@@ -15,7 +15,7 @@ import torch
 
 from config import TrainConfig, load_config
 from runtime.rundir import prepare_run_dir, resume_path
-from tests.trainer.test_trainer import make_groups, tiny_model
+from tests.support.trainer import make_groups, tiny_model
 from trainer import Trainer
 from trainer.checkpoint import COMPLETE, CheckpointError, latest, problem, scan
 

@@ -6,7 +6,7 @@ import torch
 
 from config import TrainConfig
 from tests.support.dist_utils import run_world
-from tests.trainer.test_trainer import SMOOTH_ADAM, make_groups, tiny_model
+from tests.support.trainer import SMOOTH_ADAM, make_groups, tiny_model
 from trainer import Trainer
 from trainer.fsdp import full_state_dict, is_sharded
 

@@ -49,6 +49,6 @@ def test_checksum_sees_a_flipped_bit_and_swapped_elements():
 
 
 def test_tied_names():
-    from tests.trainer.test_trainer import tiny_model
+    from tests.support.trainer import tiny_model
     assert tied_names(tiny_model(tied=True)) == {"lm_head.weight": "model.embed_tokens.weight"}
     assert tied_names(tiny_model(tied=False)) == {}

@@ -6,7 +6,7 @@ import torch
 
 from config import TrainConfig
 from tests.support.dist_utils import run_world
-from tests.trainer.test_trainer import SMOOTH_ADAM, make_groups, on_policy_groups, tiny_model, weights
+from tests.support.trainer import SMOOTH_ADAM, make_groups, on_policy_groups, tiny_model, weights
 from trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,7 +14,7 @@ import torch
 from config import TrainConfig
 from model import Transformer, cu_seqlens_from_lengths
 from tests.support.dist_utils import new_group, run_world
-from tests.trainer.test_trainer import SMOOTH_ADAM, make_groups, tiny_cfg, tiny_model
+from tests.support.trainer import SMOOTH_ADAM, make_groups, tiny_cfg, tiny_model
 from trainer import Trainer
 from trainer.checkpoint import CheckpointError, latest
 from trainer.fsdp import full_state_dict

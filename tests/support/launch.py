@@ -1,0 +1,26 @@
+"""train.py launched under torchrun from a test, and its metrics read back."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.dist_utils import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 400, env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+           str(free_port()), "train.py", "--config", "configs/tiny.toml", "--log.progress=false", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
