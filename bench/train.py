@@ -22,7 +22,8 @@ on the device.
 The trainer's fused kernels (`perf.fused_kernels`, trainer/fused.py: Triton RMSNorm, SwiGLU and rotary on CUDA)
 are on; `--eager off` runs the checkpointing-off mode once more with the eager modules, the baseline they replace.
 `--repeats N` runs each mode N times, alternating, each run a fresh trainer; a mode's figure is its median run,
-with the MFU range of its runs (two H200s gave 0.373 and 0.341 for the same code, one run each: bench/RESULTS.md).
+with the MFU range of its runs (two H200s gave 0.373 and 0.341 for the same code, one run each:
+bench/results/gpu-h200.md).
 The last line is the headline, e.g. `trainer_mfu: 0.41 (checkpointing off), 0.33 (checkpointing on); fused kernels
 vs eager 1.25x (checkpointing off)`: the step time of the eager modules over the fused ones, measured side by side.
 """

@@ -1,13 +1,13 @@
 """CPU engines of small fp32 models: the whole model forward of a step in one C call (cpu/csrc/decode_forward.c,
 called through ctypes), the CPU's counterpart of the CUDA graphs a GPU engine replays (engine/cuda_graphs.py).
 
-Why: a decode step of a small model is a few dozen ops of a few microseconds of arithmetic each, and each op called
-from Python costs as much again in dispatch, allocation and checks. The tiny model's decode step at 256 rows (the
-long vs-TRL job, one thread): forward 3.1-3.4 ms op by op, 2.2-2.5 ms in one call; the job's engine round of 256
-steps 1.02-1.09 -> 0.78-0.86 s (bench/RESULTS.md). The C forward runs the same kernels in the same order as the
-fused model (engine/fused.py with the C kernels of cpu/ops.py) and the projections through the same BLAS call as
-`padded_linear` (cpu/linear.py), so it gives the same bits (tests/cpu/test_cpu_forward.py): a sequence decodes the same
-tokens with it or without it, whatever it is batched with.
+Why: a decode step of a small model is a few dozen ops of a few microseconds of arithmetic each, and each op called from
+Python costs as much again in dispatch, allocation and checks. The tiny model's decode step at 256 rows (the long vs-TRL
+job, one thread): forward 3.1-3.4 ms op by op, 2.2-2.5 ms in one call; the job's engine round of 256 steps 1.04-1.09 ->
+0.78-0.86 s (bench/results/cpu-vs-trl.md). The C forward runs the same kernels in the same order as the fused model
+(engine/fused.py with the C kernels of cpu/ops.py) and the projections through the same BLAS call as `padded_linear`
+(cpu/linear.py), so it gives the same bits (tests/cpu/test_cpu_forward.py): a sequence decodes the same tokens with it
+or without it, whatever it is batched with.
 
 The projections call the BLAS `sgemm_` that torch's own F.linear calls, found in torch's shared library
 (`build.sgemm_address`); a torch build that does not export it (no MKL, another BLAS) keeps the op-by-op forward.
@@ -18,7 +18,8 @@ attention in use, no biases, every norm with one eps, and every Linear of the la
 reproduce). Else, or for a step whose KV slots are not all valid, the model runs op by op. The LM head stays in
 Python (its rows are only the sampled ones), except in `steps`: several decode steps in one call, the LM head and the
 sampling included (cpu/engine.py `CpuEngine` says when), which takes the per-step Python of the engine out of all but
-one step in `cpu_decode_steps`: the long job's engine round 0.66-0.72 -> 0.49-0.52 s with 16 (bench/RESULTS.md).
+one step in `cpu_decode_steps`: the long job's engine round 0.66-0.68 -> 0.48-0.485 s with 16
+(bench/results/cpu-vs-trl.md).
 
 The tables of addresses are rebuilt whenever a tensor behind them moved (a weight replaced rather than copied
 into); loads copy into the parameters in place (ModelRunner.load_weights), which the C forward then simply reads.

@@ -14,7 +14,7 @@ The whole MLP (`mlp`) goes further: its [tokens, intermediate] activations never
 MLP_ROWS rows at a time through the projections (torch's own sgemm) and SwiGLU while they sit in cache, and
 recomputes the gate/up output in backward. The long vs-TRL job's MLP (17,408 rows x 64 -> 2 x 256 -> 64, one
 thread) took 55-58 ms forward + backward a micro-batch unfused and 43-46 ms this way, the job's train step
-0.98-1.04 -> 0.86-0.93 s (bench/RESULTS.md).
+0.98-1.04 -> 0.86-0.93 s (bench/results/cpu-vs-trl.md).
 
 Only fp32 CPU tensors take these paths (`fused(x)`); anything else, a build failure or `TIDAL_CPU_NATIVE=0` keeps the
 eager ops (trainer/fused.py and kernels/dispatch.py decide per call).

@@ -2,16 +2,16 @@
 `perf.cpu_affinity = "partition"`, its torch threads, and its C allocator, which keeps freed memory for reuse
 instead of handing it back to the OS (`keep_freed_memory`).
 
-PyTorch's CPU tensors come from the C library's malloc, which glibc serves from fresh `mmap`s above a threshold
-(128 KiB, raised on the fly to the largest block freed so far) and gives back to the OS when freed, or trims from
-the top of its heap. A train step allocates and frees the same large activations every micro-batch (16.9 MB for a
-[16480, 256] SwiGLU input of the long vs-TRL job), and glibc's thresholds handed part of them back each time, so
-the next step touched them again as fresh pages. With blocks up to 32 MiB (glibc's largest mmap threshold on
-64-bit) served from the heap and no trimming, a step reuses its own memory. Measured on one core (bench/RESULTS.md),
-the long job's train step (4 micro-batches of 16.5k tokens): minor page faults 23-53k -> 2-3k a step,
-kernel time 0.03-0.08 -> 0.003-0.006 s, the step 1.01-1.06 -> 0.97-0.99 s; the whole colocated long job's kernel
-time 0.81-0.90 -> 0.51-0.56 s. The cost is the usual caching allocator's: a rank keeps its peak heap until it
-exits (the colocated long job's peak resident memory stayed within 779-829 MB either way).
+PyTorch's CPU tensors come from the C library's malloc, which glibc serves from fresh `mmap`s above a threshold (128
+KiB, raised on the fly to the largest block freed so far) and gives back to the OS when freed, or trims from the top of
+its heap. A train step allocates and frees the same large activations every micro-batch (16.9 MB for a [16480, 256]
+SwiGLU input of the long vs-TRL job), and glibc's thresholds handed part of them back each time, so the next step
+touched them again as fresh pages. With blocks up to 32 MiB (glibc's largest mmap threshold on 64-bit) served from the
+heap and no trimming, a step reuses its own memory. Measured on one core (bench/results/cpu-vs-trl.md), the long job's
+train step (4 micro-batches of 16.5k tokens): minor page faults 23-53k -> 2-3k a step, kernel time 0.03-0.08 ->
+0.003-0.006 s, the step 1.01-1.06 -> 0.97-0.99 s; the whole colocated long job's kernel time 0.81-0.90 -> 0.51-0.56 s.
+The cost is the usual caching allocator's: a rank keeps its peak heap until it exits (the colocated long job's peak
+resident memory stayed within 779-829 MB either way).
 
 Only glibc has `mallopt`; elsewhere (musl, macOS) `keep_freed_memory` changes nothing and returns False.
 """

@@ -8,7 +8,7 @@ child and compute its queries again. The kernel reads the packed tensors in plac
 gradients are summed over its children inside the kernel. At head_dim 16, where SDPA's CPU kernel is far from the
 core's rate, one micro-batch of the long vs-TRL job (8 prompts of 12 tokens x 8 children of 255, 4 query and 2 kv
 heads, one thread) takes 32-35 ms forward + backward against SDPA's 62-68 ms through the rows, and the job's train
-step 0.94-0.97 s against 1.20-1.25 s (bench/RESULTS.md). Same values as SDPA to fp32 rounding
+step 0.94-0.97 s against 1.20-1.25 s (bench/results/cpu-vs-trl.md). Same values as SDPA to fp32 rounding
 (tests/cpu/test_cpu_attention.py); results do not depend on the thread count (see the C file).
 
 Only fp32 CPU tensors take this path (`fused`); anything else, a failed build or `TIDAL_CPU_NATIVE=0` keeps the

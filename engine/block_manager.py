@@ -9,7 +9,7 @@ The free blocks are taken lowest id first (a heap), so a round's sequences get t
 grow, whatever order earlier sequences freed theirs in: the blocks decode steps read one row after the other lie
 side by side, where a free list in freeing order scattered them. On the CPU the paged attention of the long vs-TRL
 round (256 sequences x 256 tokens, one thread) took 0.301-0.319 s against 0.340-0.379, the round 0.90-0.97 s
-against 0.92-1.03 (bench/RESULTS.md, stop 36): the hardware prefetcher follows a row's blocks into the next row's.
+against 0.92-1.03 (bench/results/cpu-vs-trl.md): the hardware prefetcher follows a row's blocks into the next row's.
 
 Invariant between steps: len(seq.block_table) == ceil(seq.num_cached_tokens / block_size).
 """

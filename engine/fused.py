@@ -8,9 +8,9 @@ weight loads and publications are unchanged; `use_fused_ops(model)` swaps the cl
 `Attention` and of each `MLP` for a subclass whose forward calls the kernels when a dispatcher picks one for its
 tensors and no gradient is being recorded (the kernels are forward-only), and the eager forward otherwise.
 
-Why: the eager ops launch one kernel per elementwise step. A decode step of Qwen3-0.6B at batch 255 (H200,
-bench/RESULTS.md) ran ~700 small kernels beside its 28 attention calls: RMSNorm alone is seven (pow, mean, add,
-rsqrt, mul, cast, mul) for each of the four norms of a layer, the residual add one more, the rotary embedding five
+Why: the eager ops launch one kernel per elementwise step. A decode step of Qwen3-0.6B at batch 255
+(bench/results/gpu-h200.md) ran ~700 small kernels beside its 28 attention calls: RMSNorm alone is seven (pow, mean,
+add, rsqrt, mul, cast, mul) for each of the four norms of a layer, the residual add one more, the rotary embedding five
 per tensor. Fused: one kernel per norm (the residual add inside it), one per rotated tensor, one for silu * up.
 
 On the CPU (one thread, fp32) the eager ops cost a few microseconds each of dispatch and allocation over a
@@ -21,8 +21,8 @@ with the kernels chosen once per module call (`kernels_for`) instead of per op.
 Same math as the eager model: the residual stream is carried into the next norm (x + attn(...) is the fused norm's
 `residual` output, so the sum is rounded exactly as torch's add), each norm rounds the normalised value to the
 activation dtype before the weight multiply, silu is rounded before the product. Only the order of the fp32 sums
-inside a norm differs, so outputs agree to rounding (tests/engine/test_engine_fused.py). Measured (H200, 2026-11-27, with
-the sampling kernel of kernels/sample.py): the 256-sequence engine benchmark 16.4 -> 9.4 s, a decode step at batch
+inside a norm differs, so outputs agree to rounding (tests/engine/test_engine_fused.py). Measured (H200, with the
+sampling kernel of kernels/sample.py): the 256-sequence engine benchmark 16.4 -> 9.4 s, a decode step at batch
 255 12.6 -> 8.7 ms, 0.36 -> 0.52 of the memory roofline.
 
 The swap changes the engine's model in place (`EngineConfig.fused_ops`; with it off the runner swaps a model

@@ -12,8 +12,8 @@ u * total. A row whose request has a seed draws u = counter_uniform(seed, n) for
 of the two integers, computed for all such rows in a few vectorised integer ops on the host and copied over at
 once. Its tokens therefore depend on nothing else in the batch and carry no generator state (a request exported
 after n tokens and resumed anywhere, on another engine or device, draws the same u for token n), and a batch of
-256 seeded rows costs one copy, not 256 generator launches (4.6 ms of an 18 ms decode step on an H100 before,
-bench/RESULTS.md). Rows without a seed share one draw from the engine's generator. The host waits only for the
+256 seeded rows costs one copy, not 256 generator launches (4.6 ms of an 18 ms decode step on an H100 before:
+bench/results/gpu-h100.md). Rows without a seed share one draw from the engine's generator. The host waits only for the
 sampled tokens. A batch of plain temperature sampling (no greedy row, no truncation: GRPO's rollouts) runs as one
 kernel (kernels/sample.py: Triton on CUDA, or a registered kernel: cpu/'s C one for fp32 CPU logits), which reads
 the logits a few times instead of materialising the scaled logits, log-probs, probabilities and their cumulative

@@ -175,7 +175,7 @@ class SharedPrefixCausal(_Derived):
         208.1 / 168.6 at P = 256 (the mask's own cost repays the rows' excess up to about P = R / 4).
       * CUDA without a flash varlen kernel (fp32, an older device), always rows. The masked call (a boolean mask
         with GQA) has neither a flash nor a memory-efficient SDPA kernel there, so it materialises the
-        probabilities: forced at P = 512, R = 1535 on the H200 (2026-11-27, bench/RESULTS.md) it took the 1.7B
+        probabilities: forced at P = 512, R = 1535 on the H200 (bench/results/gpu-h200.md) it took the 1.7B
         bench's peak from 52.9 to 75.0 GiB and its step from 2.20 to 2.63 s. Rows take SDPA's flash kernel and are
         what `train.py --check` plans; where prompts outweigh their children (P > R) they spend more attention
         FLOPs than the masked call would ((P + R)^2 / 2 pairs a row against R (P + R)), a trade taken for memory.

@@ -121,8 +121,8 @@ def deterministic_algorithms(on: bool = True) -> None:
     Without torch's filling of every new uninitialised tensor with NaN (`torch.utils.deterministic.
     fill_uninitialized_memory`, on by default with deterministic algorithms): a debugging aid, not a source of
     determinism here, since every op and kernel writes its whole output (the resume tests check runs bit for bit);
-    it filled ~800 tensors a step of the long vs-TRL job's train step on CPU, ~5% of its time (bench/RESULTS.md,
-    stop 38)."""
+    it filled ~800 tensors a step of the long vs-TRL job's train step on CPU, 148 ms of a 1.19 s step
+    (bench/results/cpu-vs-trl.md)."""
     torch._C._set_deterministic_algorithms(on, warn_only=True)
     torch._C._set_deterministic_fill_uninitialized_memory(False)
     inductor = sys.modules.get("torch._inductor.config")

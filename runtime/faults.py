@@ -1,5 +1,5 @@
-"""Fault injection for tests (tests/runtime/test_fault_matrix.py): freeze, kill, hang or slow a rank at a chosen phase of a
-real run, one plan per torchrun attempt, so one `torchrun --max-restarts=N` job walks through a list of faults.
+"""Fault injection for tests (tests/runtime/test_fault_matrix.py): freeze, kill, hang or slow a rank at a chosen phase
+of a real run, one plan per torchrun attempt, so one `torchrun --max-restarts=N` job walks through a list of faults.
 
     TIDAL_FAULTS="freeze 2 decode 1; kill 1 train 2; ; slow 1 train 2 1.0 & slow 2 decode 3 1.2"
 

@@ -8,13 +8,12 @@ whose forward picks, per call, the kernels its tensors can take (`ops_for`: Trit
 kernels/dispatch.py says so, else a registered backend's) and the eager ops otherwise, so the same modules still run
 anywhere. `perf.fused_kernels = false` keeps the eager modules (the comparison bench/train.py makes on a GPU).
 
-Measured on the CPU (bench/RESULTS.md): the long vs-TRL job's train step (256 x 268 tokens, one thread)
-1.62-1.69 -> 1.30-1.39 s with the element-wise kernels, 1.20-1.25 -> 0.94-0.97 s with the attention kernel,
-0.98-1.04 -> 0.86-0.93 s with the MLP in blocks. On an H200 (`bench/train.py --eager off`, the Qwen3-1.7B shape,
-8192-token micro-batches, alternating in one process): 2.40-2.44 -> 2.08-2.16 s a step, MFU 0.32 -> 0.36-0.37.
-The swap changes the caller's model in place: the trainer owns it from then on. The subclasses are named Train*
-(with autograd); engine/fused.py's Fused* are the engine's forward-only ones.
-"""
+Measured (bench/results/cpu-vs-trl.md, bench/results/gpu-h200.md): on the CPU the long vs-TRL job's train step (256 x
+268 tokens, one thread) 1.62-1.69 -> 1.30-1.39 s with the element-wise kernels, 1.20-1.25 -> 0.94-0.97 s with the
+attention kernel, 0.98-1.04 -> 0.86-0.93 s with the MLP in blocks. On an H200 (`bench/train.py --eager off`, the
+Qwen3-1.7B shape, 8192-token micro-batches, alternating in one process): 2.40-2.44 -> 2.08-2.16 s a step, MFU 0.32 ->
+0.36-0.37. The swap changes the caller's model in place: the trainer owns it from then on. The subclasses are named
+Train* (with autograd); engine/fused.py's Fused* are the engine's forward-only ones. """
 from __future__ import annotations
 
 from dataclasses import dataclass

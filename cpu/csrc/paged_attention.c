@@ -45,7 +45,7 @@ typedef float v8u __attribute__((vector_size(32), aligned(4)));
  * kernel then took its compute time plus its memory time. Paced by the score passes (one line per query head and
  * token, so the next row's lines are all requested by the time this row's last head is scored), 256 rows x ~140
  * tokens inside the long vs-TRL job's engine took 0.384-0.412 s of paged attention a round instead of
- * 0.436-0.457 (bench/RESULTS.md). Only when to ask changes: the arithmetic, hence the output, does not. */
+ * 0.436-0.457 (bench/results/cpu-vs-trl.md). Only when to ask changes: the arithmetic, hence the output, does not. */
 typedef struct {
     const char *k, *v;
     const int32_t *table;   /* NULL: nothing (left) to request */

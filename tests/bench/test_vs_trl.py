@@ -41,6 +41,7 @@ def test_hf_job_directory_loads_in_transformers(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_ours_only_quick_run_reads_its_own_logs(tmp_path):
     r = subprocess.run([sys.executable, "bench/vs_trl.py", "--quick", "--skip-trl", "--work", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

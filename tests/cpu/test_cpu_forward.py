@@ -58,6 +58,7 @@ class Counting:
         return self.inner(ids, positions, meta)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_same_tokens_and_logprobs_bit_for_bit_as_op_by_op(threads, qk_norm):

@@ -60,6 +60,7 @@ class Calls:
         return self.inner(seqs, k, *args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 def test_several_steps_a_call_give_the_bits_of_one_step_at_a_time_and_of_op_by_op(threads):
     before = torch.get_num_threads()
@@ -82,6 +83,7 @@ def test_several_steps_a_call_give_the_bits_of_one_step_at_a_time_and_of_op_by_o
 
 @pytest.mark.parametrize("params", [dict(seed=None), dict(top_p=0.9), dict(temperature=0.0)],
                          ids=["unseeded", "top-p", "greedy"])
+@pytest.mark.slow
 def test_batches_the_c_loop_would_not_reproduce_run_one_step_at_a_time(params):
     want = outputs(engine(1), requests(16, **params))
     many = engine(8)

@@ -52,6 +52,7 @@ def _faults(mode: str, env: dict[str, str] | None = None) -> list[int] | None:
     return None if last == "unsupported" else [int(x) for x in last.split()]
 
 
+@pytest.mark.slow
 def test_train_steps_reuse_their_memory_once_freed_memory_is_kept():
     keep = _faults("keep")
     if keep is None:
@@ -62,6 +63,7 @@ def test_train_steps_reuse_their_memory_once_freed_memory_is_kept():
     assert min(keep[2:]) < 100, keep
 
 
+@pytest.mark.slow
 def test_the_peer_benchmarks_kept_allocator_reaches_glibc_through_its_environment():
     """bench/vs_trl.py --trl-allocator kept: a process that never calls mallopt, given the environment it builds for
     TRL, reuses its memory the same way (glibc reads MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ at start)."""

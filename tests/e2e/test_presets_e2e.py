@@ -12,7 +12,7 @@ import pytest
 from bench.policies import WORKLOAD
 from tests.support.launch import metrics, torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def check_log(run: Path) -> dict:

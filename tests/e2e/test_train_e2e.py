@@ -14,7 +14,7 @@ import torch
 from tests.support.dist_utils import free_port
 from tests.support.launch import ROOT, metrics, torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

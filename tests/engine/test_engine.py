@@ -42,6 +42,7 @@ LENGTHS = (1, 5, 16, 17, 40, 9)
 CPU_PATHS = {"native": dict(cpu_packed_min_weight=0), "torch": dict(attention="batched", cpu_packed_linear=False)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", sorted(CPU_PATHS))
 def test_greedy_matches_transformers_generate(models, path):
     hf, ours = models

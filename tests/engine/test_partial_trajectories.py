@@ -238,6 +238,7 @@ def _dist_world(rank: int, world: int):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_decoupled_multi_step_call_under_fsdp_matches_one_process():
     from tests.support.dist_utils import run_world
     from tests.support.trainer import tiny_model as trainer_model

@@ -236,6 +236,7 @@ def test_a_swapped_model_matches_the_plain_one_on_cuda(dtype):
     check_swapped_model(dtype, "cuda", TOL[dtype] if dtype == torch.bfloat16 else 1e-4)
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_a_train_step_through_the_triton_ops_matches_the_eager_modules_interpreter(monkeypatch):
     """The Trainer's whole step (micro-batches, prompts shared, PPO epochs, activation checkpointing recomputing

@@ -78,6 +78,7 @@ def test_engine_and_trainer_agree_on_logprobs_at_the_real_vocabulary(tok):
     assert metrics["optimizer_steps"] == 1 and torch.isfinite(torch.tensor(metrics["loss"]))
 
 
+@pytest.mark.slow
 def test_chunked_logprobs_at_the_real_vocabulary_use_a_fraction_of_naive_memory():
     from kernels.logprobs import token_logprobs, token_logprobs_naive
     from kernels.memtrack import LiveBytes

@@ -33,7 +33,7 @@ import torch
 from tests.support.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 DEADLINE = 5.0
 STEPS = 4

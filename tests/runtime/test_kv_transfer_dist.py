@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from tests.support import dist_utils
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 REQ = 7
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from tests.support.dist_utils import PG_TIMEOUT, new_group, run_world
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def model():

@@ -35,6 +35,7 @@ def test_the_example_trains_in_the_simulator_like_fifo():
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_the_example_runs_on_real_ranks(tmp_path):
     run = tmp_path / "fewest_tokens"
     torchrun(3, f"--log.dir={run}", "--sched.dispatch.name=fewest_tokens", "--sched.dispatch.max_groups_per_call=4",

@@ -10,7 +10,7 @@ from tests.support.trainer import SMOOTH_ADAM, make_groups, tiny_model
 from trainer import Trainer
 from trainer.fsdp import full_state_dict, is_sharded
 
-pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 CFG = dict(lr=1e-2, grad_clip=0.5, micro_batch_tokens=24, kl_coef=0.05, steps=2, **SMOOTH_ADAM)
 

@@ -109,6 +109,7 @@ def _two_ranks(rank, world, agg):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_two_fsdp_ranks_accumulate_like_one_process():
     _, everything = split_batches()
     one = Trainer(tiny_model(), cfg("seq_mean", "token"), max_response_len=10)

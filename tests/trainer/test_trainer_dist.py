@@ -19,7 +19,7 @@ from trainer import Trainer
 from trainer.checkpoint import CheckpointError, latest
 from trainer.fsdp import full_state_dict
 
-pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 CFG = dict(lr=1e-2, grad_clip=0.5, micro_batch_tokens=24, minibatches=2, kl_coef=0.05, loss_agg="seq_mean",
            clip_high=0.28, warmup_steps=1, lr_schedule="cosine", steps=4, weight_decay=0.01, **SMOOTH_ADAM)
