@@ -1,16 +1,15 @@
 """The byte-level memory model behind `train.py --check` (runtime/preflight.py): what each role's rank holds on
 the target device, item by item, and whether it fits.
 
-It counts what our code allocates (see each item's note): fp32 master weights, gradients and AdamW moments sharded
-over the train ranks (trainer/fsdp.py: bf16 compute on GPU), the root module (embedding, lm_head) kept gathered after
-forward, the tensors one decoder block saves for backward per token (`saved_bytes_per_token`, checked against
-autograd's saved tensors in tests/runtime/test_preflight.py; attention is counted as a flash-style kernel that keeps q, k, v,
-out and the log-sum-exp, plus the copies of shared prompts' varlen way on a GPU), the chunked logprob's transient
-logits, and the engine's KV pool sized as engine/runner.py sizes it: `gpu_memory_fraction` of the memory free once the
-weights are in, minus a prefill's activations. Colocated ranks size the engine's pool before the trainer's state
-exists (train.py's run_colocated builds the engine first), so the plan checks that the pool leaves room for training
-and names the largest fraction that does.
-"""
+It counts what our code allocates (see each item's note): fp32 master weights, gradients and AdamW moments sharded over
+the train ranks (trainer/fsdp.py: bf16 compute on GPU), the root module (embedding, lm_head) kept gathered after
+forward, the tensors one decoder block saves for backward per token (`saved_bytes_per_token`, checked against autograd's
+saved tensors in tests/runtime/test_preflight.py; attention is counted as a flash-style kernel that keeps q, k, v, out
+and the log-sum-exp, plus the copies of shared prompts' varlen way on a GPU), the chunked logprob's transient logits,
+and the engine's KV pool sized as engine/runner.py sizes it: `gpu_memory_fraction` of the memory free once the weights
+are in, minus a prefill's activations. Colocated ranks size the engine's pool before the trainer's state exists
+(train.py's run_colocated builds the engine first), so the plan checks that the pool leaves room for training and names
+the largest fraction that does."""
 from __future__ import annotations
 
 import math
