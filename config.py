@@ -221,7 +221,11 @@ class PerfConfig:
     fused_kernels: bool = F(True, help="RMSNorm, SwiGLU and the rotary embedding as one kernel each way: Triton on "
                             "CUDA, C on the CPU in fp32, where the attention and the MLP are C kernels too "
                             "(trainer/fused.py); false: the eager modules")
-    cpu_forward: bool = F(True, help="CPU fp32 engines of small models: each step's whole forward in one C call, the "
+    cpu_backend: str = F("c", choices=("c", "torch"), help="CPU ranks: c = the optional C backend (cpu/: kernels "
+                         "compiled with cc at first use; the engine's forward and several decode steps in one call, the "
+                         "trainer's fused ops and attention), torch = PyTorch ops only. Samples differ in the last bits; "
+                         "where a C source does not build, its part warns and runs the torch path")
+    cpu_forward: bool = F(True, help="with cpu_backend = c: CPU fp32 engines of small models: each step's whole forward in one C call, the "
                           "same bits as op by op (cpu/forward.py; ignored where it does not apply)")
     cpu_decode_steps: int = F(16, ge=1, help="with cpu_forward: decode steps run in one C call when every running "
                               "sequence decodes, samples plainly and is seeded (engine/engine.py; same tokens as "

@@ -14,7 +14,8 @@ registers its parts into registries the core owns, and the entry points (train.p
   trainer.py          the trainer's ops and attention, as trainer/fused.py takes them
   process.py          a CPU rank's threads, core affinity and allocator
 
-Where a C source does not build (no compiler, or `TIDAL_CPU_NATIVE=0`), its parts warn once and keep the torch path.
+The one switch is the config key `perf.cpu_backend` (c | torch), which `enable(cfg)` reads. Where a C source does
+not build (no compiler), its parts warn once and keep the torch path.
 """
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ def enable(cfg: Config | None = None, topo: Topology | None = None) -> None:
     """Register the CPU backend into the core (idempotent): its forward-only kernels into kernels/dispatch.py
     (rms_norm, rope, silu_mul, sample), its kernel family into engine/fused.py, `CpuEngine` for models on the CPU into
     engine/engine.py, its train ops and attention into trainer/fused.py. With the run's config and topology, also set
-    up this rank's process (process.py: core affinity, torch threads, allocator)."""
+    up this rank's process (process.py: core affinity, torch threads, allocator). `perf.cpu_backend = "torch"` in the
+    config registers nothing: the run keeps PyTorch's ops."""
     global _registered
-    if not _registered:
+    if not _registered and (cfg is None or cfg.perf.cpu_backend == "c"):
         from cpu import engine, ops, sample, trainer
         from engine.engine import register_engine
         from engine.fused import register_ops

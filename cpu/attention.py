@@ -4,7 +4,7 @@ On CPU, PyTorch has no paged attention: the batched path (engine/attention.py) g
 into a padded copy and masks the padding, so each decode step writes and re-reads the whole KV context. The C
 kernel reads K/V in place through the block table instead (the same walk the Triton kernels do on GPU), one query
 row at a time (each row attends up to its own position): decode rows, prefill chunks and mixed batches in one call.
-Without a C compiler (or with `TIDAL_CPU_NATIVE=0`) `native_available()` is False and the engine keeps the batched
+Without a C compiler `native_available()` is False and the engine keeps the batched
 PyTorch path, after one warning that says why. Tests check it against the kernels' references.
 """
 from __future__ import annotations

@@ -5,8 +5,8 @@ under `TIDAL_CACHE_DIR` (default `~/.cache/tidal`), keyed by the source (and the
 the compiler and the CPU's feature flags (the build uses `-march=native`), and written by atomic rename under a lock
 on the cache directory, so ranks building at once compile each source once.
 
-Nothing here is required: without a C compiler (or with `TIDAL_CPU_NATIVE=0`) a `NativeLibrary` loads nothing and
-its callers keep their PyTorch path, after one warning that says why.
+Nothing here is required: without a C compiler a `NativeLibrary` loads nothing and its callers keep their PyTorch path,
+after one warning that says why.
 """
 from __future__ import annotations
 
@@ -148,15 +148,10 @@ def sgemm_address() -> int | None:
     return _sgemm[0]
 
 
-def disabled() -> bool:
-    """TIDAL_CPU_NATIVE=0 switches every C kernel off (the engine's and the trainer's)."""
-    return os.environ.get("TIDAL_CPU_NATIVE", "1").lower() in ("0", "false", "off", "no")
-
-
 class NativeLibrary:
     """One C source of cpu/csrc, built (`build`) and loaded on first use, once per process (thread-safe).
     `load()` gives the library with its functions' signatures declared, or None where it cannot be had (no
-    compiler, a failed build, TIDAL_CPU_NATIVE=0; `error` says why), after one warning naming what runs instead."""
+    compiler, a failed build; `error` says why), after one warning naming what runs instead."""
 
     def __init__(self, source: Path, signatures: dict[str, tuple[list[Any], Any]], instead: str):
         self.source, self.signatures, self.instead = source, signatures, instead
@@ -169,9 +164,6 @@ class NativeLibrary:
             return self.lib
         with self._lock:
             if self.lib is None and self.error is None:
-                if disabled():
-                    self.error = "disabled by TIDAL_CPU_NATIVE=0"
-                    return None
                 try:
                     lib = ctypes.CDLL(str(build(source=self.source)))
                     for name, (args, result) in self.signatures.items():

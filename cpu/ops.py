@@ -16,8 +16,8 @@ recomputes the gate/up output in backward. The long vs-TRL job's MLP (17,408 row
 thread) took 55-58 ms forward + backward a micro-batch unfused and 43-46 ms this way, the job's train step
 0.98-1.04 -> 0.86-0.93 s (bench/results/cpu-vs-trl.md).
 
-Only fp32 CPU tensors take these paths (`fused(x)`); anything else, a build failure or `TIDAL_CPU_NATIVE=0` keeps the
-eager ops (trainer/fused.py and kernels/dispatch.py decide per call).
+Only fp32 CPU tensors take these paths (`fused(x)`); anything else, or a build failure, keeps the eager ops
+(trainer/fused.py and kernels/dispatch.py decide per call).
 """
 from __future__ import annotations
 

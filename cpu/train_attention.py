@@ -11,8 +11,8 @@ heads, one thread) takes 32-35 ms forward + backward against SDPA's 62-68 ms thr
 step 0.94-0.97 s against 1.20-1.25 s (bench/results/cpu-vs-trl.md). Same values as SDPA to fp32 rounding
 (tests/cpu/test_cpu_attention.py); results do not depend on the thread count (see the C file).
 
-Only fp32 CPU tensors take this path (`fused`); anything else, a failed build or `TIDAL_CPU_NATIVE=0` keeps the
-backend's own SDPA call (cpu/trainer.py decides per call).
+Only fp32 CPU tensors take this path (`fused`); anything else, or a failed build, keeps the backend's own SDPA call
+(cpu/trainer.py decides per call).
 """
 from __future__ import annotations
 

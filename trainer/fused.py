@@ -13,7 +13,8 @@ Measured (bench/results/cpu-vs-trl.md, bench/results/gpu-h200.md): on the CPU th
 attention kernel, 0.98-1.04 -> 0.86-0.93 s with the MLP in blocks. On an H200 (`bench/train.py --eager off`, the
 Qwen3-1.7B shape, 8192-token micro-batches, alternating in one process): 2.40-2.44 -> 2.08-2.16 s a step, MFU 0.32 ->
 0.36-0.37. The swap changes the caller's model in place: the trainer owns it from then on. The subclasses are named
-Train* (with autograd); engine/fused.py's Fused* are the engine's forward-only ones. """
+Train* (with autograd); engine/fused.py's Fused* are the engine's forward-only ones.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
