@@ -213,14 +213,14 @@ ROWS = [
 # -------------------------------------------------------------------------------------------------------- notes
 def recall_by_round(r: SimResult, q: float) -> list[float]:
     """Per round after the first: |predicted top q ∩ true top q| / |true top q| of the ranker as run (Table 4's
-    "recall rate", our reading), from the dispatch's predictions and the lengths generated."""
+    "recall rate", our reading), from the dispatch's predictions and the lengths generated (the events' own fields:
+    a pooled run's events come without payloads)."""
     ranked = r.policy.dispatch.ranked
     g_round = {e.group_id: e.data["round"] for e in r.events if e.kind == "group_materialized"}
     rounds: dict[int, list[tuple[float, int]]] = {}
     for e in r.events:
-        if e.kind == "reward_scored" and g_round.get(e.group_id, 0) >= 1 and e.payload.prompt_index in ranked:
-            rounds.setdefault(g_round[e.group_id], []).append((ranked[e.payload.prompt_index],
-                                                               len(e.payload.response_ids)))
+        if e.kind == "trajectory_finished" and g_round.get(e.group_id, 0) >= 1 and e.group_id in ranked:
+            rounds.setdefault(g_round[e.group_id], []).append((ranked[e.group_id], e.data["tokens"]))
     out = []
     for pairs in rounds.values():
         k = max(1, round(q * len(pairs)))

@@ -66,7 +66,7 @@ class SkewnessDispatch(Dispatch):
         self.work: dict[int, tuple[int, float]] = {}   # request in flight -> (engine, predicted length)
         self.cursor: dict[int, int] = {}               # round -> its finishes read so far
         self.recent: deque[int] = deque(maxlen=4096)   # latest finished lengths (Algorithm 2's D)
-        self.ranked: dict[int, float] = {}             # prompt index -> its prediction when ranked (diagnostics)
+        self.ranked: dict[int, float] = {}             # group id -> its prediction when ranked (diagnostics)
         self.chosen: deque[tuple[int, RoundSplit]] = deque(maxlen=64)   # (round, split): what Algorithm 2 chose
 
     def admit(self, v: Views) -> list[Submit]:
@@ -102,7 +102,7 @@ class SkewnessDispatch(Dispatch):
             grp = v.groups[g]
             self.pred[g] = self.ranker.predict(grp.prompt_index, v.requests[grp.req_ids[0]].prompt_len,
                                                _prompt_ids(grp))
-            self.ranked[grp.prompt_index] = self.pred[g]
+            self.ranked[g] = self.pred[g]
         while len(self.ranked) > 16384:
             del self.ranked[next(iter(self.ranked))]
         k = math.ceil(self.p.long_fraction * len(gids) - 1e-9)
