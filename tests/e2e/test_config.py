@@ -164,10 +164,11 @@ def test_a_removed_key_says_so(tmp_path, key):
 
 
 def test_the_perf_section_holds_the_benchmark_and_cpu_tuning_keys():
-    assert {f.name for f in dataclasses.fields(PerfConfig)} == {k.split(".")[1] for k in MOVED.values()}
-    assert Config().perf == PerfConfig(ignore_eos=False, migrate_kv=True, fused_kernels=True, cpu_forward=True,
-                                       cpu_decode_steps=16, cpu_threads=1, cpu_keep_freed_memory=True,
-                                       cpu_affinity="none")
+    assert {f.name for f in dataclasses.fields(PerfConfig)} == {k.split(".")[1] for k in MOVED.values()} | {
+        "cpu_backend"}
+    assert Config().perf == PerfConfig(ignore_eos=False, migrate_kv=True, fused_kernels=True, cpu_backend="c",
+                                       cpu_forward=True, cpu_decode_steps=16, cpu_threads=1,
+                                       cpu_keep_freed_memory=True, cpu_affinity="none")
 
 
 def test_config_error_is_a_value_error():

@@ -151,12 +151,13 @@ def test_rollpacker_headline_short_rounds_are_shorter_and_the_run_faster():
 def test_streamrl_ranker_recall_and_scale_out_iterations():
     from sim.repro import Runs
     from sim.repro.streamrl import first_scale_out, recall_by_round, scale_outs
-    # round 1: prompts 10..14 with true lengths 50, 40, 30, 20, 10; the ranker put 12 first, then 10
+    # round 1: groups 10..14 with true lengths 50, 40, 30, 20, 10; the ranker put 12 first, then 10. Read from the
+    # events' own fields, as a pooled result carries them (no payloads)
     ranked = {10: 5.0, 11: 1.0, 12: 9.0, 13: 2.0, 14: 0.0}
     lens = {10: 50, 11: 40, 12: 30, 13: 20, 14: 10}
-    ev = [Event("group_materialized", 0.0, group_id=p, data={"round": 1 if p >= 10 else 0}) for p in (3, *lens)]
-    ev += [Event("reward_scored", 1.0, group_id=p, payload=SimpleNamespace(prompt_index=p, response_ids=[0] * n))
-           for p, n in [(3, 99), *lens.items()]]                  # round 0 (prompt 3) is the ranker's warm-up
+    ev = [Event("group_materialized", 0.0, group_id=g, data={"round": 1 if g >= 10 else 0}) for g in (3, *lens)]
+    ev += [Event("trajectory_finished", 1.0, group_id=g, data={"tokens": n})
+           for g, n in [(3, 99), *lens.items()]]                  # round 0 (group 3) is the ranker's warm-up
     r = SimpleNamespace(events=ev, policy=SimpleNamespace(dispatch=SimpleNamespace(ranked={3: 0.0, **ranked})))
     assert recall_by_round(r, 0.2) == [0.0]                       # top 1 of 5: predicted 12, true 10
     assert recall_by_round(r, 0.4) == [0.5]                       # top 2: {12, 10} vs {10, 11}
