@@ -100,7 +100,8 @@ def run_engine(model, prompts, outs, args, fused: bool = True, cpu_forward: bool
     pool = None if args.device == "cuda" else args.max_num_seqs * 2 * args.max_len  # CPU: room for all at full length
     eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=max(2048, args.max_num_seqs),
                                         num_kv_tokens=pool, memory_fraction=0.5, fused_ops=fused,
-                                        fused_sampling=fused, cpu_forward=cpu_forward))
+                                        fused_sampling=fused, cpu_forward=cpu_forward,
+                                        cpu_decode_steps=16))   # a CPU engine: up to 16 decode steps a C call
     eng.generate([GenRequest(p[:16], SamplingParams(temperature=0, max_new_tokens=4)) for p in prompts[:4]])  # warm-up
     reqs = [GenRequest(p, SamplingParams(temperature=1.0, max_new_tokens=o, ignore_eos=True, seed=i))
             for i, (p, o) in enumerate(zip(prompts, outs))]
