@@ -39,7 +39,7 @@ def pool_of(w, ch, specs) -> PartialPool:
 def fail_next_step(w, exc):
     real = w.engine.step
 
-    def step(max_steps=1):
+    def step():
         w.engine.step = real
         raise exc
     w.engine.step = step
