@@ -3,11 +3,12 @@
     python -m sim.repro PAPER [--seeds 0,1,2] [--jobs 2]      PAPER: rolloutpipe | rollpacker | streamrl | staleflow
                                                               | laminar
 
-Prints the paper's simulated components, then `figure | ours | paper | hit | setting` rows (ours: the mean over the
-seeds, with the smallest and largest in brackets) and the notes the reproduction prints (what the simulator chose),
-and last `PAPER: K/N headline figures within 20%` under the hit rule of sim/repro/core.py (within 20% of the paper's
-range; a speedup counts only if our gain is at least half the paper's smallest gain; arithmetic rows are labelled
-and not counted). A row whose policy has no preset yet prints "policy not available yet" and counts as a miss; a run
+Prints the paper's simulated components, then `figure | ours | paper | hit (margin) | setting` rows (ours: the mean
+over the seeds, with the smallest and largest in brackets) and the notes the reproduction prints (what the simulator
+chose), and last `PAPER: K/N headline figures within 20%, W more weak (...); B/M bound rows hold, not counted` under
+the hit rule and accounting of sim/repro/core.py (within 20% of the paper's range; a speedup counts only if our gain
+is at least half the paper's smallest gain; edge hits, hits through compensating errors and caveated hits are weak
+and apart; "up to" and "< x" rows are bounds, apart; arithmetic rows are labelled and not counted). A row whose policy has no preset yet prints "policy not available yet" and counts as a miss; a run
 that fails prints its error and counts as a miss. Honesty rules: the settings are the papers' (model, hardware,
 batch, group size, GPU split or the paper's rule for it); the cost constants and workloads come from
 sim/profiles.py and sim/workload.py, none derived from any figure reproduced here. Each paper's module
@@ -20,13 +21,14 @@ import sys
 import textwrap
 
 from sim.repro import laminar, rolloutpipe, rollpacker, staleflow, streamrl
-from sim.repro.core import (ARITHMETIC, LEVEL, NA, SPEEDUP, Paper, Row, Runs, Sensitivity, Setting, default_jobs,
-                            evaluate, judge, summary)
+from sim.repro.core import (ARITHMETIC, BOUND, LEVEL, NA, SPEEDUP, Paper, Row, Runs, Sensitivity, Setting,
+                            count_line, default_jobs, evaluate, judge, margin, verdicts)
 
 PAPERS: dict[str, Paper] = {"rolloutpipe": rolloutpipe.PAPER, "rollpacker": rollpacker.PAPER,
                             "streamrl": streamrl.PAPER, "staleflow": staleflow.PAPER, "laminar": laminar.PAPER}
 
-__all__ = ["ARITHMETIC", "LEVEL", "NA", "PAPERS", "SPEEDUP", "Paper", "Row", "Runs", "Setting", "judge", "main"]
+__all__ = ["ARITHMETIC", "BOUND", "LEVEL", "NA", "PAPERS", "SPEEDUP", "Paper", "Row", "Runs", "Setting", "judge",
+           "main", "margin"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,20 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     if paper.components:
         print(textwrap.fill(paper.components, 118))
     per_row, notes = evaluate(args.paper, seeds, args.jobs, sens)
-    hits = counted = 0
-    print("figure | ours | paper | hit | setting")
-    for row, values in zip(paper.rows, per_row):
-        text, ok, _ = summary(row, values)
-        counted += ok is not None
-        hits += bool(ok)
-        mark = "n/a" if ok is None else ("yes" if ok else "no")
-        print(f"{row.figure} | {text} | {row.paper_text} | {mark} | {row.setting}".rstrip(" |"), flush=True)
+    print("figure | ours | paper | hit (margin) | setting")
+    for row, v in zip(paper.rows, verdicts(paper.rows, per_row)):
+        print(f"{row.figure} | {v.text} | {row.paper_text} | {v.mark} | {row.setting}".rstrip(" |"), flush=True)
     for line in notes:
         print(textwrap.fill(line, 118))
-    arith = len(paper.rows) - counted
     note = f" (sensitivity run: {sens.label()})" if sens.label() else ""
-    extra = f"; {arith} arithmetic row{'s' * (arith != 1)} not counted" if arith else ""
-    print(f"{args.paper}: {hits}/{counted} headline figures within 20%{extra}{note}")
+    print(count_line(args.paper, paper.rows, verdicts(paper.rows, per_row)) + note)
     return 0
 
 

@@ -5,12 +5,20 @@ the components its reproduction simulates and those it does not, and the notes i
 a GPU split, a ranker's measured recall). Every simulated row runs on several seeds; the table shows the mean and the
 spread, and the hit is judged on the mean.
 
-The hit rule (sim/README.md, "The hit rule"):
+The hit rule and the accounting (sim/README.md, "The hit rule"):
 - a row is a hit when our mean lies within 20% of the paper's range: in [0.8 lo, 1.2 hi] (a point value is a range
   of one; "< x" is (0, x]);
 - a speedup row (kind SPEEDUP) counts only if our gain is at least half the paper's smallest gain as well:
   ours - 1 >= (lo - 1) / 2, so 1.00x against 1.12-2.12x is a miss, not a hit;
-- an arithmetic row (kind ARITHMETIC: a closed-form figure, not a simulation) is printed, labelled, and not counted.
+- every judged row prints its margin: how far inside the band (a hit) or outside it (a miss) the mean lies, as a
+  fraction of the nearest band end;
+- a hit is **weak**, and counted apart from the solid hits, when it is an edge hit (margin under EDGE, 3%), when a
+  decomposition row it sums (`parts`: the per-step rows of a cumulative table) misses, so that the total agrees
+  through compensating errors, or when the row names a `caveat` (why its agreement does not test the mechanism);
+- a bound row (kind BOUND: the paper's "up to x", "at most x", "< x" about our own system) is judged by the same band
+  and reported apart: a band that a result of no gain, or a synchronous system, would pass tests nothing;
+- an arithmetic row (kind ARITHMETIC: a closed-form figure of the paper's own constants, not a simulation) is
+  printed, labelled, and not counted.
 """
 from __future__ import annotations
 
@@ -30,7 +38,9 @@ from sim.run import SimResult, rare_collections, simulate
 
 NA = "policy not available yet"
 WAVE_DEADLINE_S = 4 * 3600.0   # a backstop against a hung worker, far above any wave's time (minutes)
-LEVEL, SPEEDUP, ARITHMETIC = "level", "speedup", "arithmetic"
+LEVEL, SPEEDUP, BOUND, ARITHMETIC = "level", "speedup", "bound", "arithmetic"
+KINDS = (LEVEL, SPEEDUP, BOUND, ARITHMETIC)
+EDGE = 0.03      # a hit whose margin is under this fraction of the band's nearest end is an edge hit (weak)
 
 
 @dataclass(frozen=True)
@@ -145,8 +155,15 @@ class Row:
     paper_text: str
     compute: Callable[[Runs], float | None]   # None: a needed preset does not exist
     fmt: str = "{:.1%}"
-    kind: str = LEVEL                         # LEVEL | SPEEDUP | ARITHMETIC
+    kind: str = LEVEL                         # LEVEL | SPEEDUP | BOUND | ARITHMETIC
     setting: str = ""                         # what this row's runs simulate (components), beside the figure
+    parts: tuple[str, ...] = ()               # figures of the decomposition rows this cumulative row sums: a hit
+    #                                           while one of them misses is weak (compensating errors)
+    caveat: str = ""                          # why a hit here does not test the mechanism (then it is weak)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"row {self.figure!r}: kind must be one of {KINDS}, got {self.kind!r}")
 
 
 @dataclass
@@ -157,15 +174,34 @@ class Paper:
     seeds: int = 3                            # default number of seeds (0, 1, ...)
 
 
+def band(row: Row) -> tuple[float, float]:
+    """The values a row's mean may take to hit: [0.8 lo, 1.2 hi], its lower end raised for a speedup row to half
+    the paper's smallest gain (module docstring)."""
+    lo, hi = row.paper
+    low = 0.8 * lo
+    if row.kind == SPEEDUP:
+        low = max(low, 1 + 0.5 * (lo - 1))
+    return low, 1.2 * hi
+
+
 def judge(row: Row, value: float) -> bool | None:
     """The hit rule (module docstring); None for an arithmetic row (not counted)."""
     if row.kind == ARITHMETIC:
         return None
-    lo, hi = row.paper
-    ok = 0.8 * lo <= value <= 1.2 * hi
-    if row.kind == SPEEDUP:
-        ok = ok and value - 1 >= 0.5 * (lo - 1)
-    return ok
+    low, high = band(row)
+    return low <= value <= high
+
+
+def margin(row: Row, value: float) -> float:
+    """How far `value` lies inside the row's band (> 0) or outside it (< 0), as a fraction of the nearest band end;
+    a band end at 0 ("< x") bounds nothing below."""
+    low, high = band(row)
+    if value > high:
+        return -(value - high) / high
+    if value < low:
+        return -(low - value) / low
+    inside = (high - value) / high
+    return min(inside, (value - low) / low) if low > 0 else inside
 
 
 # ------------------------------------------------------------------------------------------------- evaluation
@@ -368,6 +404,76 @@ def summary(row: Row, values: list[Any]) -> tuple[str, bool | None, float | None
     if len(values) > 1 and not all(math.isclose(v, values[0]) for v in values):
         text += f" [{row.fmt.format(min(values))}, {row.fmt.format(max(values))}]"
     return text, judge(row, mean), mean
+
+
+HIT, WEAK, MISS, HOLDS, FAILS, NOT_COUNTED = "hit", "weak", "miss", "bound holds", "bound fails", "not counted"
+
+
+@dataclass
+class Verdict:
+    """A row's place in the accounting: `status` (HIT, WEAK, MISS; HOLDS or FAILS for a bound row; NOT_COUNTED for
+    an arithmetic row), what the table's hit column prints, and for a weak hit why ("edge", "compensating",
+    "caveat")."""
+    text: str
+    status: str
+    mark: str
+    why: str = ""
+
+
+def verdicts(rows: list[Row], per_row: list[list[Any]]) -> list[Verdict]:
+    """Every row's verdict (module docstring): the hit rule with each judged row's margin, and weak hits (edge,
+    compensating: a `parts` row misses, caveat) apart from the solid ones. Raises ValueError when a row's `parts`
+    names no row of the paper."""
+    figures = {row.figure for row in rows}
+    for row in rows:
+        unknown = [p for p in row.parts if p not in figures]
+        if unknown:
+            raise ValueError(f"row {row.figure!r}: parts name no row of the paper: {unknown}")
+    judged = [summary(row, values) for row, values in zip(rows, per_row)]
+    hit_of = {row.figure: ok for row, (_, ok, _) in zip(rows, judged)}
+    out = []
+    for row, (text, ok, mean) in zip(rows, judged):
+        if ok is None:
+            out.append(Verdict(text, NOT_COUNTED, "n/a"))
+            continue
+        m = f" ({margin(row, mean):+.0%})" if mean is not None else ""
+        if row.kind == BOUND:
+            out.append(Verdict(text, HOLDS if ok else FAILS, ("holds" if ok else "fails") + m + ", bound"))
+            continue
+        if not ok:
+            out.append(Verdict(text, MISS, "no" + m))
+            continue
+        missed = [p for p in row.parts if not hit_of[p]]
+        why = ("edge" if margin(row, mean) < EDGE else
+               "compensating" if missed else
+               "caveat" if row.caveat else "")
+        if not why:
+            out.append(Verdict(text, HIT, "yes" + m))
+            continue
+        detail = {"edge": "edge", "compensating": f"compensating: {'; '.join(missed)} miss",
+                  "caveat": row.caveat}[why]
+        out.append(Verdict(text, WEAK, f"weak{m}: {detail}", why))
+    return out
+
+
+def count_line(paper: str, rows: list[Row], vs: list[Verdict]) -> str:
+    """The command's last line: solid hits over the counted rows, weak hits by reason, bound rows and arithmetic
+    rows apart."""
+    counted = [v for row, v in zip(rows, vs) if row.kind in (LEVEL, SPEEDUP)]
+    solid = sum(v.status == HIT for v in counted)
+    weak = [v.why for v in counted if v.status == WEAK]
+    line = f"{paper}: {solid}/{len(counted)} headline figures within 20%"
+    if weak:
+        reasons = ", ".join(f"{weak.count(w)} {w}" for w in ("edge", "compensating", "caveat") if w in weak)
+        line += f", {len(weak)} more weak ({reasons})"
+    bounds = [v for row, v in zip(rows, vs) if row.kind == BOUND]
+    if bounds:
+        line += (f"; {sum(v.status == HOLDS for v in bounds)}/{len(bounds)} bound row{'s' * (len(bounds) != 1)} "
+                 "hold, not counted")
+    arith = sum(row.kind == ARITHMETIC for row in rows)
+    if arith:
+        line += f"; {arith} arithmetic row{'s' * (arith != 1)} not counted"
+    return line
 
 
 def default_jobs() -> int:

@@ -6,6 +6,7 @@ import pytest
 import sched
 from sim import simulate
 from sim import compare, repro
+from sim.repro import core
 from sim.calibrate import measure
 from sim.check import on_policy_report
 
@@ -166,14 +167,46 @@ def test_repro_counts_hits_under_the_stricter_rule_across_seeds(capsys, monkeypa
     monkeypatch.setitem(repro.PAPERS, "rolloutpipe", repro.Paper(rows, components="simulated: a; not: b"))
     assert repro.main(["rolloutpipe", "--seeds", "0,1,2", "--jobs", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[1] == "simulated: a; not: b" and lines[2] == "figure | ours | paper | hit | setting"
-    assert lines[3] == "a point | 2.3 | 2x | yes" and lines[4].endswith("| no")
-    assert lines[5] == "a null speedup | 1.00x | 1.12-2.12x | no"       # inside 0.8 x 1.12, but no gain: a miss
-    # mean 1.20x over seeds 0-2 (1.10, 1.20, 1.30): gain 0.20 >= half of 0.12
-    assert lines[6] == "a seeded speedup | 1.20x [1.10x, 1.30x] | 1.12-2.12x | yes | engines + trainer"
+    assert lines[1] == "simulated: a; not: b" and lines[2] == "figure | ours | paper | hit (margin) | setting"
+    # 2.3 against [1.6, 2.4]: 4% below the upper end; 0.30 against [0.376, 0.624]: 20% below the lower end
+    assert lines[3] == "a point | 2.3 | 2x | yes (+4%)" and lines[4].endswith("| no (-20%)")
+    assert lines[5] == "a null speedup | 1.00x | 1.12-2.12x | no (-6%)"   # inside 0.8 x 1.12, but no gain: a miss
+    # mean 1.20x over seeds 0-2 (1.10, 1.20, 1.30): gain 0.20 >= half of 0.12; 1.20 / 1.06 - 1 = 13% inside
+    assert lines[6] == "a seeded speedup | 1.20x [1.10x, 1.30x] | 1.12-2.12x | yes (+13%) | engines + trainer"
     assert lines[7] == "arithmetic | 14.5 s (arithmetic) | < 10 s | n/a"
     assert "policy not available yet" in lines[8] and "failed: ZeroDivisionError" in lines[9]
     assert lines[-1] == "rolloutpipe: 2/6 headline figures within 20%; 1 arithmetic row not counted"
+
+
+def test_repro_puts_edge_compensating_caveated_and_bound_rows_apart(capsys, monkeypatch):
+    rows = [repro.Row("step A", (1.10, 1.10), "1.10x", lambda runs: 1.00, "{:.2f}x", kind=repro.SPEEDUP),
+            repro.Row("step B", (1.20, 1.20), "1.20x", lambda runs: 1.30, "{:.2f}x", kind=repro.SPEEDUP),
+            repro.Row("total", (1.32, 1.32), "1.32x", lambda runs: 1.30, "{:.2f}x", kind=repro.SPEEDUP,
+                      parts=("step A", "step B")),
+            repro.Row("at the edge", (0.50, 0.50), "50%", lambda runs: 0.595),
+            repro.Row("trainer-bound", (1.33, 1.33), "1.33x", lambda runs: 1.33, "{:.2f}x", kind=repro.SPEEDUP,
+                      caveat="trainer-bound: the ratio of train GPUs"),
+            repro.Row("up to", (1.0, 1.5), "<= 1.5x", lambda runs: 1.0, "{:.2f}x", kind=repro.BOUND),
+            repro.Row("at most", (0.0, 4.0), "<= 4", lambda runs: 6.0, "{:.0f}", kind=repro.BOUND)]
+    monkeypatch.setitem(repro.PAPERS, "rolloutpipe", repro.Paper(rows))
+    assert repro.main(["rolloutpipe", "--seeds", "0", "--jobs", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    marks = {ln.split(" | ")[0]: ln.split(" | ")[3] for ln in lines[2:-1]}
+    assert marks["step A"].startswith("no") and marks["step B"].startswith("yes")
+    assert marks["total"] == "weak (+12%): compensating: step A miss"
+    assert marks["at the edge"] == "weak (+1%): edge"           # 0.595 against 0.60: 0.8% inside
+    assert marks["trainer-bound"] == "weak (+14%): trainer-bound: the ratio of train GPUs"
+    assert marks["up to"] == "holds (+25%), bound" and marks["at most"] == "fails (-25%), bound"
+    assert lines[-1] == ("rolloutpipe: 1/5 headline figures within 20%, 3 more weak (1 edge, 1 compensating, "
+                         "1 caveat); 1/2 bound rows hold, not counted")
+
+
+def test_a_row_names_only_rows_of_its_paper_as_parts_and_a_known_kind():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        repro.Row("x", (1, 1), "1", lambda runs: 1, kind="upto")
+    rows = [repro.Row("total", (1, 1), "1", lambda runs: 1, parts=("nope",))]
+    with pytest.raises(ValueError, match="parts name no row of the paper: \\['nope'\\]"):
+        core.verdicts(rows, [[1.0]])
 
 
 def test_hit_rule():
@@ -183,6 +216,8 @@ def test_hit_rule():
     assert not repro.judge(fast, 1.00) and not repro.judge(fast, 1.05) and repro.judge(fast, 1.06)
     assert not repro.judge(fast, 2.60)
     assert repro.judge(repro.Row("a", (0, 1), "", lambda runs: 0, kind=repro.ARITHMETIC), 5.0) is None
+    assert repro.margin(level, 0.8 * 0.47) == pytest.approx(0.0) and repro.margin(fast, 1.06) == pytest.approx(0.0)
+    assert repro.margin(repro.Row("b", (0, 4), "", lambda runs: 0, kind=repro.BOUND), 0.0) == pytest.approx(1.0)
 
 
 def test_repro_train_speed_is_a_labelled_sensitivity_that_restores_the_profiles(capsys, monkeypatch):
