@@ -1,12 +1,12 @@
 """StaleFlow (§6): staleness-bounded asynchronous RL against VeRL, VeRL-Pipeline and VeRL-Async."""
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 import sched
 from sim.repro.core import SPEEDUP, Paper, Row, Runs, Setting, gather
 from sim.repro.figures import length_bias, throughput
+from sim.repro.placement import balanced_split
 from sim.run import SimResult
 
 # StaleFlow §6.1: Qwen3-30B-A3B on 128 H20, DAPO, batch 128 x 16, 20K responses; rollout instances of TP 1, as
@@ -50,22 +50,12 @@ def tokens_per_s(r: SimResult) -> float:
 
 
 def balanced(runs: Runs, preset: str, eta: int | None) -> Setting:
-    """A candidate GPU split by StreamRL's balance (§4.2, Algorithm 1: the split minimising the slower stage's time),
-    with each stage's work measured on the system's own run at the even split 64 + 64: the rollout stage used W_gen =
-    engines x makespan x (1 - idle ratio) GPU-seconds there, the trainer W_train = train GPUs x its compute seconds;
-    the two are re-divided in proportion, x = 128 x W_gen / (W_gen + W_train) rollout GPUs, rounded to a node (8
-    GPUs) and kept in [8, 120]. Assumption: a stage's GPU-seconds per trained batch do not change with its GPU count
-    (linear scaling), which the long tail and the per-engine batch break, hence `tuned_split`."""
+    """A candidate GPU split by the comparison's placement rule (sim/repro/placement.py: the split that balances
+    generation and training work, as StreamRL's Algorithm 1 and Laminar §8.1), with each stage's work measured on
+    the system's own run at the even split 64 + 64, rounded to a node (8 GPUs); hence `tuned_split`."""
     def choose() -> Setting:
         r = sf_run(runs, preset, SF, eta)
-        if r is None:
-            return SF
-        m = r.metrics
-        w_gen = SF.num_engines * m["makespan_s"] * (1.0 - m["engine_idle_ratio"])
-        w_train = SF.train_gpus * m["train_compute_s"]
-        x = round(SF_GPUS * w_gen / (w_gen + w_train) / SF_NODE) * SF_NODE
-        x = min(SF_GPUS - SF_NODE, max(SF_NODE, x))
-        return replace(SF, num_engines=x, train_gpus=SF_GPUS - x)
+        return SF if r is None else balanced_split(r, SF, SF_GPUS, SF_NODE)
     return runs.memo(("staleflow-split", preset, eta), choose)
 
 
