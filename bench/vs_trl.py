@@ -22,15 +22,20 @@ Settings:
            `--long-len` tokens on both sides (a random-init model samples EOS within ~20 tokens, so the length is
            fixed instead): ours `perf.ignore_eos` (EOS sampled as an ordinary token), TRL
            `generation_kwargs = {"min_new_tokens": L}` (EOS masked out until L); both train on all L tokens
-Modes: `trl` (GRPOTrainer, 1 process, in a subprocess run by `--trl-python`, the interpreter that has trl),
-`colocated` (ours, 1 process: `torchrun --nproc_per_node=1 ... --cluster.colocate=true`) and `disagg` (ours, the
-README command: 1 rollout rank + 3 FSDP2 train ranks). Runs alternate (the order rotates every repeat).
+Modes: `trl` (GRPOTrainer, 1 process, in a subprocess run by `--trl-python`, the interpreter that has trl, at
+`--threads` torch threads: equal threads with our colocated process), `trl_default` (the same at torch's own default,
+one thread per core: TRL as a user runs it), `colocated` (ours, 1 process: `torchrun --nproc_per_node=1 ...
+--cluster.colocate=true`, at `--threads`) and `disagg` (ours, the README command: 1 rollout rank + 3 FSDP2 train
+ranks, each at our default `perf.cpu_threads = 1`). Our default is one thread per rank, so `--threads 1` (the
+default) runs our side at its defaults in both comparisons; the two TRL modes give the two ratio lines: at equal
+threads, and each side at its own defaults (what a user sees). Runs alternate (the order rotates every repeat).
 
 Per run: the wall time of the N steps from the run's own timestamps (ours: first event of events.jsonl to the last
 `train_step_done`; TRL: `on_train_begin` to the last `on_step_end`), the total wall time of the process (start-up,
 checkpoint and teardown included), completion tokens per second over the N steps, the mean reward of the first 10
 and last 10 steps, and the peak resident memory of all its processes together (/proc, sampled every 0.2 s).
-The last line: TRL's N-step wall time over ours, per mode and setting (medians over repeats).
+The last two lines: TRL's N-step wall time over ours, per mode and setting (medians over repeats), with TRL at
+equal threads (`trl`) and at its own default threads (`trl_default`).
 
 Allocator: our CPU ranks keep freed heap memory for reuse (cpu/process.py, `perf.cpu_keep_freed_memory`, on
 by default). TRL runs as a new user runs it, with glibc's default thresholds, unless `--trl-allocator kept` gives its
@@ -55,7 +60,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODES = ("trl", "colocated", "disagg")
+MODES = ("trl", "trl_default", "colocated", "disagg")
+TRL_MODES = ("trl", "trl_default")
+TRL_LABEL = {"trl": "at equal threads (TRL at --threads)", "trl_default": "each side at its defaults (TRL at "
+             "torch's default threads)"}
 SETTINGS = ("tiny", "long")
 TINY_CONFIG = ROOT / "configs" / "tiny.toml"
 
@@ -104,7 +112,7 @@ class Result:
 
     def line(self) -> str:
         a, b = self.reward_span()
-        return (f"{self.setting:5s} {self.mode:9s} {len(self.rewards):4d} steps {self.steps_s:7.2f} s  total "
+        return (f"{self.setting:5s} {self.mode:11s} {len(self.rewards):4d} steps {self.steps_s:7.2f} s  total "
                 f"{self.total_s:7.2f} s  {self.tok_s / 1e3:6.2f}k tok/s  reward {a:.2f} -> {b:.2f}  "
                 f"peak {self.peak_rss / 2**30:.2f} GiB")
 
@@ -136,7 +144,8 @@ def trl_job(spec: dict[str, Any]) -> None:
 
     s = Setting(**spec["setting"])
     model_dir, out = Path(spec["model_dir"]), Path(spec["out"])
-    torch.set_num_threads(spec["threads"])
+    if spec["threads"] is not None:          # None: torch's default (one thread per core), as a user runs TRL
+        torch.set_num_threads(spec["threads"])
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
     task = synthetic_task(s)
@@ -256,15 +265,18 @@ def trl_env(allocator: str = "default") -> dict[str, str]:
     return env
 
 
-def run_trl(s: Setting, work: Path, python: str, threads: int, seed: int = 0, allocator: str = "default") -> Result:
-    model_dir, out = work / f"hf-{s.name}", work / f"trl-{s.name}.json"
+def run_trl(s: Setting, work: Path, python: str, threads: int | None, seed: int = 0,
+            allocator: str = "default") -> Result:
+    """TRL's run at `threads` torch threads (None: torch's default), mode `trl` or `trl_default` accordingly."""
+    mode = "trl" if threads is not None else "trl_default"
+    model_dir, out = work / f"hf-{s.name}", work / f"{mode}-{s.name}.json"
     spec = {"setting": vars(s), "model_dir": str(model_dir), "out": str(out), "threads": threads, "seed": seed}
     env = trl_env(allocator)
     total, peak = launch([python, str(Path(__file__).resolve()), "--trl-job", json.dumps(spec)],
-                         work / f"trl-{s.name}.log", env)
+                         work / f"{mode}-{s.name}.log", env)
     t = json.loads(out.read_text())
     lengths = t["lengths"]
-    return Result("trl", s.name, t["steps"][-1] - t["begin"], total, round(sum(lengths) * 256), t["rewards"], peak)
+    return Result(mode, s.name, t["steps"][-1] - t["begin"], total, round(sum(lengths) * 256), t["rewards"], peak)
 
 
 def run_ours(s: Setting, mode: str, work: Path, tag: str, threads: int, seed: int = 0) -> Result:
@@ -304,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed of both sides (TRL's `seed`, our `seed`); the "
                     "model's init and the prompts stay seed 0, so runs of other seeds compare reward curves")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of the 1-process runs (TRL and ours "
-                    "colocated alike; on a shared 2-core machine 2 threads can be 50x slower under load)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the 1-process runs at equal threads "
+                    "(mode trl and ours colocated; 1 is our default; mode trl_default leaves TRL at torch's default; "
+                    "on a shared 2-core machine 2 threads can be 50x slower under load)")
     ap.add_argument("--trl-allocator", default="default", choices=("default", "kept"),
                     help="kept: TRL's process keeps freed memory as our CPU ranks do (glibc MALLOC_* variables)")
     ap.add_argument("--quick", action="store_true", help="2 steps, tiny setting, colocated and TRL only")
@@ -317,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.quick:
         a.steps, a.settings, a.modes = 2, "tiny", "trl,colocated"
-    modes = [m for m in a.modes.split(",") if m and not (a.skip_trl and m == "trl")]
+    modes = [m for m in a.modes.split(",") if m and not (a.skip_trl and m in TRL_MODES)]
     settings = {"tiny": Setting("tiny", a.steps),
                 "long": Setting("long", a.long_steps, "repeat", a.long_len, a.long_len)}
     for name in a.settings.split(","):
@@ -326,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in modes:
         if m not in MODES:
             ap.error(f"unknown mode {m!r}; modes: {', '.join(MODES)}")
-    if "trl" in modes:
+    if any(m in TRL_MODES for m in modes):
         try:
             check_trl(a.trl_python)
         except TrlMissing as e:
@@ -337,14 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     for name in a.settings.split(","):
         s = settings[name]
-        if "trl" in modes:
+        if any(m in TRL_MODES for m in modes):
             save_hf_job(s, work / f"hf-{s.name}")
         for rep in range(a.repeats):
             order = modes[rep % len(modes):] + modes[:rep % len(modes)]
             for m in order:
                 load = load_avg()
-                r = (run_trl(s, work, a.trl_python, a.threads, a.seed, a.trl_allocator) if m == "trl"
-                     else run_ours(s, m, work, str(rep), a.threads, a.seed))
+                r = (run_trl(s, work, a.trl_python, a.threads if m == "trl" else None, a.seed, a.trl_allocator)
+                     if m in TRL_MODES else run_ours(s, m, work, str(rep), a.threads, a.seed))
                 results.append(r)
                 print(f"{r.line()}  load {load:.1f}->{load_avg():.1f}", flush=True)
     print(f"runs in {work}")
@@ -353,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary(results: list[Result], settings: list[str], modes: list[str]) -> str:
-    """Medians per (setting, mode) as a table, then the ratio line (TRL's N-step wall time over ours)."""
+    """Medians per (setting, mode) as a table, then a ratio line per TRL mode run (TRL's N-step wall time over
+    ours), each labelled: at equal threads, and each side at its own defaults."""
     lines = ["| setting | mode | N steps (s) | total (s) | completion tok/s | reward first 10 -> last 10 | peak RSS |",
              "|---|---|---|---|---|---|---|"]
     med: dict[tuple[str, str], float] = {}
@@ -369,9 +383,14 @@ def summary(results: list[Result], settings: list[str], modes: list[str]) -> str
                          f"{statistics.fmean(a for a, _ in spans):.2f} -> "
                          f"{statistics.fmean(b for _, b in spans):.2f} | "
                          f"{max(r.peak_rss for r in rs) / 2**30:.2f} GiB |")
-    ratios = [f"{s} {m} {med[s, 'trl'] / med[s, m]:.2f}x" for s in settings for m in modes
-              if m != "trl" and (s, m) in med and (s, "trl") in med]
-    lines.append("TRL wall / ours: " + (", ".join(ratios) if ratios else "n/a (no TRL run)"))
+    ours = [m for m in modes if m not in TRL_MODES]
+    trls = [t for t in TRL_MODES if any((s, t) in med for s in settings)]
+    for t in trls:
+        ratios = [f"{s} {m} {med[s, t] / med[s, m]:.2f}x" for s in settings for m in ours
+                  if (s, m) in med and (s, t) in med]
+        lines.append(f"TRL wall / ours, {TRL_LABEL[t]}: " + (", ".join(ratios) if ratios else "n/a"))
+    if not trls:
+        lines.append("TRL wall / ours: n/a (no TRL run)")
     return "\n".join(lines)
 
 

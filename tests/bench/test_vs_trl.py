@@ -47,7 +47,7 @@ def test_ours_only_quick_run_reads_its_own_logs(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.strip().splitlines()
-    assert lines[0].startswith("tiny  colocated    2 steps") and lines[-1] == "TRL wall / ours: n/a (no TRL run)"
+    assert lines[0].startswith("tiny  colocated      2 steps") and lines[-1] == "TRL wall / ours: n/a (no TRL run)"
     run = tmp_path / "colocated-tiny-0"
     res = vs_trl.ours_result(run, "colocated", "tiny", 10.0, 1)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -60,7 +60,15 @@ def test_summary_ratio_line():
           vs_trl.Result("colocated", "tiny", 10.0, 20.0, 1000, [0.1, 0.6], 1 << 29),
           vs_trl.Result("disagg", "tiny", 40.0, 50.0, 1000, [0.1, 0.6], 1 << 30)]
     out = vs_trl.summary(rs, ["tiny"], ["trl", "colocated", "disagg"])
-    assert out.splitlines()[-1] == "TRL wall / ours: tiny colocated 3.00x, tiny disagg 0.75x"
+    assert out.splitlines()[-1] == ("TRL wall / ours, at equal threads (TRL at --threads): tiny colocated 3.00x, "
+                                    "tiny disagg 0.75x")
+    rs.append(vs_trl.Result("trl_default", "tiny", 20.0, 30.0, 1000, [0.1, 0.5], 1 << 30))
+    out = vs_trl.summary(rs, ["tiny"], ["trl", "trl_default", "colocated", "disagg"]).splitlines()
+    assert out[-2].endswith("tiny colocated 3.00x, tiny disagg 0.75x")
+    assert out[-1] == ("TRL wall / ours, each side at its defaults (TRL at torch's default threads): "
+                       "tiny colocated 2.00x, tiny disagg 0.50x")
+    assert vs_trl.summary(rs[1:3], ["tiny"], ["colocated", "disagg"]).splitlines()[-1] == \
+        "TRL wall / ours: n/a (no TRL run)"
 
 
 def test_role_profile_buckets_samples_per_process():
