@@ -51,6 +51,13 @@ def test_a_samples_budget_becomes_each_presets_own_step_count():
     assert (b.steps, b.samples) == (4, 1000) and "(rounded up to whole steps: 1,024)" in b.line
 
 
+def test_check_prints_the_budget(capsys):
+    from runtime.preflight import preflight
+    assert preflight("configs/tiny.toml", ["--sched.preset=rolloutpipe", "--train.samples=2560"]) == 0
+    assert "budget    train.samples = 2,560 samples = 160 optimizer steps of 2 groups x 8 under rolloutpipe " \
+           "(sync: 10 steps of 32 groups x 8)" in capsys.readouterr().out
+
+
 def test_both_keys_in_one_place_is_a_one_line_error(capsys):
     assert train.main(["--config", "configs/tiny.toml", "--train.steps=10", "--train.samples=2560"]) == 2
     err = capsys.readouterr().err.strip()
@@ -108,6 +115,11 @@ def test_every_preset_trains_the_samples_budget_and_ends_on_a_step(preset):
         assert calls[-1][0].step and ctl.v.trainer.groups_since_step == 0 and not ctl.v.trainer.busy
         assert ctl.v.trainer.samples_consumed == trained
         assert ctl.v.trainer.steps_done == trained // per_step
+    state = ctl.state_dict()                 # a resumed run goes on from the samples already trained
+    fresh = Controller(sched.load_preset(preset), lambda n: [], group_size=G, prompts_per_step=P, total_steps=1,
+                       total_samples=trained)
+    fresh.load_state_dict(state)
+    assert fresh.v.trainer.samples_consumed == trained and fresh.done
 
 
 # ------------------------------------------------------------------------------------------------- real ranks
