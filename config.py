@@ -114,6 +114,8 @@ class RolloutConfig:
 @dataclass
 class TrainConfig:
     steps: int = F(100, ge=1, help="training steps (batches) in the run; optimizer steps when 1 epoch, 1 minibatch")
+    samples: int = F(0, ge=0, help="the run's budget in trained samples (responses) instead of `steps`, honoured by "
+                     "every preset (runtime/budget.py); 0 = use `steps`")
     lr: float = F(1e-6, gt=0, help="peak learning rate (AdamW)")
     min_lr_ratio: float = F(0.1, ge=0, le=1, help="cosine floor as a fraction of lr")
     warmup_steps: int = F(0, ge=0, help="linear warmup steps from 0 to lr")

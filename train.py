@@ -5,6 +5,8 @@ pluggable policies (sched/). One entry point for every rank.
     torchrun --nproc_per_node=4 train.py --config configs/tiny.toml
     # any key can be overridden from the command line; `python train.py --help` lists them all
     torchrun --nproc_per_node=4 train.py --config configs/tiny.toml --train.steps=20 --sched.preset=sync
+    # a budget in trained samples, the same under every preset (`train.steps` counts the preset's own steps)
+    torchrun --nproc_per_node=4 train.py --config configs/tiny.toml --sched.preset=rolloutpipe --train.samples=38400
     # one mechanism of the preset replaced (and a parameter of it set)
     torchrun --nproc_per_node=4 train.py --config configs/tiny.toml --sched.dispatch=fewest_tokens \
         --sched.dispatch.max_groups_per_call=4
@@ -42,6 +44,7 @@ import sched
 from config import Config, ConfigError, describe, load_config
 from runtime import faults, watchdog
 from runtime.backend import RuntimeBackend
+from runtime.budget import resolve as resolve_budget
 from runtime.build import (RunParts, build_run, deterministic_algorithms, device_for_rank, import_train_side,
                            make_engine, make_trainer, model_dtype, model_for_rank, relay_chain)
 from runtime.channel import Channel
@@ -116,6 +119,8 @@ def main(argv: list[str]) -> int:
         cfg = load_config(path, overrides)
         preset = sched.load_preset(cfg.sched.preset, cfg.sched.overrides(), cfg.sources)
         default_off_policy(cfg, preset)
+        budget = resolve_budget(cfg, preset)
+        budget.apply(cfg)
         c = cfg.cluster
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         train_ranks, rollout_ranks = split_ranks(world, c.rollout_ranks, c.rollout_fraction, c.colocate)
@@ -124,6 +129,8 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if rank == 0:   # what the budget means under this preset (runtime/budget.py), always
+        print(budget.line, flush=True)
     if shared and rank == 0 and cfg.rollout.gpu_memory_fraction > SHARED_GPU_FRACTION:
         node, dev, ranks = shared[0]
         print(f"warning: cuda:{dev} of node {node} holds train and rollout ranks {ranks} (and {len(shared) - 1} "
@@ -207,7 +214,7 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
     from runtime.train_worker import TrainerThread  # the train side (FSDP2, DCP): train ranks only import it
     log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))
     controller = Controller(preset, parts.source, cfg.rollout.group_size, cfg.rollout.prompts_per_step,
-                            cfg.train.steps, log=log)
+                            cfg.train.steps, log=log, total_samples=cfg.train.samples or None)
     trainer, publisher = make_trainer(cfg, model, topo)
     extra = resume_trainer(cfg, trainer, topo)
     if extra is not None:
@@ -266,7 +273,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
     if topo.is_leader:
         log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))
         controller = Controller(preset, parts.source, cfg.rollout.group_size, cfg.rollout.prompts_per_step,
-                                cfg.train.steps, log=log)
+                                cfg.train.steps, log=log, total_samples=cfg.train.samples or None)
         if extra is not None:
             restore(controller, parts, extra)
         backend = ColocatedBackend(topo, channel, t0)

@@ -15,11 +15,15 @@ minibatch steps per round in one train call, `slime` takes them as P/U train cal
 update schedule, the RolloutPipe paper's baseline) and the every-U presets (rolloutpipe, fgd_tailbatch) step every
 U complete groups; the stream-trainer presets (rollpacker, streamrl) take
 their one accumulated step per round by design (RollPacker §4.4, StreamRL §4). Runs alternate between presets
-(`--repeats` rounds of the whole list) so that machine load hits them alike. Per preset: the training loop's wall
-time (first round start to last event, from the run's event log; process start-up excluded and printed apart),
-trained samples per second, and the trainer waiting ratio (RolloutPipe §5.1, `sched.metrics.summarize`). The last
-line is the wall-clock ratio of each preset against sync (median over repeats): `speedup vs sync: rolloutpipe 1.31x,
-...`.
+(`--repeats` rounds of the whole list) so that machine load hits them alike. Per preset (medians over repeats):
+`loop s`, the training loop's wall time (first round start to last event, from the run's event log; process
+start-up excluded and printed apart as `process s`); `samples/s` and `tokens/s`, trained samples and their response
+tokens per second of loop; `reward`, the reward reached: the mean reward of the last quarter of the samples trained
+(the last 3 of the default 12 rounds; every train call's own mean, weighted by its samples, from the run's
+`train_step_done` events), so that a preset that trains fast but learns worse on the same samples shows it (under an
+off-policy preset it is the reward of the stale samples it trained on); `trainer wait`, the trainer waiting ratio
+(RolloutPipe §5.1, `sched.metrics.summarize`). The last line is the wall-clock ratio of each preset against sync
+(median over repeats): `speedup vs sync: rolloutpipe 1.31x, ...`.
 The machine's load average is printed beside every run: on shared cores, read the ratios with it.
 """
 from __future__ import annotations
@@ -64,6 +68,8 @@ class Run:
     makespans: list[float] = field(default_factory=list)
     walls: list[float] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)      # trained response tokens
+    rewards: list[float] = field(default_factory=list)   # reward reached (`reward_reached`)
     waits: list[float] = field(default_factory=list)
     loads: list[tuple[float, float]] = field(default_factory=list)   # 1-minute load average before, after
 
@@ -83,6 +89,19 @@ def batch_overrides(preset: str, prompts: int, u: int) -> tuple[list[str], int]:
     if p.update.name == "step_publish":
         return [f"--train.minibatches={math.ceil(prompts / u)}"], 1
     return [], 1
+
+
+def reward_reached(events: list, share: float = 0.25) -> float:
+    """Mean reward of the last `share` of the samples trained: the train calls from the end (`train_step_done`, each
+    with its own reward mean and sample count) until they hold that share, weighted by their samples."""
+    calls = [(e.data.get("samples", 0.0), e.data.get("reward_mean", 0.0)) for e in events
+             if e.kind == "train_step_done"]
+    want, n, total = share * sum(s for s, _ in calls), 0.0, 0.0
+    for s, r in reversed(calls):
+        if n >= want:
+            break
+        n, total = n + s, total + s * r
+    return total / n if n else math.nan
 
 
 def torchrun_cmd(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -> list[str]:
@@ -114,10 +133,14 @@ def measure(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -> Non
     run.makespans.append(s["makespan_s"])
     run.walls.append(wall)
     run.samples.append(trained)
+    run.tokens.append(round(sum(e.data.get("samples", 0) * e.data.get("response_len_mean", 0) for e in events
+                                if e.kind == "train_step_done")))
+    run.rewards.append(reward_reached(events))
     run.waits.append(s["trainer_wait_ratio"])
     run.loads.append((load0, os.getloadavg()[0]))
     print(f"  {run.name:<24} loop {s['makespan_s']:6.2f} s  (process {wall:5.1f} s)  {trained} samples  "
-          f"trainer wait {s['trainer_wait_ratio']:.2f}  load {load0:.2f} -> {run.loads[-1][1]:.2f}", flush=True)
+          f"reward {run.rewards[-1]:.3f}  trainer wait {s['trainer_wait_ratio']:.2f}  "
+          f"load {load0:.2f} -> {run.loads[-1][1]:.2f}", flush=True)
 
 
 def variants(args: argparse.Namespace) -> list[Run]:
@@ -165,15 +188,16 @@ def main(argv: list[str] | None = None) -> None:
         for i, run in enumerate(order):
             measure(run, out / f"{run.name}-{rep}", args, args.port + 10 * (rep * len(runs) + i) % 2000)
     base = runs[0].median(runs[0].makespans)
-    print(f"\n{'preset':<24} {'loop s':>8} {'process s':>10} {'samples/s':>10} {'trainer wait':>13} {'load':>6}"
-          f" {'vs sync':>8}")
+    print(f"\n{'preset':<24} {'loop s':>8} {'process s':>10} {'samples/s':>10} {'tokens/s':>9} {'reward':>7}"
+          f" {'trainer wait':>13} {'load':>6} {'vs sync':>8}")
     for r in runs:
         ms = r.median(r.makespans)
         load = statistics.mean(a for pair in r.loads for a in pair)
         print(f"{r.name:<24} {ms:8.2f} {r.median(r.walls):10.1f} {r.median(r.samples) / ms:10.1f} "
-              f"{r.median(r.waits):13.2f} {load:6.2f} {base / ms:7.2f}x")
-    print(json.dumps({r.name: {"loop_s": r.makespans, "samples": r.samples, "trainer_wait": r.waits,
-                               "load": r.loads} for r in runs}))
+              f"{r.median(r.tokens) / ms:9.1f} {r.median(r.rewards):7.3f} {r.median(r.waits):13.2f} {load:6.2f} "
+              f"{base / ms:7.2f}x")
+    print(json.dumps({r.name: {"loop_s": r.makespans, "samples": r.samples, "tokens": r.tokens,
+                               "reward": r.rewards, "trainer_wait": r.waits, "load": r.loads} for r in runs}))
     print("speedup vs sync: " + ", ".join(f"{r.name} {base / r.median(r.makespans):.2f}x" for r in runs[1:]))
 
 

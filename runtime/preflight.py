@@ -27,6 +27,7 @@ import sched
 from config import Config, ConfigError, load_config
 from model.config import ModelConfig
 from model.presets import preset_config
+from runtime.budget import resolve as resolve_budget
 from runtime.memory_plan import GIB, DoesNotFit, Plan, max_sequence, memory_plan, params_text
 
 DEFAULT_DEVICE_GIB = 79.1  # an H100 80GB as torch.cuda reports it
@@ -45,6 +46,8 @@ def preflight(path: str | None, overrides: list[str]) -> int:
     try:
         cfg = load_config(path, overrides)
         preset = sched.load_preset(cfg.sched.preset, cfg.sched.overrides(), cfg.sources)
+        budget = resolve_budget(cfg, preset)
+        budget.apply(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -74,6 +77,7 @@ def run_checks(cfg: Config, preset: sched.Preset, path: str | None) -> None:
     plan = Plan(cfg, world, train, rollout, model, gpu, device_bytes(cfg) if gpu else None)
     modules = ", ".join(f"{kind}={p.name}" for kind, p in preset.policies().items())
     plan.say("config", f"{path or '(defaults)'}: {cfg.name}, sched preset {cfg.sched.preset} ({modules})")
+    plan.say("budget", resolve_budget(cfg, preset).line.removeprefix("budget: "))
     plan.say("ranks", rank_text(plan, where))
     plan.say("model", model_note)
     plan.say("tokenizer", tok_note)

@@ -168,6 +168,7 @@ def finish_run(run_dir: str, log: MetricsLogger, parts: RunParts) -> None:
         summary["reward_first"] = sum(h.get("reward_mean", 0) for h in hist[:k]) / k
         summary["reward_last"] = sum(h.get("reward_mean", 0) for h in hist[-k:]) / k
     summary.update(fault_counts(events))
+    summary["samples_trained"] = int(sum(e.data.get("samples", 0) for e in events if e.kind == "train_step_done"))
     summary["skipped_prompts"] = parts.skipped_prompts
     (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     draw(events, Path(run_dir) / "timeline.png", Path(run_dir).name, summary)

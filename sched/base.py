@@ -119,6 +119,11 @@ class Handoff(Policy):
         before `ready`; their samples are dropped and counted, never trained. Default: none."""
         return []
 
+    def batch_groups(self, prompts_per_step: int) -> int | None:
+        """Groups in one train call it forms, for a run of `prompts_per_step` prompts per round; None: as many as
+        have materialised (a streaming hand-off). What a run budget's start-up line reads (runtime/budget.py)."""
+        return None
+
 
 class Update(Policy):
     kind = "update"
@@ -126,6 +131,11 @@ class Update(Policy):
 
     def decide(self, group_ids: list[int], v: Views) -> TrainCall:
         raise NotImplementedError
+
+    def step_groups(self, batch: int | None, prompts_per_step: int) -> int | None:
+        """Groups per optimizer step, given the hand-off's train-call size `batch` (Handoff.batch_groups); None:
+        not known from the configuration. Default: one step per train call."""
+        return batch
 
 
 class WeightSync(Policy):
@@ -211,6 +221,11 @@ class Preset:
         """The shortest counters period its mechanisms ask for (Policy.counters_period_s), or None."""
         periods = [t for p in self.policies().values() if (t := p.counters_period_s()) is not None]
         return min(periods) if periods else None
+
+    def groups_per_step(self, prompts_per_step: int) -> int | None:
+        """Its optimizer batch in groups (the update's reading of the hand-off's train calls, Update.step_groups),
+        for a run of `prompts_per_step` prompts per round; None: not known from the configuration."""
+        return self.update.step_groups(self.handoff.batch_groups(prompts_per_step), prompts_per_step)
 
     def staleness_bound(self) -> int | None:
         """The tightest staleness bound its mechanisms declare (None: unbounded or on-policy by construction)."""

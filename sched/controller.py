@@ -56,10 +56,12 @@ __all__ = ["Backend", "Controller", "InvariantError", "PromptItem"]
 
 class Controller:
     def __init__(self, preset: Preset, source: Callable[[int], list[PromptItem]], group_size: int,
-                 prompts_per_step: int, total_steps: int, log: EventLog | None = None):
+                 prompts_per_step: int, total_steps: int, log: EventLog | None = None,
+                 total_samples: int | None = None):
         self.preset = preset
         self.source = source
         self.total_steps = total_steps
+        self.total_samples = total_samples   # a budget in trained samples instead of steps (train.samples)
         self.log = log or EventLog()
         self.v = Views(group_size=group_size, prompts_per_step=prompts_per_step)
         self.life = Lifecycle(self.v, self.emit)
@@ -68,11 +70,28 @@ class Controller:
     # ---------------------------------------------------------------------------------------------- main loop
     @property
     def done(self) -> bool:
-        return self.v.trainer.steps_done >= self.total_steps and not self.v.trainer.busy
+        return self.spent() and not self.v.trainer.busy
+
+    def spent(self) -> bool:
+        """The budget is used up: `total_steps` optimizer steps taken or, with `total_samples`, that many samples
+        handed to the trainer and the step over them taken (no gradients are left accumulated unapplied: a preset
+        that steps once per round finishes the round), so every preset trains the same samples, rounded up to
+        its optimizer batch."""
+        t = self.v.trainer
+        if self.total_samples is None:
+            return t.steps_done >= self.total_steps
+        return t.samples_consumed >= self.total_samples and t.groups_since_step == 0
+
+    def intake_closed(self) -> bool:
+        """No new prompts enter the pipeline: the budget's last step is taken or its last samples are handed over."""
+        if self.total_samples is None:
+            return self.v.trainer.steps_done >= self.total_steps
+        return self.v.trainer.samples_consumed >= self.total_samples
 
     def run(self, backend: Backend, after_event: Callable[[Event], None] | None = None) -> Views:
-        """Drive the policies until `total_steps` optimizer steps are done. `after_event` runs after each event is
-        applied and decided on (the runtime checkpoints there at step boundaries)."""
+        """Drive the policies until the budget is spent (`total_steps` optimizer steps, or `total_samples` trained
+        samples). `after_event` runs after each event is applied and decided on (the runtime checkpoints there at
+        step boundaries)."""
         if not self.v.engines:
             self.v.engines = [EngineView(engine=i) for i in range(backend.num_engines)]
         self.v.elastic = bool(getattr(backend, "elastic", False))
@@ -120,7 +139,7 @@ class Controller:
         resets, self.life.fold.resets = self.life.fold.resets, []
         for engine in resets:
             backend.command(ResetEngine(engine))
-        plan = 0 if v.trainer.steps_done >= self.total_steps else p.dispatch.intake(v)
+        plan = 0 if self.intake_closed() else p.dispatch.intake(v)
         if isinstance(plan, RoundPlan) or plan > 0:
             self.start_round(plan)
         for sub, src in self.life.due_migrations():   # migrated requests land before any other admission
@@ -133,7 +152,7 @@ class Controller:
             self.command(backend, cmd)
         for cmd in p.handoff.evict(v):
             self.command(backend, cmd)
-        if not v.trainer.busy and v.trainer.steps_done < self.total_steps:
+        if not v.trainer.busy and not self.spent():
             gids = p.handoff.ready(v)
             if gids:
                 self.train(backend, p.update.decide(gids, v), gids)
@@ -184,7 +203,8 @@ class Controller:
     def state_dict(self) -> dict[str, Any]:
         t = self.v.trainer
         return {"round": self.v.round,
-                "trainer": {"version": t.version, "steps_done": t.steps_done, "groups_consumed": t.groups_consumed},
+                "trainer": {"version": t.version, "steps_done": t.steps_done, "groups_consumed": t.groups_consumed,
+                            "samples_consumed": t.samples_consumed},
                 "views": save_views(self.life),
                 "policies": {k: p.state_dict() for k, p in self.preset.policies().items()}}
 
@@ -193,6 +213,7 @@ class Controller:
         t = self.v.trainer
         t.version, t.steps_done = state["trainer"]["version"], state["trainer"]["steps_done"]
         t.groups_consumed = state["trainer"]["groups_consumed"]
+        t.samples_consumed = state["trainer"].get("samples_consumed", 0)
         load_views(self.life, state["views"])
         for k, p in self.preset.policies().items():
             p.load_state_dict(state["policies"].get(k, {}))

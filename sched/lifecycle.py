@@ -230,6 +230,7 @@ class Lifecycle:
             groups.append(Group(gid, g.prompt_index, g.answer, sorted(g.trajectories, key=lambda t: t.sample_index)))
         v.trainer.busy = True
         v.trainer.groups_consumed += len(gids)
+        v.trainer.samples_consumed += sum(len(g.trajectories) for g in groups)
         v.trainer.groups_since_step += len(gids)
         return groups
 

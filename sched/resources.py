@@ -56,4 +56,5 @@ class TrainerView:
     busy: bool = False           # a train call is in flight
     steps_done: int = 0
     groups_consumed: int = 0
+    samples_consumed: int = 0    # samples (responses) of the groups handed to the trainer
     groups_since_step: int = 0   # groups whose gradients are accumulated but not yet stepped

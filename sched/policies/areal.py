@@ -227,6 +227,9 @@ class ArealHandoff(Handoff):
             del self.versions[gid]
         return [gid for *_, gid in batch]
 
+    def batch_groups(self, prompts_per_step: int) -> int | None:
+        return prompts_per_step
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.versions.clear()                              # resumed requests are first admitted again
         self.waited = None

@@ -97,3 +97,6 @@ class OldestRound(Handoff):
                 return None
             return [g for g in gids if v.groups[g].materialized and not v.groups[g].consumed] or None
         return None
+
+    def batch_groups(self, prompts_per_step: int) -> int | None:
+        return prompts_per_step

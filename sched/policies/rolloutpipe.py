@@ -95,6 +95,9 @@ class CompleteGroupPipelining(Handoff):
             return [g.group_id for g in queue[:self.p.groups]]
         return None
 
+    def batch_groups(self, prompts_per_step: int) -> int | None:
+        return min(self.p.groups, prompts_per_step)
+
 
 @register
 class EveryU(Update):
@@ -117,3 +120,8 @@ class EveryU(Update):
         last = v.completes_round(group_ids)
         step = last or v.trainer.groups_since_step + len(group_ids) >= self.p.groups
         return TrainCall(group_ids, step=step, publish=last)
+
+    def step_groups(self, batch: int | None, prompts_per_step: int) -> int | None:
+        """U, or the whole calls that reach U (calls of `batch` groups), at most a round."""
+        calls = batch or 1
+        return min(-(-self.p.groups // calls) * calls, prompts_per_step)

@@ -61,6 +61,9 @@ class WholeRound(Handoff):
         gids = [g for g in v.round_groups[v.round] if v.groups[g].materialized and not v.groups[g].consumed]
         return gids or None
 
+    def batch_groups(self, prompts_per_step: int) -> int | None:
+        return prompts_per_step
+
 
 @register
 class RoundMinibatches(Handoff):
@@ -81,6 +84,9 @@ class RoundMinibatches(Handoff):
             return None
         gids = [g for g in v.round_groups[v.round] if v.groups[g].materialized and not v.groups[g].consumed]
         return gids[:self.p.groups] or None
+
+    def batch_groups(self, prompts_per_step: int) -> int | None:
+        return min(self.p.groups, prompts_per_step)
 
 
 @register

@@ -98,3 +98,6 @@ class ExperienceBuffer(Handoff):
         if len(self.buf) < b:
             return None
         return [g.group_id for g in buffer_order(self.buf, self.p.order)[:b]]
+
+    def batch_groups(self, prompts_per_step: int) -> int | None:
+        return self.p.groups or prompts_per_step

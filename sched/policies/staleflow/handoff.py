@@ -45,3 +45,6 @@ class StaleFlowHandoff(Handoff):
             raise ValueError(f"staleflow handoff: the trainer is at version {v.trainer.version} but the next buffer "
                              f"is {sb.v_next}; use an update that steps once per batch (step_publish)")
         return sb.consume() if sb.next_ready() else None
+
+    def batch_groups(self, prompts_per_step: int) -> int | None:
+        return prompts_per_step   # a buffer holds `prompts_per_step` entries (state.py)

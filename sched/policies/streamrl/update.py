@@ -32,3 +32,6 @@ class StreamUpdate(Update):
     def decide(self, group_ids: list[int], v: Views) -> TrainCall:
         last = v.completes_round(group_ids)
         return TrainCall(group_ids, step=last, publish=last, overlap_publish=self.p.overlap_publish and last)
+
+    def step_groups(self, batch: int | None, prompts_per_step: int) -> int | None:
+        return prompts_per_step   # one step per round, however its groups arrive
