@@ -2,7 +2,8 @@
 per round), but complete groups pipeline into the trainer as they materialise, and admission serves only the
 earliest unfinished groups.
 
-    frontier  dispatch     frontier-group dispatch, FGD (§3.3, Algorithm 1 lines 8-12, Eq. 5-6)
+    frontier  dispatch     frontier-group dispatch, FGD (§3.3, Algorithm 1 lines 8-12, Eq. 5-6); `mode` reads it as
+                           a hard cap (default) or as frontier-first order over FIFO
     cgp       handoff      complete-group pipelining, CGP (§3.2, Algorithm 1 lines 13-19)
     every_u   update       one optimizer step per U groups, one publication per round (§3.2, Alg. 1 lines 20-22)
 
@@ -38,7 +39,9 @@ def frontier(v: Views, width: int) -> list[int]:
 class FrontierDispatch(Dispatch):
     """FGD. Request-level FIFO admission is blind to groups: with all R x K requests admitted at once, groups
     complete in a random order and the trainer, which needs whole groups, waits for stragglers of every group (the
-    "frontier-group arrival gap", §2.2). FGD serves at most F_w groups per engine at a time, the earliest submitted:
+    "frontier-group arrival gap", §2.2). The paper gives FGD two readings; `mode` selects one:
+
+    "cap" (§3.3's text, Eq. 5-6; the default): serve at most F_w groups per engine at a time, the earliest submitted:
 
         O = groups with a request not yet done (pending, running, being requeued or interrupted)
         F = the F_w x N lowest-order groups of O        (Eq. 5 for N engines; order = group id = submission order)
@@ -46,21 +49,39 @@ class FrontierDispatch(Dispatch):
 
     A group leaves F once all its requests are finished or dropped ("serving-complete"), and the next deferred
     group takes the slot on the next decision; F need not be contiguous. Within F the engine's own continuous
-    batching decides what runs. Intake: synchronous rounds.
+    batching decides what runs.
 
-    Invariant kept: at most F_w x N groups are ever in service; a group never spans engines (requeued requests of a
-    group return to the engine that serves the rest of it)."""
+    "first" (the abstract's "first admits", §1's and §5.2's "prioritizes", Fig. 3's and §7's "frontier-first
+    admission"): every pending group is admitted, as under FIFO, the groups of F first, then the rest in order.
+    Where an engine admits in submission order, as ours does, this is FIFO's own order (the frontier's pending
+    groups are always the lowest-order pending ones): the reading adds no mechanism beyond FIFO's there.
+
+    Intake: synchronous rounds.
+
+    Invariant kept: a group never spans engines (requeued requests of a group return to the engine that serves
+    the rest of it); under "cap" at most F_w x N groups are ever in service; under "first" no pending request is
+    held back, and on each engine the frontier's requests are queued before any other group's."""
     name = "frontier"
     paper = "RolloutPipe §3.3, Algorithm 1 lines 8-12, Eq. 5-6"
 
     @dataclass
     class Params:
         width: int = F(2, ge=1, help="F_w: groups in service at once per engine (the frontier holds F_w x engines)")
+        mode: str = F("cap", choices=("cap", "first"),
+                      help="cap: admit only the frontier's groups (§3.3, Eq. 6); first: admit every pending group as "
+                           "FIFO does, the frontier's first (the abstract's 'first admits')")
 
     def admit(self, v: Views) -> list[Submit]:
         load = v.engine_loads()
         out: dict[int, list[int]] = {}
-        for gid in frontier(v, self.p.width * len(v.engines)):
+        front = frontier(v, self.p.width * len(v.engines))
+        if self.p.mode == "first":
+            pending = v.pending_by_group()
+            if not pending:
+                return []
+            inside = set(front)
+            front = [g for g in front if g in pending] + [g for g in pending if g not in inside]
+        for gid in front:
             reqs = [v.requests[i] for i in v.groups[gid].req_ids]
             todo = [r.req_id for r in reqs if r.state == S.PENDING]
             if not todo:

@@ -95,6 +95,38 @@ def test_frontier_admits_only_the_earliest_unfinished_groups():
         sched.load_preset("fgd_tailbatch", {"dispatch": {"admit_params": {"width": 0}}})
 
 
+def test_frontier_first_admits_every_group_fifo_admits_the_frontier_first():
+    """mode = "first" (the abstract's reading): nothing is held back, unlike the cap; each engine's queue starts
+    with the frontier's requests; a group's requeued request still returns to the engine that serves the rest."""
+    from sched.policies.sync import FifoDispatch
+
+    def fresh():   # group 0 part-served on engine 1 with one request requeued, group 1 done, groups 2-5 pending
+        v = views([["running", "pending"], ["finished:1"] * 2] + [["pending"] * 2] * 4)
+        v.requests[0].engine = 1
+        v.engines[0].assigned, v.engines[1].assigned = 0, 1
+        return v
+
+    first = FrontierDispatch(FrontierDispatch.Params(width=1, mode="first"))
+    subs = first.admit(fresh())
+    admitted = sorted(r for s in subs for r in s.req_ids)
+    assert admitted == sorted(r for s in FifoDispatch().admit(fresh()) for r in s.req_ids) == [1, *range(4, 12)]
+    cap = FrontierDispatch(FrontierDispatch.Params(width=1)).admit(fresh())
+    assert sorted(r for s in cap for r in s.req_ids) == [1, 4, 5]        # the cap: the frontier {0, 2} only
+    v = fresh()
+    front = {0, 2}                                                          # F_w x N = 2 lowest unfinished groups
+    by_engine = {s.engine: s.req_ids for s in subs}
+    assert by_engine[1][0] == 1                                             # group 0's request: its serving engine
+    for ids in by_engine.values():
+        in_front = [v.requests[r].group_id in front for r in ids]
+        assert in_front == sorted(in_front, reverse=True)                   # frontier requests before the rest
+    for ids in by_engine.values():                                          # whole groups, never split
+        for g in {v.requests[r].group_id for r in ids} - {0}:
+            assert set(v.groups[g].req_ids) <= set(ids)
+    assert first.admit(views([["running"] * 2, ["finished:1"] * 2])) == []  # nothing pending: nothing to do
+    with pytest.raises(ConfigError, match="mode"):
+        sched.load_preset("rolloutpipe", {"dispatch": {"mode": "priority"}})
+
+
 # ---- CGP and stream handoffs -------------------------------------------------------------------------------------
 def test_cgp_hands_u_groups_in_materialisation_order_and_the_round_rest():
     v = views([["running"] * 2] * 5)

@@ -133,6 +133,18 @@ def test_rolloutpipe_headline_cgp_trains_before_the_barrier_and_shortens_the_rou
     assert cgp["step_s"] < 0.9 * slime["step_s"]
 
 
+def test_rolloutpipe_frontier_first_is_fifo_in_our_engine_and_the_cap_is_not():
+    """FGD read as frontier-first order over FIFO (mode "first") admits everything FIFO does in the same order, so
+    on our engine (admission in submission order) its rounds are CGP's to the event; the hard cap is not."""
+    from sim.repro import Runs, Setting
+    from sim.repro.rolloutpipe import CAP, CGP_ONLY, FIRST
+    s = Setting("rolloutpipe", "rolloutpipe_qwen3_1p7b", 1, 8, 16, 8, 2)
+    runs = Runs(0)
+    first, fifo, cap = (runs.get("rolloutpipe", s, o) for o in (FIRST, CGP_ONLY, CAP))
+    assert [(e.kind, e.t) for e in first.events] == [(e.kind, e.t) for e in fifo.events]
+    assert figures.mean_batch(cap) <= 16 < figures.mean_batch(first)
+
+
 def test_rollpacker_headline_short_rounds_are_shorter_and_the_run_faster():
     from sim.repro import Runs, Setting
     from sim.repro.rollpacker import ROUND_END
