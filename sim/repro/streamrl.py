@@ -11,8 +11,9 @@ The systems, as presets on the same engines and trainer:
     StreamRL      `streamrl` / `streamrl_async` on the GPU split Algorithm 1 picks from the simulated generation
                   profile and the cost model's training time (sim/split.py; the GPUs it leaves go to training)
 GPU counts: 32 for 7B (Fig. 11's "32 GPUs"); 64 for 72B (Table 3 and Fig. 10 give none: assumption). TP 1 / 8
-(assumption, sim/profiles.py). Not simulated: heterogeneous H20 + H800 and cross-datacenter deployment (Fig. 12),
-the network-aware broadcast trees (§6), an LLM ranker: a simulated prompt has no text, so the ranker is the true
+(assumption, sim/profiles.py). Cross-datacenter (§7.3, Fig. 12): the SGS on H20 engines, the trainer on the
+single-datacenter run's H800 GPUs, one cost profile for both (`h20_h800_streamrl_7b`). Not simulated: the
+network-aware broadcast trees (§6), an LLM ranker: a simulated prompt has no text, so the ranker is the true
 length with a log-normal error whose recall of each round's longest 20% is Table 4's 0.87 (its Qwen2.5-7B ranker;
 §7.2 "up to 87%"; sim/ranker.py); it reads nothing of the workload generator's latent difficulty.
 """
@@ -314,9 +315,10 @@ def scale_note(runs: Runs) -> str:
 
 
 COMPONENTS = ("simulated: disaggregated generation (H800 roofline engines: continuous batching, paged KV) and "
-              "trainer (PPO FLOPs, MFU 0.25 assumed), streaming, Algorithm 2 every round with a ranker of Table 4's recall "
-              "and LPT, Algorithm 1 from simulated generation profiles, one-step asynchrony with overlapped weight "
-              "transfer, scale-out onto spare GPUs; ColocationRL = sync colocated on the same engines and trainer. "
-              "Not simulated: verl's framework differences, H20 / cross-datacenter deployment, broadcast trees, an "
-              "LLM ranker (ours: true lengths with a log-normal error of Table 4's recall).")
+              "trainer (PPO FLOPs, MFU 0.25 assumed), streaming, Algorithm 2 every round with a ranker of Table 4's "
+              "recall and LPT, Algorithm 1 from simulated generation profiles (and its cross-datacenter branch: H20 "
+              "engines, the H800 trainer, the weights over an 80 Gb/s link), one-step asynchrony with overlapped "
+              "weight transfer, scale-out onto spare GPUs; ColocationRL = sync colocated on the same engines and "
+              "trainer. Not simulated: verl's framework differences, broadcast trees, an LLM ranker (ours: true "
+              "lengths with a log-normal error of Table 4's recall).")
 PAPER = Paper(ROWS, components=COMPONENTS, notes=[split_note, ranker_note, fig9_note, scale_note])
