@@ -183,6 +183,21 @@ def _streamrl(model: Model, tp: int, name: str) -> CostModel:
                  "publish_s": "8 x 200 Gb/s RDMA per node (StreamRL §7) shared by 8 GPUs = 25 GB/s, at 50% + 1 s"})
 
 
+def _streamrl_cross_dc(model: Model, tp: int, name: str) -> CostModel:
+    """StreamRL §7.3: the SGS on a cloud H20 cluster, the trainer on the H800 cluster, joined by an 80 Gb/s link."""
+    return roofline(
+        name, model, H20, tp, train_gpu=H800, train_mfu=0.25, flops_factor=16.0,
+        publish_bw=80e9 / 8, publish_fixed_s=1.0, load_bw=0.5 * 100e9 / 8, reward=MATH_REWARD, mem_fraction=0.9,
+        max_num_seqs=256,
+        sources={"engine": "StreamRL §7.3: SGS on H20-96GB (Table 1), TP as the H800 profile's (assumption)",
+                 "max_num_seqs": "vLLM default max_num_seqs = 256",
+                 "reward": "MATH_REWARD: rule-based verifier (StreamRL §7), 2 s timeout (RollPacker §5)",
+                 "train_s_per_token": "the H800 trainer of h800_streamrl_* (PPO FLOPs 6+6+2+2, MFU 0.25 assumed)",
+                 "publish_s": "StreamRL §7.3: the 80 Gb/s dedicated link at line rate (DP rank 0 sends to one "
+                              "remote instance, §6) + 1 s",
+                 "load_s": "StreamRL §7: the H20 nodes' 100 Gb/s TCP network at 50% (the local broadcast)"})
+
+
 # ------------------------------------------------------------------------------------ Laminar (relays, H800 cluster)
 LAMINAR_NIC_BW = 0.5 * 8 * 400e9 / 8   # Laminar §8: "inter-machine bandwidth is 8x400 Gbps"; 50% RDMA efficiency
 #                                      (the same assumption as the StreamRL profile)
@@ -346,7 +361,7 @@ PROFILES: dict[str, CostModel] = {p.name: p for p in [
     _rollpacker(QWEN25_7B, 1, "h800_7b"), _rollpacker(QWEN25_14B, 2, "h800_14b"),
     _rollpacker(QWEN25_32B, 2, "h800_32b"),
     _streamrl(QWEN25_7B, 1, "h800_streamrl_7b"), _streamrl(QWEN25_32B, 4, "h800_streamrl_32b"),
-    _streamrl(QWEN25_72B, 8, "h800_streamrl_72b"),
+    _streamrl(QWEN25_72B, 8, "h800_streamrl_72b"), _streamrl_cross_dc(QWEN25_7B, 1, "h20_h800_streamrl_7b"),
     _staleflow(), _cpu_tiny(), *campaign_profiles(),
     _laminar(QWEN25_32B, 4, "h800_laminar_32b", rollout_machines=8),
     _laminar(QWEN25_32B, 4, "h800_laminar_32b_colocated", rollout_machines=16, colocated=True),

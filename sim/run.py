@@ -10,7 +10,6 @@ reward draws come from one seeded generator consumed in event order, and queue t
 """
 from __future__ import annotations
 
-import bisect
 import gc
 import itertools
 import json
@@ -20,7 +19,6 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import NormalDist
 from typing import Any, Iterator, Sequence
 
 import sched
@@ -31,10 +29,11 @@ from sched.metrics import summarize
 from sim.backend import EngineFault, SimBackend, StopSimulation
 from sim.cost import CostModel
 from sim.profiles import get_profile
+from sim.ranker import NoisyRanker, install
 from sim.tokens import RunList
 from sim.workload import PromptSpec, Workload, get_workload
 
-PROMPT_TOKEN, DIFFICULTY_WORD = 1, 100
+PROMPT_TOKEN = 1
 
 
 @dataclass
@@ -81,24 +80,16 @@ def draw_timeline(events: list[Event], out: str | Path, title: str, num_engines:
     return draw(shown, out, title)
 
 
-DIFFICULTY_LEVELS = 8
-DIFFICULTY_EDGES = [NormalDist().inv_cdf(k / DIFFICULTY_LEVELS) for k in range(1, DIFFICULTY_LEVELS)]
-
-
 def prompt_ids(spec: PromptSpec) -> RunList:
-    """Fake prompt token ids that carry the prompt's difficulty, as a real prompt's text does ("difficulty is a
-    property inherent to the prompts themselves", StreamRL §5.1): the first half of its tokens is a word naming its
-    difficulty octile (token 100 + level, levels 0-7 from the workload's z_p), the rest a filler. A content-reading
-    length ranker (StreamRL §5.2's, sched/policies/streamrl/length_rank.py) can learn it; the sample-level noise of
-    the lengths stays unpredictable. A trace has no difficulty (every prompt level 4)."""
-    level = bisect.bisect(DIFFICULTY_EDGES, spec.difficulty)
-    half = spec.prompt_len // 2
-    return RunList([(DIFFICULTY_WORD + level, half), (PROMPT_TOKEN, spec.prompt_len - half)])
+    """Fake prompt token ids of the prompt's length (one filler token). They carry nothing about the response: the
+    workload generator's difficulty stays hidden from every policy, so a length ranker that reads prompt content
+    learns nothing here; a simulated ranker of a stated quality is `simulate(ranker_recall=...)` (sim/ranker.py)."""
+    return RunList([(PROMPT_TOKEN, spec.prompt_len)])
 
 
 def prompt_source(workload: Workload):
-    """The controller's prompt source: prompts 0, 1, 2, ... of the workload, with fake ids of the right length that
-    carry the prompt's difficulty (`prompt_ids`)."""
+    """The controller's prompt source: prompts 0, 1, 2, ... of the workload, with fake ids of the right length
+    (`prompt_ids`)."""
     counter = itertools.count()
 
     def source(n: int) -> list[PromptItem]:
@@ -136,7 +127,7 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
              log_path: str | Path | None = None, max_events: int | None = 50_000_000,
              samples: int | None = None, reward_timeout: Any = None, reward_workers: int = 0,
              reward_stage: bool = False, spare_gpus: int = 0, faults: Sequence[EngineFault] = (),
-             stream_every_s: float = 10.0) -> SimResult:
+             stream_every_s: float = 10.0, ranker_recall: float | None = None) -> SimResult:
     """Run `steps` optimizer steps of `preset` (a configs/sched/*.toml name or a Preset) on simulated engines.
 
     num_engines engines of cost.gpus_per_engine GPUs each, and a train partition of train_gpus GPUs (with
@@ -147,7 +138,9 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     (score a round only once all of it has left the engines: veRL's synchronous reward stage), sim/backend.py;
     `spare_gpus` the rollout pool may scale out onto (StreamRL §4.2); `faults`: engines killed and brought back
     (Laminar §8.5; sim/backend.py `EngineFault`, which needs counters_every_s and a preset that isolates engine
-    faults; the engines then stream partial trajectories every `stream_every_s`)."""
+    faults; the engines then stream partial trajectories every `stream_every_s`). `ranker_recall`: the preset's
+    skewness-aware dispatch ranks with a simulated ranker whose recall of each round's longest 20% is this (StreamRL
+    Table 4's figure; sim/ranker.py) instead of its own predictor (None: its own)."""
     name = preset if isinstance(preset, str) else "custom"
     policy = sched.load_preset(preset) if isinstance(preset, str) else preset
     if faults:
@@ -160,6 +153,8 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
                              f"an engine {most} times")
     w = get_workload(workload, seed)
     c = get_profile(cost)
+    if ranker_recall is not None and not install(policy, NoisyRanker.with_recall(w, ranker_recall)):
+        raise ValueError(f"preset {name!r} has no skewness-aware dispatch to give a ranker (ranker_recall)")
     backend = SimBackend(c, w, num_engines, train_gpus, seed, colocated=colocated,
                          counters_every_s=counters_every_s, progress=progress, max_events=max_events,
                          stop_after_samples=samples, reward_timeout=reward_timeout,

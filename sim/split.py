@@ -39,10 +39,11 @@ class GenProfile:
 
 
 def generation_time(preset: str, workload: str | Workload, cost: str | CostModel, engines: int, prompts: int,
-                    group_size: int, seed: int = 0) -> tuple[float, float]:
-    """(seconds to generate round 1, its trained tokens) on `engines` engines, round 0 being the ranker's warm-up."""
+                    group_size: int, seed: int = 0, ranker_recall: float | None = None) -> tuple[float, float]:
+    """(seconds to generate round 1, its trained tokens) on `engines` engines, round 0 being the ranker's warm-up;
+    `ranker_recall`: simulate()'s (a simulated ranker of that recall, sim/ranker.py)."""
     r = simulate(sched.load_preset(preset), workload, cost, engines, PROFILE_TRAIN_GPUS, steps=2,
-                 group_size=group_size, prompts_per_step=prompts, seed=seed)
+                 group_size=group_size, prompts_per_step=prompts, seed=seed, ranker_recall=ranker_recall)
     start = {e.data["round"]: e.t for e in r.events if e.kind == "round_started"}
     g_round = {e.group_id: e.data["round"] for e in r.events if e.kind == "group_materialized"}
     last = max(e.t for e in r.events if e.kind == "trajectory_finished" and g_round.get(e.group_id) == 1)
@@ -58,7 +59,7 @@ def generation_time(preset: str, workload: str | Workload, cost: str | CostModel
 
 
 def profile(preset: str, workload: str | Workload, cost: str | CostModel, gpus: int, prompts: int, group_size: int,
-            seed: int = 0, step: int = 0) -> GenProfile:
+            seed: int = 0, step: int = 0, ranker_recall: float | None = None) -> GenProfile:
     """P_gen over x = step, 2 step, ... < gpus generation GPUs (step: one engine by default)."""
     c = get_profile(cost)
     step = step or c.gpus_per_engine
@@ -66,7 +67,7 @@ def profile(preset: str, workload: str | Workload, cost: str | CostModel, gpus: 
         raise ValueError(f"step {step} is not a multiple of the engines' {c.gpus_per_engine} GPUs")
     seconds, tokens = {}, []
     for x in range(step, gpus, step):
-        t, n = generation_time(preset, workload, c, x // c.gpus_per_engine, prompts, group_size, seed)
+        t, n = generation_time(preset, workload, c, x // c.gpus_per_engine, prompts, group_size, seed, ranker_recall)
         seconds[x] = t
         tokens.append(n)
     return GenProfile(c.gpus_per_engine, seconds, sum(tokens) / len(tokens))

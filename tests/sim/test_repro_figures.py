@@ -171,8 +171,9 @@ def test_streamrl_ranker_recall_and_scale_out_iterations():
     ev += [Event("trajectory_finished", 1.0, group_id=g, data={"tokens": n})
            for g, n in [(3, 99), *lens.items()]]                  # round 0 (group 3) is the ranker's warm-up
     r = SimpleNamespace(events=ev, policy=SimpleNamespace(dispatch=SimpleNamespace(ranked={3: 0.0, **ranked})))
-    assert recall_by_round(r, 0.2) == [0.0]                       # top 1 of 5: predicted 12, true 10
-    assert recall_by_round(r, 0.4) == [0.5]                       # top 2: {12, 10} vs {10, 11}
+    assert recall_by_round(r, 0.2, first=1) == [0.0]              # top 1 of 5: predicted 12, true 10
+    assert recall_by_round(r, 0.4, first=1) == [0.5]              # top 2: {12, 10} vs {10, 11}
+    assert recall_by_round(r, 0.2) == [1.0, 0.0]                  # every round: round 0's one group first
     steps = [Event("train_step_done", t, data={"stepped": True}) for t in (10.0, 20.0, 30.0)]
     added = [Event("engines_added", t, data={"engines": [9]}) for t in (20.0, 25.0)]
     runs = Runs(0)
