@@ -19,7 +19,7 @@ What each rank does is one of the four functions below: `run_leader` (global ran
 thread, the trainer in a second one), `run_follower` (the other train ranks), `run_rollout` (one engine per rollout
 rank) and `run_colocated` (every rank both, taking turns). Everything a run writes goes to its run directory
 (runtime/rundir.py): config.toml, events.jsonl, metrics.jsonl, timeline.png, checkpoints/ and the exported model
-in hf/.
+in hf/ with the run's tokenizer.
 """
 from __future__ import annotations
 
@@ -189,6 +189,15 @@ def main(argv: list[str]) -> int:
     return 0                       # print a nanobind leak report at exit (costs the tiny job ~0.7 s of teardown)
 
 
+def export_hf(call: Callable[[ExportHF], None], cfg: Config, parts: RunParts, run_dir: str) -> None:
+    """RUN_DIR/hf: the final weights in the Hugging Face layout (the train ranks gather them, rank 0 writes), then the
+    run's tokenizer and generation config beside them (model/tokenizer.py `export_tokenizer`)."""
+    from model.tokenizer import export_tokenizer
+    hf = Path(run_dir) / "hf"
+    call(ExportHF(str(hf)))
+    export_tokenizer(parts.tokenizer, hf, sources=(cfg.model.path, cfg.model.tokenizer))
+
+
 def resume_trainer(cfg: Config, trainer: Trainer, topo: Topology) -> dict | None:
     """Load the checkpoint this attempt resumes from into the trainer (collective on the train ranks); its extra."""
     path = resume_path(cfg)
@@ -226,7 +235,7 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
             controller.run(backend, periodic_checkpoints(cfg, controller, save))
         save()
         if cfg.checkpoint.export_hf:
-            backend.call(ExportHF(str(Path(run_dir) / "hf")))
+            export_hf(backend.call, cfg, parts, run_dir)
     finally:
         backend.stop_workers()
         tt.stop()
@@ -278,7 +287,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
         def finish() -> None:
             save()
             if cfg.checkpoint.export_hf:
-                backend.call(ExportHF(str(Path(run_dir) / "hf")))
+                export_hf(backend.call, cfg, parts, run_dir)
         ctl = ControllerThread(controller, backend, finish, periodic_checkpoints(cfg, controller, save))
     worker.start()
     worker.run()

@@ -6,8 +6,10 @@ with the `tokenizers` library and saved in the ordinary HF layout so it reloads 
 """
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import PreTrainedTokenizerFast
@@ -20,6 +22,7 @@ CHAR_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+GENERATION_CONFIG = "generation_config.json"
 
 Prompt = str | list[dict[str, Any]]
 
@@ -41,6 +44,22 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise ValueError(f"{path}: loaded a slow tokenizer ({type(tok).__name__}); a tokenizer.json is required")
     return tok
+
+
+def export_tokenizer(tok: PreTrainedTokenizerFast, path: str | Path, sources: Sequence[str | Path] = ()) -> None:
+    """Save a run's tokenizer beside its exported weights, so the directory is complete for transformers, vLLM and
+    rollout.py: tokenizer.json, tokenizer_config.json, the chat template and special tokens (`save_pretrained`), and
+    generation_config.json: the first of `sources` that has one (the Hugging Face directory the run started from),
+    else one naming the tokenizer's bos / eos / pad ids (the synthetic task's character tokenizer)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(path))
+    for src in sources:
+        if src and (Path(src) / GENERATION_CONFIG).is_file():
+            shutil.copyfile(Path(src) / GENERATION_CONFIG, path / GENERATION_CONFIG)
+            return
+    ids = {k: v for k in ("bos_token_id", "eos_token_id", "pad_token_id") if (v := getattr(tok, k)) is not None}
+    (path / GENERATION_CONFIG).write_text(json.dumps(ids, indent=2) + "\n")
 
 
 def encode_prompt(tok: PreTrainedTokenizerFast, prompt: Prompt, chat_template: bool) -> list[int]:
