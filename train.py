@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -100,6 +102,33 @@ def default_off_policy(cfg: Config, preset: Preset) -> None:
         cfg.train.off_policy = "decoupled"
 
 
+def fail(line: str, path: str | None, overrides: list[str]) -> int:
+    """A bad input found before any process group exists: every rank finds the same one (config, data file, model
+    files; only rank 0 reads the data rows) and returns exit code 2; the node's first rank alone prints it, as one
+    line. Under torchrun the line names the `--check` command, which gives the same line in seconds, and goes into
+    torchrun's error file, so that torchrun's failure report (printed after every rank exits) ends with it as its
+    root cause."""
+    if int(os.environ.get("LOCAL_RANK", 0) or 0) != 0:
+        return 2
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if "TORCHELASTIC_RUN_ID" in os.environ or error_file:
+        line += f" (check it in seconds: {check_command(path, overrides)})"
+    print(line, file=sys.stderr, flush=True)
+    if error_file:
+        try:
+            Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+        except OSError:
+            pass   # the line is printed; torchrun's report then shows its own text
+    return 2
+
+
+def check_command(path: str | None, overrides: list[str]) -> str:
+    """`python train.py --config C [overrides] --check`, the arguments quoted for a shell."""
+    import shlex
+    args = (["--config", path] if path else []) + overrides + ["--check"]
+    return "python train.py " + " ".join(shlex.quote(a) for a in args)
+
+
 SHARED_GPU_FRACTION = 0.5   # a rule of thumb for an engine beside a trainer on one GPU (the warning in main)
 
 
@@ -122,8 +151,7 @@ def main(argv: list[str]) -> int:
         shared = shared_devices(train_ranks, rollout_ranks, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                                 gpu_count(c.backend), c.colocate)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return fail(f"config error: {e}", path, overrides)
     if shared and rank == 0 and cfg.rollout.gpu_memory_fraction > SHARED_GPU_FRACTION:
         node, dev, ranks = shared[0]
         print(f"warning: cuda:{dev} of node {node} holds train and rollout ranks {ranks} (and {len(shared) - 1} "
@@ -136,8 +164,7 @@ def main(argv: list[str]) -> int:
         parts = build_run(cfg, with_data=rank == 0)
         model = model_for_rank(cfg, parts, device_for_rank(c.backend), rank in train_ranks)
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(f"error: {e}", path, overrides)
     if restart_count() > 0 and not (cfg.log.dir or cfg.checkpoint.dir) and rank == 0:
         print("warning: restarted by torchrun without log.dir: a new run directory, starting afresh",
               file=sys.stderr, flush=True)
