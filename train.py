@@ -150,6 +150,7 @@ def main(argv: list[str]) -> int:
         train_ranks, rollout_ranks = split_ranks(world, c.rollout_ranks, c.rollout_fraction, c.colocate)
         shared = shared_devices(train_ranks, rollout_ranks, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                                 gpu_count(c.backend), c.colocate)
+        resume_path(cfg)   # a named checkpoint that is not there fails here, on every rank
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return fail(f"config error: {e}", path, overrides)
     if shared and rank == 0 and cfg.rollout.gpu_memory_fraction > SHARED_GPU_FRACTION:
