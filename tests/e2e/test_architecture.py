@@ -171,8 +171,10 @@ def test_python_m_sched_says_where_to_run_it(tmp_path):
     README say to run it from the repository root; a stray argument is a one-line error."""
     import subprocess
     import sys
-    run = lambda *a: subprocess.run([sys.executable, "-m", "sched", *a], cwd=ROOT, capture_output=True, text=True,
-                                    timeout=120)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "sched", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
     help_ = run("--help")
     assert help_.returncode == 0 and "from the repository root" in help_.stdout and "standard" in help_.stdout
     bad = run("staleflow")
