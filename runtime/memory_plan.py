@@ -38,6 +38,8 @@ class Plan:
     gpu: bool
     device_bytes: float | None
     notes: list[str] = field(default_factory=list)  # printed after the plan
+    warnings: list[str] = field(default_factory=list)  # printed after the notes
+    absent: list[str] = field(default_factory=list)    # inputs not on this machine, named in the last line
 
     def say(self, head: str, text: str) -> None:
         print(f"{head:<10}{text}", flush=True)

@@ -5,18 +5,21 @@ process group, and print its plan.
     python train.py --config C --check --cluster.world_size=16 --cluster.device_memory_gib=139.8   # another target
 
 What it checks, in the order a run meets it: the config and its scheduling preset; the rank plan for the world size
-(`cluster.world_size`, else $WORLD_SIZE, else 1); the model's shapes (config.json when `model.path` holds one,
-else the preset's; weights are never read); the tokenizer, the data schema of every row and the first prompts
-through the chat template, and the reward on the first references, each when present (absent files are noted, not
-errors: the shipped configs name the user's files); and a memory plan per role for the target device
-(`cluster.device_memory_gib`, else this machine's GPU, else 79.1 GiB): weights, gradients and AdamW state per FSDP
-shard, the KV pool and how many full-length sequences it holds, activations for the micro-batch token budget.
-Exit 0 with the plan; exit 2 with one line naming what is wrong (the plan printed so far stays on stdout).
+(`cluster.world_size`, else $WORLD_SIZE, else 1); the model's shapes (config.json when `model.path` holds one, else
+the preset's) and the safetensors headers against it (every file there and whole, every tensor's shape; no tensor
+data is read); the tokenizer, the data schema of every row and the first prompts through the chat template, and the
+reward on the first references, each when present (absent inputs are not errors: the shipped configs name the user's
+files; the last line names them); a warning when the data holds fewer prompts than one step; and a memory plan per
+role for the target device (`cluster.device_memory_gib`, else this machine's GPU, else 79.1 GiB): weights, gradients
+and AdamW state per FSDP shard, the KV pool and how many full-length sequences it holds, activations for the
+micro-batch token budget. Exit 0 with the plan; exit 2 with one line naming what is wrong (the plan printed so far
+stays on stdout).
 
 This file holds the input checks and the command; the memory plan is runtime/memory_plan.py's byte model.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import sys
@@ -72,9 +75,10 @@ def run_checks(cfg: Config, preset: sched.Preset, path: str | None) -> None:
     except ValueError as e:
         raise ConfigError(f"{e} (world of {world} from {where})") from None
     gpu = c.backend != "gloo"
-    tok, tok_note = load_tokenizer_if_present(cfg)
-    model, model_note = model_shapes(cfg, tok)
-    plan = Plan(cfg, world, train, rollout, model, gpu, device_bytes(cfg) if gpu else None)
+    absent: list[str] = []
+    tok, tok_note = load_tokenizer_if_present(cfg, absent)
+    model, model_note = model_shapes(cfg, tok, absent)
+    plan = Plan(cfg, world, train, rollout, model, gpu, device_bytes(cfg) if gpu else None, absent=absent)
     modules = ", ".join(f"{kind}={p.name}" for kind, p in preset.policies().items())
     plan.say("config", f"{path or '(defaults)'}: {cfg.name}, sched preset {cfg.sched.preset} ({modules})")
     plan.say("budget", resolve_budget(cfg, preset).line.removeprefix("budget: "))
@@ -87,8 +91,12 @@ def run_checks(cfg: Config, preset: sched.Preset, path: str | None) -> None:
     memory_plan(plan)
     for n in plan.notes:
         print(f"note: {n}")
+    for w in plan.warnings:
+        print(f"warning: {w}")
+    absent = (f", with {len(plan.absent)} input{'s' * (len(plan.absent) > 1)} absent (a run needs them): "
+              + ", ".join(plan.absent)) if plan.absent else ""
     print(f"ok: {path or 'the defaults'} passes --check for a world of {world}"
-          + (f" on {plan.device_bytes / GIB:.1f} GiB GPUs" if gpu else " on CPU"))
+          + (f" on {plan.device_bytes / GIB:.1f} GiB GPUs" if gpu else " on CPU") + absent)
 
 
 def device_bytes(cfg: Config) -> float:
@@ -111,14 +119,34 @@ def rank_text(plan: Plan, where: str) -> str:
 
 # -------------------------------------------------------------------------------------- model, tokenizer, data
 
-def load_tokenizer_if_present(cfg: Config) -> tuple[Any, str]:
-    from model.tokenizer import _TOKENIZER_FILES, load_tokenizer
+def absent_input(key: str, value: str, want_dir: bool) -> str:
+    """`key = 'value' (no such directory; did you mean SIBLING?)`: an input path that is not on this machine, with
+    the closest name in its parent directory when there is one (a misspelt path)."""
+    p = Path(value)
+    if p.exists():
+        what = "a file, not a directory" if want_dir else "a directory, not a file"
+    else:
+        what = "no such directory" if want_dir else "no such file"
+        siblings = [c.name for c in p.parent.iterdir()] if p.parent.is_dir() and p.name else []
+        close = difflib.get_close_matches(p.name, siblings, n=1, cutoff=0.75)
+        if close:
+            what += f"; did you mean {p.parent / close[0]}?"
+    return f"{key} = {value!r} ({what})"
+
+
+def load_tokenizer_if_present(cfg: Config, absent: list[str]) -> tuple[Any, str]:
+    from model.tokenizer import _TOKENIZER_FILES, load_tokenizer, tokenizer_dir
     if cfg.data.source == "synthetic":
         return synthetic_task(cfg).tokenizer(), f"the synthetic task's character tokenizer ({cfg.data.task})"
     key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-    tok_dir = Path(cfg.model.tokenizer or cfg.model.path)
-    if not (tok_dir.is_dir() and any((tok_dir / f).is_file() for f in _TOKENIZER_FILES)):
+    tok_dir = tokenizer_dir(cfg.model.tokenizer or cfg.model.path)
+    if not tok_dir.is_dir():
+        if key == "model.tokenizer":   # an absent model.path is named once, by model_shapes
+            absent.append(absent_input(key, str(tok_dir), want_dir=True))
         return None, f"{key} = {str(tok_dir)!r}: not present, skipped (a run needs it)"
+    if not any((tok_dir / f).is_file() for f in _TOKENIZER_FILES):
+        raise PreflightError(f"{key} = {str(tok_dir)!r}: no tokenizer files (looked for "
+                             f"{', '.join(_TOKENIZER_FILES)}); a prompt file needs a tokenizer")
     tok = load_tokenizer(tok_dir)
     template = "with a chat template" if tok.chat_template else "no chat template"
     return tok, f"{tok_dir}: {len(tok):,} tokens, eos {tok.eos_token!r} = {tok.eos_token_id}, {template}"
@@ -131,13 +159,18 @@ def synthetic_task(cfg: Config) -> Any:
                          lengths=LengthDist(d.len_body_max, d.len_tail_min, d.len_tail_max, d.len_tail_frac))
 
 
-def model_shapes(cfg: Config, tok: Any) -> tuple[ModelConfig, str]:
-    """config.json when model.path holds one, else the preset (as runtime/build.py builds it)."""
+def model_shapes(cfg: Config, tok: Any, absent: list[str]) -> tuple[ModelConfig, str]:
+    """config.json and the safetensors headers when model.path is there, else the preset (as runtime/build.py
+    builds it). A model.path directory without config.json or whole weights is an error, as a run would find."""
+    from model.hf_io import check_shapes, read_shapes
     path, preset = cfg.model.path, cfg.model.preset
-    if path and (Path(path) / "config.json").is_file():
-        m = ModelConfig.from_dir(path)
-        where = f"{path}/config.json"
+    if path and Path(path).is_dir():
+        m = ModelConfig.from_dir(path)     # ModelConfigError (a ValueError) names a missing or bad config.json
+        n = check_shapes(path, m, read_shapes(path))
+        where = f"{path}/config.json (its {n} tensors' shapes match the safetensors headers)"
     else:
+        if path:
+            absent.append(absent_input("model.path", path, want_dir=True))
         if preset == "tiny" and tok is None:
             raise PreflightError("model.preset = 'tiny' takes its vocabulary from the tokenizer, which is not present")
         positions = PRESET_MAX_POSITIONS.get(preset, 4096) if path else 4096
@@ -167,6 +200,7 @@ def check_data(plan: Plan, tok: Any) -> None:
             ds = PromptDataset.from_synthetic(synthetic_task(cfg), tok, d.max_prompt_tokens, d.chat_template,
                                               d.cap_at_answer)
         elif not Path(d.source).is_file():
+            plan.absent.append(absent_input("data.source", d.source, want_dir=False))
             plan.say("data", f"data.source = {d.source!r}: not present, skipped (a run needs it)")
             return
         elif tok is None:
@@ -174,6 +208,7 @@ def check_data(plan: Plan, tok: Any) -> None:
                     if parse_row(row, f"{d.source}:{line}", d.prompt_field, d.answer_field, d.chat_template))
             plan.say("data", f"{d.source}: {n:,} rows, fields {d.prompt_field!r} / {d.answer_field!r} well formed "
                              "(no tokenizer: prompts not tokenized)")
+            check_data_size(plan, n)
             return
         else:
             ds = PromptDataset.from_file(d.source, tok, d.max_prompt_tokens, d.prompt_field, d.answer_field,
@@ -185,6 +220,7 @@ def check_data(plan: Plan, tok: Any) -> None:
     plan.say("data", f"{ds.source}: {len(ds):,} prompts, {lengths[0]}-{lengths[-1]} tokens (median "
                      f"{lengths[len(lengths) // 2]}), {skipped} skipped ({len(ds.skipped_too_long)} longer than "
                      f"data.max_prompt_tokens = {d.max_prompt_tokens}, {len(ds.skipped_rejected)} rejected)")
+    check_data_size(plan, len(ds))
     for p in ds.prompts[:SAMPLE_PROMPTS]:
         text = tok.decode(p.prompt_ids)  # head and tail: the end is where the generation prompt sits
         shown = repr(text) if len(text) <= 300 else f"{text[:180]!r} ... {text[-100:]!r}"
@@ -192,6 +228,15 @@ def check_data(plan: Plan, tok: Any) -> None:
     if d.system_prompt and not d.chat_template:
         plan.notes.append("data.system_prompt is set but data.chat_template is off: it is not used")
     check_reward(plan, [p.answer for p in ds.prompts[:SAMPLE_PROMPTS] if p.answer is not None])
+
+
+def check_data_size(plan: Plan, n: int) -> None:
+    """A warning when the data holds fewer prompts than one step takes: every step then trains on some prompts
+    more than once (the sampler starts its next shuffled pass within the step)."""
+    per_step = plan.cfg.rollout.prompts_per_step
+    if n < per_step:
+        plan.warnings.append(f"data.source = {plan.cfg.data.source!r} holds {n} prompts, fewer than one step's "
+                             f"rollout.prompts_per_step = {per_step}: each step repeats prompts")
 
 
 def check_reward(plan: Plan, answers: list[str]) -> None:

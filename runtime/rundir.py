@@ -38,22 +38,19 @@ def checkpoint_dir(cfg: Config, run_dir: str | Path | None = None) -> Path:
 
 
 def resume_path(cfg: Config) -> Path | None:
-    """The checkpoint this attempt starts from, or None for a fresh start. Every rank calls it and gets the same
-    answer. A job that torchrun restarted (`--max-restarts`) resumes from the newest complete checkpoint of its run
-    directory on its own, when it has one (the run directory must be stable: set log.dir or checkpoint.dir)."""
+    """The checkpoint this attempt starts from, or None for a fresh start: `checkpoint.resume = "latest"` starts
+    afresh when the run directory has no complete checkpoint yet; a named checkpoint that cannot be resumed from
+    is an error (FileNotFoundError). Every rank calls it and gets the same answer. A job that torchrun restarted
+    (`--max-restarts`) resumes from the newest complete checkpoint of its run directory on its own, when it has one
+    (the run directory must be stable: set log.dir or checkpoint.dir)."""
     if not cfg.checkpoint.resume:
         if restart_count() > 0 and (cfg.log.dir or cfg.checkpoint.dir):
             return checkpoint.latest(checkpoint_dir(cfg))
         return None
-    if cfg.checkpoint.resume == "latest":
+    if cfg.checkpoint.resume == "latest":   # none yet (a first run, or one stopped before its first): afresh
         if not cfg.log.dir and not cfg.checkpoint.dir:
             raise ValueError("checkpoint.resume = 'latest' needs log.dir (the run directory to resume)")
-        path = checkpoint.latest(checkpoint_dir(cfg))
-        if path is None:
-            if restart_count() > 0:  # restarted before this attempt's first checkpoint: start afresh
-                return None
-            raise FileNotFoundError(f"checkpoint.resume = 'latest': no complete checkpoint in {checkpoint_dir(cfg)}")
-        return path
+        return checkpoint.latest(checkpoint_dir(cfg))
     path = Path(cfg.checkpoint.resume)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint.resume = {cfg.checkpoint.resume!r} is not a directory")
@@ -89,15 +86,19 @@ def prepare_run_dir(cfg: Config) -> tuple[str, float]:
     save_config(cfg, run_dir)
     now = time.time()
     path = resume_path(cfg)
-    if path is None and restart_count() == 0:
+    if path is None and restart_count() == 0 and cfg.checkpoint.resume != "latest":
         return str(run_dir), now
     for line in skipped_checkpoints(cfg, path):
         print(line, file=sys.stderr, flush=True)
     marks = checkpoint.read_extra(path).get("extra", {}).get("log", {}) if path is not None else {"t": 0.0}
     for name in LOGS:
         rewind_log(run_dir / name, int(marks.get(name, 0)))
-    print(f"restart {restart_count()}: " + (f"resuming from {path}" if path is not None else
-          "no complete checkpoint yet, starting afresh"), file=sys.stderr, flush=True)
+    if restart_count() > 0 or path is not None:
+        print(f"restart {restart_count()}: " + (f"resuming from {path}" if path is not None else
+              "no complete checkpoint yet, starting afresh"), file=sys.stderr, flush=True)
+    else:   # the logs of an earlier attempt that left no checkpoint went to *.discarded.jsonl above
+        print(f"checkpoint.resume = 'latest': no complete checkpoint in {checkpoint_dir(cfg, run_dir)} yet, "
+              "starting afresh", file=sys.stderr, flush=True)
     return str(run_dir), now - float(marks.get("t", 0.0))
 
 

@@ -8,6 +8,7 @@ it imports sched.policies, which registers the built-in mechanisms. Nothing else
 """
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -17,13 +18,17 @@ from sched.base import KIND_BASES, REGISTRY, Preset, build_policy
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "sched"
 
 
-def preset_tables(name: str) -> dict[str, dict[str, Any]]:
-    """The per-kind tables of a named preset file configs/sched/<name>.toml."""
+def preset_tables(name: str, source: str | None = None) -> dict[str, dict[str, Any]]:
+    """The per-kind tables of a named preset file configs/sched/<name>.toml. An unknown name is a ValueError that
+    names where it came from (`source`: a file or "command line"), the closest preset and every preset."""
     import tomllib
     f = PRESET_DIR / f"{name}.toml"
     if not f.is_file():
         known = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
-        raise ValueError(f"sched.preset = {name!r}: no file {f}; presets: {known}")
+        close = difflib.get_close_matches(str(name), known, n=1)
+        raise ValueError(f"sched.preset = {name!r}{f' (from {source})' if source else ''}: no file "
+                         f"configs/sched/{name}.toml{f'; did you mean {close[0]}?' if close else '.'} "
+                         f"Presets: {', '.join(known)}")
     with open(f, "rb") as fh:
         data = tomllib.load(fh)
     unknown = sorted(set(data) - set(KIND_BASES))
@@ -38,7 +43,7 @@ def load_preset(preset: str, overrides: Mapping[str, Mapping[str, Any]] | None =
     and its parameters; the same name updates parameters). Every table is validated by config.build; errors name
     the key and where it came from (`key_sources`: the run config's, dotted key -> file or "command line")."""
     import sched.policies  # noqa: F401  (registers the built-in mechanisms)
-    tables = preset_tables(preset)
+    tables = preset_tables(preset, (key_sources or {}).get("sched.preset"))
     for kind, table in (overrides or {}).items():
         if not table:
             continue

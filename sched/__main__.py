@@ -1,5 +1,6 @@
 """python -m sched: every registered scheduling mechanism as a table of kind, name, file and paper section, and
-which presets (configs/sched/*.toml) use it."""
+which presets (configs/sched/*.toml) use it. Run it from the repository root: elsewhere `python -m sched` finds the
+standard library's `sched` module, which prints nothing (no file here can change that)."""
 from __future__ import annotations
 
 import sys
@@ -26,7 +27,21 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     return out
 
 
-def main() -> int:
+USAGE = """usage: python -m sched      (from the repository root)
+
+Lists every registered scheduling mechanism: kind, name, file, paper section, and the presets
+(configs/sched/*.toml) that use it. Run from any other directory, `python -m sched` is the standard
+library's sched module and prints nothing: cd to the repository root, or set PYTHONPATH to it."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = argv or []
+    if argv:
+        if argv[0] in ("-h", "--help"):
+            print(USAGE)
+            return 0
+        print(f"python -m sched: takes no arguments, got {' '.join(argv)!r} (python -m sched --help)", file=sys.stderr)
+        return 2
     table = rows()
     head = ("kind", "name", "file", "paper section", "presets")
     widths = [max(len(r[i]) for r in table + [head]) for i in range(4)]
@@ -37,4 +52,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

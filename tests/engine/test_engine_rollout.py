@@ -109,3 +109,24 @@ def test_text_prompts_need_a_tokenizer(tmp_path, capsys):
                          "--prompt-field", "q", "--num-kv-tokens", "512", "--max-new-tokens", "3"]) == 0
     row = json.loads((tmp_path / "o.jsonl").read_text())
     assert row["text"] is None and len(row["token_ids"]) <= 3
+
+
+def test_tokenizer_flag_gives_text_prompts_a_tokenizer(model_dir, tmp_path, capsys):
+    """A model directory without tokenizer files (an export from an older run) takes text prompts with --tokenizer;
+    a tokenizer that is missing or larger than the model's vocabulary is a one-line error."""
+    make_hf_model("qwen2", tmp_path / "m")
+    p = write(tmp_path / "p.jsonl", [json.dumps({"prompt": "hello"})])
+    base = ["--model", str(tmp_path / "m"), "--prompts", str(p), "--out", str(tmp_path / "o.jsonl"),
+            "--num-kv-tokens", "512", "--max-new-tokens", "3", "--temperature", "0"]
+    assert rollout.main(base) == 2 and "--tokenizer DIR" in capsys.readouterr().err
+    assert rollout.main([*base, "--tokenizer", str(model_dir)]) == 0
+    row = json.loads((tmp_path / "o.jsonl").read_text())
+    assert isinstance(row["text"], str) and 1 <= len(row["token_ids"]) <= 3
+    capsys.readouterr()
+    assert rollout.main([*base, "--tokenizer", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tokenizer:" in err and "nope" in err and "does not exist" in err
+    from model.tokenizer import build_char_tokenizer
+    build_char_tokenizer("".join(chr(0x4e00 + i) for i in range(200)), tmp_path / "big")
+    assert rollout.main([*base, "--tokenizer", str(tmp_path / "big")]) == 2
+    assert "--tokenizer: the tokenizer has 204 tokens but the model's vocab_size is 128" in capsys.readouterr().err

