@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import replace
 from typing import Callable
 
 import sched
 from sched.metrics import trainer_spans
-from sim.profiles import ROLLPACKER_CALIBRATION_SHARE, ROLLPACKER_TRAIN_MFU, at_tp, get_profile
+from sim.profiles import (MATH_REWARD, PROFILES, ROLLPACKER_CALIBRATION_SHARE, ROLLPACKER_TRAIN_MFU, at_tp,
+                          get_profile)
 from sim.repro.core import BOUND, LEVEL, SPEEDUP, Paper, Row, Runs, Setting, gather, sim_kwargs
-from sim.repro.figures import round_figures, round_rollout, speedup, throughput
+from sim.repro.figures import metric, round_figures, round_rollout, speedup, throughput
 from sim.run import SimResult, simulate
 from sim.workload import RampedWorkload, get_workload
 
@@ -162,6 +164,31 @@ def reward_share(r: SimResult) -> float:
     return statistics.fmean(mat[rd] - (starts[rd] + rollout[rd]) for rd in rollout) / step
 
 
+# ----------------------------------------------------------------- §6.6 Table 3: the stream trainer's GPU scaling
+MATH_7B = "h800_7b_math"     # h800_7b with the math verifier alone (§6.6: "on mathematical datasets")
+PROFILES.setdefault(MATH_7B, replace(get_profile("h800_7b"), name=MATH_7B, reward=MATH_REWARD, sources={
+    **get_profile("h800_7b").sources, "reward": "MATH_REWARD alone: RollPacker §6.6 runs the stream trainer's "
+    "microbenchmarks on mathematical datasets"}))
+SCALING_PERIODS = 5          # Table 3: "the average speedup over five long rounds"
+
+
+def scaling_run(scale_down: bool) -> tuple:
+    """§6.6's setting: Qwen2.5-7B/8k on 16 GPUs (TP 1), the math verifier alone, five tail-batching periods;
+    RollPacker with asynchronous fetching, without the planner (the microbenchmark isolates the stream trainer),
+    with its adaptive GPU scaling or without any. The lengths are rollpacker_7b_8k's (the math data set's alone are
+    not given)."""
+    s = Setting("rollpacker_7b_8k", MATH_7B, 16, 16, 128, 8, 5 * SCALING_PERIODS, colocated=True,
+                sim=(("reward_workers", REWARD_WORKERS * 16),))
+    kv = get_profile(MATH_7B).kv_capacity_tokens
+    return ("rollpacker", s, (("rebalance", (("kv_tokens", kv), ("planner", False), ("scale_down", scale_down))),))
+
+
+def long_round_step(r: SimResult) -> float:
+    """Mean step time of the long rounds."""
+    kinds = round_kinds(r)
+    return statistics.fmean(t for rd, t in round_steps(r).items() if kinds.get(rd) == "long")
+
+
 def round_steps(r: SimResult) -> dict[int, float]:
     """Per trained round, its step time: round start -> the end of the last train call holding one of its groups."""
     start = {e.data["round"]: e.t for e in r.events if e.kind == "round_started"}
@@ -240,6 +267,11 @@ ROWS = [
     *[Row(f"async vs sync reward, {m} (§6.5)", (x, x), f"{x:.2f}x", gain("tail_async", m, "tail"), "{:.2f}x",
           SPEEDUP, "+Tail Batching with async scoring (fixed timeouts) over its sync reward stage")
       for m, x in (("7b", 1.48), ("14b", 1.35), ("32b", 1.18))],
+    Row("GPU scaling: adaptive vs none, 7B/8k math, long rounds (§6.6 Table 3)", (1.08, 1.08), "1.08x",
+        speedup(scaling_run(True), scaling_run(False), lambda r: 1 / long_round_step(r)), "{:.2f}x", SPEEDUP,
+        "mean long-round step time, no scaling / adaptive"),
+    Row("long-round step time with adaptive GPU scaling, 7B/8k math (§6.6 Table 3)", (115.2, 115.2), "115.2 s",
+        metric(scaling_run(True), long_round_step), "{:.1f} s", LEVEL, "mean long-round step time"),
     Row("fixed-R0 at 32k: rollout time up from eta_P 1.25 to 1.5 (§6.3; 1 = yes)", (1, 1), "yes",
         slower(eta_run(1.5, 1.0), eta_run(1.25, 1.0)), "{:.0f}", LEVEL, "period-averaged rollout time"),
     Row("planner: rollout speedup over fixed TP 1, 14B, cap 8k -> 32k (§6.4 Fig. 12a)", (1.9, 1.9), "1.9x",
