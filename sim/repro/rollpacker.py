@@ -209,10 +209,11 @@ def short_round_speedup(r: SimResult, base: SimResult) -> float:
     return statistics.fmean(round_steps(base).values()) / statistics.fmean(short)
 
 
-def short_round_extreme(pick: Callable[[list[float]], float]) -> Callable[[Runs], float | None]:
-    """The smallest or largest (`pick`) over the three models of short_round_speedup (§6.1: "2.1x-3.6x")."""
+def short_round_extreme(pick: Callable[[list[float]], float], base: str = "verl") -> Callable[[Runs], float | None]:
+    """The smallest or largest (`pick`) over the three models of short_round_speedup over `base` (§6.1: "2.1x-3.6x
+    speedup over veRL and 1.2x-3.2x speedup over RLHFuse")."""
     def f(runs: Runs) -> float | None:
-        got = gather([lambda m=m, s=s: runs.get(*system(s, m)) for m in MODELS for s in ("rollpacker", "verl")])
+        got = gather([lambda m=m, s=s: runs.get(*system(s, m)) for m in MODELS for s in ("rollpacker", base)])
         if any(x is None for x in got):
             return None
         return pick([short_round_speedup(got[i], got[i + 1]) for i in range(0, len(got), 2)])
@@ -264,6 +265,10 @@ ROWS = [
         short_round_extreme(min), "{:.2f}x", SPEEDUP, "veRL's mean step / RollPacker's mean short-round step"),
     Row("short-round step speedup vs veRL, largest of 7B/14B/32B (§6.1: 2.1x-3.6x)", (3.6, 3.6), "3.6x",
         short_round_extreme(max), "{:.2f}x", SPEEDUP, "veRL's mean step / RollPacker's mean short-round step"),
+    Row("short-round step speedup vs RLHFuse, smallest of 7B/14B/32B (§6.1: 1.2x-3.2x)", (1.2, 1.2), "1.2x",
+        short_round_extreme(min, "rlhfuse"), "{:.2f}x", SPEEDUP, "RLHFuse's mean step / RollPacker's short-round step"),
+    Row("short-round step speedup vs RLHFuse, largest of 7B/14B/32B (§6.1: 1.2x-3.2x)", (3.2, 3.2), "3.2x",
+        short_round_extreme(max, "rlhfuse"), "{:.2f}x", SPEEDUP, "RLHFuse's mean step / RollPacker's short-round step"),
     *[Row(f"async vs sync reward, {m} (§6.5)", (x, x), f"{x:.2f}x", gain("tail_async", m, "tail"), "{:.2f}x",
           SPEEDUP, "+Tail Batching with async scoring (fixed timeouts) over its sync reward stage")
       for m, x in (("7b", 1.48), ("14b", 1.35), ("32b", 1.18))],
