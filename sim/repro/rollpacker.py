@@ -63,7 +63,8 @@ ROUND_END = (("handoff", (("name", "whole_round"),)), ("update", (("name", "step
 
 
 def elastic(model: str, planner: bool = True) -> tuple:
-    """The shipped preset with the engines' KV pool (what vLLM reports at start-up) for the scale-down's check."""
+    """The shipped preset with the engines' KV pool (what vLLM reports at start-up) for the scale-down's check; the
+    parallelism planner on or off."""
     kv = (("kv_tokens", get_profile(f"h800_{model}").kv_capacity_tokens),)
     return (("rebalance", kv + ((("planner", False),) if not planner else ())),)
 
