@@ -144,10 +144,10 @@ def _rolloutpipe() -> CostModel:
 
 # ---------------------------------------------------------------------------------- RollPacker (veRL colocated)
 ROLLPACKER_CALIBRATION_SHARE = 0.22   # RollPacker Table 1 (veRL, 14B/16k): training 23% / 21% / 22% of the step
-ROLLPACKER_TRAIN_MFU = 0.0977         # calibrated: ROLLPACKER_TRAIN_SOURCE
+ROLLPACKER_TRAIN_MFU = 0.0972         # calibrated: ROLLPACKER_TRAIN_SOURCE
 ROLLPACKER_TRAIN_SOURCE = (
     "flops_factor 10 = actor fwd+bwd (6) + old-logprob fwd (2) + reference fwd (2), RollPacker §6 (reference same "
-    "size as actor); MFU 0.0977 calibrated from RollPacker Table 1: the MFU at which the simulated veRL 14B/16k step "
+    "size as actor); MFU 0.0972 calibrated from RollPacker Table 1: the MFU at which the simulated veRL 14B/16k step "
     "(sync, colocated, synchronous reward stage; seeds 0-2) spends Table 1's 22% training (the mean of its math / "
     "code / judge rows); rollout and reward do not depend on it there. Recomputed by "
     "sim.repro.rollpacker.calibrate_train_mfu (tests/sim/test_repro_figures.py checks the recorded value)")

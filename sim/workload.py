@@ -175,12 +175,20 @@ def _split(sigma: float, icc: float = 0.6) -> tuple[float, float]:
 # so median = cap / 28.5 and P75 = 930 (middle of 755–1.1k) so sigma = ln(930 / 575) / 0.674 = 0.713. The cap is
 # reached through runaways tied to the prompt (§6.3: "some difficult prompts consistently produce long responses"):
 # the hardest RP_RUNAWAY_PROMPTS = 3 / 128 of the prompts are prone, so a step of P0 = 128 prompts holds 3 of them on
-# average and 95% of steps reach the cap (the paper's max = cap per step); each of their samples runs away with
-# probability RP_RUNAWAY_RHO = 1/2 (our reading of "consistently": as likely as not; no number in the paper), so
-# RP_RUNAWAY = 3/128 x 1/2 = 1.2% of samples run to the cap. The paper gives these statistics only for 14B/16k; for
-# 7B/8k and 32B/32k we assume the same shape (same ratios to the cap).
+# average and 95% of steps reach the cap (the paper's max = cap per step). The paper gives these statistics only for
+# 14B/16k; for 7B/8k and 32B/32k we assume the same shape (same ratios to the cap).
+#
+# RP_RUNAWAY_RHO, the share of a prone prompt's samples that run to the cap, is set by §6.3's qualitative constraint
+# (no number in the paper): with P fixed to P0 and R0 = 8, "a substantial reduction in rollout time is observed only
+# when eta [for R] is increased to 1.5". A prompt launching ceil(eta R0) responses keeps its first R0 to finish, so
+# it sheds at most 2 of 10 at eta 1.25 and at most 4 of 12 at eta 1.5; a runaway finishes last. For the step at 1.25
+# to stay slow, a prone prompt must hold more runaways than it sheds (10 rho > 2), and for 1.5 to clear it, no more
+# than it sheds (12 rho <= 4): rho in (0.2, 1/3]. We take the interval's midpoint, 4/15 ~ 0.27, so
+# RP_RUNAWAY = 3/128 x 4/15 = 0.6% of samples run to the cap. tests/sim/test_repro_rollpacker.py checks the
+# constraint in the simulator (the eta_R table at 32B/32k); it is not a row of the reproduction.
 RP_RATIO, RP_P75_OVER_MEDIAN = 28.5, 930 / (16384 / 28.5)
-RP_RUNAWAY_PROMPTS, RP_RUNAWAY_RHO = 3 / 128, 0.5
+RP_RUNAWAY_PROMPTS = 3 / 128
+RP_RUNAWAY_RHO = (2 / 10 + 4 / 12) / 2
 RP_RUNAWAY = RP_RUNAWAY_PROMPTS * RP_RUNAWAY_RHO
 RP_SIGMA = math.log(RP_P75_OVER_MEDIAN) / 0.6745
 
@@ -189,16 +197,23 @@ def _rollpacker(cap: int, name: str) -> LengthModel:
     sp, ss = _split(RP_SIGMA)
     return LengthModel(name, cap / RP_RATIO, sp, ss, cap, RP_RUNAWAY, RP_RUNAWAY_PROMPTS, prompt_median=300, source=(
         "RollPacker §1/§2.2: P75 755–1.1k, max = cap, max/median 25–32x (14B/16k); same shape assumed at other "
-        "caps; runaways tied to the hardest 3/128 of prompts (§6.3), half their samples; ICC 0.6 and prompt "
-        "lengths (median 300) are assumptions"))
+        "caps; runaways tied to the hardest 3/128 of prompts, 4/15 of their samples (§6.3's eta_R constraint); "
+        "ICC 0.6 and prompt lengths (median 300) are assumptions"))
+
+
+# RolloutPipe reports no tail statistics: its workload borrows RollPacker's prone prompts (3/128), each with half its
+# samples running to the cap (an assumption of its own: RollPacker's §6.3 share, RP_RUNAWAY_RHO, is a constraint of
+# RollPacker's data set and is not applied here).
+RO_RUNAWAY = RP_RUNAWAY_PROMPTS * 0.5
 
 
 def _rolloutpipe() -> LengthModel:
     cap, sp_ss = 16384, _split(RP_SIGMA)
-    med = median_for_mean(3450, RP_SIGMA, cap, RP_RUNAWAY)
-    return LengthModel("rolloutpipe", med, *sp_ss, cap, RP_RUNAWAY, RP_RUNAWAY_PROMPTS, prompt_median=400, source=(
+    med = median_for_mean(3450, RP_SIGMA, cap, RO_RUNAWAY)
+    return LengthModel("rolloutpipe", med, *sp_ss, cap, RO_RUNAWAY, RP_RUNAWAY_PROMPTS, prompt_median=400, source=(
         "RolloutPipe §5.3: mean response 3.3k–3.6k (median fitted so the mean is 3.45k); tail shape from RollPacker "
-        "(not reported by RolloutPipe); cap 16384 and prompt median 400 are assumptions"))
+        "(not reported by RolloutPipe; prone prompts' runaway share 1/2, an assumption); cap 16384 and prompt "
+        "median 400 are assumptions"))
 
 
 def _p99_over_p50(cap: int, name: str, source: str, prompt_median: float = 300) -> LengthModel:
