@@ -17,8 +17,8 @@ Sections, each in its own process (a CUDA error or an OOM ends that section only
              bandwidth (the copy bandwidth measured in the same run beside it); chunked logprob fwd+bwd time and peak
              memory vs naive, 16k tokens x 151,936 (bench/kernels.py; dry run: the Triton kernels under
              TRITON_INTERPRET)
-  train      bench/train.py on a Qwen3-1.7B shape, checkpointing off, 8,192-token micro-batches (two runs) and
-             16,384 (one): TFLOP/s and MFU against the dense bf16 peak; peak memory beside `--check`'s plan
+  train      bench/train.py on a Qwen3-1.7B shape, checkpointing off, 8,192 and 16,384-token micro-batches (one
+             run each, one process): TFLOP/s and MFU against the dense bf16 peak; peak memory beside `--check`'s plan
   grpo_step  one colocated GRPO step on a Qwen3-0.6B shape, 64 prompts x 8: generation, scoring, logprob recompute,
              training, weight update, each in seconds and TFLOP/s; one more training step under torch.profiler (top
              ops by device time, host vs device time); the engine-vs-trainer log-prob mismatch in bf16
@@ -66,8 +66,9 @@ if __package__ in (None, ""):  # run as a script: bench/ would shadow the engine
 from bench.gpu_report import load, merge, report  # noqa: E402
 from bench.gpu_sections import DRY, GPU, LIMIT_S, SECTION_FNS, SECTIONS, dry_limit  # noqa: E402
 
-# three device calls inside 12 minutes of device time (H200 sections of bench/results/gpu-h200.md: tests 149-165 s,
-# kernels 10, one trainer run ~40; grpo_step 50 before its profile, e2e 91 before its resume run)
+# three device calls inside 12 minutes of device time with the machine's start (H200 sections of
+# bench/results/gpu-h200.md: tests 149-165 s before tests/e2e/test_gpu_paths.py (~50 s more), kernels 10, one trainer
+# run ~40 s; grpo_step 50 s before its profile, e2e 91 s before its resume run; vs_vllm ~4.5 min)
 PARTS: dict[int, tuple[str, ...]] = {1: ("versions", "tests", "kernels", "train"), 2: (), 3: ("grpo_step", "e2e")}
 VS_VLLM = ROOT / "bench" / "vs_vllm.py"   # part 2: tidal and vLLM side by side in one process
 
