@@ -154,7 +154,7 @@ def main(argv: list[str]) -> int:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         train_ranks, rollout_ranks = split_ranks(world, c.rollout_ranks, c.rollout_fraction, c.colocate)
         shared = shared_devices(train_ranks, rollout_ranks, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                                gpu_count(c.backend), c.colocate)
+                                gpu_count(c.backend), c.colocate, cfg.perf.migrate_kv)
         resume_path(cfg)   # a named checkpoint that is not there fails here, on every rank
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return fail(f"config error: {e}", path, overrides)
@@ -181,7 +181,8 @@ def main(argv: list[str]) -> int:
         import_train_side()
 
     # 3. ranks and process groups; one run directory, named on rank 0
-    topo = init_distributed(c.rollout_ranks, c.rollout_fraction, c.colocate, c.backend, c.timeout_s)
+    topo = init_distributed(c.rollout_ranks, c.rollout_fraction, c.colocate, c.backend, c.timeout_s,
+                            kv_group=cfg.perf.migrate_kv)
     cpu.enable(cfg, topo)   # the C backend for CPU runs (cpu/), and this rank's cores, threads and allocator
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:

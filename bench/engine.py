@@ -8,8 +8,10 @@ generates exactly its output length. Throughput counts those requested output to
 Peers: transformers `generate` with static batches of --hf-batch-size requests in arrival order (left padded; a batch
 runs until its longest request is done) and, where installed, `generate_batch`-style continuous batching (the
 ContinuousBatchingManager with per-request max_new_tokens). The ratio is against the faster peer.
-On CUDA it also reports the fraction of the memory-bandwidth roofline reached by decode steps: (weight bytes + KV
-bytes attended) per step over step time, against a device-to-device copy bandwidth measured in the same run.
+On CUDA it also reports the fraction of the floor reached (bench/hardware.py): decode steps' (weight bytes + KV
+bytes attended) over the spec HBM bandwidth, against their time; the whole run's floor (the same bytes of an ideal
+schedule plus prefill FLOPs at the dense bf16 peak) against its time. A device-to-device copy bandwidth measured in the
+same run is printed beside them, never as a denominator.
 The last line is the headline, e.g. `engine_vs_hf_generate: 4.2x`.
 """
 from __future__ import annotations
@@ -93,10 +95,11 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_engine(model, prompts, outs, args, fused: bool = True, cpu_forward: bool = True):
+def run_engine(model, prompts, outs, args, fused: bool = True, cpu_forward: bool = True, traffic=None):
     """(seconds, decode bytes per second, stats) of our engine on the workload; `fused=False`: without the fused
     model ops and sampling kernel (engine/fused.py, kernels/sample.py), the engine as it was before them;
-    `cpu_forward=False`: a CPU engine's forward op by op instead of in one C call (cpu/forward.py)."""
+    `cpu_forward=False`: a CPU engine's forward op by op instead of in one C call (cpu/forward.py); `traffic`: a
+    bench/hardware.py Traffic that sums what the steps read (for the floor fractions)."""
     pool = None if args.device == "cuda" else args.max_num_seqs * 2 * args.max_len  # CPU: room for all at full length
     eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=max(2048, args.max_num_seqs),
                                         num_kv_tokens=pool, memory_fraction=0.5, fused_ops=fused,
@@ -116,9 +119,17 @@ def run_engine(model, prompts, outs, args, fused: bool = True, cpu_forward: bool
     while eng.has_unfinished():
         got += sum(len(o.token_ids) for o in eng.step() if o.request_id in ids)
         s = eng.last_step
+        read = weight_bytes * s.steps + s.context_tokens * kv_per_token
         if s.num_decode == s.num_seqs:
-            decode_bytes += weight_bytes + s.context_tokens * kv_per_token
+            decode_bytes += read
             decode_time += s.seconds
+        if traffic is not None and s.num_seqs:
+            traffic.run_bytes += read
+            traffic.steps += 1
+            if s.num_decode == s.num_seqs:
+                traffic.decode_bytes += read
+                traffic.decode_s += s.seconds
+                traffic.decode_steps += 1
     sync(args.device)
     secs = time.perf_counter() - t0
     assert got == sum(outs), (got, sum(outs))
@@ -325,9 +336,16 @@ def main(argv=None):
         print(f"engine with its forward op by op: {total / ops_s:.1f} tok/s ({ops_s:.2f} s)")
     print(f"engine: {ours_tps:.1f} tok/s ({secs:.2f} s, {snap.num_steps} steps, {snap.num_preemptions} preemptions)")
     if args.device == "cuda":
-        bw = copy_bandwidth("cuda")
-        print(f"engine decode: {decode_bw / 1e9:.0f} GB/s of weights + KV read, copy bandwidth {bw / 1e9:.0f} GB/s, "
-              f"roofline fraction {decode_bw / bw:.2f}")
+        from bench.hardware import engine_workload_floor, local_spec
+        bw, spec = copy_bandwidth("cuda"), local_spec("cuda")
+        floor = ""
+        if spec is not None:
+            run_floor = engine_workload_floor(SHAPES[args.shape], args.num_prompts, args.min_len, args.max_len,
+                                              args.seed, args.max_num_seqs, spec)
+            floor = (f", {decode_bw / spec.hbm_bytes_s:.2f} of the spec {spec.hbm_tbs} TB/s; whole run "
+                     f"{run_floor / secs:.2f} of the floor")
+        print(f"engine decode: {decode_bw / 1e9:.0f} GB/s of weights + KV read (copy bandwidth {bw / 1e9:.0f} GB/s)"
+              + floor)
     if args.phases:
         with torch.inference_mode():
             ph = engine_phases(ours, prompts, outs, args)

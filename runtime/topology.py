@@ -21,7 +21,9 @@ Devices: a rank takes cuda:(LOCAL_RANK mod the node's GPUs), so a node with fewe
 the partitions (a trainer and an engine on one GPU: a small model, or a one-GPU test of the disaggregated runtime;
 `rollout.gpu_memory_fraction` then bounds the engine's share), but never between two ranks of one NCCL group (the
 train group, the KV group): `shared_devices` refuses such a split before any group exists, naming the ranks
-(train.py asks it while it reads the config).
+(train.py asks it while it reads the config). The NCCL that torch 2.11 ships (2.28) refuses two ranks of one
+communicator on one GPU ("Duplicate GPU detected"). With `perf.migrate_kv` off there is no KV group, so several
+engines may share a GPU (a relay chain on one GPU).
 """
 from __future__ import annotations
 
@@ -109,17 +111,19 @@ def local_device(local_rank: int, gpus: int) -> torch.device:
     return torch.device("cuda", local_rank % gpus) if gpus > 0 else torch.device("cpu")
 
 
-def shared_devices(train: list[int], rollout: list[int], local_world: int, gpus: int, colocate: bool
-                   ) -> list[tuple[int, int, list[int]]]:
+def shared_devices(train: list[int], rollout: list[int], local_world: int, gpus: int, colocate: bool,
+                   migrate_kv: bool = True) -> list[tuple[int, int, list[int]]]:
     """The GPUs a train rank and a rollout rank share, as (node, device index, ranks); raises ValueError if two
     ranks of one NCCL group (the train ranks; the rollout ranks, which move KV to each other) would share one. Global
-    rank r runs on node r // local_world (torchrun's contiguous numbering) as local rank r % local_world."""
+    rank r runs on node r // local_world (torchrun's contiguous numbering) as local rank r % local_world.
+    migrate_kv=False (perf.migrate_kv): the rollout ranks form no KV group (init_distributed(kv_group=False)), so
+    several may share a GPU; their only link is the weights' publication, host memory over gloo."""
     if gpus <= 0:
         return []
 
     def place(r: int) -> tuple[int, int]:
         return r // local_world, local_device(r % local_world, gpus).index
-    groups = [("train", train)] + ([] if colocate or len(rollout) < 2 else [("rollout", rollout)])
+    groups = [("train", train)] + ([] if colocate or len(rollout) < 2 or not migrate_kv else [("rollout", rollout)])
     for name, ranks in groups:
         seen: dict[tuple[int, int], int] = {}
         for r in ranks:
@@ -140,8 +144,10 @@ def shared_devices(train: list[int], rollout: list[int], local_world: int, gpus:
 
 
 def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colocate: bool = False,
-                     backend: str = "auto", timeout_s: float = 300.0) -> Topology:
-    """Initialise torch.distributed from torchrun's environment (or a world of one without it)."""
+                     backend: str = "auto", timeout_s: float = 300.0, kv_group: bool = True) -> Topology:
+    """Initialise torch.distributed from torchrun's environment (or a world of one without it). kv_group=False
+    (perf.migrate_kv off): no group over the rollout ranks, whose NCCL communicator would refuse two of them on one
+    GPU."""
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29555"))
@@ -163,7 +169,8 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
     train_group = dist.new_group(train, backend=pg_backend, timeout=NO_PG_TIMEOUT)
     work_group = dist.new_group(train, backend="gloo", timeout=NO_PG_TIMEOUT)
     publish_group = None if colocate else dist.new_group([0] + rollout, backend=pg_backend, timeout=NO_PG_TIMEOUT)
-    kv_group = dist.new_group(rollout, backend=pg_backend, timeout=NO_PG_TIMEOUT) if len(rollout) > 1 else None
+    kv = (dist.new_group(rollout, backend=pg_backend, timeout=NO_PG_TIMEOUT) if kv_group and len(rollout) > 1
+          else None)
     if topo.is_train:
         topo.train_group, topo.work_group = train_group, work_group
         from torch.distributed.device_mesh import DeviceMesh
@@ -171,7 +178,7 @@ def init_distributed(rollout_ranks: int = 0, rollout_fraction: float = 0.5, colo
     if rank == 0 or topo.is_rollout:
         topo.publish_group = publish_group
     if topo.is_rollout:
-        topo.kv_group = kv_group
+        topo.kv_group = kv
     return topo
 
 

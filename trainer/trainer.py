@@ -63,6 +63,12 @@ OFF_POLICY = ("behaviour", "decoupled")
 
 
 class Trainer:
+    # FSDP2 over one CPU rank (tests: the GPU's one-rank path on CPU); off in runs, where it would only add hooks
+    SHARD_ONE_CPU_RANK = False
+    # one train rank: FSDP2's gradient reduction only after a chunk's last micro-batch (set_requires_gradient_sync),
+    # not after each; on one rank the reduce-scatter is a copy and the held unsharded gradients are the sharded ones
+    DEFER_GRAD_SYNC = True
+
     def __init__(self, model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu", ref_model: nn.Module | None = None, *,
                  temperature: float = 1.0, max_response_len: int | None = None, logprob_chunk: int | None = None,
@@ -95,7 +101,8 @@ class Trainer:
                     use_fused_train_ops(m, self.device)
         # One train rank on CPU: FSDP2 would only wrap (its hooks cost ~25% of a tiny model's step) with a no-op
         # fp32 policy; on a GPU it still brings the bf16 mixed precision, so it stays.
-        self.sharded = self.distributed and (self.world > 1 or self.device.type == "cuda")
+        self.sharded = self.distributed and (self.world > 1 or self.device.type == "cuda" or
+                                             self.SHARD_ONE_CPU_RANK)
         if self.sharded:
             self.mesh = build_mesh(self.group, self.device.type)
             shard_model(self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing,
@@ -188,31 +195,42 @@ class Trainer:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(self.accumulated / normaliser)
-        acc = torch.zeros(len(STAT_KEYS) + 2, dtype=torch.float64)  # stat sums, loss, tokens
-        for k, batch in enumerate(self._micro_batches(chunk)):
-            ref = ref_cache.get((chunk_id, k))
-            if ref is None and self.ref_model is not None:
-                ref = ref_cache[(chunk_id, k)] = self.logprobs(self.ref_model, batch, grad=False)[0]
-            logp, entropy = self.logprobs(self.model, batch, grad=True)
-            prox = None
-            if self.off_policy == "decoupled":
-                prox = prox_cache[(chunk_id, k)] if prox_cache is not None else logp.detach()
-            out = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.seq_idx, batch.mask, ref,
-                              clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
-                              ratio_level=cfg.ratio_level, kl_coef=cfg.kl_coef, max_len=self.max_len,
-                              normaliser=normaliser, num_seqs=batch.num_seqs, prox_logp=prox, is_cap=self.is_cap,
-                              is_mode=cfg.is_mode)
-            # FSDP averages gradients over the ranks; every rank's loss is already a share of the global sum.
-            (out.loss * self.world).backward()
-            sums = dict(out.sums, entropy=(entropy.detach().float() * batch.mask).sum())
-            acc[:len(STAT_KEYS)] += torch.stack([sums.get(key, torch.zeros(())).double().cpu() for key in STAT_KEYS])
-            acc[-2] += out.loss.detach().double().cpu()
-            acc[-1] += batch.num_loss_tokens
-            self.progress(f"micro-batch {k + 1} of minibatch {chunk_id + 1}")
+        # stat sums, loss, tokens, summed on the device: one host read per chunk, not one wait per micro-batch
+        acc = torch.zeros(len(STAT_KEYS) + 2, dtype=torch.float64, device=self.device)
+        # every micro-batch collated up front: a host-to-device copy between two micro-batches would wait for the
+        # backward before it, leaving the device idle while the host launches the next forward
+        batches = list(self._micro_batches(chunk))
+        defer = self.DEFER_GRAD_SYNC and self.sharded and self.world == 1 and len(batches) > 1
+        try:
+            for k, batch in enumerate(batches):
+                if defer:
+                    self.model.set_requires_gradient_sync(k == len(batches) - 1)
+                ref = ref_cache.get((chunk_id, k))
+                if ref is None and self.ref_model is not None:
+                    ref = ref_cache[(chunk_id, k)] = self.logprobs(self.ref_model, batch, grad=False)[0]
+                logp, entropy = self.logprobs(self.model, batch, grad=True)
+                prox = None
+                if self.off_policy == "decoupled":
+                    prox = prox_cache[(chunk_id, k)] if prox_cache is not None else logp.detach()
+                out = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.seq_idx, batch.mask, ref,
+                                  clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
+                                  ratio_level=cfg.ratio_level, kl_coef=cfg.kl_coef, max_len=self.max_len,
+                                  normaliser=normaliser, num_seqs=batch.num_seqs, prox_logp=prox, is_cap=self.is_cap,
+                                  is_mode=cfg.is_mode)
+                # FSDP averages gradients over the ranks; every rank's loss is already a share of the global sum.
+                (out.loss * self.world).backward()
+                sums = dict(out.sums, entropy=(entropy.detach().float() * batch.mask).sum())
+                zero = torch.zeros((), device=self.device)
+                acc += torch.stack([*(sums.get(key, zero).double() for key in STAT_KEYS), out.loss.detach().double(),
+                                    batch.mask.sum().double()])
+                self.progress(f"micro-batch {k + 1} of minibatch {chunk_id + 1}")
+        finally:  # an error mid-chunk leaves no later step without its reduction
+            if defer:
+                self.model.set_requires_gradient_sync(True)
+        del batches
         if self.world > 1:
-            acc = acc.to(self.device)
             dist.all_reduce(acc, group=self.group)
-            acc = acc.cpu()
+        acc = acc.cpu()
         self.accumulated = normaliser
         loss = float(acc[-2]) if normaliser == own else float(acc[-2]) * normaliser / own  # this chunk's own mean
         n = max(float(acc[-1]), 1.0)

@@ -172,6 +172,11 @@ def test_ranks_share_a_gpu_across_partitions_but_never_within_an_nccl_group():
         with pytest.raises(ValueError) as e:
             shared_devices(*args[:4], colocate=args[4])
         assert all(n in str(e.value) for n in needles), str(e.value)
+    # without KV migration the rollout ranks form no NCCL group: engines may share a GPU (a relay chain on one GPU);
+    # two train ranks on one GPU are still refused
+    assert shared_devices([0], [1, 2], 3, 1, colocate=False, migrate_kv=False) == [(0, 0, [0, 1, 2])]
+    with pytest.raises(ValueError, match="train ranks 0 and 1"):
+        shared_devices([0, 1], [2, 3], 4, 1, colocate=False, migrate_kv=False)
 
 
 def _rank0_of(monkeypatch, world: int, gpus: int) -> object:
