@@ -76,7 +76,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 @pytest.mark.parametrize("text, needles", [
     (b"[train\nsteps = 3\n", ["malformed TOML", "line 1"]),
     (b"[train]\nsteps = 3\n\xff\n", ["malformed TOML", "not UTF-8", "0xff"]),
-    (b"[train]\nlearning_rate = 1e-5\n", ["unknown key train.learning_rate", "Valid keys in [train]: steps, lr"]),
+    (b"[train]\nlearning_rate = 1e-5\n", ["unknown key train.learning_rate", "Valid keys in [train]: steps, samples, lr"]),
     (b"[rollout]\ngroup_size = \"8\"\n", ["rollout.group_size", "expected an integer", "got a string"]),
     (b"[data]\nsource = \"p.jsonl\"\n[reward]\nkind = \"math\"\n",
      ['data.source = "p.jsonl"', "needs a tokenizer", "model.path", "model.tokenizer"]),
