@@ -371,9 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     rs = rows(recorded)
     sync = recorded["sync"]
     rec = sync["recorded"]
-    print(f"real runs: {rec['date']}, {rec['machine']['cpus']} CPUs ({rec['machine']['cpu']}), "
-          f"commit {rec['commit']}; simulator: {profile_from(sync).name} calibrated from the sync run alone "
-          f"({time.perf_counter() - t0:.1f} s)")
+    loads = [x for r in recorded.values() for k in ("load_avg_1min", "sync_load_avg_1min") for x in r.get(k, [])
+             if x is not None]
+    print(f"real runs: {rec['date']}, {rec['machine']['cpus']} CPUs ({rec['machine']['cpu']}), commit {rec['commit']}, "
+          f"1-minute load {min(loads, default=0):.1f}-{max(loads, default=0):.1f}")
+    print(f"simulator: {profile_from(sync).name}, calibrated from the sync run alone; {len(rs) + 1} presets simulated "
+          f"in {time.perf_counter() - t0:.1f} s")
     print(format_table(rs, sync))
     return 0
 
