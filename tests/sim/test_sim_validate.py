@@ -101,3 +101,12 @@ def test_the_command_prints_the_table_and_the_count(monkeypatch, capsys, rows):
         assert line.split()[-1] == ("yes" if rows[p].within else "NO")
     m = re.fullmatch(r"sim\.validate: (\d+)/(\d+) presets within 15% of the measured speedup over sync", out[-1])
     assert m and int(m[2]) == len(PRESETS) and int(m[1]) == sum(r.within for r in rows.values())
+
+
+def test_the_recorder_reads_bench_policies_lines_and_writes_json_it_reads_back():
+    line = ("  laminar                  loop  10.15 s  (process  34.6 s)  1536 samples  trainer wait 0.00  "
+            "load 16.99 -> 17.08")
+    assert validate.bench_lines(f"header\n{line}\n") == {
+        "laminar": {"process_s": 34.6, "load_before": 16.99, "load_after": 17.08}}
+    summary = {"preset": "sync", "loop_s": 1.5, "trace": [[4, [1, 2]], [5, [60, 3]]]}
+    assert json.loads(validate._dump(dict(summary))) == summary
