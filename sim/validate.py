@@ -162,9 +162,8 @@ def summarize_run(name: str, run_dir: Path, printed: dict[str, float], meta: dic
         plen = statistics.fmean(p for p, lens in trace for _ in lens)
         cal = measure(run_dir, TRAIN_RANKS, plen)
         cal.pop("run", None)
-        cfg = json.loads(json.dumps(_engine_config(run_dir)))
         out.update(calibration={**cal, "prompt_tokens_mean": plen, "counters_interval_s": counters_interval(events)},
-                   engine_config=cfg, trace=trace)
+                   engine_config=_engine_config(run_dir), trace=trace)
     return out
 
 
@@ -172,6 +171,17 @@ def _engine_config(run_dir: Path) -> dict[str, Any]:
     from config import load_config
     r = load_config(run_dir / "config.toml", []).rollout
     return {"max_num_seqs": r.max_num_seqs, "kv_cache_tokens": r.kv_cache_tokens, "kv_block_size": r.kv_block_size}
+
+
+def run_setting(run_dir: Path) -> dict[str, Any]:
+    """bench/policies.py's setting as the sync run `run_dir` ran it (its config.toml): rounds (sync steps once a
+    round), prompts x group size per round, U groups per optimizer step (sync's minibatches: P / U), the tail."""
+    from config import load_config
+    c = load_config(run_dir / "config.toml", [])
+    return {"rounds": c.train.steps, "prompts": c.rollout.prompts_per_step, "group_size": c.rollout.group_size,
+            "batch_groups": c.rollout.prompts_per_step // c.train.minibatches,
+            "tail": [c.data.len_tail_min, c.data.len_tail_max], "affinity": c.perf.cpu_affinity,
+            "rollout_ranks": c.cluster.rollout_ranks, "train_ranks": TRAIN_RANKS}
 
 
 def bench_argv(out: Path, preset: str) -> list[str]:
@@ -196,8 +206,7 @@ def record(out_dir: Path, runs: Path | None, names: list[str]) -> None:
     meta = {"recorded": {"date": stamp.strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(), "commit": git_commit(),
                          "command": "python bench/policies.py " + " ".join(bench_argv(Path("DIR"), "PRESET")),
                          "rerecord": "python -m sim.validate --record"},
-            "setting": {"rounds": 12, "prompts": 16, "group_size": 8, "batch_groups": 2, "tail": [64, 96],
-                        "affinity": "partition", "rollout_ranks": ENGINES, "train_ranks": TRAIN_RANKS}}
+            "setting": run_setting(first.parent)}
     out_dir.mkdir(parents=True, exist_ok=True)
     calib = min(names[1:], key=lambda n: _mean_load(_printed(runs / n, "sync")))
     summaries = {"sync": {**summarize_run("sync", runs / calib / "sync-0", _printed(runs / calib, "sync"), meta),
@@ -233,7 +242,7 @@ def _dump(summary: dict[str, Any]) -> str:
 
 # ------------------------------------------------------------------------------------------------ simulating
 def load_recorded(directory: Path = VALIDATION_DIR) -> dict[str, dict[str, Any]]:
-    """The recorded summaries by preset, sync first; KeyError-free: a missing sync raises FileNotFoundError."""
+    """The recorded summaries by preset, sync first (FileNotFoundError without a sync.json)."""
     if not (directory / "sync.json").is_file():
         raise FileNotFoundError(f"{directory}/sync.json: no recorded sync run (python -m sim.validate --record)")
     found = {p.stem: json.loads(p.read_text()) for p in directory.glob("*.json")}
