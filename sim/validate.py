@@ -257,10 +257,13 @@ def profile_from(sync: dict[str, Any]) -> CostModel:
         k3, k4 = cal["k3"], cal["k4"]
     else:   # every interval at one batch size: no slope, the step time at that batch is all fixed cost
         k3, k4 = 0.0, cal["step_s"]
+    # a fit through the origin (k4 clipped to 0) charges k3 per sequence; k2 = k3 keeps that (max(k3, k3 n) = k3 n
+    # for n >= 1) and gives the step the floor the cost model requires (k2 + k4 > 0)
+    k2 = k3 if k4 <= 0 else 0.0
     base = get_profile("cpu_tiny")
     reward = RewardLatency((RewardTask("repeat", 1.0, max(cal.get("reward_s_median") or 0.0, 1e-6), 0.5, 5.0),))
     src = "sim.calibrate on the recorded sync run (sim/validation/sync.json)"
-    return replace(base, name="cpu_tiny@validation", k3=k3, k4=k4, prefill_s_per_token=k3,
+    return replace(base, name="cpu_tiny@validation", k2=k2, k3=k3, k4=k4, prefill_s_per_token=k3,
                    train_s_per_token=cal["train_s_per_token_one_rank"], publish_s=cal.get("publish_s") or 0.0,
                    load_s=cal.get("load_s") or 0.0, reward=reward, max_num_seqs=eng["max_num_seqs"],
                    kv_capacity_tokens=eng["kv_cache_tokens"], block_size=eng["kv_block_size"],
