@@ -22,26 +22,23 @@ PRESETS = [p for p in RECORDED if p != "sync"]
 STEP = ("model: the simulated trainer costs per token; most of the CPU trainer's cost is per optimizer step (sync's "
         "8-step calls: 0.29 s fixed) and this preset takes 12 steps to sync's 96")
 OVERLAP = ("model: simulated engines, trainer and controller never slow each other; on the real ranks training slows "
-           "while generation runs (the controller runs in rank 0's process beside the trainer)")
-LOAD = "measurement: recorded at 1-minute load 14-23 on 2 cores (the pairs' identical sync runs took 6.7-21.2 s)"
+           "while generation runs (the controller runs in rank 0's process beside the trainer); its time per "
+           "optimizer step was")
+LOAD = "measurement: recorded at 1-minute load 12-23 on 2 cores (the pairs' identical sync runs took 6.7-27.7 s)"
 CALLS = "model: no cost per train call (96 calls to sync's 12)"
-KNOWN_MISSES: dict[str, str] = {
-    "areal": f"+28% (1.37x simulated, 1.07x measured; 1.31x on a quiet day). {OVERLAP}, time per step 1.57x "
-             f"sync's; {LOAD}",
-    "fgd_tailbatch": f"+57% (1.42x, 0.90x). {OVERLAP}, time per step 1.37x sync's; {CALLS}; {LOAD}",
-    "laminar": f"+122% (1.57x, 0.71x; 0.77x in a second pair; 1.58x on a quiet day). {OVERLAP}, time per step "
-               f"1.97x sync's; {LOAD}",
-    "one_step": f"+22% (1.45x, 1.18x; 0.95x in a second pair; 1.15x on a quieter day). {OVERLAP}, time per step "
-                f"1.12x sync's",
-    "partial_rollout": f"+159% (1.44x, 0.56x; 1.08x in a second pair; 1.62x on a quieter day). {LOAD}; {OVERLAP}",
-    "rolloutpipe": f"+18% (1.36x, 1.15x; 1.18x on a quieter day). {CALLS}; {OVERLAP}, time per step 1.08x sync's",
-    "staleflow": f"+29% (1.42x, 1.10x; 1.20x on a quiet day). {OVERLAP}, time per step 1.21x sync's; {LOAD}",
-    "staleflow_vanilla": f"+38% (1.31x, 0.95x). {OVERLAP}, time per step 1.39x sync's; {LOAD}",
-    "stream_generation": f"-53% (1.53x, 3.24x; 3.11x in a second pair; 2.21x on a quiet day). {STEP} (its "
-                         f"training took 0.43x sync's)",
-    "streamrl": f"-37% (1.25x, 1.99x). {STEP} (0.56x sync's training)",
-    "streamrl_async": f"-21% (1.53x, 1.94x). {STEP} (0.71x sync's training)",
-    "verl_async": f"+36% (1.43x, 1.05x; 1.32x on a quiet day). {OVERLAP}, time per step 1.28x sync's; {LOAD}",
+KNOWN_MISSES: dict[str, str] = {   # error: simulated, measured here; measured in a second full recording (and pair)
+    "areal": f"+28%: 1.37x, 1.07x; 0.86x. {OVERLAP} 1.57x sync's; {LOAD}",
+    "fgd_tailbatch": f"+57%: 1.42x, 0.90x; 2.34x. {LOAD}; {OVERLAP} 1.37x sync's; {CALLS}",
+    "laminar": f"+122%: 1.57x, 0.71x; 1.14x, 0.77x. {LOAD}; {OVERLAP} 1.97x sync's",
+    "one_step": f"+22%: 1.45x, 1.18x; 1.30x, 0.95x. {LOAD}; {OVERLAP} 1.12x sync's",
+    "partial_rollout": f"+159%: 1.44x, 0.56x; 1.86x, 1.08x. {LOAD}; {OVERLAP} 2.43x sync's",
+    "rolloutpipe": f"+18%: 1.36x, 1.15x; 1.03x. {CALLS}; {OVERLAP} 1.08x sync's",
+    "staleflow": f"+29%: 1.42x, 1.10x; 1.97x. {LOAD}; {OVERLAP} 1.21x sync's",
+    "staleflow_vanilla": f"+38%: 1.31x, 0.95x; 1.05x. {OVERLAP} 1.39x sync's",
+    "stream_generation": f"-53%: 1.53x, 3.24x; 2.36x, 3.11x. {STEP} (its training took 0.43x sync's)",
+    "streamrl": f"-37%: 1.25x, 1.99x; 1.34x. {LOAD}; {STEP} (0.56x sync's training)",
+    "streamrl_async": f"-21%: 1.53x, 1.94x; 2.83x. {STEP} (0.71x sync's training)",
+    "verl_async": f"+36%: 1.43x, 1.05x; 0.80x. {OVERLAP} 1.28x sync's; {LOAD}",
 }
 
 
