@@ -103,7 +103,9 @@ def test_the_command_prints_the_table_and_the_count(monkeypatch, capsys, rows):
 def test_the_recorder_reads_bench_policies_lines_and_writes_json_it_reads_back():
     line = ("  laminar                  loop  10.15 s  (process  34.6 s)  1536 samples  trainer wait 0.00  "
             "load 16.99 -> 17.08")
-    assert validate.bench_lines(f"header\n{line}\n") == {
-        "laminar": {"process_s": 34.6, "load_before": 16.99, "load_after": 17.08}}
+    with_reward = line.replace("samples  trainer", "samples  reward 0.114  trainer").replace("laminar", "areal  ")
+    assert validate.bench_lines(f"header\n{line}\n{with_reward}\n") == {
+        "laminar": {"process_s": 34.6, "load_before": 16.99, "load_after": 17.08},
+        "areal": {"process_s": 34.6, "load_before": 16.99, "load_after": 17.08}}
     summary = {"preset": "sync", "loop_s": 1.5, "trace": [[4, [1, 2]], [5, [60, 3]]]}
     assert json.loads(validate._dump(dict(summary))) == summary
