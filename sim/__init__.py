@@ -11,6 +11,7 @@ simulated engines and a simulated trainer (docs/architecture.md, "Simulator").
     compare.py   `python -m sim.compare`: every preset on one workload, a table and timelines
     repro/       `python -m sim.repro PAPER`: our numbers beside a paper's (core.py, figures.py, a module per paper)
     calibrate.py `python -m sim.calibrate RUN_DIR`: cost constants from a real run of ours
+    validate.py  `python -m sim.validate`: every preset's speedup over sync, simulated against our real runs
 """
 from sim.cost import CostModel, RewardLatency, RewardTask
 from sim.profiles import PROFILES, get_profile
