@@ -240,6 +240,7 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
     try:
         with watchdog.doing("the controller's loop"):
             controller.run(backend, periodic_checkpoints(cfg, controller, save))
+        log.end_bar()
         phase("saving the final checkpoint", timed=True)
         save()
         if cfg.checkpoint.export_hf:
@@ -295,6 +296,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
                                         cfg.checkpoint.keep))
 
         def finish() -> None:
+            log.end_bar()
             phase("saving the final checkpoint", timed=True)
             save()
             if cfg.checkpoint.export_hf:

@@ -61,6 +61,12 @@ class MetricsLogger(EventLog):
             self.bar = tqdm(total=self.total_steps, initial=self.start_step, desc="steps", dynamic_ncols=True,
                             leave=True)
 
+    def end_bar(self) -> None:
+        """The steps are over (the last one, or a samples budget spent first): the bar closes, so that the closing
+        phases' lines follow it rather than overwrite it."""
+        if self.bar is not None:
+            self.bar.close()
+
     def write(self, ev: Event) -> None:
         super().write(ev)
         self.window.append(ev)
@@ -99,8 +105,8 @@ class MetricsLogger(EventLog):
             self.bar.set_postfix(reward=f"{row.get('reward_mean', 0):.3f}", acc=f"{row.get('accuracy', 0):.2f}",
                                  loss=f"{row.get('loss', 0):.3f}", refresh=False)
             self.bar.update(max(0, ev.version - self.bar.n))
-            if self.bar.n >= self.total_steps:   # the last step: the closing phases' lines go below the bar
-                self.bar.close()
+            if self.bar.n >= self.total_steps:
+                self.end_bar()
 
     def marks(self) -> dict[str, int]:
         """Byte lengths of the run's logs as of now (flushed first): where a checkpoint taken now cuts them back."""
@@ -114,8 +120,7 @@ class MetricsLogger(EventLog):
     def close(self) -> None:
         super().close()
         self.metrics_f.close()
-        if self.bar is not None:
-            self.bar.close()
+        self.end_bar()
         if self.wandb is not None:
             self.log_timeline()
             self.wandb.finish()
