@@ -149,10 +149,10 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    phase("model ready", rank, timed=True)
     if restart_count() > 0 and not (cfg.log.dir or cfg.checkpoint.dir) and rank == 0:
         print("warning: restarted by torchrun without log.dir: a new run directory, starting afresh",
               file=sys.stderr, flush=True)
+    phase("model ready", rank, timed=True)
 
     if rank in train_ranks:   # before any deadline runs; a rollout rank never needs the train side
         import_train_side()
@@ -243,8 +243,8 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
         log.end_bar()
         phase("saving the final checkpoint", timed=True)
         save()
+        phase(f"exporting the model to {Path(run_dir) / 'hf'}", when=cfg.checkpoint.export_hf)
         if cfg.checkpoint.export_hf:
-            phase(f"exporting the model to {Path(run_dir) / 'hf'}")
             backend.call(ExportHF(str(Path(run_dir) / "hf")))
     finally:
         backend.stop_workers()
@@ -299,8 +299,8 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
             log.end_bar()
             phase("saving the final checkpoint", timed=True)
             save()
+            phase(f"exporting the model to {Path(run_dir) / 'hf'}", when=cfg.checkpoint.export_hf)
             if cfg.checkpoint.export_hf:
-                phase(f"exporting the model to {Path(run_dir) / 'hf'}")
                 backend.call(ExportHF(str(Path(run_dir) / "hf")))
         ctl = ControllerThread(controller, backend, finish, periodic_checkpoints(cfg, controller, save))
     worker.start()

@@ -49,9 +49,10 @@ def starting(argv: list[str]) -> None:
     print(starting_line(argv), flush=True)
 
 
-def phase(what: str, rank: int | None = None, timed: bool = False) -> None:
-    """`tidal: WHAT` on global rank 0 (`rank`, else torchrun's RANK), with the seconds since launch if `timed`."""
-    if (rank if rank is not None else _env_rank("RANK")) != 0:
+def phase(what: str, rank: int | None = None, timed: bool = False, when: bool = True) -> None:
+    """`tidal: WHAT` on global rank 0 (`rank`, else torchrun's RANK), with the seconds since launch if `timed`; nothing
+    unless `when` (a phase the config may skip)."""
+    if not when or (rank if rank is not None else _env_rank("RANK")) != 0:
         return
     suffix = f" ({time.time() - LAUNCH:.1f} s)" if timed else ""
     print(f"tidal: {what}{suffix}", file=sys.stdout, flush=True)

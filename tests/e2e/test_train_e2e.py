@@ -26,6 +26,24 @@ def tiny_run(tmp_path_factory) -> Path:
     return run
 
 
+PHASES = ("tidal: starting (config configs/tiny.toml, {n} ranks)", "tidal: model ready (", "tidal: {n} ranks joined (",
+          "tidal: engines ready: ", "tidal: first round started", "tidal: saving the final checkpoint (",
+          "tidal: exporting the model to ", "tidal: shutting down the ranks",
+          "tidal: writing summary.json and timeline.png", "run directory: ")
+
+
+def assert_phases(stdout: str, nproc: int) -> None:
+    """One line per start-up phase (the first before the model is built) and per closing phase, in order."""
+    lines = [line for line in stdout.splitlines() if line.startswith(("tidal: ", "run directory: "))]
+    want = [p.format(n=nproc) for p in PHASES]
+    assert len(lines) == len(want) and all(line.startswith(w) for line, w in zip(lines, want)), lines
+
+
+def bar_steps(stderr: str) -> list[int]:
+    """The step counts the progress bar showed, in order."""
+    return [int(n) for n in re.findall(r"\| *(\d+)/\d+ \[", stderr)]
+
+
 def test_a_clean_run_prints_no_deprecation_of_ours_and_no_leak_report_at_exit(tiny_run):
     """The front door's output: the FSDP gather used a collective newer torch deprecates (a FutureWarning on each
     train rank), and every rank that froze its start-up objects (train.py's gc.freeze) left triton's extension
@@ -76,24 +94,6 @@ def test_exported_model_loads_in_transformers(tiny_run):
         diff = hf(ids[None]).logits[0] - ours.forward_packed(ids, cu_seqlens_from_lengths([5]))
     assert diff.abs().max() < 1e-4
     assert (tiny_run / "checkpoints" / "step_70").is_dir()
-
-
-PHASES = ("tidal: starting (config configs/tiny.toml, {n} ranks)", "tidal: model ready (", "tidal: {n} ranks joined (",
-          "tidal: engines ready: ", "tidal: first round started", "tidal: saving the final checkpoint (",
-          "tidal: exporting the model to ", "tidal: shutting down the ranks",
-          "tidal: writing summary.json and timeline.png", "run directory: ")
-
-
-def assert_phases(stdout: str, nproc: int) -> None:
-    """One line per start-up phase (the first before the model is built) and per closing phase, in order."""
-    lines = [line for line in stdout.splitlines() if line.startswith(("tidal: ", "run directory: "))]
-    want = [p.format(n=nproc) for p in PHASES]
-    assert len(lines) == len(want) and all(line.startswith(w) for line, w in zip(lines, want)), lines
-
-
-def bar_steps(stderr: str) -> list[int]:
-    """The step counts the progress bar showed, in order."""
-    return [int(n) for n in re.findall(r"\| *(\d+)/\d+ \[", stderr)]
 
 
 @pytest.mark.parametrize("nproc,mode", [(3, []), (2, ["--cluster.colocate=true"])], ids=["split", "colocated"])
