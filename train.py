@@ -37,6 +37,9 @@ from typing import TYPE_CHECKING, Callable
 
 gc.disable()   # start-up makes ~300k long-lived objects (imports, model, data): no collection passes over them
 #                (5 full passes, ~0.4 s); step 4 freezes them out of every later scan and turns the collector on
+if __name__ == "__main__":   # the launch's first line, before the imports below (seconds of them on a busy machine)
+    from runtime.progress import starting
+    starting(sys.argv[1:])
 
 import torch
 import torch.distributed as dist
@@ -52,6 +55,7 @@ from runtime.build import (RunParts, build_run, deterministic_algorithms, device
 from runtime.channel import Channel
 from runtime.logger import MetricsLogger
 from runtime.messages import ExportHF, Publish, SaveCheckpoint
+from runtime.progress import phase
 from runtime.rollout_worker import RolloutWorker
 from runtime.rundir import (checkpoint_dir, finish_run, leader_state, periodic_checkpoints, prepare_run_dir,
                             restart_count, restore, resume_path)
@@ -176,6 +180,7 @@ def main(argv: list[str]) -> int:
     if restart_count() > 0 and not (cfg.log.dir or cfg.checkpoint.dir) and rank == 0:
         print("warning: restarted by torchrun without log.dir: a new run directory, starting afresh",
               file=sys.stderr, flush=True)
+    phase("model ready", rank, timed=True)
 
     if rank in train_ranks:   # before any deadline runs; a rollout rank never needs the train side
         import_train_side()
@@ -191,6 +196,8 @@ def main(argv: list[str]) -> int:
     holder = [prepare_run_dir(cfg) if topo.is_leader else None]
     dist.broadcast_object_list(holder, src=0)  # the default group: start-up waits (runtime/topology.py STARTUP_MIN_S)
     run_dir, t0 = holder[0]
+    phase(f"{topo.world} ranks joined (" + ("colocated" if topo.colocate else f"{len(topo.train_ranks)} train, "
+          f"{len(topo.rollout_ranks)} rollout") + f"): {run_dir}", topo.rank, timed=True)
 
     # 4. the rank's role. From here on every blocking call is a declared wait: a rank frozen, dead or without
     # progress for cluster.timeout_s ends the job with a stall report (runtime/watchdog.py)
@@ -213,6 +220,7 @@ def main(argv: list[str]) -> int:
         watchdog.failed(traceback.format_exc())
 
     # 5. orderly shutdown: every rank stops its neighbour's inbox, then leaves; the leader writes the run summary
+    phase("shutting down the ranks", topo.rank)
     with waiting("every rank to finish (the shutdown barrier)", on=range(topo.world)):
         dist.barrier(group=topo.control_group)
     channel.close(stop_peer=(topo.rank + 1) % topo.world)
@@ -257,6 +265,7 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
     extra = resume_trainer(cfg, trainer, topo)
     if extra is not None:
         restore(controller, parts, extra)
+        log.resumed(trainer.step)
     tt = TrainerThread(trainer, publisher, topo, channel, t0, notify=lambda v: backend.notify_publication(v))
     backend = RuntimeBackend(topo, channel, t0, to_trainer=tt.queue.put,
                              isolates_faults=preset.failures_isolated() > 0)
@@ -269,7 +278,10 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
     try:
         with watchdog.doing("the controller's loop"):
             controller.run(backend, periodic_checkpoints(cfg, controller, save))
+        log.end_bar()
+        phase("saving the final checkpoint", timed=True)
         save()
+        phase(f"exporting the model to {Path(run_dir) / 'hf'}", when=cfg.checkpoint.export_hf)
         if cfg.checkpoint.export_hf:
             export_hf(backend.call, cfg, parts, run_dir)
     finally:
@@ -314,6 +326,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
                                 cfg.train.steps, log=log, total_samples=cfg.train.samples or None)
         if extra is not None:
             restore(controller, parts, extra)
+            log.resumed(trainer.step)
         backend = ColocatedBackend(topo, channel, t0)
 
         def save() -> None:
@@ -321,7 +334,10 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
                                         cfg.checkpoint.keep))
 
         def finish() -> None:
+            log.end_bar()
+            phase("saving the final checkpoint", timed=True)
             save()
+            phase(f"exporting the model to {Path(run_dir) / 'hf'}", when=cfg.checkpoint.export_hf)
             if cfg.checkpoint.export_hf:
                 export_hf(backend.call, cfg, parts, run_dir)
         ctl = ControllerThread(controller, backend, finish, periodic_checkpoints(cfg, controller, save))

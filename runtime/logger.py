@@ -1,5 +1,7 @@
 """The leader's run log: events.jsonl (every event), metrics.jsonl (one line per train step), a console progress
-bar, and wandb when `log.wandb` is set (offline mode when no API key is configured, or as WANDB_MODE says): the
+bar (from the run's first round, at the step a resumed run continues from; closed at the last step, so the closing
+phases' lines of runtime/progress.py follow it), start-up lines as the engines first hold weights and the first round
+starts, and wandb when `log.wandb` is set (offline mode when no API key is configured, or as WANDB_MODE says): the
 run config attached, every metrics row logged at its step, the timeline image at the end.
 
 Per-step metrics = the trainer's (loss, KL, entropy, clip fractions, grad norm, lr, reward mean, accuracy,
@@ -14,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from runtime.progress import phase
 from sched.events import Event, EventLog
 from sched.metrics import summarize
 
@@ -33,9 +36,10 @@ class MetricsLogger(EventLog):
         self.last_sync_s: float | None = None
         self.history: list[dict[str, Any]] = []
         self.bar = None
-        if cfg.log.progress:
-            from tqdm import tqdm
-            self.bar = tqdm(total=cfg.train.steps, desc="steps", dynamic_ncols=True, leave=True)
+        self.show_bar, self.total_steps = cfg.log.progress, cfg.train.steps
+        self.start_step = 0              # the step a resumed run continues from (`resumed`)
+        self.loaded: set[int] = set()    # engines that have loaded weights (the start-up line once all have)
+        self.started = False             # the first round has started
         self.wandb = None
         if cfg.log.wandb:
             try:
@@ -47,9 +51,34 @@ class MetricsLogger(EventLog):
                                     name=self.run_dir.name, dir=str(self.run_dir), mode=mode,
                                     config={**dataclasses.asdict(cfg), "run_dir": str(self.run_dir)})
 
+    def resumed(self, step: int) -> None:
+        """This attempt continues a run from its checkpoint at `step`: the bar starts there."""
+        self.start_step = step
+
+    def open_bar(self) -> None:
+        if self.show_bar and self.bar is None:
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.total_steps, initial=self.start_step, desc="steps", dynamic_ncols=True,
+                            leave=True)
+
+    def end_bar(self) -> None:
+        """The steps are over (the last one, or a samples budget spent first): the bar closes, so that the closing
+        phases' lines follow it rather than overwrite it."""
+        if self.bar is not None:
+            self.bar.close()
+
     def write(self, ev: Event) -> None:
         super().write(ev)
         self.window.append(ev)
+        if ev.kind == "weights_loaded" and ev.engine >= 0 and len(self.loaded) < (self.num_engines or 1):
+            self.loaded.add(ev.engine)
+            if len(self.loaded) == (self.num_engines or 1):
+                phase(f"engines ready: {len(self.loaded)} with weights", rank=0, timed=True)
+        if ev.kind == "round_started" and not self.started:
+            self.started = True
+            phase("first round started" + (f" (resumed at step {self.start_step})" if self.start_step else ""),
+                  rank=0)
+            self.open_bar()
         if ev.kind == "version_published" and ev.version in self.step_end:
             self.last_sync_s = ev.t - self.step_end[ev.version]
         if ev.kind == "train_step_done" and ev.data.get("stepped", True):
@@ -71,10 +100,13 @@ class MetricsLogger(EventLog):
             self.flush()
             if self.wandb is not None:
                 self.wandb.log(row, step=ev.version)
+        self.open_bar()
         if self.bar is not None:
-            self.bar.update(1)
             self.bar.set_postfix(reward=f"{row.get('reward_mean', 0):.3f}", acc=f"{row.get('accuracy', 0):.2f}",
-                                 loss=f"{row.get('loss', 0):.3f}")
+                                 loss=f"{row.get('loss', 0):.3f}", refresh=False)
+            self.bar.update(max(0, ev.version - self.bar.n))
+            if self.bar.n >= self.total_steps:
+                self.end_bar()
 
     def marks(self) -> dict[str, int]:
         """Byte lengths of the run's logs as of now (flushed first): where a checkpoint taken now cuts them back."""
@@ -88,8 +120,7 @@ class MetricsLogger(EventLog):
     def close(self) -> None:
         super().close()
         self.metrics_f.close()
-        if self.bar is not None:
-            self.bar.close()
+        self.end_bar()
         if self.wandb is not None:
             self.log_timeline()
             self.wandb.finish()

@@ -20,6 +20,7 @@ import torch
 from config import Config, resolve_run_dir, save_config
 from runtime.build import RunParts
 from runtime.logger import LOGS, MetricsLogger
+from runtime.progress import phase
 from sched.controller import Controller
 from sched.events import Event, read_events
 from sched.metrics import summarize
@@ -158,12 +159,28 @@ def fault_counts(events: list[Event]) -> dict[str, int]:
             "sample_errors": sum(1 for e in events if e.kind == "trajectory_aborted" and e.data.get("error"))}
 
 
+def run_rows(run_dir: str | Path, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every step's metrics row of the whole run: this attempt's `history`, after the rows of metrics.jsonl from
+    before it (an attempt resumed from a checkpoint at step N continues a file cut back to its rows <= N; those are
+    every `log.every`-th step's)."""
+    first = history[0]["step"] if history else float("inf")
+    path = Path(run_dir) / "metrics.jsonl"
+    earlier = []
+    if first > 1 and path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if isinstance(row.get("step"), int) and row["step"] < first:
+                earlier.append(row)
+    return earlier + history
+
+
 def finish_run(run_dir: str, log: MetricsLogger, parts: RunParts) -> None:
     """summary.json and timeline.png, both from the event log (without the per-request admissions, which neither
-    reads: a third of the log)."""
+    reads: a third of the log) and, for the rewards, every step's row of the run, earlier attempts' included."""
+    phase("writing summary.json and timeline.png")
     events = list(read_events(Path(run_dir) / "events.jsonl", skip=("request_admitted",)))
     summary = summarize(events, log.num_engines)
-    hist = log.history
+    hist = run_rows(run_dir, log.history)
     if hist:
         k = max(1, len(hist) // 4)
         summary["reward_first"] = sum(h.get("reward_mean", 0) for h in hist[:k]) / k

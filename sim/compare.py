@@ -19,12 +19,14 @@ Columns:
     trainer_wait_ratio      RolloutPipe §5.1: trainer wait / (wait + compute)
     engine_idle_ratio       1 - decode busy time / (engines x makespan)
 A preset that fails is a row with its error, not a crash. Each preset's timeline goes to OUT/<preset>.png.
+Progress goes to stderr, one line per preset as it ends (`[3/15] laminar 4.1 s`); stdout holds only the table.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -138,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     out = None if args.no_plots else Path(args.out)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    rows = [run_one(name, args, workload, out, built.get(name)) for name in chosen]
+    rows = []
+    for i, name in enumerate(chosen, 1):
+        t = time.perf_counter()
+        rows.append(run_one(name, args, workload, out, built.get(name)))
+        failed = " (failed)" if "error" in rows[-1] else ""
+        print(f"[{i}/{len(chosen)}] {name} {time.perf_counter() - t:.1f} s{failed}", file=sys.stderr, flush=True)
     if extra and not args.json:
         print(f"sched overrides, every preset: {' '.join(extra)}")
     print(json.dumps(rows) if args.json else format_table(rows))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,24 @@ def tiny_run(tmp_path_factory) -> Path:
     proc = torchrun(3, f"--log.dir={run}", "--train.steps=70")
     (run.parent / "output.txt").write_text(proc.stdout + proc.stderr)
     return run
+
+
+PHASES = ("tidal: starting (config configs/tiny.toml, {n} ranks)", "tidal: model ready (", "tidal: {n} ranks joined (",
+          "tidal: engines ready: ", "tidal: first round started", "tidal: saving the final checkpoint (",
+          "tidal: exporting the model to ", "tidal: shutting down the ranks",
+          "tidal: writing summary.json and timeline.png", "run directory: ")
+
+
+def assert_phases(stdout: str, nproc: int) -> None:
+    """One line per start-up phase (the first before the model is built) and per closing phase, in order."""
+    lines = [line for line in stdout.splitlines() if line.startswith(("tidal: ", "run directory: "))]
+    want = [p.format(n=nproc) for p in PHASES]
+    assert len(lines) == len(want) and all(line.startswith(w) for line, w in zip(lines, want)), lines
+
+
+def bar_steps(stderr: str) -> list[int]:
+    """The step counts the progress bar showed, in order."""
+    return [int(n) for n in re.findall(r"\| *(\d+)/\d+ \[", stderr)]
 
 
 def test_a_clean_run_prints_no_deprecation_of_ours_and_no_leak_report_at_exit(tiny_run):
@@ -106,19 +125,30 @@ def test_export_carries_the_tokenizer_and_the_readme_rollout_runs_on_text_prompt
 
 @pytest.mark.parametrize("nproc,mode", [(3, []), (2, ["--cluster.colocate=true"])], ids=["split", "colocated"])
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, nproc, mode):
+    """A run that stopped after its step-2 checkpoint (its logs ran on past it), resumed: the same steps, weights and
+    summary as the uninterrupted run, and its progress bar continues at step 2 (it once restarted at 0 and the
+    summary's rewards covered only the resumed attempt)."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=3", "--rollout.prompts_per_step=8",
-              "--checkpoint.export_hf=false", *mode]
-    torchrun(nproc, f"--log.dir={full}", *common)
-    # a run that stopped after step 2: its directory holds what the full run had then
+    common = ["--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=3", "--rollout.prompts_per_step=8", *mode]
+    assert_phases(torchrun(nproc, f"--log.dir={full}", *common).stdout, nproc)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
-    torchrun(nproc, f"--log.dir={resumed}", "--checkpoint.resume=latest", *common)
+    for name in ("events.jsonl", "metrics.jsonl"):
+        shutil.copy(full / name, resumed / name)
+    proc = torchrun(nproc, f"--log.dir={resumed}", "--checkpoint.resume=latest", "--log.progress=true",
+                    "--checkpoint.export_hf=false", *common)
+    shown = bar_steps(proc.stderr)
+    assert shown[0] == 2 and shown[-1] == 4 and 0 not in shown, proc.stderr[-2000:]
     a, b = metrics(full), metrics(resumed)
-    assert [r["step"] for r in b] == [3, 4]
-    for ra, rb in zip(a[2:], b):
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert (resumed / "metrics.discarded.jsonl").read_text().count("\n") == 2   # the old attempt's steps 3 and 4
+    for ra, rb in zip(a[2:], b[2:]):
         for k in ("reward_mean", "loss", "grad_norm", "response_len_mean"):
             assert ra[k] == pytest.approx(rb[k], rel=1e-6, abs=1e-7), (ra["step"], k)
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (full, resumed))
+    for k in ("reward_first", "reward_last"):
+        assert sb[k] == pytest.approx(sa[k], rel=1e-6, abs=1e-7), k
+    assert sb["samples_trained"] == sa["samples_trained"] == 4 * 8 * 8
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     wa = _load_state_dict_from_keys(storage_reader=FileSystemReader(str(full / "checkpoints" / "step_4")))

@@ -320,3 +320,15 @@ def test_sim_cli_lists_profiles_and_workloads(capsys):
     assert main(["profiles", "h800_7b"]) == 0 and "StreamRL Table 1" in capsys.readouterr().out
     assert main(["workloads"]) == 0 and "rollpacker_14b_16k" in capsys.readouterr().out
     assert main([]) == 2
+
+
+def test_compare_reports_progress_per_preset_on_stderr_and_only_the_table_on_stdout(capsys):
+    """Each preset takes seconds on the default setting: a line per preset as it ends keeps the run from looking
+    hung, on stderr so that stdout stays the table (or the JSON rows) a script reads."""
+    assert compare.main(["--json", "--gpus", "4", "--rounds", "1", "--prompts", "4", "--no-plots",
+                         "--presets", "sync,one_step"]) == 0
+    out, err = capsys.readouterr()
+    assert [r["preset"] for r in json.loads(out)] == ["sync", "one_step"]
+    lines = err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[1/2] sync ") and lines[1].startswith("[2/2] one_step "), err
+    assert all(line.endswith(" s") and float(line.split()[-2]) >= 0 for line in lines), err
