@@ -8,9 +8,10 @@ over the seeds, with the smallest and largest in brackets) and the notes the rep
 chose), and last `PAPER: K/N headline figures within 20%, W more weak (...); B/M bound rows hold, not counted` under
 the hit rule and accounting of sim/repro/core.py (within 20% of the paper's range; a speedup counts only if our gain
 is at least half the paper's smallest gain; edge hits, hits through compensating errors and caveated hits are weak
-and apart; "up to" and "< x" rows are bounds, apart; arithmetic rows are labelled and not counted). A row whose policy has no preset yet prints "policy not available yet" and counts as a miss; a run
-that fails prints its error and counts as a miss. Honesty rules: the settings are the papers' (model, hardware,
-batch, group size, GPU split or the paper's rule for it); the cost constants and workloads come from
+and apart; "up to" and "< x" rows are bounds, apart; arithmetic rows are labelled and not counted). A row whose
+policy has no preset yet prints "policy not available yet" and counts as a miss; a run that fails prints its error
+and counts as a miss. Progress goes to stderr (one line per finished simulation; `--quiet` for none). Honesty rules:
+the settings are the papers' (model, hardware, batch, group size, GPU split or the paper's rule for it); the cost constants and workloads come from
 sim/profiles.py and sim/workload.py, none derived from any figure reproduced here. Each paper's module
 (sim/repro/<paper>.py) holds its settings, rows and assumptions.
 """
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-cost", type=float, default=1.0, metavar="P",
                     help="sensitivity, not the reproduction: every cost profile spends P times its seconds per "
                          "prefilled token (prompts, recomputes, re-prefills; the prefill rate is an assumption)")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr (one per finished "
+                    "simulation, or per row with --jobs 1); stdout has the table either way")
     args = ap.parse_args(argv)
     try:
         sens = Sensitivity(args.train_speed, args.prefill_cost)
@@ -55,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.paper}: seeds {', '.join(map(str, seeds))}; ours = mean [min, max] over the seeds")
     if paper.components:
         print(textwrap.fill(paper.components, 118))
-    per_row, notes = evaluate(args.paper, seeds, args.jobs, sens)
+    per_row, notes = evaluate(args.paper, seeds, args.jobs, sens,
+                              progress=None if args.quiet else lambda line: print(f"[{args.paper}] {line}",
+                                                                                   file=sys.stderr, flush=True))
     print("figure | ours | paper | hit (margin) | setting")
     for row, v in zip(paper.rows, verdicts(paper.rows, per_row)):
         print(f"{row.figure} | {v.text} | {row.paper_text} | {v.mark} | {row.setting}".rstrip(" |"), flush=True)

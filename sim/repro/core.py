@@ -207,9 +207,11 @@ def margin(row: Row, value: float) -> float:
 # ------------------------------------------------------------------------------------------------- evaluation
 
 
-def row_values(rows: list[Row], runs: Runs) -> list[Any]:
+def row_values(rows: list[Row], runs: Runs, progress: Callable[[str], None] | None = None) -> list[Any]:
     out: list[Any] = []
-    for row in rows:
+    for i, row in enumerate(rows):
+        if progress is not None:
+            progress(f"seed {runs.seed}: row {i + 1}/{len(rows)} {row.figure}")
         try:
             v = row.compute(runs)
             out.append(None if v is None else float(v))
@@ -337,13 +339,14 @@ def _wave(pool: ProcessPoolExecutor, jobs: int, wanted: list[SimSpec], sens: Sen
             yield spec, r
 
 
-def evaluate(paper: str, seeds: list[int], jobs: int, sens: Sensitivity = Sensitivity()
-             ) -> tuple[list[list[Any]], list[str]]:
+def evaluate(paper: str, seeds: list[int], jobs: int, sens: Sensitivity = Sensitivity(),
+             progress: Callable[[str], None] | None = None) -> tuple[list[list[Any]], list[str]]:
     """Every row on every seed: per row its values by seed, and the notes from the first seed. With jobs > 1 the
     simulations run in a pool of `jobs` processes, in waves: the rows are computed up to what they read, every
     simulation missing on any seed runs in the pool at once, and again until none is missing (a split chosen
     from one run's figures takes two waves); the final pass computes the rows from the results. A wave has a
-    deadline (WAVE_DEADLINE_S); a worker that dies fails the command with the pool's error."""
+    deadline (WAVE_DEADLINE_S); a worker that dies fails the command with the pool's error. `progress` receives a
+    line per finished simulation (pool) or per row computed in this process (jobs = 1)."""
     from sim.repro import PAPERS
     p = PAPERS[paper]
     first = Runs(seeds[0])
@@ -354,16 +357,17 @@ def evaluate(paper: str, seeds: list[int], jobs: int, sens: Sensitivity = Sensit
     threshold = gc.get_threshold()
     with rare_collections((0, 0, 0)):
         if jobs > 1:
-            _pooled(paper, p, all_runs, by_seed, jobs, sens, threshold)
+            _pooled(paper, p, all_runs, by_seed, jobs, sens, threshold, progress)
         with _scaled_profiles(sens):
-            results = [(row_values(p.rows, runs), _notes(p, runs) if i == 0 else [])
+            results = [(row_values(p.rows, runs, progress if jobs == 1 else None), _notes(p, runs) if i == 0 else [])
                        for i, runs in enumerate(all_runs)]
     per_row = [[vals[i] for vals, _ in results] for i in range(len(p.rows))]
     return per_row, results[0][1]
 
 
 def _pooled(paper: str, p: Paper, all_runs: list[Runs], by_seed: dict[int, Runs], jobs: int,
-            sens: Sensitivity, threshold: tuple[int, int, int]) -> None:
+            sens: Sensitivity, threshold: tuple[int, int, int],
+            progress: Callable[[str], None] | None = None) -> None:
     """Every simulation the rows read, run in a pool of `jobs` processes, wave after wave, into the Runs' caches.
     The workers collect garbage at `threshold` (this process's own setting outside `evaluate`): each result they
     send leaves ~450k objects in reference cycles behind, which a worker that never collected would keep."""
@@ -371,15 +375,20 @@ def _pooled(paper: str, p: Paper, all_runs: list[Runs], by_seed: dict[int, Runs]
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=gc.set_threshold,
                                initargs=threshold)
     seconds: dict[tuple, float] = {}
+    t0, wave = time.monotonic(), 0
     try:
         while True:
             with _scaled_profiles(sens):
                 wanted = _wanted(p, all_runs)
             if not wanted:
                 break
+            wave += 1
             try:
-                for spec, r in _wave(pool, jobs, list(wanted), sens, seconds, WAVE_DEADLINE_S):
+                for k, (spec, r) in enumerate(_wave(pool, jobs, list(wanted), sens, seconds, WAVE_DEADLINE_S), 1):
                     by_seed[spec.seed].cache[spec] = r
+                    if progress is not None:
+                        progress(f"wave {wave}: {k}/{len(wanted)} simulations done ({spec.preset}, seed "
+                                 f"{spec.seed}; {time.monotonic() - t0:.0f} s)")
             except TimeoutError as e:
                 raise TimeoutError(f"{paper}: {e}") from None
     except BaseException:
