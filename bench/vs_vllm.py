@@ -163,7 +163,7 @@ def run_ours(model, prompts, outs, args) -> dict:
 def vllm_plan(model_dir: str, prompts, outs, args) -> tuple[dict, list[dict], list[dict]]:
     """vLLM's LLM(...) arguments, its token-id prompts (TokensPrompt's keys) and SamplingParams' arguments."""
     llm_kwargs = dict(model=model_dir, skip_tokenizer_init=True, gpu_memory_utilization=args.gpu_memory_utilization,
-                      max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, seed=args.seed)
+                      max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
     return (llm_kwargs, [{"prompt_token_ids": p} for p in prompts],
             [dict(temperature=args.temperature, ignore_eos=True, max_tokens=o) for o in outs])
 
