@@ -239,7 +239,8 @@ def install(args) -> None:
     if args.check:
         code = "import vllm, torch; print('carry_vllm: vllm', vllm.__version__, 'torch', torch.__version__)"
         env = {**__import__("os").environ, "PYTHONPATH": str(args.site)}
-        subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+        if subprocess.run([sys.executable, "-c", code], env=env, timeout=300).returncode:
+            sys.exit(f"carry_vllm: installed, but `import vllm, torch` with PYTHONPATH={args.site} failed (above)")
 
 
 def main(argv=None) -> None:

@@ -177,19 +177,23 @@ def import_vllm():
         return None, f"{type(e).__name__}: {e}".splitlines()[0]
 
 
+def vllm_requests(vllm, token_prompts: list[dict], params: list[dict]) -> tuple[list, list]:
+    """vLLM's TokensPrompt and SamplingParams objects for the plan (built in a dry run too: checks the arguments)."""
+    from vllm.inputs import TokensPrompt
+    return [TokensPrompt(**p) for p in token_prompts], [vllm.SamplingParams(**k) for k in params]
+
+
 class VllmSide:
     """vLLM's LLM on the model directory, built once (warm-up included) and timed per run."""
 
     def __init__(self, vllm, model_dir: str, prompts, outs, args) -> None:
-        from vllm.inputs import TokensPrompt
         kwargs, tp, sp = vllm_plan(model_dir, prompts, outs, args)
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**kwargs)
-        warm = [TokensPrompt(prompt_token_ids=p["prompt_token_ids"][:16]) for p in tp[:4]]
+        warm, _ = vllm_requests(vllm, [{"prompt_token_ids": p["prompt_token_ids"][:16]} for p in tp[:4]], [])
         self.llm.generate(warm, vllm.SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         self.startup_s = time.perf_counter() - t0
-        self.prompts = [TokensPrompt(**p) for p in tp]
-        self.params = [vllm.SamplingParams(**k) for k in sp]
+        self.prompts, self.params = vllm_requests(vllm, tp, sp)
         self.total = sum(outs)
 
     def run(self) -> dict:
@@ -242,7 +246,10 @@ def main(argv=None) -> dict:
             print(f"vllm: not importable ({why}): skipped")
             result["vllm"] = {"skipped": why}
         elif args.dry_run:
-            print(f"vllm {vllm.__version__}: imported; LLM not built in a dry run")
+            vp, vs = vllm_requests(vllm, plan[1], plan[2])
+            assert sum(p.max_tokens for p in vs) == total and len(vp) == len(prompts)
+            print(f"vllm {vllm.__version__}: imported, {len(vp)} TokensPrompt and SamplingParams built; LLM not built "
+                  f"in a dry run")
             result["vllm"] = {"skipped": "dry run", "version": vllm.__version__}
         mine, theirs = [], []
         for _ in range(args.repeats):   # alternating: one process, the same GPU state for both
