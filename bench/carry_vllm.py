@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import lzma
+import os
 import shutil
 import subprocess
 import sys
@@ -238,8 +239,8 @@ def install(args) -> None:
     print(f"carry_vllm: installed in {time.time() - t0:.0f} s; use PYTHONPATH={args.site}")
     if args.check:
         code = "import vllm, torch; print('carry_vllm: vllm', vllm.__version__, 'torch', torch.__version__)"
-        env = {**__import__("os").environ, "PYTHONPATH": str(args.site)}
-        if subprocess.run([sys.executable, "-c", code], env=env, timeout=300).returncode:
+        env = {**os.environ, "PYTHONPATH": str(args.site)}
+        if subprocess.run([sys.executable, "-c", code], check=False, env=env, timeout=300).returncode:
             sys.exit(f"carry_vllm: installed, but `import vllm, torch` with PYTHONPATH={args.site} failed (above)")
 
 

@@ -26,7 +26,6 @@ import gc
 import heapq
 import json
 import os
-import random
 import sys
 import tempfile
 import time
@@ -37,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import SHAPES, make_models, workload  # noqa: E402 - bench/engine.py's workload, same seed
-from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams  # noqa: E402
+from bench.engine import SHAPES, make_models, workload
+from engine import EngineConfig, GenRequest, LLMEngine, SamplingParams
 
 # Spec sheets (bytes/s, dense bf16 FLOP/s without sparsity): NVIDIA H100 SXM and H200 datasheets.
 SPECS = {"H200": (4.8e12, 989.4e12), "H100": (3.35e12, 989.4e12)}
@@ -114,6 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="the workload's lengths and prompts")
     p.add_argument("--repeats", type=int, default=2, help="alternate ours and vLLM this many times; best of each")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM's")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, help="ours: tokens per step (bench/engine.py's)")
     p.add_argument("--kv-gib", type=float, default=40.0, help="our KV pool on the GPU (the workload needs ~31 GiB)")
     p.add_argument("--spec", choices=sorted(SPECS), default="H200", help="spec rates for the floor")
     p.add_argument("--skip-vllm", action="store_true")
@@ -137,10 +137,10 @@ def sync(device: str) -> None:
 def run_ours(model, prompts, outs, args) -> dict:
     """Wall seconds of our engine on the workload (engine built and warmed up outside the timing), and its steps."""
     cuda = args.device == "cuda"
-    pool = dict(kv_cache_bytes=int(args.kv_gib * 2**30)) if cuda else dict(num_kv_tokens=2 * len(prompts) * 2
-                                                                             * args.max_len)
-    eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=max(2048, args.max_num_seqs),
-                                        **pool))
+    room = 2 * len(prompts) * 2 * args.max_len          # CPU: every sequence at full length, twice over
+    pool = {"kv_cache_bytes": int(args.kv_gib * 2**30)} if cuda else {"num_kv_tokens": room}
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs,
+                                        max_batch_tokens=max(args.max_batch_tokens, args.max_num_seqs), **pool))
     eng.generate([GenRequest(p[:16], SamplingParams(temperature=0, max_new_tokens=4)) for p in prompts[:4]])
     reqs = [GenRequest(p, SamplingParams(temperature=args.temperature, max_new_tokens=o, ignore_eos=True))
             for p, o in zip(prompts, outs)]
@@ -162,10 +162,11 @@ def run_ours(model, prompts, outs, args) -> dict:
 
 def vllm_plan(model_dir: str, prompts, outs, args) -> tuple[dict, list[dict], list[dict]]:
     """vLLM's LLM(...) arguments, its token-id prompts (TokensPrompt's keys) and SamplingParams' arguments."""
-    llm_kwargs = dict(model=model_dir, skip_tokenizer_init=True, gpu_memory_utilization=args.gpu_memory_utilization,
-                      max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+    llm_kwargs = {"model": model_dir, "skip_tokenizer_init": True,
+                  "gpu_memory_utilization": args.gpu_memory_utilization, "max_num_seqs": args.max_num_seqs,
+                  "enable_prefix_caching": False}
     return (llm_kwargs, [{"prompt_token_ids": p} for p in prompts],
-            [dict(temperature=args.temperature, ignore_eos=True, max_tokens=o) for o in outs])
+            [{"temperature": args.temperature, "ignore_eos": True, "max_tokens": o} for o in outs])
 
 
 def import_vllm():
@@ -268,7 +269,8 @@ def main(argv=None) -> dict:
           f"({o['steps']} steps, {o['preemptions']} preemptions)")
     if theirs:
         result["vllm"] = {**summary("vllm", theirs, total, floor["total_s"]), "version": vllm.__version__,
-                          "startup_s": side.startup_s}
+                          "startup_s": side.startup_s,
+                          "attention": os.environ.get("VLLM_ATTENTION_BACKEND", "default (FlashAttention 3 on Hopper)")}
         v = result["vllm"]
         print(f"vllm: {v['seconds']:.2f} s, {v['tok_s']:.0f} output tok/s, {v['floor_fraction']:.3g} of the floor")
         result["ours_over_vllm"] = o["tok_s"] / v["tok_s"]

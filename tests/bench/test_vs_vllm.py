@@ -53,7 +53,7 @@ def test_dry_run(tmp_path, capsys):
     assert saved["vllm_llm_kwargs"] == {"skip_tokenizer_init": True, "gpu_memory_utilization": 0.4,
                                         "max_num_seqs": 256, "enable_prefix_caching": False}
     assert "skipped" in saved["vllm"] and "ours_over_vllm" not in saved
-    assert any(ln.startswith("vllm: not importable") or ln.startswith("vllm ") for ln in lines)
+    assert any(ln.startswith(("vllm: not importable", "vllm ")) for ln in lines)
     assert lines[-1] == "ours / vLLM throughput: n/a (no vLLM run)"
 
 
