@@ -213,7 +213,7 @@ def run_of(preset: str, s: Setting, overrides: tuple = ()) -> Callable[[Runs], S
 COMPARED = (("verl", 2.56, "sync"), ("one-step", 1.98, "one_step"), ("stream generation", 1.93, "stream_generation"),
             ("AReaL", 1.39, "areal"))
 SPEEDUP_ROWS = [Row(f"Laminar vs {name}, math, average (§8.1)", (x, x), f"{x:.2f}x", Comparison(base), "{:.2f}x",
-                    SPEEDUP, "tokens/s after 2 warm-up iterations, each system at its balanced split")
+                    SPEEDUP, "tokens/s after 2 warm-up iterations, each system at its split by §8.1's rule")
                 for name, x, base in COMPARED]
 for _row in SPEEDUP_ROWS:
     _row.compute.row = _row
