@@ -171,6 +171,8 @@ def generation_headroom(r: SimResult) -> float:
 def trainer_bound(r: SimResult) -> bool:
     """The TRAINER_BOUND criterion: the trainer (nearly) never waits and the engines have headroom."""
     return trainer_idle_share(r) < TRAINER_BOUND and generation_headroom(r) > TRAINER_BOUND
+
+
 TRAINER_BOUND_CAVEAT = "trainer-bound: mechanism not exercised"
 
 
