@@ -366,7 +366,9 @@ PROFILES: dict[str, CostModel] = {p.name: p for p in [
     _laminar(QWEN25_32B, 4, "h800_laminar_32b", rollout_machines=8),
     _laminar(QWEN25_32B, 4, "h800_laminar_32b_colocated", rollout_machines=16, colocated=True),
     # verl at Laminar's largest scale (§2.3: 72B on 1024 H800, math GRPO): colocated on 128 machines
-    _laminar(QWEN25_72B, 8, "h800_laminar_72b_colocated", rollout_machines=128, colocated=True)]}
+    _laminar(QWEN25_72B, 8, "h800_laminar_72b_colocated", rollout_machines=128, colocated=True),
+    # the one-step pipeline at the same scale (§2.3), Table 2's row 5: 768 rollout GPUs on 96 machines
+    _laminar(QWEN25_72B, 8, "h800_laminar_72b", rollout_machines=96)]}
 PROFILES["h800_streamrl"] = PROFILES["h800_streamrl_7b"]  # StreamRL's 7B (its dynamic-adjustment and cross-DC runs)
 
 # The same engines at another TP size (RollPacker §4.2's planner reshards the rollout pool between steps): the
