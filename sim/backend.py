@@ -124,9 +124,11 @@ class SimBackend:
                  colocated: bool = False, counters_every_s: float | None = None, progress: bool = False,
                  max_events: int | None = None, stop_after_samples: int | None = None,
                  reward_timeout: Any = None, reward_workers: int = 0, reward_stage: bool = False,
-                 spare_gpus: int = 0, faults: Sequence[EngineFault] = (), stream_every_s: float = 10.0):
-        if num_engines < 1 or train_gpus < 1:
-            raise ValueError(f"need at least one engine and one train GPU, got {num_engines} and {train_gpus}")
+                 spare_gpus: int = 0, faults: Sequence[EngineFault] = (), stream_every_s: float = 10.0,
+                 minibatches: int = 1):
+        if num_engines < 1 or train_gpus < 1 or minibatches < 1:
+            raise ValueError(f"need at least one engine, one train GPU and one minibatch, got {num_engines}, "
+                             f"{train_gpus} and {minibatches}")
         for f in faults:
             if not (f.at_s >= 0 and f.down_s > 0 and f.engines and all(0 <= i < num_engines for i in f.engines)):
                 raise ValueError(f"engine fault {f}: needs at_s >= 0, down_s > 0 and engines among "
@@ -143,6 +145,7 @@ class SimBackend:
                                  f"{counters_every_s:g}")
             self.stream_ticks = round(k)
         self.cost, self.workload, self.train_gpus, self.colocated = cost, workload, train_gpus, colocated
+        self.minibatches = minibatches         # optimizer steps of a stepping call (trainer/trainer.py train_step)
         self.q = EventQueue()
         first_rank = 0 if colocated else train_gpus
         self.first_rank, self.counters_every_s, self.progress = first_rank, counters_every_s, progress
@@ -379,7 +382,11 @@ class SimBackend:
         start = max(now, self.trainer_free)
         lent_gpus = len(self.lent) * self.cost.gpus_per_engine
         gpus = lent_gpus if self.colocated and self.lent else self.train_gpus + lent_gpus
-        dur = self.cost.train_s(tokens, gpus)
+        # the trainer's optimizer steps in this call: one per minibatch (at most one per sample) when it steps over
+        # groups, the one over accumulated gradients when it steps over none, none when it only accumulates
+        samples = sum(len(g.trajectories) for g in groups)
+        steps = (min(self.minibatches, samples) if samples else 1) if call.step else 0
+        dur = self.cost.train_s(tokens, gpus, steps)
         self.lent_gpu_s += dur * lent_gpus
         done = start + dur
         if call.step:

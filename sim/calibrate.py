@@ -12,7 +12,15 @@ What it measures (and how the cpu_tiny profile in sim/profiles.py was filled in)
              intervals all have one batch size gives no slope, only the mean step (step_s) at that batch
     train    step_time_s / trained tokens from metrics.jsonl (median), times the train ranks = s per token on one
              GPU/rank; the trainer's `tokens` counts response tokens only, so pass the mean prompt length
-             (--prompt-tokens) to count what the forward pass processes (prompt + response), as sim/cost.py does
+             (--prompt-tokens) to count what the forward pass processes (prompt + response), as sim/cost.py does.
+             And `train_fit`: every train call's seconds (train_step_done: step_time_s, its optimizer_steps, its
+             tokens as above) fitted by least squares as  time = a * tokens + b * steps + c  with a, b, c >= 0 (the
+             best fit over the subsets of terms whose own least-squares coefficients are all >= 0, i.e. exact
+             non-negative least squares): a times the train ranks is train_s_per_token, b the cost per optimizer
+             step (train_step_s), c per call (train_overhead_s). b and c are told apart only when the calls' step
+             counts vary; when every call takes the same s > 0 steps (a sync run: train.minibatches each) the fitted
+             fixed time per call F is attributed to its steps, b = F / s and c = 0 (an assumption, reported as
+             train_fit_assumed); a term whose column does not vary at all (tokens, or steps) is not fitted (0)
     publish  train_step_done -> version_published (sched.metrics weight_sync_s)
     load     version_published -> weights_loaded, per engine
     reward   trajectory_finished -> reward_scored, per request
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -63,6 +72,60 @@ def decode_fit(events: list[Event]) -> dict[str, float]:
     return out
 
 
+def _solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Least squares coefficients of ys on the columns of rows (normal equations, Gaussian elimination with
+    partial pivoting); None when the columns are linearly dependent."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * y for r, y in zip(rows, ys))]
+         for i in range(k)]
+    scale = max(abs(a[i][i]) for i in range(k)) or 1.0
+    for c in range(k):
+        p = max(range(c, k), key=lambda i: abs(a[i][c]))
+        if abs(a[p][c]) <= 1e-12 * scale:
+            return None
+        a[c], a[p] = a[p], a[c]
+        for i in range(k):
+            if i != c:
+                f = a[i][c] / a[c][c]
+                a[i] = [x - f * y for x, y in zip(a[i], a[c])]
+    return [a[i][k] / a[i][i] for i in range(k)]
+
+
+def train_fit(calls: list[tuple[float, float, float]]) -> dict[str, Any]:
+    """Fit each train call's seconds as a * tokens + b * optimizer_steps + c with a, b, c >= 0 from calls given as
+    (tokens, optimizer steps, seconds): the least-squares fit over the subsets of terms with the smallest residual
+    among those whose coefficients are all >= 0 (exact non-negative least squares for three terms). When the step
+    count is the same s > 0 in every call, steps and the constant are one column: the fixed time per call is
+    attributed to the steps (b = fixed / s, c = 0) and `train_fit_assumed` says so."""
+    if not calls:
+        return {}
+    xs = [(float(t), float(s), 1.0) for t, s, _ in calls]
+    ys = [float(y) for _, _, y in calls]
+    steps = {s for _, s, _ in xs}
+    same_steps = len(steps) == 1
+    terms = [0, 2] if same_steps else [0, 1, 2]     # steps fold into the constant when they never vary
+    best: tuple[float, dict[int, float]] | None = None
+    for mask in range(1, 2 ** len(terms)):
+        cols = [terms[i] for i in range(len(terms)) if mask >> i & 1]
+        coef = _solve([[x[c] for c in cols] for x in xs], ys)
+        if coef is None or min(coef) < 0:
+            continue
+        fit = dict(zip(cols, coef))
+        sse = sum((y - sum(fit.get(c, 0.0) * x[c] for c in fit)) ** 2 for x, y in zip(xs, ys))
+        if best is None or sse < best[0] - 1e-15:
+            best = (sse, fit)
+    sse, fit = best if best is not None else (sum(y * y for y in ys), {})
+    a, b, c = fit.get(0, 0.0), fit.get(1, 0.0), fit.get(2, 0.0)
+    out: dict[str, Any] = {"train_fit_calls": len(calls), "train_fit_rms_s": math.sqrt(sse / len(calls))}
+    (s0,) = steps if same_steps else (None,)
+    if same_steps and s0:
+        out["train_fit_assumed"] = (f"every call took {s0:g} optimizer steps: its fixed {c:.4g} s is attributed to "
+                                    f"them ({c / s0:.4g} s a step), none to the call")
+        b, c = c / s0, 0.0
+    out.update(train_fit_s_per_token=a, train_step_s=b, train_call_s=c)
+    return out
+
+
 def measure(run_dir: str | Path, train_ranks: int | None = None, prompt_tokens: float = 0.0) -> dict[str, Any]:
     run_dir = Path(run_dir)
     events = list(read_events(run_dir / "events.jsonl"))
@@ -80,6 +143,12 @@ def measure(run_dir: str | Path, train_ranks: int | None = None, prompt_tokens: 
     out: dict[str, Any] = {"run": str(run_dir), "train_ranks": ranks, **decode_fit(events)}
     if per_tok:
         out["train_s_per_token_one_rank"] = statistics.median(per_tok) * ranks
+    calls = [(e.data["tokens"] + prompt_tokens * e.data.get("samples", 0.0), e.data["optimizer_steps"],
+              e.data["step_time_s"]) for e in events
+             if e.kind == "train_step_done" and {"tokens", "optimizer_steps", "step_time_s"} <= e.data.keys()]
+    fit = train_fit(calls)
+    if fit:
+        out.update(fit, train_fit_s_per_token_one_rank=fit["train_fit_s_per_token"] * ranks)
     out["publish_s"] = summarize(events).get("weight_sync_s")
     out["load_s"] = statistics.median(loads) if loads else None
     out["reward_s_median"] = statistics.median(rew) if rew else None

@@ -14,8 +14,10 @@ KV)/bandwidth + overhead, with the compute roof as the max — so profiles can b
 is linear in kv, so many decode steps sum in closed form while kv grows by n per step, which lets the engine model
 jump from one event to the next instead of stepping (sim/engine.py).
 
-Other costs: prefill is linear in tokens (compute-bound); training is seconds per trained token (prompt +
-response) for one GPU, divided by the train partition's GPUs, plus a per-call overhead; publishing weights is one
+Other costs: prefill is linear in tokens (compute-bound); a train call is seconds per trained token (prompt +
+response) for one GPU, divided by the train partition's GPUs, plus a fixed cost per optimizer step it takes and a
+fixed cost per call (both 0 on every paper profile; measured on our CPU trainer, whose cost is mostly per optimizer
+step: sim/calibrate.py `train_fit`); publishing weights is one
 broadcast from the trainer to every engine's relay; loading is relay -> engine; reward latency is a per-sample
 distribution per task (a prompt's task fixed by the prompt). The named calibrations, each constant with its
 source, are in sim/profiles.py.
@@ -93,14 +95,15 @@ class CostModel:
     block_size: int = 16            # tokens per KV block (our engine's default, engine/config.py)
     max_num_seqs: int = 256         # most sequences in one engine batch
     gpus_per_engine: int = 1        # tensor-parallel size of one engine
-    train_overhead_s: float = 0.0   # fixed per train call (launch, optimizer step)
+    train_overhead_s: float = 0.0   # fixed per train call (launch, advantages, however many steps it takes)
+    train_step_s: float = 0.0       # fixed per optimizer step (one minibatch's pass and optimizer update)
     kv_move_s_per_token: float = 0.0  # a migrated trajectory's KV sent to its new engine, per token (0: it is
     #                                 re-prefilled there at prefill_s_per_token, as an interrupted one always is)
     sources: Mapping[str, str] = field(default_factory=dict)  # constant -> where its value comes from
 
     def __post_init__(self) -> None:
         for k in ("k1", "k2", "k3", "k4", "prefill_s_per_token", "train_s_per_token", "publish_s", "load_s",
-                  "train_overhead_s", "kv_move_s_per_token"):
+                  "train_overhead_s", "train_step_s", "kv_move_s_per_token"):
             if getattr(self, k) < 0:
                 raise ValueError(f"cost profile {self.name!r}: {k} must be >= 0, got {getattr(self, k)}")
         if self.k2 + self.k4 <= 0:
@@ -149,9 +152,12 @@ class CostModel:
         return (self.kv_move_s_per_token or self.prefill_s_per_token) * tokens
 
     # ------------------------------------------------------------------------------------------------- train
-    def train_s(self, tokens: int, train_gpus: int) -> float:
-        """One train call over `tokens` trained tokens on the train partition (perfect data-parallel scaling)."""
-        return self.train_overhead_s + tokens * self.train_s_per_token / max(1, train_gpus)
+    def train_s(self, tokens: int, train_gpus: int, steps: int = 1) -> float:
+        """One train call over `tokens` trained tokens on the train partition (perfect data-parallel scaling of the
+        per-token part) that takes `steps` optimizer steps (0: it only accumulates gradients); the fixed costs per
+        call and per step are paid by every rank at once, so the train GPUs do not divide them."""
+        return (self.train_overhead_s + steps * self.train_step_s
+                + tokens * self.train_s_per_token / max(1, train_gpus))
 
     def decode_tokens_per_s(self, n: int, kv: float) -> float:
         return n / self.step_s(n, kv)

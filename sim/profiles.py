@@ -397,7 +397,8 @@ def at_tp(c: CostModel, tp: int) -> CostModel:
         v = PROFILES[base]
     else:
         v = TP_VARIANTS[base](tp, f"{base}@tp{tp}")
-    return replace(v, train_s_per_token=c.train_s_per_token, train_overhead_s=c.train_overhead_s)
+    return replace(v, train_s_per_token=c.train_s_per_token, train_overhead_s=c.train_overhead_s,
+                   train_step_s=c.train_step_s)
 
 
 def tp_sizes(c: CostModel, gpus: int, max_tp: int = 8) -> tuple[int, ...]:
@@ -424,9 +425,9 @@ def describe(p: CostModel) -> str:
     for k in ("k1", "k2", "k3", "k4", "prefill_s_per_token", "kv_capacity_tokens", "max_num_seqs", "gpus_per_engine",
               "train_s_per_token", "publish_s", "load_s"):
         lines.append(f"  {k:20s} {getattr(p, k):<12.4g} {p.sources.get(k, '')}")
-    if p.kv_move_s_per_token:
-        k = "kv_move_s_per_token"
-        lines.append(f"  {k:20s} {p.kv_move_s_per_token:<12.4g} {p.sources.get(k, '')}")
+    for k in ("train_step_s", "train_overhead_s", "kv_move_s_per_token"):
+        if getattr(p, k):
+            lines.append(f"  {k:20s} {getattr(p, k):<12.4g} {p.sources.get(k, '')}")
     lines.append(f"  {'reward':20s} mean {p.reward.mean():<7.3g} {p.sources.get('reward', '')}")
     return "\n".join(lines)
 

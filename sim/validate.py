@@ -12,11 +12,14 @@ so that on a shared machine both see about the same load, and its measured speed
 training-loop wall times (first round start to last event). It writes sim/validation/<preset>.json: the loop times,
 samples trained, the trainer waiting ratio, the 1-minute load average before and after each run, the machine, the date
 and the command. sync.json is the pairs' sync run recorded at the lowest load and also holds what the simulator is
-calibrated from: `sim.calibrate.measure` on that run (decode step fit, train seconds per token, publication, load,
-reward latency), the engine's configuration, and its response lengths per prompt (the workload, replayed as a trace).
+calibrated from: `sim.calibrate.measure` on that run (decode step fit, the train calls' fit of seconds per token, per
+optimizer step and per call, publication, load, reward latency), the engine's configuration, and its response lengths
+per prompt (the workload, replayed as a trace). sync's calls all take train.minibatches steps, so the fit cannot tell
+a cost per call from one per step: it charges their fixed time per step (`train_fit_assumed`).
 
 The simulation: every preset on that one profile and trace (nothing from the other presets' runs), 2 engines + 2
-train GPUs, the same optimizer steps and overrides as bench/policies.py gives it (`batch_overrides`); its speedup is
+train GPUs, the same optimizer steps and overrides as bench/policies.py gives it (`batch_overrides`, its
+train.minibatches the optimizer steps of each stepping call); its speedup is
 sync's simulated loop time over the preset's. A preset is within the tolerance when |simulated / measured - 1| <=
 15%. Deterministic; the simulation part takes seconds.
 """
@@ -263,12 +266,20 @@ def profile_from(sync: dict[str, Any]) -> CostModel:
     base = get_profile("cpu_tiny")
     reward = RewardLatency((RewardTask("repeat", 1.0, max(cal.get("reward_s_median") or 0.0, 1e-6), 0.5, 5.0),))
     src = "sim.calibrate on the recorded sync run (sim/validation/sync.json)"
-    return replace(base, name="cpu_tiny@validation", k2=k2, k3=k3, k4=k4, prefill_s_per_token=k3,
-                   train_s_per_token=cal["train_s_per_token_one_rank"], publish_s=cal.get("publish_s") or 0.0,
+    # the trainer: sim.calibrate's train_fit over sync's calls (per token, per optimizer step, per call) where the
+    # recording has it, else its median seconds per token alone
+    if "train_fit_s_per_token_one_rank" in cal:
+        train = dict(train_s_per_token=cal["train_fit_s_per_token_one_rank"], train_step_s=cal["train_step_s"],
+                     train_overhead_s=cal["train_call_s"])
+    else:
+        train = dict(train_s_per_token=cal["train_s_per_token_one_rank"], train_step_s=0.0, train_overhead_s=0.0)
+    fit_src = src + (f", train_fit: {cal['train_fit_assumed']}" if cal.get("train_fit_assumed") else "")
+    return replace(base, name="cpu_tiny@validation", k2=k2, k3=k3, k4=k4, prefill_s_per_token=k3, **train,
+                   publish_s=cal.get("publish_s") or 0.0,
                    load_s=cal.get("load_s") or 0.0, reward=reward, max_num_seqs=eng["max_num_seqs"],
                    kv_capacity_tokens=eng["kv_cache_tokens"], block_size=eng["kv_block_size"],
-                   sources={**base.sources, **{k: src for k in ("k3", "k4", "train_s_per_token", "publish_s",
-                                                                 "load_s", "reward")}})
+                   sources={**base.sources, **{k: src for k in ("k3", "k4", "publish_s", "load_s", "reward")},
+                            **{k: fit_src for k in train}})
 
 
 @dataclass(frozen=True)
@@ -286,21 +297,23 @@ def trace_from(sync: dict[str, Any]) -> TraceWorkload:
     return _Trace("validation:sync", tuple((int(p), tuple(int(x) for x in lens)) for p, lens in sync["trace"]))
 
 
-def sim_setting(preset: str, setting: dict[str, Any]) -> tuple[sched.Preset, int]:
-    """The preset with bench/policies.py's scheduling overrides for it, and its optimizer steps (train.steps)."""
+def sim_setting(preset: str, setting: dict[str, Any]) -> tuple[sched.Preset, int, int]:
+    """The preset with bench/policies.py's scheduling overrides for it, its train calls that step (train.steps), and
+    the optimizer steps each of them takes (train.minibatches: P / U for sync's one call a round, else 1)."""
     from bench import policies
     overrides, per_round = policies.batch_overrides(preset, setting["prompts"], setting["batch_groups"])
     tables, sources = sched.command_line_overrides([a for a in overrides if a.startswith("--sched.")])
-    return sched.load_preset(preset, tables, sources), setting["rounds"] * per_round
+    mb = [int(a.split("=", 1)[1]) for a in overrides if a.startswith("--train.minibatches=")]
+    return sched.load_preset(preset, tables, sources), setting["rounds"] * per_round, mb[-1] if mb else 1
 
 
 def simulate_loop(preset: str, cost: CostModel, workload: TraceWorkload, sync: dict[str, Any]) -> float:
     """The simulated training loop's wall time (summarize's makespan, as measured on the real run)."""
     setting = sync["setting"]
-    policy, steps = sim_setting(preset, setting)
+    policy, steps, minibatches = sim_setting(preset, setting)
     every = sync["calibration"].get("counters_interval_s") or None
     r = simulate(policy, workload, cost, ENGINES, TRAIN_RANKS, steps=steps, group_size=setting["group_size"],
-                 prompts_per_step=setting["prompts"], seed=0, counters_every_s=every)
+                 prompts_per_step=setting["prompts"], seed=0, counters_every_s=every, minibatches=minibatches)
     return float(r.metrics["makespan_s"])
 
 
