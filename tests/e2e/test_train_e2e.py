@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.support.dist_utils import free_port
-from tests.support.launch import ROOT, metrics, torchrun
+from tests.support.launch import ROOT, event_rows, metrics, torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -55,7 +55,7 @@ def test_run_directory_holds_everything(tiny_run):
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert summary["staleness"] == {"0": 70 * 32}  # sync preset: every sample on-policy
     assert summary["dropped"] == 0
-    kinds = {json.loads(line)["kind"] for line in (tiny_run / "events.jsonl").read_text().splitlines()}
+    kinds = {e["kind"] for e in event_rows(tiny_run / "events.jsonl")}
     assert {"round_started", "request_admitted", "trajectory_finished", "reward_scored", "group_materialized",
             "train_started", "train_step_done", "version_published", "weights_loaded"} <= kinds
     # the resolved config reloads to the same run
