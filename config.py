@@ -203,6 +203,9 @@ class LogConfig:
     wandb_entity: str = F("", help="wandb team or user; '' = your default")
     progress: bool = F(True, help="progress bar on the console")
     every: int = F(1, ge=1, help="log metrics every N steps")
+    request_events: str = F("compact", choices=("compact", "full"), help="events.jsonl's per-request events "
+                            "(admitted, finished, scored: most of the log): compact = each run of them as one "
+                            "column-wise line, a quarter of the size; full = one line each. Both read back the same")
 
 
 @dataclass

@@ -26,7 +26,7 @@ LOGS = ("events.jsonl", "metrics.jsonl")   # the run directory's logs, cut back 
 
 class MetricsLogger(EventLog):
     def __init__(self, cfg: Any, run_dir: str | Path, num_engines: int | None = None):
-        super().__init__(Path(run_dir) / "events.jsonl", keep=False)
+        super().__init__(Path(run_dir) / "events.jsonl", keep=False, compact=cfg.log.request_events == "compact")
         self.run_dir = Path(run_dir)
         self.metrics_f = open(self.run_dir / "metrics.jsonl", "a")
         self.num_engines = num_engines
@@ -111,6 +111,7 @@ class MetricsLogger(EventLog):
     def marks(self) -> dict[str, int]:
         """Byte lengths of the run's logs as of now (flushed first): where a checkpoint taken now cuts them back."""
         out = {}
+        self.flush()            # the per-request events held back for a compact line, too
         for name, f in zip(LOGS, (self._f, self.metrics_f)):
             if f is not None and not f.closed:
                 f.flush()

@@ -10,7 +10,7 @@ closing phase, so that neither end of a run is silent.
     tidal: saving the final checkpoint (31.0 s)
     tidal: exporting the model to runs/tiny-.../hf
     tidal: shutting down the ranks
-    tidal: writing summary.json and timeline.png
+    tidal: writing summary.json, timeline.png and curves.png
     run directory: runs/tiny-...  reward 0.110 -> 0.695  (13.0s)
 
 Lines go to stdout (errors and warnings keep stderr), flushed at once. This module imports nothing heavy: train.py

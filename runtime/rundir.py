@@ -2,9 +2,10 @@
 holds beyond the trainer's state, the logs cut back to it, and the end-of-run summary.
 
 A run directory (`log.dir`, default runs/<config>-<timestamp>) holds config.toml, events.jsonl, metrics.jsonl,
-summary.json, timeline.png, checkpoints/step_N/ (torch.distributed.checkpoint; `checkpoint.dir` may move them) and
-hf/. A resumed (or torchrun-restarted) run continues the checkpoint's clock and cuts its logs back to where the
-checkpoint left them, the dead attempt's later lines going to *.discarded.jsonl, so the logs read as one run.
+summary.json, timeline.png, curves.png, checkpoints/step_N/ (torch.distributed.checkpoint; `checkpoint.dir` may move
+them) and hf/. A resumed (or torchrun-restarted) run continues the checkpoint's clock and cuts its logs back to
+where the checkpoint left them, the dead attempt's later lines going to *.discarded.jsonl, so the logs read as one
+run.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from config import Config, resolve_run_dir, save_config
 from runtime.build import RunParts
+from runtime.curves import draw_curves, read_rows
 from runtime.logger import LOGS, MetricsLogger
 from runtime.progress import phase
 from sched.controller import Controller
@@ -176,8 +178,9 @@ def run_rows(run_dir: str | Path, history: list[dict[str, Any]]) -> list[dict[st
 
 def finish_run(run_dir: str, log: MetricsLogger, parts: RunParts) -> None:
     """summary.json and timeline.png, both from the event log (without the per-request admissions, which neither
-    reads: a third of the log) and, for the rewards, every step's row of the run, earlier attempts' included."""
-    phase("writing summary.json and timeline.png")
+    reads), for the rewards every step's row of the run (earlier attempts' included), and curves.png from
+    metrics.jsonl."""
+    phase("writing summary.json, timeline.png and curves.png")
     events = list(read_events(Path(run_dir) / "events.jsonl", skip=("request_admitted",)))
     summary = summarize(events, log.num_engines)
     hist = run_rows(run_dir, log.history)
@@ -190,5 +193,8 @@ def finish_run(run_dir: str, log: MetricsLogger, parts: RunParts) -> None:
     summary["skipped_prompts"] = parts.skipped_prompts
     (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     draw(events, Path(run_dir) / "timeline.png", Path(run_dir).name, summary)
+    rows = read_rows(Path(run_dir) / "metrics.jsonl")     # the file: a resumed run's every step, not this attempt's
+    if rows:
+        draw_curves(rows, Path(run_dir) / "curves.png", Path(run_dir).name)
     print(f"run directory: {run_dir}  reward {summary.get('reward_first', 0):.3f} -> "
           f"{summary.get('reward_last', 0):.3f}  ({summary['makespan_s']:.1f}s)")

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from bench.policies import WORKLOAD
-from tests.support.launch import metrics, torchrun
+from tests.support.launch import event_rows, metrics, torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def check_log(run: Path) -> dict:
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = event_rows(run / "events.jsonl")
     version, round_version, group_round, sample_versions = 0, {}, {}, {}
     trained: Counter[int] = Counter()
     off_policy = []
@@ -63,7 +63,7 @@ def test_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, tmp_path):
 
 def long_tail(run: Path) -> dict:
     """Response lengths on the event log: every sample within its prompt's cap (answer + EOS), a heavy tail."""
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = event_rows(run / "events.jsonl")
     lengths = sorted(e["data"]["tokens"] for e in events if e["kind"] == "trajectory_finished")
     assert lengths and lengths[-1] <= 33
     return {"max": lengths[-1], "median": lengths[len(lengths) // 2], "n": len(lengths)}
@@ -73,7 +73,7 @@ def check_log_bounded(run: Path, eta: int) -> dict:
     """The off-policy variant of `check_log`: every trained sample's staleness (trainer version at train_started
     minus the version of the engine it was FIRST admitted to, StaleFlow's V_traj: an upper bound of the per-token
     staleness) is at most eta; no group trained twice; nothing finished lost."""
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = event_rows(run / "events.jsonl")
     first: dict[int, tuple[int, int]] = {}
     for e in events:
         if e["kind"] == "request_admitted" and e["req_id"] not in first:
@@ -108,7 +108,7 @@ def test_bounded_staleness_preset_runs_on_real_ranks_within_its_bound(preset, et
     report = check_log_bounded(run, eta)
     assert report["too_stale"] == [] and report["twice"] == [] and report["trained_groups"] == 6 * 8, report
     assert max(report["staleness"]) > 0            # it did run off-policy
-    rows = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    rows = event_rows(run / "events.jsonl")
     progress = [e["data"]["progress"] for e in rows if e["kind"] == "tokens_decoded" and "progress" in e["data"]]
     assert bool(progress) == (preset == "staleflow")   # its snapshot reads each request's tokens so far (Eq. 1)
     j = next(j for j, e in enumerate(rows) if e["kind"] == "train_started" and e.get("version", 0) >= 1)
@@ -129,7 +129,7 @@ def test_staleflow_staleness_manager_aborts_run_on_real_ranks(tmp_path):
     assert report["too_stale"] == [] and report["twice"] == [] and report["trained_groups"] == 4 * 8, report
     stats = json.loads((run / "summary.json").read_text())["policy_stats"]["dispatch"]
     assert stats["surplus_samples"] > 0 and stats["surplus_groups"] + stats["filtered_uniform"] > 0, stats
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = event_rows(run / "events.jsonl")
     G = next(e["data"]["group_size"] for e in events if e["kind"] == "round_started")
     dropped = {e["req_id"] for e in events if e["kind"] == "trajectory_aborted"}
     scored: dict[int, list[float]] = {}
@@ -168,7 +168,7 @@ def test_offpolicy_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, bo
     torchrun(4, f"--log.dir={run}", f"--sched.preset={preset}", "--cluster.rollout_ranks=2", "--train.steps=6",
              "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false")
     assert [r["step"] for r in metrics(run)] == list(range(1, 7))
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = event_rows(run / "events.jsonl")
     report = check_offpolicy_log(events, bound)
     assert report["twice"] == report["lost"] == report["unreturned"] == report["stale"] == [], report
     assert report["unmaterialised_trained"] == [] and report["trained_groups"] > 0, report
@@ -186,7 +186,7 @@ def test_laminar_with_a_full_experience_buffer_evicts_on_real_ranks_and_keeps_th
              "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--sched.handoff.capacity=8",
              env={"TIDAL_FAULTS": "slow 1 train 2 0.3 & slow 1 train 4 0.3"})
     assert [r["step"] for r in metrics(run)] == list(range(1, 7))
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = event_rows(run / "events.jsonl")
     report = check_offpolicy_log(events, None)
     assert report["twice"] == report["lost"] == report["unreturned"] == report["stale"] == [], report
     evicted = {e["group_id"] for e in events if e["kind"] == "trajectory_aborted"}
@@ -212,7 +212,7 @@ def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(
              "--sched.rebalance.period_s=0.01", "--sched.rebalance.idle_rule=drained",
              f"--perf.migrate_kv={str(migrate_kv).lower()}")
     assert [r["step"] for r in metrics(run)] == list(range(1, 7))
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = event_rows(run / "events.jsonl")
     report = check_offpolicy_log(events, None)
     assert report["twice"] == report["lost"] == report["unreturned"] == report["stale"] == [], report
     migrated = [e for e in events if e["kind"] == "trajectory_migrated"]
@@ -250,7 +250,7 @@ def test_laminar_isolates_an_engine_failure_on_real_ranks_and_loses_nothing(tmp_
              "--data.len_tail_min=24", "--data.len_tail_max=32", "--data.len_tail_frac=1.0",
              "--perf.ignore_eos=true", env=env)
     assert [r["step"] for r in metrics(run)] == list(range(1, 9))
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = event_rows(run / "events.jsonl")
     report = check_offpolicy_log(events, None)
     assert report["twice"] == report["lost"] == report["unreturned"] == report["stale"] == [], report
     assert report["unmaterialised_trained"] == [] and report["trained_groups"] == 8 * 8, report

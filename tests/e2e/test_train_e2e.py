@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.dist_utils import free_port
-from tests.support.launch import ROOT, metrics, torchrun
+from tests.support.launch import ROOT, event_rows, metrics, torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -29,7 +29,7 @@ def tiny_run(tmp_path_factory) -> Path:
 PHASES = ("tidal: starting (config configs/tiny.toml, {n} ranks)", "tidal: model ready (", "tidal: {n} ranks joined (",
           "tidal: engines ready: ", "tidal: first round started", "tidal: saving the final checkpoint (",
           "tidal: exporting the model to ", "tidal: shutting down the ranks",
-          "tidal: writing summary.json and timeline.png", "run directory: ")
+          "tidal: writing summary.json, timeline.png and curves.png", "run directory: ")
 
 
 def assert_phases(stdout: str, nproc: int) -> None:
@@ -64,7 +64,7 @@ def test_reward_rises(tiny_run):
 
 
 def test_run_directory_holds_everything(tiny_run):
-    for name in ("config.toml", "events.jsonl", "metrics.jsonl", "timeline.png", "summary.json"):
+    for name in ("config.toml", "events.jsonl", "metrics.jsonl", "timeline.png", "curves.png", "summary.json"):
         assert (tiny_run / name).is_file(), name
     row = metrics(tiny_run)[-1]
     for key in ("step", "reward_mean", "accuracy", "response_len_mean", "loss", "approx_kl", "entropy",
@@ -74,13 +74,32 @@ def test_run_directory_holds_everything(tiny_run):
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert summary["staleness"] == {"0": 70 * 32}  # sync preset: every sample on-policy
     assert summary["dropped"] == 0
-    kinds = {json.loads(line)["kind"] for line in (tiny_run / "events.jsonl").read_text().splitlines()}
+    kinds = {e["kind"] for e in event_rows(tiny_run / "events.jsonl")}
     assert {"round_started", "request_admitted", "trajectory_finished", "reward_scored", "group_materialized",
             "train_started", "train_step_done", "version_published", "weights_loaded"} <= kinds
     # the resolved config reloads to the same run
     from config import load_config
     cfg = load_config(tiny_run / "config.toml")
     assert cfg.train.steps == 70 and cfg.log.dir == str(tiny_run)
+
+
+def test_the_compact_event_log_gives_its_consumers_the_same_figures(tiny_run, tmp_path):
+    """The run's events.jsonl (per-request events compact, the default) against the same events one per line:
+    summarize and sim.calibrate read the same figures, from a log a quarter of the size or less."""
+    from sched.events import EventLog, read_events
+    from sched.metrics import summarize
+    from sim.calibrate import measure
+    events = list(read_events(tiny_run / "events.jsonl"))
+    full = EventLog(tmp_path / "events.jsonl", keep=False)
+    for e in events:
+        full.write(e)
+    full.close()
+    shutil.copy(tiny_run / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    assert list(read_events(tmp_path / "events.jsonl")) == events
+    assert summarize(list(read_events(tmp_path / "events.jsonl")), 1) == summarize(events, 1)
+    a, b = measure(tiny_run), measure(tmp_path)
+    assert {k: v for k, v in a.items() if k != "run"} == {k: v for k, v in b.items() if k != "run"}
+    assert (tiny_run / "events.jsonl").stat().st_size < 0.3 * (tmp_path / "events.jsonl").stat().st_size
 
 
 def test_exported_model_loads_in_transformers(tiny_run):

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from tests.support.dist_utils import free_port
+from tests.support.launch import event_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -201,7 +202,7 @@ def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def trained_groups(run: Path) -> Counter:
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = event_rows(run / "events.jsonl")
     return Counter(g for e in events if e["kind"] == "train_started" for g in e["data"]["groups"])
 
 
@@ -228,7 +229,7 @@ def test_a_slow_rank_is_not_declared_dead(matrix):
     job = matrix["slow"]
     assert job.proc.returncode == 0, output(job)
     assert not list(job.run.glob("stall-rank*")), output(job)
-    events = [json.loads(line) for line in (job.run / "events.jsonl").read_text().splitlines()]
+    events = event_rows(job.run / "events.jsonl")
     started = next(e["t"] for e in events if e["kind"] == "train_started" and e["version"] == 1)
     done = next(e["t"] for e in events if e["kind"] == "train_step_done" and e["version"] == 2)
     assert done - started > DEADLINE, done - started

@@ -24,3 +24,9 @@ def torchrun(nproc: int, *args: str, timeout: float = 400, env: dict[str, str] |
 
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def event_rows(path: Path) -> list[dict]:
+    """An events.jsonl's events as the dicts of its one-per-line form (a compact log's `requests` lines expanded)."""
+    from sched.events import read_events
+    return [json.loads(e.to_json()) for e in read_events(path)]
