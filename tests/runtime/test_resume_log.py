@@ -13,7 +13,7 @@ from sched.events import Event
 
 
 def config(steps: int, progress: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(log=SimpleNamespace(every=1, progress=progress, wandb=False),
+    return SimpleNamespace(log=SimpleNamespace(every=1, progress=progress, wandb=False, request_events="compact"),
                            train=SimpleNamespace(steps=steps))
 
 
