@@ -48,7 +48,7 @@ ASYNC_SWEEP = (2, 4, 8, 16)
 # itself (the h20 profile). ROUTER_SIGMA is solved so that the router's mean absolute relative error in an
 # instance's throughput over the snapshots of the reproduction's StaleFlow run (eta = 3, 64 + 64, seed 0, Table-4
 # router: 86,607 busy-instance snapshots, median 21 running, 81k KV tokens) is App. B.2's measured 10.52%
-# (`router_error`; tests/sim/test_repro_figures.py re-measures it on a run with the perturbed router). The factors
+# (`router_error`; tests/sim/test_repro_staleflow.py re-measures it on a run with the perturbed router). The factors
 # are 1.31 / 0.67 / 0.82 / 1.11 for k1 / k2 / k3 / k4.
 ROUTER_ERROR, ROUTER_SEED, ROUTER_SIGMA = 0.1052, 0, 0.2875
 TABLE4 = ("k1", "k2", "k3", "k4")
