@@ -194,7 +194,7 @@ def test_staleflow_balanced_split_divides_the_gpus_in_proportion_to_each_stages_
     from sim.repro.core import Runs
     seen = []
 
-    def fake_run(runs, preset, s, eta):
+    def fake_run(runs, preset, s, eta, per_engine=None):
         seen.append((preset, s, eta))
         return SimpleNamespace(metrics={"makespan_s": 400.0, "engine_idle_ratio": 1.0 - gen_busy,
                                         "train_compute_s": train_s})
@@ -212,14 +212,14 @@ def test_staleflow_tuned_split_takes_whichever_candidate_ran_faster(monkeypatch,
     from sim.repro import staleflow
     from sim.repro.core import Runs
 
-    def fake_run(runs, preset, s, eta):   # generation-bound at the even split: the balance says 112 rollout GPUs
+    def fake_run(runs, preset, s, eta, per_engine=None):   # generation-bound at the even split: the balance says 112 rollout GPUs
         return SimpleNamespace(metrics={"makespan_s": 400.0, "engine_idle_ratio": 0.05, "train_compute_s": 61.0},
                                gpus=s.num_engines)
     speed = {64: 1.0, 112: 1.3 if faster == "balanced" else 0.8}
     monkeypatch.setattr(staleflow, "tokens_per_s", lambda r: speed[r.gpus])
     seen = []
-    monkeypatch.setattr(staleflow, "sf_run", lambda runs, preset, s, eta: seen.append((runs.seed, s.num_engines))
-                        or fake_run(runs, preset, s, eta))
+    monkeypatch.setattr(staleflow, "sf_run", lambda runs, preset, s, eta, per_engine=None:
+                        seen.append((runs.seed, s.num_engines)) or fake_run(runs, preset, s, eta))
     first = Runs(0)
     s = staleflow.tuned_split(first, "one_step", None)
     assert s.num_engines == (112 if faster == "balanced" else 64) and s.num_engines + s.train_gpus == 128
