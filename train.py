@@ -218,10 +218,10 @@ def main(argv: list[str]) -> int:
     with waiting("every rank to finish (the shutdown barrier)", on=range(topo.world)):
         dist.barrier(group=topo.control_group)
     preempted = preempt.seen(topo.store)   # the leader stopped early for a request: every rank knows it by now
+    preempt.uninstall()                    # before the store goes; a preempted rank ignores the signals from here
     channel.close(stop_peer=(topo.rank + 1) % topo.world)
     dist.destroy_process_group()
     watchdog.uninstall()
-    preempt.uninstall()
     if preempted and topo.is_leader:   # no summary: the resumed run writes the whole run's
         print(preempt.resume_line(run_dir, checkpoint_latest(cfg, run_dir), argv, preempted), file=sys.stderr,
               flush=True)

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 PREEMPTED_EXIT_CODE = 75   # EX_TEMPFAIL (sysexits.h): a temporary failure, run the same command again to resume
 POLL_S = 0.2               # how often the watcher looks at the store for another rank's request
-KEY = "tidal/preempt"
+KEY = "tidal/preempt"            # the first request's reason, for every rank
+STOPPED = "tidal/preempted"      # set by the leader once it has stopped the run early for a request
 UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
 
@@ -94,6 +95,7 @@ def safe_point_hook(preemption: Preemption | None, at_safe_point: Callable[[], b
             return
         if not saved_now():
             save()
+        mark_stopped(preemption.reason)
         raise Preempted(preemption.reason)
     return check
 
@@ -202,19 +204,21 @@ def uninstall() -> None:
     signal.set_wakeup_fd(old_fd)
 
 
+def mark_stopped(reason: str) -> None:
+    """The leader stopped the run early for a request: every rank will leave with PREEMPTED_EXIT_CODE (`seen`)."""
+    if _state is not None and _state[1].store is not None:
+        _state[1].store.set(STOPPED, reason)
+
+
 def seen(store: dist.Store | None) -> str:
-    """The request's reason if this rank or any other has one ('' if none): what a rank asks after the shutdown
-    barrier, when the leader has acted on a request that the watcher may not have polled yet."""
-    if _state is None:
+    """The request's reason if the leader stopped the run early for it, else '' (a request that came after the
+    controller's last step lets the run finish as usual): what every rank asks after the shutdown barrier."""
+    if _state is None or store is None:
         return ""
-    preemption = _state[0]
-    if not preemption.requested and store is not None:
-        try:
-            if store.check([KEY]):
-                preemption.request(store.get(KEY).decode())
-        except Exception:
-            pass
-    return preemption.reason
+    try:
+        return store.get(STOPPED).decode() if store.check([STOPPED]) else ""
+    except Exception:   # the store's host is gone: the leader did not pass the barrier either
+        return ""
 
 
 def resume_line(run_dir: str, checkpoint: str | None, argv: list[str], reason: str) -> str:

@@ -97,7 +97,12 @@ def test_install_turns_a_real_signal_into_a_request_and_keeps_catching_it_after(
         deadline = time.monotonic() + 5
         while not p.requested and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert p.reason == "SIGUSR1 on rank 3" and preempt.seen(store) == "SIGUSR1 on rank 3"
+        assert p.reason == "SIGUSR1 on rank 3" and store.get(KEY).decode() == "SIGUSR1 on rank 3"
+        assert preempt.seen(store) == ""                     # requested, not yet stopped: a run may still finish
+        saves = []
+        with pytest.raises(Preempted):
+            preempt.safe_point_hook(p, lambda: True, lambda: saves.append(1))()
+        assert saves == [1] and preempt.seen(store) == "SIGUSR1 on rank 3"   # stopped early: every rank exits 75
         preempt.uninstall()
         assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN   # requested: a second one in teardown is not fatal
         os.kill(os.getpid(), signal.SIGUSR1)
