@@ -200,7 +200,7 @@ def main(argv: list[str]) -> int:
                      c.timeout_s)
     faults.install(faults.Injector.from_env(topo.rank, topo.store))   # TIDAL_FAULTS: test fault injection
     # a preemption signal: every rank stops at the next safe point, after a checkpoint (runtime/preempt.py)
-    preemption = preempt.install(c.preempt_signals, c.preempt_grace_s, topo.rank, topo.store)
+    preemption = preempt.install(c.preempt_signals, c.preempt_grace_s, topo.rank, topo.store, watchdog.gone_ranks)
     channel = Channel(topo.control_group, topo.rank)
     try:
         if topo.colocate:

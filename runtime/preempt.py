@@ -6,7 +6,9 @@ and routes it through `signal.set_wakeup_fd`, so a rank blocked in a gloo or NCC
 for the call to return) still sees it at once: a watcher thread reads the wakeup pipe, records the request, and
 writes it into torchrun's store; the same thread polls the store, so a signal that reaches one rank only (a
 scheduler that signals one process, `kill` by hand) reaches every rank within POLL_S. torchrun forwards its own
-SIGTERM to every worker, so usually each rank sees one of its own.
+SIGTERM to every worker, so usually each rank sees one of its own. torchrun also SIGTERMs the ranks left when one
+has died: a SIGTERM while a rank on this host has exited, and before any request, keeps its old meaning (the rank
+leaves at once, exit code 143), so a crash still ends the job as fast as before.
 
 The safe point. Only the leader acts on a request: its controller's after-event hook (runtime/rundir.py
 `periodic_checkpoints`) waits for the same moment a periodic checkpoint does (the trainer holds no work: nothing
@@ -52,8 +54,11 @@ def signal_problem(name: str) -> str | None:
     if name in UNCATCHABLE:
         return f"{name} cannot be caught"
     if not hasattr(signal, name) or not name.startswith("SIG") or name.startswith("SIG_"):
-        known = ", ".join(s.name for s in signal.Signals if s.name not in UNCATCHABLE)
-        return f"{name!r} is not a signal name (one of {known})"
+        import difflib
+        known = [s.name for s in signal.Signals if s.name not in UNCATCHABLE]
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else "e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGHUP"
+        return f"{name!r} is not a signal name ({hint})"
     return None
 
 
@@ -105,9 +110,9 @@ class Watcher:
     this rank's request, and ends the process when the grace period is over."""
 
     def __init__(self, preemption: Preemption, signums: set[int], rank: int, store: dist.Store | None, read_fd: int,
-                 exit_fn: Callable[[int], None] = os._exit):
+                 exit_fn: Callable[[int], None] = os._exit, peers_gone: Callable[[], list[int]] = list):
         self.p, self.signums, self.rank, self.store = preemption, signums, rank, store
-        self.read_fd, self.exit_fn = read_fd, exit_fn
+        self.read_fd, self.exit_fn, self.peers_gone = read_fd, exit_fn, peers_gone
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="preempt", daemon=True)
 
@@ -120,6 +125,17 @@ class Watcher:
     def _loop(self) -> None:
         while not self.stopped.is_set():
             self.step(POLL_S)
+
+    def adopt(self) -> bool:
+        """Take another rank's request from the store, if there is one."""
+        if self.store is None:
+            return False
+        try:
+            if self.store.check([KEY]):
+                return self.p.request(self.store.get(KEY).decode())
+        except Exception:   # the store's host is gone: the job is ending anyway
+            pass
+        return False
 
     def announce(self) -> None:
         """Put this rank's request in the store; the first rank to do so (torchrun signals them all) says so."""
@@ -145,14 +161,16 @@ class Watcher:
                 if num not in self.signums:   # another handled signal (SIGINT's KeyboardInterrupt) also writes here
                     continue
                 name = signal.Signals(num).name if num in signal.Signals._value2member_map_ else f"signal {num}"
+                if self.p.requested or self.adopt():
+                    continue
+                if num == signal.SIGTERM and self.peers_gone():   # torchrun stopping the ranks left after one
+                    self.exit_fn(128 + num)                         # died: its SIGTERM keeps its old meaning
+                    self.stopped.set()
+                    return
                 if self.p.request(f"{name} on rank {self.rank}"):
                     self.announce()
-        elif not self.p.requested and self.store is not None:
-            try:
-                if self.store.check([KEY]):
-                    self.p.request(self.store.get(KEY).decode())
-            except Exception:
-                pass
+        elif not self.p.requested:
+            self.adopt()
         if self.p.expired():
             print(f"rank {self.rank}: preempted ({self.p.reason}): no checkpoint within cluster.preempt_grace_s = "
                   f"{self.p.grace_s:g}s; leaving with exit code {PREEMPTED_EXIT_CODE}, a restart resumes from the "
@@ -164,8 +182,12 @@ class Watcher:
 _state: tuple[Preemption, Watcher, list[tuple[int, object]], int] | None = None
 
 
-def install(signals: list[str], grace_s: float, rank: int, store: dist.Store | None) -> Preemption | None:
-    """Catch `signals` on this rank (main thread only) and start the watcher; None when `signals` is empty."""
+def install(signals: list[str], grace_s: float, rank: int, store: dist.Store | None,
+            peers_gone: Callable[[], list[int]] = list) -> Preemption | None:
+    """Catch `signals` on this rank (main thread only) and start the watcher; None when `signals` is empty.
+    `peers_gone`: the ranks on this host whose process has exited (runtime/watchdog.py `gone_ranks`): a SIGTERM
+    while one has, and before any request, is torchrun stopping the job after a failure, and ends this rank at once
+    (exit code 143), as it did before preemption was handled."""
     global _state
     if not signals:
         return None
@@ -178,7 +200,7 @@ def install(signals: list[str], grace_s: float, rank: int, store: dist.Store | N
     for name in signals:
         num = getattr(signal, name)
         previous.append((num, signal.signal(num, lambda *_: None)))   # the wakeup pipe carries it to the watcher
-    watcher = Watcher(preemption, {num for num, _ in previous}, rank, store, r)
+    watcher = Watcher(preemption, {num for num, _ in previous}, rank, store, r, peers_gone=peers_gone)
     watcher.start()
     _state = (preemption, watcher, previous, old_fd)
     return preemption

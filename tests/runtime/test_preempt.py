@@ -70,6 +70,21 @@ def test_another_handled_signal_is_not_a_request():
     assert not w.p.requested
 
 
+def test_torchruns_sigterm_after_a_rank_died_still_ends_the_rank_at_once():
+    store = dist.HashStore()
+    w, pipe, exits = watcher(store)
+    w.peers_gone = lambda: [2]                           # a rank on this host died: torchrun stops the others
+    os.write(pipe, bytes([signal.SIGTERM]))
+    w.step(0)
+    assert exits == [128 + signal.SIGTERM] and not w.p.requested and not store.check([KEY])
+    w2, pipe2, exits2 = watcher(store)                   # a preempted rank that already left is not a failure
+    w2.peers_gone = lambda: [2]
+    store.set(KEY, "SIGTERM on rank 0")
+    os.write(pipe2, bytes([signal.SIGTERM]))
+    w2.step(0)
+    assert exits2 == [] and w2.p.reason == "SIGTERM on rank 0"
+
+
 def test_the_grace_period_ends_the_process_with_the_preempted_code():
     clock = Clock()
     w, pipe, exits = watcher(None, clock=clock)
@@ -147,7 +162,7 @@ def test_a_preemption_signal_must_be_a_catchable_signal():
         ["SIGTERM", "SIGUSR1"]
     with pytest.raises(ConfigError, match="SIGKILL cannot be caught"):
         load_config(None, ['--cluster.preempt_signals=["SIGKILL"]'])
-    with pytest.raises(ConfigError, match="'SIGTREM' is not a signal name"):
+    with pytest.raises(ConfigError, match="'SIGTREM' is not a signal name \\(did you mean SIGTERM\\?\\)"):
         load_config(None, ['--cluster.preempt_signals=["SIGTREM"]'])
 
 
