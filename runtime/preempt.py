@@ -172,9 +172,10 @@ class Watcher:
         elif not self.p.requested:
             self.adopt()
         if self.p.expired():
-            print(f"rank {self.rank}: preempted ({self.p.reason}): no checkpoint within cluster.preempt_grace_s = "
-                  f"{self.p.grace_s:g}s; leaving with exit code {PREEMPTED_EXIT_CODE}, a restart resumes from the "
-                  f"last complete checkpoint", file=sys.stderr, flush=True)
+            if self.rank == 0:   # every rank's deadline falls within POLL_S of the others': one line
+                print(f"preempted ({self.p.reason}): no checkpoint within cluster.preempt_grace_s = "
+                      f"{self.p.grace_s:g}s; every rank leaves with exit code {PREEMPTED_EXIT_CODE}, a restart "
+                      f"resumes from the last complete checkpoint", file=sys.stderr, flush=True)
             self.exit_fn(PREEMPTED_EXIT_CODE)
             self.stopped.set()
 

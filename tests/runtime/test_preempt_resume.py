@@ -2,7 +2,8 @@
 to torchrun (which forwards it to every rank), or the configured second signal (SIGUSR1) to the rollout rank alone;
 every rank stops after a checkpoint, with one line naming it and exit code 75; the job run again with
 `checkpoint.resume=latest` ends with the uninterrupted run's weights, bit for bit, every group trained once and the
-same metrics. Three jobs side by side (the reference and the two preempted ones), then the two resumes."""
+same metrics. Three jobs side by side (the reference and the two preempted ones), then the two resumes. And a
+checkpoint slower than the grace period: cut short at the deadline, exit code 75, the last complete one intact."""
 from __future__ import annotations
 
 import json
@@ -31,12 +32,13 @@ SAME = ("reward_mean", "accuracy", "response_len_mean", "loss", "grad_norm", "en
 DEADLINE_S = 400
 
 
-def launch(run: Path, *extra: str) -> tuple[Job, threading.Thread]:
+def launch(run: Path, *extra: str, faults: str = "") -> tuple[Job, threading.Thread]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--monitor-interval=0.1",
            "--master_port", str(free_port()), "train.py", "--config", "configs/tiny.toml", f"--log.dir={run}",
            *ARGS, *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "TIDAL_FAULTS": faults},
+                            start_new_session=True)
     job = Job(run, [], proc)
     reader = threading.Thread(target=job.read, daemon=True)
     reader.start()
@@ -131,3 +133,25 @@ def test_the_resumed_job_ends_with_the_uninterrupted_weights_and_metrics(runs, n
             for run in (ref.run, job.run)]
     assert [r["step"] for r in rows[1]] == list(range(1, STEPS + 1))
     assert [[r[k] for k in SAME] for r in rows[0]] == [[r[k] for k in SAME] for r in rows[1]]
+
+
+def test_a_checkpoint_that_outlasts_the_grace_period_is_cut_short_and_the_last_complete_one_kept(tmp_path):
+    """Every checkpoint from step 2 on is slowed (rank 0 sleeps 3 s at each of its stages); the grace period is 2 s:
+    every rank leaves with exit code 75 at the deadline, mid-write, and the newest complete checkpoint is intact."""
+    run = tmp_path / "grace"
+    slow = " & ".join(f"slow 0 checkpoint {s} 3.0" for s in range(2, STEPS + 1))
+    t0 = time.monotonic()
+    job, reader = launch(run, "--checkpoint.every=1", f"--checkpoint.keep={STEPS}", "--cluster.preempt_grace_s=2",
+                         faults=slow)
+    while job.proc.poll() is None and steps_logged(run) < 2 and time.monotonic() - t0 < DEADLINE_S:
+        time.sleep(0.05)
+    os.kill(rank_pid(job.proc.pid, 2), signal.SIGUSR1)
+    finish([(job, reader)], t0)
+    out = output(job)
+    assert out.count("no checkpoint within cluster.preempt_grace_s = 2s") == 1, out[-6000:]   # rank 0 says it
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", out)
+    assert codes and set(codes) == {str(PREEMPTED_EXIT_CODE)}, out[-6000:]
+    from trainer import checkpoint
+    newest = checkpoint.latest(run / "checkpoints")
+    assert newest is not None and checkpoint.problem(newest) is None
+    assert list((run / "checkpoints").glob(".tmp_step_*")), "the deadline did not cut a write short"
