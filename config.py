@@ -193,6 +193,18 @@ class ClusterConfig:
                         "--check` plans with; 0 = $WORLD_SIZE, else 1. A run uses torchrun's world either way")
     device_memory_gib: float = F(0.0, ge=0, help="memory of one GPU in GiB that `train.py --check` plans for "
                                  "(H100 80GB: 79.1, H200: 139.8); 0 = this machine's GPU, else 79.1")
+    preempt_signals: list[str] = F(["SIGTERM"], help="signals that preempt the run: every rank stops at the next "
+                                   "safe point, a checkpoint is saved, exit code 75 (runtime/preempt.py); e.g. "
+                                   "[\"SIGTERM\", \"SIGUSR1\"]; [] = the signals' default actions")
+    preempt_grace_s: float = F(25.0, gt=0, help="after a preemption signal, leave (exit code 75) this many seconds "
+                               "later even if the checkpoint is not done; the last complete one stays intact. Keep "
+                               "it under the scheduler's kill delay and torchrun's --shutdown_timeout (30 s)")
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        from runtime.preempt import signal_problem
+        for name in self.preempt_signals:
+            if (bad := signal_problem(name)) is not None:
+                yield "preempt_signals", bad
 
 
 @dataclass

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import cpu
 import sched
 from config import Config, ConfigError, describe, load_config
-from runtime import faults, watchdog
+from runtime import faults, preempt, watchdog
 from runtime.backend import RuntimeBackend
 from runtime.budget import resolve as resolve_budget
 from runtime.build import (RunParts, build_run, deterministic_algorithms, device_for_rank, import_train_side,
@@ -55,6 +55,7 @@ from runtime.build import (RunParts, build_run, deterministic_algorithms, device
 from runtime.channel import Channel
 from runtime.logger import MetricsLogger
 from runtime.messages import ExportHF, Publish, SaveCheckpoint
+from runtime.preempt import Preempted, Preemption
 from runtime.progress import phase
 from runtime.rollout_worker import RolloutWorker
 from runtime.rundir import (checkpoint_dir, finish_run, leader_state, periodic_checkpoints, prepare_run_dir,
@@ -206,14 +207,16 @@ def main(argv: list[str]) -> int:
     watchdog.install(run_dir, topo.rank, topo.world, [topo.role(r) for r in range(topo.world)], topo.store,
                      c.timeout_s)
     faults.install(faults.Injector.from_env(topo.rank, topo.store))   # TIDAL_FAULTS: test fault injection
+    # a preemption signal: every rank stops at the next safe point, after a checkpoint (runtime/preempt.py)
+    preemption = preempt.install(c.preempt_signals, c.preempt_grace_s, topo.rank, topo.store, watchdog.gone_ranks)
     channel = Channel(topo.control_group, topo.rank)
     try:
         if topo.colocate:
-            finish = run_colocated(cfg, preset, parts, model, topo, channel, run_dir, t0)
+            finish = run_colocated(cfg, preset, parts, model, topo, channel, run_dir, t0, preemption)
         elif topo.is_rollout:
             finish = run_rollout(cfg, preset, parts, model, topo, channel, t0)
         elif topo.is_leader:
-            finish = run_leader(cfg, preset, parts, model, topo, channel, run_dir, t0)
+            finish = run_leader(cfg, preset, parts, model, topo, channel, run_dir, t0, preemption)
         else:
             finish = run_follower(cfg, model, topo)
     except BaseException:  # leave at once (a thread blocked in a collective must not keep the process alive)
@@ -223,14 +226,27 @@ def main(argv: list[str]) -> int:
     phase("shutting down the ranks", topo.rank)
     with waiting("every rank to finish (the shutdown barrier)", on=range(topo.world)):
         dist.barrier(group=topo.control_group)
+    preempted = preempt.seen(topo.store)   # the leader stopped early for a request: every rank knows it by now
+    preempt.uninstall()                    # before the store goes; a preempted rank ignores the signals from here
     channel.close(stop_peer=(topo.rank + 1) % topo.world)
     dist.destroy_process_group()
     watchdog.uninstall()
-    if finish is not None:
+    if preempted and topo.is_leader:   # no summary: the resumed run writes the whole run's
+        print(preempt.resume_line(run_dir, checkpoint_latest(cfg, run_dir), argv, preempted), file=sys.stderr,
+              flush=True)
+    elif finish is not None:
         finish()
     if "triton" in sys.modules:   # imported by torch._dynamo on the train ranks: start-up froze its extension
         gc.unfreeze()              # objects' cycles, which then outlive the interpreter's last collection and
-    return 0                       # print a nanobind leak report at exit (costs the tiny job ~0.7 s of teardown)
+    #                            print a nanobind leak report at exit (costs the tiny job ~0.7 s of teardown)
+    return preempt.PREEMPTED_EXIT_CODE if preempted else 0
+
+
+def checkpoint_latest(cfg: Config, run_dir: str) -> str | None:
+    """The newest complete checkpoint of the run, as a path string (what a preempted run resumes from)."""
+    from trainer.checkpoint import latest
+    path = latest(checkpoint_dir(cfg, run_dir))
+    return str(path) if path is not None else None
 
 
 def export_hf(call: Callable[[ExportHF], None], cfg: Config, parts: RunParts, run_dir: str) -> None:
@@ -253,7 +269,8 @@ def resume_trainer(cfg: Config, trainer: Trainer, topo: Topology) -> dict | None
 
 # ----------------------------------------------------------------------------------------------------- roles
 def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Module, topo: Topology,
-               channel: Channel, run_dir: str, t0: float) -> Callable[[], None]:
+               channel: Channel, run_dir: str, t0: float, preemption: Preemption | None = None
+               ) -> Callable[[], None]:
     """Global rank 0: the controller drives the policies in this thread; the trainer runs its work items (and
     broadcasts the weights it publishes) in a second one, with the other train ranks following it. Returns the
     run summary's writer, called once every rank has left."""
@@ -277,13 +294,15 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
     backend.to_trainer(Publish(trainer.step))   # the engines start from the trainer's weights
     try:
         with watchdog.doing("the controller's loop"):
-            controller.run(backend, periodic_checkpoints(cfg, controller, save))
+            controller.run(backend, periodic_checkpoints(cfg, controller, save, preemption))
         log.end_bar()
         phase("saving the final checkpoint", timed=True)
         save()
         phase(f"exporting the model to {Path(run_dir) / 'hf'}", when=cfg.checkpoint.export_hf)
         if cfg.checkpoint.export_hf:
             export_hf(backend.call, cfg, parts, run_dir)
+    except Preempted:   # saved at a safe point: the engines and train ranks stop as at the end, no export
+        pass
     finally:
         backend.stop_workers()
         tt.stop()
@@ -310,7 +329,8 @@ def run_rollout(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mo
 
 
 def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Module, topo: Topology,
-                  channel: Channel, run_dir: str, t0: float) -> Callable[[], None] | None:
+                  channel: Channel, run_dir: str, t0: float, preemption: Preemption | None = None
+                  ) -> Callable[[], None] | None:
     """Every rank: an engine on a private copy of the weights plus an FSDP2 trainer shard, taking turns; rank 0 also
     runs the controller, in a thread (runtime/colocated.py), and returns the run summary's writer."""
     from runtime.colocated import ColocatedBackend, ColocatedWorker, ControllerThread
@@ -340,7 +360,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
             phase(f"exporting the model to {Path(run_dir) / 'hf'}", when=cfg.checkpoint.export_hf)
             if cfg.checkpoint.export_hf:
                 export_hf(backend.call, cfg, parts, run_dir)
-        ctl = ControllerThread(controller, backend, finish, periodic_checkpoints(cfg, controller, save))
+        ctl = ControllerThread(controller, backend, finish, periodic_checkpoints(cfg, controller, save, preemption))
     worker.start()
     worker.run()
     if ctl is None:

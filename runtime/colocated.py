@@ -18,6 +18,7 @@ from typing import Any, Callable
 from runtime.backend import RuntimeBackend
 from runtime.channel import CONTROLLER, WORKER
 from runtime.messages import ExportHF, Publish, SaveCheckpoint, Stop, Train, WorkDone
+from runtime.preempt import Preempted
 from runtime.rollout_worker import RolloutWorker
 from runtime.train_worker import run_work
 from runtime.watchdog import Phase, waiting
@@ -96,6 +97,8 @@ class ControllerThread:
         try:
             self.controller.run(self.backend, self.after_event)
             self.finish()
+        except Preempted:   # its checkpoint is saved (runtime/preempt.py): stop as at the end, without the export
+            pass
         except BaseException:
             self.error = traceback.format_exc()
         finally:

@@ -22,6 +22,7 @@ from config import Config, resolve_run_dir, save_config
 from runtime.build import RunParts
 from runtime.curves import draw_curves, read_rows
 from runtime.logger import LOGS, MetricsLogger
+from runtime.preempt import Preemption, safe_point_hook
 from runtime.progress import phase
 from sched.controller import Controller
 from sched.events import Event, read_events
@@ -133,23 +134,34 @@ def restore(controller: Controller, parts: RunParts, extra: dict[str, Any]) -> N
     torch.set_rng_state(extra["rng"])
 
 
-def periodic_checkpoints(cfg: Config, controller: Controller, save: Callable[[], None]) -> Callable[[Event], None]:
+def periodic_checkpoints(cfg: Config, controller: Controller, save: Callable[[], None],
+                         preemption: Preemption | None = None) -> Callable[[Event], None]:
     """The controller's after-event hook: every `checkpoint.every` published versions, `save()` at the first moment
     the trainer holds no work (nothing training, no gradients accumulated); trajectories in flight go into the
     controller's state (sched/resume.py). The final checkpoint is the caller's. A resumed run does not save the
-    version it resumed from again (its first publication is that version's): that checkpoint is on disk."""
+    version it resumed from again (its first publication is that version's): that checkpoint is on disk. Under a
+    preemption request (runtime/preempt.py) the first such moment saves and raises Preempted."""
     due = [False]
     start = controller.v.trainer.version
+
+    def safe() -> bool:
+        t = controller.v.trainer
+        return not t.busy and t.groups_since_step == 0 and not controller.done
+
+    saved = [False]
+    preempt_check = safe_point_hook(preemption, safe, save, saved_now=lambda: saved[0])
 
     def after_event(ev: Event) -> None:
         every = cfg.checkpoint.every
         if ev.kind == "version_published" and every and ev.version % every == 0 and \
                 start < ev.version < cfg.train.steps:
             due[0] = True
-        t = controller.v.trainer
-        if due[0] and not t.busy and t.groups_since_step == 0 and not controller.done:
+        saved[0] = False
+        if due[0] and safe():
             due[0] = False
             save()
+            saved[0] = True
+        preempt_check()
     return after_event
 
 

@@ -416,6 +416,11 @@ def rank_info() -> dict[int, dict]:
     return dict(_dog.info) if _dog is not None else {}
 
 
+def gone_ranks() -> list[int]:
+    """The other ranks on this host whose process has exited ([] without a watchdog)."""
+    return [r for r in _dog.info if r != _dog.rank and _dog.process_gone(r)] if _dog is not None else []
+
+
 def failed(error: str) -> None:
     """An exception ended the rank's role (`error`: its traceback): report it, naming the ranks whose process died,
     and leave with exit code 1 at once (never returns)."""

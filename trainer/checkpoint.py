@@ -34,7 +34,7 @@ from model.config import ModelConfig
 # torch.distributed.checkpoint (and FSDP2's DTensor under it) is imported by the functions that save or load: the
 # file-level ones (problem, scan, latest, read_extra) serve every rank's start-up, rollout ranks included.
 
-STEP_DIR = re.compile(r"^(\.tmp_)?step_(\d+)$")
+STEP_DIR = re.compile(r"^(\.tmp_|\.old_)?step_(\d+)$")   # .old_: a complete one being replaced by a new save
 COMPLETE = "COMPLETE"
 Progress = Callable[[str], None]
 
@@ -76,8 +76,9 @@ def problem(path: str | Path) -> str | None:
 
 
 def scan(ckpt_dir: str | Path) -> list[tuple[int, Path, str | None]]:
-    """(step, path, problem) of every checkpoint directory under ckpt_dir (step_N, and .tmp_step_N left by an
-    interrupted write), oldest first; problem is None for those that can be resumed from."""
+    """(step, path, problem) of every checkpoint directory under ckpt_dir (step_N, .tmp_step_N left by an
+    interrupted write, .old_step_N left by an exit while a save of the same step replaced it), oldest first (of one
+    step, step_N last); problem is None for those that can be resumed from."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
@@ -154,9 +155,12 @@ def save(ckpt_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opt
             return
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         (tmp / COMPLETE).write_text(json.dumps({"step": step, "files": files}, indent=1) + "\n")
-        if final.exists():  # saving the same step again replaces it
-            shutil.rmtree(final)
+        old = root / f".old_step_{step}"
+        if final.exists():  # saving the same step again replaces it: moved aside first, so that an exit at any
+            shutil.rmtree(old, ignore_errors=True)   # moment leaves a complete step_{step} or .old_step_{step}
+            os.replace(final, old)
         os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         if keep_last:
             for _, old in completed(root)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
