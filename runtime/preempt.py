@@ -119,8 +119,12 @@ class Watcher:
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10 * POLL_S) -> None:
+        """Stop the loop and wait (a deadline) for the thread to leave it: a daemon thread still inside a store call
+        when the process exits aborts it (C++ `terminate`), as the store's client is destroyed under it."""
         self.stopped.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
 
     def _loop(self) -> None:
         while not self.stopped.is_set():

@@ -63,6 +63,16 @@ def test_a_signal_on_one_rank_reaches_the_others_through_the_store():
     assert w0.p.reason == "SIGTERM on rank 1"           # the leader learns of it from the store
 
 
+def test_stopping_the_watcher_waits_for_its_thread_to_leave_the_store():
+    store = dist.HashStore()
+    w, _, _ = watcher(store, rank=1)
+    w.start()
+    time.sleep(0.05)
+    assert w.thread.is_alive()
+    w.stop()            # a daemon thread left inside a store call at exit aborts the process (C++ terminate)
+    assert not w.thread.is_alive()
+
+
 def test_another_handled_signal_is_not_a_request():
     w, pipe, _ = watcher(dist.HashStore(), signums=(signal.SIGTERM,))
     os.write(pipe, bytes([signal.SIGINT]))               # Python's own SIGINT handler writes to the wakeup fd too
