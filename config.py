@@ -18,6 +18,7 @@ import difflib
 import functools
 import operator
 import re
+import signal
 import sys
 import textwrap
 import typing
@@ -174,6 +175,21 @@ class SchedConfig:
                 "weight_sync": self.weight_sync, "rebalance": self.rebalance}
 
 
+UNCATCHABLE_SIGNALS = ("SIGKILL", "SIGSTOP")
+
+
+def signal_problem(name: str) -> str | None:
+    """Why `name` cannot be a preemption signal (`cluster.preempt_signals`, runtime/preempt.py), or None."""
+    if name in UNCATCHABLE_SIGNALS:
+        return f"{name} cannot be caught"
+    if not hasattr(signal, name) or not name.startswith("SIG") or name.startswith("SIG_"):
+        known = [s.name for s in signal.Signals if s.name not in UNCATCHABLE_SIGNALS]
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else "e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGHUP"
+        return f"{name!r} is not a signal name ({hint})"
+    return None
+
+
 @dataclass
 class ClusterConfig:
     rollout_ranks: int = F(0, ge=0, help="ranks running decode engines; 0 = use rollout_fraction")
@@ -201,7 +217,6 @@ class ClusterConfig:
                                "it under the scheduler's kill delay and torchrun's --shutdown_timeout (30 s)")
 
     def check(self) -> Iterator[tuple[str, str]]:
-        from runtime.preempt import signal_problem
         for name in self.preempt_signals:
             if (bad := signal_problem(name)) is not None:
                 yield "preempt_signals", bad

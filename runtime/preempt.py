@@ -42,24 +42,10 @@ PREEMPTED_EXIT_CODE = 75   # EX_TEMPFAIL (sysexits.h): a temporary failure, run 
 POLL_S = 0.2               # how often the watcher looks at the store for another rank's request
 KEY = "tidal/preempt"            # the first request's reason, for every rank
 STOPPED = "tidal/preempted"      # set by the leader once it has stopped the run early for a request
-UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
 
 class Preempted(Exception):
     """Raised by the leader's after-event hook once the preemption checkpoint is saved: the controller's loop ends."""
-
-
-def signal_problem(name: str) -> str | None:
-    """Why `name` cannot be a preemption signal, or None."""
-    if name in UNCATCHABLE:
-        return f"{name} cannot be caught"
-    if not hasattr(signal, name) or not name.startswith("SIG") or name.startswith("SIG_"):
-        import difflib
-        known = [s.name for s in signal.Signals if s.name not in UNCATCHABLE]
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"did you mean {close[0]}?" if close else "e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGHUP"
-        return f"{name!r} is not a signal name ({hint})"
-    return None
 
 
 @dataclass
