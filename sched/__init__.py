@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from config import load_config
-from sched.base import KIND_BASES, REGISTRY, Preset, build_policy
+from sched.base import KIND_BASES, REGISTRY, Preset
+from sched.build import build_policy
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "sched"
 

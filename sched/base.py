@@ -14,15 +14,13 @@ plain decisions (the dataclasses of sched/decisions.py). The controller (sched/c
 paper that decides several kinds together on one picture is a `Design`: one object filling those kinds. A
 `Preset` names one mechanism per kind; a mechanism class registers itself with the bare decorator `@register`, which
 reads its `kind` and `name`, and takes its parameters as a `Params` dataclass that `build_policy` fills from a
-config table through the one config validator (config.build).
+config table through the one config validator (sched/build.py, config.build).
 """
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from config import build
 from sched.views import Views
 
 if TYPE_CHECKING:
@@ -232,38 +230,3 @@ class Preset:
         """The tightest staleness bound its mechanisms declare (None: unbounded or on-policy by construction)."""
         bounds = [b for p in self.policies().values() if (b := p.staleness_bound()) is not None]
         return min(bounds) if bounds else None
-
-
-def build_policy(kind: str, table: Mapping[str, Any], source: str = "config", prefix: str = "",
-                 key_sources: Mapping[str, str] | None = None) -> Policy:
-    """Instantiate one mechanism from its config table `{name = "...", <params>}`, its parameters validated by
-    config.build (types, declared ranges and choices; errors name `prefix`.key and where it came from)."""
-    if kind not in REGISTRY:
-        raise ValueError(f"{source}: unknown mechanism kind {kind!r}; kinds: {sorted(REGISTRY)}")
-    prefix = prefix or f"sched.{kind}"
-    table = dict(table)
-    name = table.pop("name", None)
-    if name not in REGISTRY[kind]:
-        close = difflib.get_close_matches(str(name), REGISTRY[kind], n=1)
-        where = (key_sources or {}).get(f"{prefix}.name", source)
-        hint = f"; did you mean {close[0]}?" if close else "."
-        raise ValueError(f"{prefix}.name = {name!r} is not a registered {kind} module (from {where}){hint} "
-                         f"Available: {', '.join(sorted(REGISTRY[kind]))}")
-    cls = REGISTRY[kind][name]
-    if table and not fields(cls.Params):
-        key = sorted(table)[0]
-        raise ValueError(f"{prefix}.{key} (from {(key_sources or {}).get(f'{prefix}.{key}', source)}): {prefix} "
-                         f"{name!r} takes no parameters")
-    return cls(build(cls.Params, table, source, prefix, key_sources=key_sources))
-
-
-def inner_dispatch(owner: Dispatch, name: str, params: Mapping[str, Any]) -> Dispatch:
-    """The dispatch module a round-composing dispatch delegates placement to (`admit = "<name>"`, `admit_params`),
-    validated like any other table."""
-    if name == owner.name or name not in REGISTRY["dispatch"]:
-        raise ValueError(f"sched.dispatch {owner.name!r}: admit = {name!r} is not a dispatch module it can delegate "
-                         f"to; available: {sorted(set(REGISTRY['dispatch']) - {owner.name})}")
-    inner = build_policy("dispatch", {"name": name, **params}, source=f"sched.dispatch {owner.name!r}",
-                         prefix="sched.dispatch.admit_params")
-    assert isinstance(inner, Dispatch)
-    return inner

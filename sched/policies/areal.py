@@ -216,8 +216,7 @@ class ArealHandoff(Handoff):
         if len(done) < B:
             return None
         batch = done[:B]
-        taken = Counter(ver for ver, *_ in batch)
-        left = 0
+        taken, left = Counter(ver for ver, *_ in batch), 0
         for u in sorted(count):
             left += count[u] - taken[u]
             if left > (u + eta - w) * B:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, Handoff, inner_dispatch, register
+from sched.base import Dispatch, Handoff, register
+from sched.build import inner_dispatch
 from sched.decisions import Submit
 from sched.views import Views
 

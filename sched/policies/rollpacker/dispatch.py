@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, inner_dispatch, register
+from sched.base import Dispatch, register
+from sched.build import inner_dispatch
 from sched.controller import PromptItem
 from sched.decisions import RoundPlan, Submit
 from sched.views import Views
