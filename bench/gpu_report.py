@@ -4,6 +4,7 @@ run in several device calls into one file."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,13 @@ def engine_floor(r: dict[str, Any], spec: DeviceSpec | None, dry: bool = False) 
         run = engine_workload_floor(ENGINE_SHAPES[r["shape"]], r["prompts"], lo, hi, 0, r["prompts"], spec,
                                     dtype_bytes=4 if dry else 2) / r["engine_s"]
     return decode, run
+
+
+def profile_device_s(prof: dict[str, Any]) -> float:
+    """A profile's device busy time: the table's "Self CUDA time total" footer where the table has it (files written
+    before `bench.train.device_self_us` summed op rows and kernel rows alike, about twice the footer)."""
+    m = re.search(r"Self CUDA time total: ([\d.]+)(us|ms|s)\b", prof.get("table", ""))
+    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)] if m else prof["device_s"]
 
 
 def grpo_training_tflops(r: dict[str, Any]) -> tuple[float | None, bool]:
@@ -207,8 +215,8 @@ def rows(results: dict[str, Any]) -> list[str]:
                f"{r['micro_batches']} micro-batches of <= {r['micro_batch_tokens']} tokens, checkpointing "
                f"{'on' if r['activation_checkpointing'] else 'off'} (recompute not counted)" if train_tf else "")
         if prof:
-            how += (f"; under torch.profiler: device {prof['device_s']:.2f} s, host {prof['host_s']:.2f} s of "
-                    f"{prof['wall_s']:.2f} s")
+            how += (f"; under torch.profiler: device {profile_device_s(prof):.2f} s, host {prof['host_s']:.2f} s "
+                    f"of {prof['wall_s']:.2f} s")
         out.append(f"| same, training phase: MFU (TFLOP/s) | {'~' if est else ''}{_f(mfu, '.3f')} "
                    f"({'~' if est else ''}{_f(train_tf, '.0f')} TFLOP/s, {t['training']:.2f} s; {how}) | >= 0.25 | "
                    f"{_met(None if mfu is None else mfu >= 0.25)} |")

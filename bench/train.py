@@ -49,6 +49,7 @@ if __package__ in (None, ""):  # run as a script: bench/ would shadow nothing he
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
 
 import cpu  # noqa: E402
 from bench.hardware import DeviceSpec, local_spec, mfu  # noqa: E402
@@ -260,6 +261,14 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
     return out
 
 
+def device_self_us(events: Any) -> float:
+    """The device's busy time in a profile: the self time of the device's own rows (kernels, memcpy), as the table's
+    "Self CUDA time total" footer counts it. The CPU-side op rows carry their kernels' time too (aten::mm's self CUDA
+    time is its GEMM kernel's), so summing every row counts each kernel about twice."""
+    device_types = {t for t in (getattr(DeviceType, n, None) for n in ("CUDA", "PrivateUse1", "MTIA")) if t}
+    return sum(e.self_device_time_total for e in events if getattr(e, "device_type", None) in device_types)
+
+
 def profile_table(fn: Any, device: str, rows: int = 30) -> dict[str, Any]:
     """`fn()` once under torch.profiler: its top ops by device time (self CPU time on CPU), and the host's and the
     device's total self time beside the wall time (a device time well under the wall time: host-bound)."""
@@ -271,7 +280,7 @@ def profile_table(fn: Any, device: str, rows: int = 30) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     events = prof.key_averages()
     by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    dev_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    dev_us = device_self_us(events)
     host_us = sum(e.self_cpu_time_total for e in events)
     return {"wall_s": wall, "device_s": dev_us / 1e6, "host_s": host_us / 1e6, "sort_by": by,
             "table": events.table(sort_by=by, row_limit=rows, max_name_column_width=60),

@@ -382,3 +382,25 @@ def test_train_bench_frees_each_modes_trainer_before_the_next():
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "alive 0"
+
+
+def test_a_profiles_device_time_counts_each_kernel_once():
+    """The op rows (aten::mm) carry their kernels' device time and the kernel rows carry it again: the device's busy
+    time is the device rows' sum, the table footer's "Self CUDA time total", not every row's."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench.train import device_self_us
+    rows = [SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=1863.0),    # aten::mm
+            SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=1200.0),   # its GEMM kernels
+            SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=663.0),
+            SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=0.0)]       # host-only op
+    assert device_self_us(rows) == 1863.0
+
+
+def test_a_saved_profiles_device_time_is_read_from_its_tables_footer():
+    from bench.gpu_report import profile_device_s
+    table = "| aten::mm | ... |\nSelf CPU time total: 6.435s\nSelf CUDA time total: 412.5ms\n"
+    assert profile_device_s({"device_s": 8.86, "table": table}) == pytest.approx(0.4125)
+    assert profile_device_s({"device_s": 1.5, "table": "no footer"}) == 1.5

@@ -11,6 +11,7 @@ runtime/topology.py shared_devices), their weights reaching them as host memory 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -94,21 +95,26 @@ DCP_SCRIPT = textwrap.dedent("""
     from tests.support.trainer import SMOOTH_ADAM, make_groups, tiny_model
     from trainer import Trainer
     from trainer.fsdp import full_state_dict
-    init_one_rank("cuda")
+    device = sys.argv[2] if len(sys.argv) > 2 else "cuda"
+    init_one_rank(device)
     cfg = TrainConfig(lr=1e-2, micro_batch_tokens=24, steps=4, **SMOOTH_ADAM)
-    a = Trainer(tiny_model(), cfg, device="cuda")
+    a = Trainer(tiny_model(), cfg, device=device)
     for s in (1, 2):
         a.train_step(make_groups(s))
     path = a.save_checkpoint(sys.argv[1])
-    b = Trainer(tiny_model(seed=7), cfg, device="cuda")
+    b = Trainer(tiny_model(seed=7), cfg, device=device)
     b.load_checkpoint(path)
     resumed = b.step
     wa, wb = full_state_dict(a.model), full_state_dict(b.model)
     same = all(torch.equal(wa[n], wb[n]) for n in wa)
+    before = {n: w.float().clone() for n, w in wa.items()}
     la, lb = a.train_step(make_groups(3))["loss"], b.train_step(make_groups(3))["loss"]
     wa, wb = full_state_dict(a.model), full_state_dict(b.model)
+    norm = lambda d: sum(float(v.float().pow(2).sum()) for v in d.values()) ** 0.5
+    update = norm({n: wa[n].float() - before[n] for n in wa})
+    apart = norm({n: wa[n].float() - wb[n].float() for n in wa})
     print(json.dumps(dict(path=str(path), sharded=a.sharded, same_after_load=same, step=resumed, loss=[la, lb],
-                          same_after_step=all(torch.equal(wa[n], wb[n]) for n in wa))))
+                          update=update, apart=apart)))
 """)
 
 
@@ -120,7 +126,11 @@ def test_dcp_checkpoint_saved_and_resumed_on_the_gpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["sharded"] and r["path"].endswith("step_2") and r["step"] == 2
-    assert r["same_after_load"] and r["same_after_step"] and r["loss"][0] == r["loss"][1]
+    assert r["same_after_load"] and math.isclose(r["loss"][0], r["loss"][1], rel_tol=1e-5), r
+    # The step after the resume is the same step: bitwise on a CPU, but a GPU's backward sums with atomics (flash
+    # attention's dQ, index_add_), so two runs of one step differ in the last bits. A lost optimizer state (moments
+    # or the step count behind Adam's bias correction) moves the weights by the order of the update itself.
+    assert r["update"] > 0 and r["apart"] <= 1e-2 * r["update"], r
 
 
 def test_a_relay_chain_of_two_engines_sharing_the_gpu_with_the_train_rank(tmp_path):
