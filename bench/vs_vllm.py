@@ -9,10 +9,10 @@ token-id prompts, EOS ignored, so each request generates exactly its output leng
 per-request seeds on either side (vLLM's seeded requests take its slower sampling path). One directory
 (config.json with Qwen3ForCausalLM + model.safetensors, bench/engine.make_models) feeds both.
 vLLM at its defaults (CUDA graphs, torch.compile, FlashAttention 3 on Hopper) with
-`LLM(skip_tokenizer_init=True, gpu_memory_utilization=0.4, max_num_seqs=256, enable_prefix_caching=False)`;
-ours with max_num_seqs 256, 16384 tokens a step (the budget vLLM's chunked prefill takes here) and a KV pool that
-holds the whole workload (--kv-gib). The two alternate (--repeats), each keeping its best wall time; vLLM's LLM is
-built once, before its first timed run, and warmed up.
+`LLM(skip_tokenizer_init=True, gpu_memory_utilization=0.4, max_num_seqs=256, enable_prefix_caching=False,
+max_num_batched_tokens=16384)` (its default here); ours with max_num_seqs 256, the same 16384 tokens a step
+(--max-batch-tokens sets both) and a KV pool that holds the whole workload (--kv-gib). The two alternate
+(--repeats), each keeping its best wall time; vLLM's LLM is built once, before its first timed run, and warmed up.
 
 Each side's wall time, output tokens/s and fraction of the floor (`floor_seconds`: weight + KV bytes read by decode
 over the spec HBM bandwidth plus prefill FLOPs over the dense bf16 peak, for this workload, the same for both), then
@@ -115,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="alternate ours and vLLM this many times; best of each")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM's")
     p.add_argument("--max-batch-tokens", type=int, default=16384,
-                   help="ours: tokens per step; vLLM's chunked prefill schedules 16384 on this workload, so the same")
+                   help="tokens per step on both sides (ours max_batch_tokens, vLLM's max_num_batched_tokens)")
     p.add_argument("--kv-gib", type=float, default=40.0, help="our KV pool on the GPU (the workload needs ~31 GiB)")
     p.add_argument("--spec", choices=sorted(SPECS), default="H200", help="spec rates for the floor")
     p.add_argument("--skip-vllm", action="store_true")
@@ -136,12 +136,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def step_tokens(args: argparse.Namespace) -> int:
+    """Tokens computed per engine step (decodes + prefill chunks), the same number on both sides."""
+    return max(args.max_batch_tokens, args.max_num_seqs)
+
+
 def run_ours(model, prompts, outs, args) -> dict:
     """Wall seconds of our engine on the workload (engine built and warmed up outside the timing), and its steps."""
     cuda = args.device == "cuda"
     room = 2 * len(prompts) * 2 * args.max_len          # CPU: every sequence at full length, twice over
     pool = {"kv_cache_bytes": int(args.kv_gib * 2**30)} if cuda else {"num_kv_tokens": room}
-    eng_tokens = max(args.max_batch_tokens, args.max_num_seqs)
+    eng_tokens = step_tokens(args)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=eng_tokens, **pool))
     eng.generate([GenRequest(p[:16], SamplingParams(temperature=0, max_new_tokens=4)) for p in prompts[:4]])
     reqs = [GenRequest(p, SamplingParams(temperature=args.temperature, max_new_tokens=o, ignore_eos=True))
@@ -167,7 +172,7 @@ def vllm_plan(model_dir: str, prompts, outs, args) -> tuple[dict, list[dict], li
     """vLLM's LLM(...) arguments, its token-id prompts (TokensPrompt's keys) and SamplingParams' arguments."""
     llm_kwargs = {"model": model_dir, "skip_tokenizer_init": True,
                   "gpu_memory_utilization": args.gpu_memory_utilization, "max_num_seqs": args.max_num_seqs,
-                  "enable_prefix_caching": False}
+                  "enable_prefix_caching": False, "max_num_batched_tokens": step_tokens(args)}
     return (llm_kwargs, [{"prompt_token_ids": p} for p in prompts],
             [{"temperature": args.temperature, "ignore_eos": True, "max_tokens": o} for o in outs])
 

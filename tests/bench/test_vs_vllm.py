@@ -51,7 +51,8 @@ def test_dry_run(tmp_path, capsys):
     assert ours["tok_s"] == pytest.approx(ours["tokens"] / ours["seconds"])
     assert ours["floor_fraction"] == pytest.approx(saved["floor"]["total_s"] / ours["seconds"])
     assert saved["vllm_llm_kwargs"] == {"skip_tokenizer_init": True, "gpu_memory_utilization": 0.4,
-                                        "max_num_seqs": 256, "enable_prefix_caching": False}
+                                        "max_num_seqs": 256, "enable_prefix_caching": False,
+                                        "max_num_batched_tokens": 16384}
     assert "skipped" in saved["vllm"] and "ours_over_vllm" not in saved
     assert any(ln.startswith(("vllm: not importable", "vllm ")) for ln in lines)
     assert lines[-1] == "ours / vLLM throughput: n/a (no vLLM run)"
@@ -65,6 +66,8 @@ def test_vllm_plan_matches_the_workload():
     assert [s["max_tokens"] for s in sps] == outs and all(s["ignore_eos"] and "seed" not in s for s in sps)
     assert all(3 <= len(p) <= 9 for p in prompts) and all(3 <= o <= 9 for o in outs)
     assert vs_vllm.workload(5, 3, 9, 100, seed=1) == (prompts, outs)
+    # one step budget for both sides: a 2048-token budget against vLLM's 16384 once cost our prefill 8x the steps
+    assert kwargs["max_num_batched_tokens"] == vs_vllm.step_tokens(args) == args.max_batch_tokens
 
 
 def test_bad_lengths_are_a_clear_error(capsys):
