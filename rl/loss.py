@@ -23,6 +23,15 @@ The KL penalty is not weighted. Two treatments of a token whose weight exceeds t
 default: truncated IS, as in TIS and verl's rollout correction; no token is silently removed) or "mask" (AReaL's:
 the token's weight is 0, so it adds nothing to the gradient; it still counts in the normaliser, which is fixed per
 optimizer step; AReaL's `rejection_sampling` with action "mask", areal/api/cli_args.py).
+Off-policy corrections (`correction`, rl/correction.py; train.correction): a detached per-token weight w_t from
+the trainer-vs-behaviour log ratio l_t = trainer_t - old_logp_t, where trainer_t is prox_t on the decoupled path and
+otherwise `trainer_logp` (default: the detached logp_t, the current weights):
+    pg_t           = w_t * max(-A_i r_t, -A_i clip(r_t, 1 - clip_low, 1 + clip_high))
+in place of the decoupled weight above (is_cap / is_mode apply only with correction "none"). A weighting correction
+(tis, token_mask, seq_tis, seq_mask: w_t is itself an importance ratio) takes the ratio r_t against trainer_t on
+either path, as TIS and TRL do (otherwise exp(l_t) would be counted in r_t and again in w_t); the rejection-only
+ones (geo_mask, opsm, m2po: w_t in {0, 1}) keep the path's ratio. Mismatch statistics (rl/mismatch.py) are summed
+for every call: KL(behaviour || trainer) by k3, the ratio exp(l_t)'s mean and max, by staleness bucket.
 Aggregation (`normaliser` is for the whole optimizer step, so micro-batching never changes loss or gradients):
     token_mean     sum_t l_t / N_tokens                         DAPO token-level loss (section 3.3)
     seq_mean       sum_i (sum_{t in i} l_t / |i|) / N_seqs       GRPO's original sample-level mean
@@ -35,6 +44,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rl.correction import Correction, correct
+from rl.mismatch import mismatch_sums
+
 LOSS_AGGS = ("token_mean", "seq_mean", "seq_sum_norm")
 RATIO_LEVELS = ("token", "sequence")
 
@@ -44,6 +56,7 @@ class LossOutput:
     loss: torch.Tensor                         # scalar, already divided by the (global) normaliser
     sums: dict[str, torch.Tensor] = field(default_factory=dict)  # detached sums over masked tokens
     token_count: torch.Tensor | int = 0        # masked tokens in this call (a tensor: read on demand, no sync)
+    maxes: dict[str, torch.Tensor] = field(default_factory=dict)  # detached maxima over masked tokens
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +107,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 clip_low: float = 0.2, clip_high: float = 0.2, loss_agg: str = "token_mean",
                 ratio_level: str = "token", kl_coef: float = 0.0, max_len: int | None = None,
                 normaliser: float | None = None, num_seqs: int | None = None,
-                prox_logp: torch.Tensor | None = None, is_cap: float = 0.0, is_mode: str = "clamp") -> LossOutput:
+                prox_logp: torch.Tensor | None = None, is_cap: float = 0.0, is_mode: str = "clamp",
+                trainer_logp: torch.Tensor | None = None, correction: Correction | None = None,
+                staleness: torch.Tensor | None = None) -> LossOutput:
     """The GRPO loss of one (micro-)batch of packed tokens; see the module docstring for the formulas.
 
     logp: [N] current policy log-probs (with grad); old_logp: [N] behaviour log-probs; advantages: [N] (the
@@ -102,7 +117,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     is trained on; ref_logp: [N] or None. normaliser: tokens (token_mean) or sequences (seq_*) of the whole step;
     None means this batch alone. prox_logp: [N] proximal log-probs (no grad) for decoupled PPO, None for plain PPO
     against the behaviour policy; is_cap: truncation of the decoupled importance weight (0: none); is_mode: what
-    happens above it (IS_MODES).
+    happens above it (IS_MODES). trainer_logp: [N] the trainer-side log-probs of the correction and the mismatch
+    statistics when prox_logp is None (default: logp, detached); correction: rl/correction.py (None: none);
+    staleness: [N] trainer version minus each token's version, for the per-bucket mismatch statistics.
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg {loss_agg!r} is not one of {LOSS_AGGS}")
@@ -122,7 +139,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         normaliser = default_normaliser(loss_agg, mask, seq_idx, num_seqs)
     normaliser = float(normaliser) if float(normaliser) > 0 else 1.0  # an empty batch has a zero numerator
 
+    corr = correction or Correction()
+    trainer_side = logp if trainer_logp is None else trainer_logp
+    trainer_lp = (trainer_side if prox_logp is None else prox_logp).detach().to(logp.dtype)
     anchor = old_logp if prox_logp is None else prox_logp.detach().to(logp.dtype)  # the ratio's denominator
+    if prox_logp is None and corr.weighting:
+        anchor = trainer_lp
     log_ratio = logp - anchor
     if ratio_level == "token":
         ratio = torch.exp(log_ratio)
@@ -132,8 +154,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         ratio = torch.exp(logp - logp.detach() + seq_log_ratio[seq_idx])
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     pg = torch.maximum(-advantages * ratio, -advantages * clipped)
-    is_weight = truncated = None
-    if prox_logp is not None:
+    is_weight = truncated = cout = None
+    if corr.active:
+        cout = correct(corr, trainer_lp - old_logp, advantages, seq_idx, mask, num_seqs)
+        pg = pg * cout.weight
+    elif prox_logp is not None:
         is_weight, truncated = importance_weight(anchor, old_logp, is_cap, is_mode)
         pg = pg * is_weight
     per_token = pg
@@ -168,4 +193,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         if is_weight is not None and truncated is not None:
             sums["is_weight_mean"] = (is_weight * mask).sum()
             sums["is_truncated_frac"] = (truncated.to(mask.dtype) * mask).sum()
-    return LossOutput(loss, sums, mask.sum())  # a device scalar: reading it here would wait for the forward
+        if cout is not None:
+            sums["correction_weight_mean"] = (cout.weight * mask).sum()
+            sums["correction_clipped_frac"] = (cout.clipped.to(mask.dtype) * mask).sum()
+            sums["correction_masked_frac"] = (cout.masked.to(mask.dtype) * mask).sum()
+        mismatch, ratio_max = mismatch_sums(trainer_lp - old_logp, mask, staleness)
+        sums.update(mismatch)
+    # token count and maxima stay device scalars: reading them here would wait for the forward
+    return LossOutput(loss, sums, mask.sum(), {"mismatch_ratio_max": ratio_max})

@@ -1,0 +1,126 @@
+"""Off-policy corrections of the behaviour-vs-trainer gap (`train.correction`). Pure functions on packed tokens.
+
+Every correction reads one quantity per trained token t of sequence i, the log importance ratio between the
+trainer's policy and the behaviour policy that sampled the token:
+    l_t = log pi_trainer(y_t) - log pi_behaviour(y_t),   r_t = exp(l_t)
+pi_behaviour is what the engine sampled with (`Trajectory.logprobs`); pi_trainer is the trainer's log-prob under
+the weights it holds at the start of the train call (the proximal policy of decoupled PPO; with one optimizer step
+per call, the detached current log-probs). With S_i = sum_{t in i} l_t and n_i the sequence's trained tokens, each
+correction gives a detached weight w_t that multiplies the token's policy-gradient term (0 = the token is masked):
+    tis         w_t = clamp(r_t, lo, hi)                                   token-level truncated IS: Yao et al., "Your
+                Efficient RL Framework Secretly Brings You Off-Policy RL Training" (fengyao.notion.site/off-policy-rl);
+                TRL `vllm_importance_sampling_mode="token_truncate"` (trl/trainer/grpo_trainer.py); verl
+                `rollout_is="token"` (verl/trainer/ppo/rollout_corr_helper.py)
+    token_mask  w_t = r_t if lo <= r_t <= hi else 0                        masked IS (MIS) and IcePop's M(k) = k on
+                [alpha, beta], else 0 (Ling team, Ring-1T, arXiv 2510.18855, IcePop objective); TRL "token_mask"
+    seq_tis     w_t = clamp(exp(S_i), lo, hi)                              sequence-level truncated IS (product of
+                the token ratios): TRL "sequence_truncate"; verl `rollout_is="sequence"`
+    seq_mask    w_t = exp(S_i) if lo <= exp(S_i) <= hi else 0              sequence-level masked IS: TRL
+                "sequence_mask"
+    geo_mask    w_t = 1 if lo <= exp(S_i / n_i) <= hi else 0               geometric-mean rejection: verl
+                `rollout_rs="geometric"` (Liu, Li et al., "When Speed Kills Stability", richardli.xyz/rl-collapse)
+    opsm        w_t = 0 if A_i < 0 and -S_i / n_i > delta else 1           off-policy sequence masking: DeepSeek-V3.2,
+                arXiv 2512.02556, eq. 9 (the mean of log pi_behaviour - log pi_theta over the sequence is its KL
+                estimate); TRL `off_policy_mask_threshold` (GRPOTrainer.get_off_policy_mask)
+    m2po        w_t = 0 for the tokens of largest l_t^2, the fewest such that the mean of l_t^2 over the remaining
+                tokens is < tau; else 1 (all but one masked if no such set exists). M2PO, Zheng et al., "Prosperity
+                before Collapse", arXiv 2510.01161 (the second moment of the log ratio kept under tau_M2); the
+                procedure and the strict "<" as in AReaL's `_apply_m2po_masking` / `_get_m2po_loss_mask`
+                (areal/engine/ppo/actor.py), over the tokens of one loss call (a micro-batch), as AReaL does
+lo = 0 means no lower bound. A masked token adds nothing to the loss or the gradient but still counts in the
+normaliser, which is fixed per optimizer step (verl's and AReaL's rejection drop it from their per-batch
+denominators instead). The weights carry no gradient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CORRECTIONS = ("none", "tis", "token_mask", "seq_tis", "seq_mask", "geo_mask", "opsm", "m2po")
+# corrections whose weight is an importance ratio: the PPO ratio is then taken against the trainer's log-probs, so
+# that r_t is not counted twice (Yao et al.; TRL's ratio is against `old_per_token_logps`, its IS weight against
+# the sampling log-probs)
+WEIGHTING = ("tis", "token_mask", "seq_tis", "seq_mask")
+
+
+@dataclass(frozen=True)
+class Correction:
+    """One correction and its thresholds (`train.correction*`, `train.opsm_delta`, `train.m2po_tau`)."""
+    kind: str = "none"
+    low: float = 0.0       # lower bound on the ratio (0: none)
+    high: float = 2.0      # upper bound on the ratio
+    opsm_delta: float = 0.5
+    m2po_tau: float = 0.04
+
+    def __post_init__(self) -> None:
+        if self.kind not in CORRECTIONS:
+            raise ValueError(f"correction {self.kind!r} is not one of {CORRECTIONS}")
+        if not 0 <= self.low < self.high:
+            raise ValueError(f"correction bounds need 0 <= low < high, got low={self.low}, high={self.high}")
+
+    @property
+    def active(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def weighting(self) -> bool:
+        return self.kind in WEIGHTING
+
+
+@dataclass
+class CorrectionOut:
+    weight: torch.Tensor   # [N] detached weight of each token's policy-gradient term (0: masked)
+    clipped: torch.Tensor  # [N] bool: the weight was truncated to a bound
+    masked: torch.Tensor   # [N] bool: the token was masked (weight 0)
+
+
+def _seg_sum(x: torch.Tensor, seq_idx: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_idx, x)
+
+
+def m2po_keep(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:
+    """[N] bool, the tokens M2PO keeps (see the module docstring), computed on the device with no host read:
+    tokens outside `mask` sort last and count in no suffix mean."""
+    valid = mask > 0
+    m2 = torch.where(valid, log_ratio * log_ratio, torch.zeros_like(log_ratio))
+    order = torch.argsort(torch.where(valid, m2, torch.full_like(m2, -1.0)), descending=True, stable=True)
+    v, m = valid[order].to(m2.dtype), m2[order]
+    suffix_sum = m.flip(0).cumsum(0).flip(0)
+    suffix_cnt = v.flip(0).cumsum(0).flip(0)
+    below = (suffix_sum / suffix_cnt.clamp(min=1) < tau) & (v > 0)
+    n_valid = v.sum().long()
+    first = torch.where(below.any(), below.to(torch.int64).argmax(), n_valid - 1)  # tokens masked, largest first
+    keep_sorted = (torch.arange(m2.numel(), device=m2.device) >= first) & (v > 0)
+    return torch.zeros_like(valid).scatter(0, order, keep_sorted)
+
+
+def correct(c: Correction, log_ratio: torch.Tensor, advantages: torch.Tensor, seq_idx: torch.Tensor,
+            mask: torch.Tensor, num_seqs: int) -> CorrectionOut:
+    """The correction's per-token weight from l_t = `log_ratio` (trainer minus behaviour, [N]); `advantages` [N]
+    (the sequence's advantage on each token), `seq_idx` [N] in [0, num_seqs), `mask` [N] (1: trained)."""
+    lr = log_ratio.detach()
+    none = torch.zeros_like(lr, dtype=torch.bool)
+    if c.kind == "none":
+        return CorrectionOut(torch.ones_like(lr), none, none)
+    if c.kind == "m2po":
+        drop = ~m2po_keep(lr, mask, c.m2po_tau)
+        return CorrectionOut((~drop).to(lr.dtype), none, drop)
+    if c.kind in ("tis", "token_mask"):
+        r = torch.exp(lr)
+    else:
+        seq_sum = _seg_sum(lr * mask, seq_idx, num_seqs)
+        if c.kind in ("seq_tis", "seq_mask"):
+            r = torch.exp(seq_sum)[seq_idx]   # may overflow to inf: then it is clipped or masked
+        else:
+            seq_mean = (seq_sum / _seg_sum(mask, seq_idx, num_seqs).clamp(min=1))[seq_idx]
+            if c.kind == "opsm":
+                drop = (advantages < 0) & (-seq_mean > c.opsm_delta)
+                return CorrectionOut((~drop).to(lr.dtype), none, drop)
+            r = torch.exp(seq_mean)          # geo_mask
+    out = (r < c.low) | (r > c.high)
+    if c.kind in ("tis", "seq_tis"):
+        return CorrectionOut(r.clamp(min=c.low, max=c.high), out, none)
+    if c.kind == "geo_mask":
+        return CorrectionOut((~out).to(lr.dtype), none, out)
+    return CorrectionOut(r.masked_fill(out, 0.0), none, out)
