@@ -153,6 +153,26 @@ class TrainConfig:
     is_cap: float = F(2.0, ge=0, help="decoupled: importance weight truncated at this value; 0 = no truncation")
     is_mode: str = F("clamp", choices=("clamp", "mask"), help="decoupled: a weight above is_cap is clamped to it, "
                      "or masked to 0 (AReaL's rejection of the token)")
+    correction: str = F("none", choices=("none", "tis", "token_mask", "seq_tis", "seq_mask", "geo_mask", "opsm",
+                                         "m2po"),
+                        help="off-policy correction on r = pi_trainer / pi_behaviour per token, on either off_policy "
+                             "path (rl/correction.py): tis = clamp(r, low, high) (Yao et al., fengyao.notion.site/"
+                             "off-policy-rl; TRL token_truncate) | token_mask = r inside [low, high], else 0 (MIS; "
+                             "IcePop, arXiv 2510.18855) | seq_tis / seq_mask = the same on the sequence's product of "
+                             "ratios (TRL sequence_truncate / sequence_mask) | geo_mask = drop a sequence whose "
+                             "geometric-mean ratio leaves [low, high] (verl rollout_rs=geometric) | opsm = drop a "
+                             "negative-advantage sequence whose mean log(pi_behaviour / pi_trainer) exceeds "
+                             "opsm_delta (DeepSeek-V3.2, arXiv 2512.02556 eq. 9) | m2po = drop the tokens of largest "
+                             "(log r)^2 until their mean is below m2po_tau (M2PO, arXiv 2510.01161; AReaL's "
+                             "procedure); none keeps is_cap / is_mode")
+    correction_low: float = F(0.0, ge=0, help="lower bound on the ratio for tis, token_mask, seq_tis, seq_mask, "
+                              "geo_mask; 0 = none (IcePop's alpha)")
+    correction_high: float = F(2.0, gt=0, help="upper bound on the ratio for tis, token_mask, seq_tis, seq_mask, "
+                               "geo_mask (TIS's C; IcePop's beta)")
+    opsm_delta: float = F(0.5, ge=0, help="opsm: a negative-advantage sequence is dropped when its mean log-ratio "
+                          "KL(behaviour || trainer) exceeds this (DeepSeek-V3.2's delta)")
+    m2po_tau: float = F(0.04, gt=0, help="m2po: the bound on the mean of (log r)^2 over the kept tokens of a "
+                        "micro-batch (M2PO's tau_M2)")
 
 
 @dataclass
@@ -322,6 +342,8 @@ class Config:
             yield "rollout.max_batch_tokens", f"must be >= rollout.max_num_seqs = {r.max_num_seqs} (a decode step)"
         if t.clip_high < t.clip_low:
             yield "train.clip_high", f"must be >= train.clip_low = {t.clip_low} (clip-higher widens the upper bound)"
+        if t.correction_low >= t.correction_high:
+            yield "train.correction_low", f"must be < train.correction_high = {t.correction_high}"
         if t.filter_zero_variance and r.group_size == 1:
             yield "train.filter_zero_variance", "would drop every group: rollout.group_size is 1"
         if t.minibatches > r.prompts_per_step * r.group_size:
@@ -439,6 +461,12 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         _apply_override(raw, arg, sources)
     cfg = _build(Config, raw, "", functools.partial(_source, sources, DEFAULTS))
     cfg.sources = sources
+    if cfg.train.correction != "none":  # a rule on what was set, not on the values (defaults stay harmless)
+        for key in ("train.is_cap", "train.is_mode"):
+            if key in sources:
+                raise ConfigError(f"{key} (from {sources[key]}) applies only with train.correction = \"none\" (the "
+                                  f"decoupled weight); with train.correction = \"{cfg.train.correction}\" set "
+                                  "train.correction_low / train.correction_high")
     return cfg
 
 

@@ -32,6 +32,7 @@ class Sample:
     old_logprobs: list[float]   # behaviour log-probs of the targets
     advantage: float
     group_id: int = -1
+    versions: list[int] | None = None  # weight version of each target (Trajectory.versions); None: all 0
 
     @property
     def num_tokens(self) -> int:
@@ -55,8 +56,11 @@ def build_samples(adv: Advantages) -> list[Sample]:
             if len(t.logprobs) != len(t.response_ids):
                 raise ValueError(f"group {group.group_id} sample {t.sample_index}: {len(t.logprobs)} behaviour "
                                  f"logprobs for {len(t.response_ids)} response tokens")
+            n = len(t.response_ids)
+            versions = list(t.versions[:n])
+            versions += [versions[-1] if versions else 0] * (n - len(versions))
             out.append(Sample(list(t.prompt_ids) + list(t.response_ids[:-1]), list(t.response_ids),
-                              list(t.logprobs), float(a), group.group_id))
+                              list(t.logprobs), float(a), group.group_id, versions))
     return out
 
 
@@ -151,6 +155,7 @@ class MicroBatch:
     seq_idx: torch.Tensor       # [N] int64 in [0, S)
     mask: torch.Tensor          # [N] fp32: 1 for real tokens, 0 in a dummy batch
     num_seqs: int
+    versions: torch.Tensor | None = None  # [N] int64: the weight version of each target (staleness metrics)
 
     @property
     def num_loss_tokens(self) -> int:
@@ -213,11 +218,12 @@ def _tensor(xs: list, typecode: str, device: torch.device | str) -> torch.Tensor
 def _micro_batch(samples: list[Sample], ids: list[int], pos: list[int], attn: AttentionBackend,
                  loss_index: list[int], seq_idx: list[int], device: torch.device | str) -> MicroBatch:
     n = len(loss_index)
-    targets, old, adv = [], [], []
+    targets, old, adv, versions = [], [], [], []
     for s in samples:
         targets += s.targets
         old += s.old_logprobs
         adv += [s.advantage] * len(s.targets)
+        versions += s.versions if s.versions is not None else [0] * len(s.targets)
     return MicroBatch(
         input_ids=_tensor(ids, "q", device),
         positions=_tensor(pos, "q", device),
@@ -229,6 +235,7 @@ def _micro_batch(samples: list[Sample], ids: list[int], pos: list[int], attn: At
         seq_idx=_tensor(seq_idx, "q", device),
         mask=torch.ones(n, dtype=torch.float32, device=device),
         num_seqs=len(samples),
+        versions=_tensor(versions, "q", device),
     )
 
 

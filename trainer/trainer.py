@@ -22,8 +22,13 @@ Off-policy correction (`off_policy`, rl/loss.py): "behaviour" clips the ratio ag
 (plain PPO/GRPO); "decoupled" (AReaL's decoupled PPO) clips against the proximal policy, the weights at the start
 of the call, and weights each token by exp(prox - behaviour) truncated at `is_cap`. With one optimizer step per
 call the proximal log-probs are the detached current ones; with several (minibatches or ppo_epochs > 1) a no-grad
-pass computes them for the whole batch before the first step. Staleness per step: the trainer's version minus
-each trained token's version (`Trajectory.versions`), mean and max.
+pass computes them for the whole batch before the first step. `correction` (rl/correction.py: TIS, masked IS,
+sequence-level IS and masks, OPSM, M2PO) acts on the ratio between those trainer-side log-probs and the behaviour
+ones on either path; on the behaviour path the same no-grad pass gives them when a correction is on and the call
+takes several optimizer steps. Staleness per step: the trainer's version minus each trained token's version
+(`Trajectory.versions`), mean and max. The behaviour-vs-trainer mismatch per step (rl/mismatch.py): k3 KL, the
+ratio's mean and max, the fraction the correction clipped or masked, and the KL by staleness bucket, summed on the
+device with the other loss statistics (one host read per minibatch).
 
 Every train rank calls `train_step` with the same groups (the runtime broadcasts them). Without an initialised
 process group the trainer runs unsharded in one process (debugging, and the reference of the equivalence tests).
@@ -44,7 +49,9 @@ from torch import nn
 from config import TrainConfig
 from kernels.logprobs import token_logprobs
 from rl.advantages import compute_advantages
+from rl.correction import Correction
 from rl.loss import policy_loss
+from rl.mismatch import BUCKET_KEYS, COUNT_KEYS
 from rl.types import Group
 from trainer import checkpoint
 from trainer.batch import MicroBatch, Sample, build_samples, collate, dummy_batch, plan_micro_batches, split_even
@@ -59,6 +66,9 @@ class NonFiniteError(FloatingPointError):
 
 STAT_KEYS = ("pg_loss", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "kl_ref", "entropy",
              "is_weight_mean", "is_truncated_frac")
+MISMATCH_KEYS = ("mismatch_kl_k3", "mismatch_ratio_mean", "correction_weight_mean", "correction_clipped_frac",
+                 "correction_masked_frac")
+SUM_KEYS = STAT_KEYS + MISMATCH_KEYS + BUCKET_KEYS + COUNT_KEYS   # summed over micro-batches; STAT_KEYS first
 OFF_POLICY = ("behaviour", "decoupled")
 
 
@@ -89,6 +99,8 @@ class Trainer:
             raise ValueError(f"off_policy {self.off_policy!r} is not one of {OFF_POLICY}")
         if self.is_cap < 0:
             raise ValueError(f"is_cap must be >= 0 (0: no truncation), got {self.is_cap}")
+        self.correction = Correction(cfg.correction, cfg.correction_low, cfg.correction_high, cfg.opsm_delta,
+                                     cfg.m2po_tau)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = (group or dist.group.WORLD) if self.distributed else None
         self.world = dist.get_world_size(self.group) if self.distributed else 1
@@ -143,8 +155,11 @@ class Trainer:
         if samples:
             chunks = [samples[r.start:r.stop] for r in split_even(len(samples), min(cfg.minibatches, len(samples)))]
             ref_cache: dict[tuple[int, int], torch.Tensor] = {}
-            prox_cache = None  # decoupled: None = the detached current log-probs (the weights have not moved yet)
-            if self.off_policy == "decoupled" and step and len(chunks) * cfg.ppo_epochs > 1:
+            # trainer-side log-probs (decoupled, or a correction on): None = the detached current log-probs (the
+            # weights have not moved yet)
+            prox_cache = None
+            wants = self.off_policy == "decoupled" or self.correction.active
+            if wants and step and len(chunks) * cfg.ppo_epochs > 1:
                 prox_cache = self._proximal(chunks)
             for _ in range(cfg.ppo_epochs):
                 for i, chunk in enumerate(chunks):
@@ -155,8 +170,9 @@ class Trainer:
         elif step and self.accumulated:
             metrics.update(self._apply())
             n_steps = 1
-        for k in passes[0] if passes else ():
-            metrics[k] = passes[-1][k] if k == "lr" else sum(s[k] for s in passes) / len(passes)
+        for k in dict.fromkeys(k for s in passes for k in s):
+            vals = [s[k] for s in passes if k in s]
+            metrics[k] = passes[-1][k] if k == "lr" else max(vals) if k.endswith("_max") else sum(vals) / len(vals)
         metrics["optimizer_steps"] = float(n_steps)
         metrics["skipped"] = float(not passes and not n_steps)
         metrics["step_time_s"] = time.perf_counter() - t0
@@ -196,7 +212,8 @@ class Trainer:
                 if p.grad is not None:
                     p.grad.mul_(self.accumulated / normaliser)
         # stat sums, loss, tokens, summed on the device: one host read per chunk, not one wait per micro-batch
-        acc = torch.zeros(len(STAT_KEYS) + 2, dtype=torch.float64, device=self.device)
+        acc = torch.zeros(len(SUM_KEYS) + 2, dtype=torch.float64, device=self.device)
+        acc_max = torch.zeros(1, dtype=torch.float64, device=self.device)  # the mismatch ratio's max
         # every micro-batch collated up front: a host-to-device copy between two micro-batches would wait for the
         # backward before it, leaving the device idle while the host launches the next forward
         batches = list(self._micro_batches(chunk))
@@ -209,20 +226,26 @@ class Trainer:
                 if ref is None and self.ref_model is not None:
                     ref = ref_cache[(chunk_id, k)] = self.logprobs(self.ref_model, batch, grad=False)[0]
                 logp, entropy = self.logprobs(self.model, batch, grad=True)
-                prox = None
+                side = prox_cache[(chunk_id, k)] if prox_cache is not None else None
+                prox = trainer_lp = None
                 if self.off_policy == "decoupled":
-                    prox = prox_cache[(chunk_id, k)] if prox_cache is not None else logp.detach()
+                    prox = side if side is not None else logp.detach()
+                else:
+                    trainer_lp = side
+                stale = self.step - batch.versions if batch.versions is not None else None
                 out = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.seq_idx, batch.mask, ref,
                                   clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
                                   ratio_level=cfg.ratio_level, kl_coef=cfg.kl_coef, max_len=self.max_len,
                                   normaliser=normaliser, num_seqs=batch.num_seqs, prox_logp=prox, is_cap=self.is_cap,
-                                  is_mode=cfg.is_mode)
+                                  is_mode=cfg.is_mode, trainer_logp=trainer_lp, correction=self.correction,
+                                  staleness=stale)
                 # FSDP averages gradients over the ranks; every rank's loss is already a share of the global sum.
                 (out.loss * self.world).backward()
                 sums = dict(out.sums, entropy=(entropy.detach().float() * batch.mask).sum())
                 zero = torch.zeros((), device=self.device)
-                acc += torch.stack([*(sums.get(key, zero).double() for key in STAT_KEYS), out.loss.detach().double(),
+                acc += torch.stack([*(sums.get(key, zero).double() for key in SUM_KEYS), out.loss.detach().double(),
                                     batch.mask.sum().double()])
+                acc_max = torch.maximum(acc_max, out.maxes["mismatch_ratio_max"].double().reshape(1))
                 self.progress(f"micro-batch {k + 1} of minibatch {chunk_id + 1}")
         finally:  # an error mid-chunk leaves no later step without its reduction
             if defer:
@@ -230,11 +253,20 @@ class Trainer:
         del batches
         if self.world > 1:
             dist.all_reduce(acc, group=self.group)
-        acc = acc.cpu()
+            dist.all_reduce(acc_max, op=dist.ReduceOp.MAX, group=self.group)
+        acc = torch.cat([acc_max, acc]).cpu()   # one host read
+        ratio_max, acc = float(acc[0]), acc[1:]
         self.accumulated = normaliser
         loss = float(acc[-2]) if normaliser == own else float(acc[-2]) * normaliser / own  # this chunk's own mean
         n = max(float(acc[-1]), 1.0)
-        stats = {key: float(acc[i]) / n for i, key in enumerate(STAT_KEYS) if self._reports(key)}
+        stats = {key: float(acc[i]) / n for i, key in enumerate(SUM_KEYS[:len(STAT_KEYS) + len(MISMATCH_KEYS)])
+                 if self._reports(key)}
+        stats["mismatch_ratio_max"] = ratio_max
+        at = len(STAT_KEYS) + len(MISMATCH_KEYS)
+        for j, key in enumerate(BUCKET_KEYS):
+            count = float(acc[at + len(BUCKET_KEYS) + j])
+            if count > 0:
+                stats[key] = float(acc[at + j]) / count
         return dict(stats, loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]))
 
     def _reports(self, key: str) -> bool:
@@ -242,7 +274,9 @@ class Trainer:
         if key == "kl_ref":
             return self.ref_model is not None
         if key.startswith("is_"):
-            return self.off_policy == "decoupled"
+            return self.off_policy == "decoupled" and not self.correction.active
+        if key.startswith("correction_"):
+            return self.correction.active
         return True
 
     def _apply(self) -> dict[str, float]:

@@ -239,6 +239,8 @@ def test_out_of_range(override, key, allowed):
     ("--train.loss_agg=mean", 'train.loss_agg = "mean"', '"token_mean", "seq_mean", "seq_sum_norm"'),
     ("--train.ratio_level=seq", 'train.ratio_level = "seq"', '"token", "sequence"'),
     ("--train.adv_norm=mean", 'train.adv_norm = "mean"', '"std", "none"'),
+    ("--train.correction=icepop", 'train.correction = "icepop"',
+     '"none", "tis", "token_mask", "seq_tis", "seq_mask", "geo_mask", "opsm", "m2po"'),
     ("--train.lr_schedule=linear", 'train.lr_schedule = "linear"', '"cosine", "constant"'),
     ("--reward.kind=llm", 'reward.kind = "llm"', '"synthetic", "math", "exact"'),
     ("--cluster.backend=mpi", 'cluster.backend = "mpi"', '"auto", "gloo", "nccl"'),
@@ -298,6 +300,7 @@ def test_missing_config_file_lists_what_is_there(tmp_path):
      "must be >= rollout.max_num_seqs = 64"),
     (["--rollout.top_k=0"], "rollout.top_k = 0", "must be -1 (off) or >= 1"),
     (["--train.clip_low=0.3", "--train.clip_high=0.2"], "train.clip_high = 0.2", "must be >= train.clip_low = 0.3"),
+    (["--train.correction_low=2.5"], "train.correction_low = 2.5", "must be < train.correction_high = 2.0"),
     (["--data.source=prompts.csv", "--reward.kind=math"], 'data.source = "prompts.csv"', ".jsonl or .parquet"),
     (["--data.source=prompts.jsonl", "--reward.kind=synthetic"], 'reward.kind = "synthetic"',
      "not data.source = 'prompts.jsonl'; use math or exact"),
@@ -318,6 +321,16 @@ def test_cross_field_error_names_the_source_of_each_value(tmp_path):
     assert error(path).startswith(f"train.clip_high = 0.1 (from {path}): must be >= train.clip_low = 0.2")
     assert error(None, ["--train.clip_low=0.5"]).startswith("train.clip_high = 0.2 (from defaults)")
     assert error(None, ["--data.source=d.jsonl"]).startswith('reward.kind = "synthetic" (from defaults)')
+
+
+def test_is_cap_or_is_mode_set_beside_a_correction_is_an_error_naming_the_key_and_the_way_out(tmp_path):
+    msg = error(None, ["--train.correction=tis", "--train.is_cap=3"])
+    assert msg.startswith("train.is_cap (from command line) applies only with train.correction = \"none\"")
+    assert "train.correction_low / train.correction_high" in msg
+    path = write(tmp_path, '[train]\nis_mode = "mask"\ncorrection = "m2po"\n')
+    assert error(path).startswith(f"train.is_mode (from {path}) applies only")
+    assert load_config(None, ["--train.correction=tis", "--train.correction_high=3"]).train.correction_high == 3.0
+    assert load_config(None, ["--train.is_cap=3"]).train.is_cap == 3.0  # correction none: is_cap as before
 
 
 def test_sched_sub_tables_are_free_form_but_tables(tmp_path):
