@@ -81,3 +81,53 @@ def test_windowed_fifo_never_lets_more_than_w_minus_1_groups_overtake(seed, engi
         for g in groups:
             assert all(version - min(t.versions) <= bound for t in g.trajectories)
     check_nothing_lost(ctl, events, w)
+
+
+# ---- pacing -----------------------------------------------------------------------------------------------------
+def pending_views(P: int, started: dict[int, int], pending: int, engine_version: int) -> Views:
+    """Groups of one sample: `started` group -> the version it started on (running), then `pending` waiting ones;
+    one engine at `engine_version`."""
+    from sched.resources import EngineView
+    v = Views(group_size=1, prompts_per_step=P)
+    v.engines = [EngineView(0, version=engine_version, assigned=len(started))]
+    gids = list(started) + [max(started, default=-1) + 1 + i for i in range(pending)]
+    for gid in gids:
+        run = gid in started
+        v.requests[gid] = Request(gid, gid, 0, gid, 0, 4, state="running" if run else "pending",
+                                  engine=0 if run else -1, v_traj=started.get(gid, -1))
+        v.groups[gid] = GroupState(gid, gid, 0, 1, req_ids=[gid])
+    return v
+
+
+def test_pacing_pauses_admission_for_a_straggler_where_a_lag_cap_would_not():
+    """P = 2, K = 1, D = 1; 4 groups started, one straggler of version 0 still running, engines at version 1.
+    The lag cap (D) allows started < (1 + 1 + 1) x 2 = 6; the straggler's rule allows started <= (0 + 1 + 1) x 2 =
+    4 (hand-computed): pacing admits nothing until the straggler is trained, then two (6 - 4)."""
+    D = sched.REGISTRY["dispatch"]["pacing"]
+    d = D(D.Params(max_steps_off_policy=1, pipeline_depth=1))
+    d.admitted, d.live = 4, {3: 0}
+    v = pending_views(2, {3: 0}, 3, engine_version=1)
+    assert d.admit(v) == [] and d.paused == 1
+    L = sched.REGISTRY["dispatch"]["lag_cap"]
+    lag = L(L.Params(lag=1))
+    lag.admitted = 4
+    assert [len(s.req_ids) for s in lag.admit(v)] == [2]                # the lag cap alone would start two
+    v.groups[3].consumed = True                                          # the straggler is trained
+    v.groups.track(v.groups[3])
+    subs = d.admit(v)
+    assert [s.req_ids for s in subs] == [[4, 5]] and d.admitted == 6 and d.live == {4: 1, 5: 1}
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), engines=st.integers(1, 3), K=st.integers(0, 3), depth=st.integers(-1, 3),
+       prompts=st.integers(1, 4))
+def test_pacing_never_drops_a_sample_and_keeps_staleness_at_most_k(seed, engines, K, depth, prompts):
+    ctl, events, w = sim_run("pacing", seed, engines, 3, prompts, 6,
+                             {"dispatch": {"max_steps_off_policy": K, "pipeline_depth": depth}})
+    assert ctl.v.trainer.steps_done == 6
+    for version, _, groups in ctl.calls:
+        assert len(groups) == prompts
+        for g in groups:
+            assert all(0 <= version - min(t.versions) <= K for t in g.trajectories)
+    check_nothing_lost(ctl, events, w)                                   # no abort, every trajectory whole
+    assert not any(g.dropped for g in ctl.v.groups.values())
