@@ -131,3 +131,81 @@ def test_pacing_never_drops_a_sample_and_keeps_staleness_at_most_k(seed, engines
             assert all(0 <= version - min(t.versions) <= K for t in g.trajectories)
     check_nothing_lost(ctl, events, w)                                   # no abort, every trajectory whole
     assert not any(g.dropped for g in ctl.v.groups.values())
+
+
+# ---- PipelineRL -------------------------------------------------------------------------------------------------
+def pipelinerl_run(seed: int, engines: int, prompts: int, lag: int, too_old: str, weight_sync: str = "in_flight"):
+    """sim_run's schedule (tests/support/offpolicy_sim.py), keeping the backend to read its re-prefill time."""
+    import random
+
+    from sched.controller import PromptItem
+    from sched.events import EventLog
+    from sim.backend import SimBackend
+    from sim.tokens import RunList
+    from tests.support.offpolicy_sim import Recorder, random_cost, random_workload
+    rng = random.Random(seed)
+    w = random_workload(rng, 64, 3)
+    backend = SimBackend(random_cost(rng), w, engines, 1, seed=seed, counters_every_s=0.5)
+    counter = iter(range(10**9))
+    source = lambda n: [PromptItem(i % 64, RunList.of(1, w.prompt(i % 64).prompt_len), None)  # noqa: E731
+                        for i in (next(counter) for _ in range(n))]
+    log = EventLog()
+    preset = sched.load_preset("pipelinerl", {"dispatch": {"lag": lag}, "handoff": {"too_old": too_old},
+                                              "weight_sync": {"name": weight_sync}})
+    ctl = Recorder(preset, source, group_size=3, prompts_per_step=prompts, total_steps=6, log=log)
+    ctl.run(backend)
+    return ctl, log.events, w, backend
+
+
+def started(events) -> list[tuple[int, int]]:
+    """(group, engine version) in the order groups started (their first admission)."""
+    seen: dict[int, int] = {}
+    for e in events:
+        if e.kind == "request_admitted" and e.group_id not in seen:
+            seen[e.group_id] = e.version
+    return list(seen.items())
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), engines=st.integers(1, 3), lag=st.integers(0, 3), prompts=st.integers(1, 4))
+def test_pipelinerl_live_requests_continue_on_new_weights_with_their_kv_within_max_lag(seed, engines, lag, prompts):
+    """The in-flight update keeps the KV (no re-prefill; some trajectory decodes under two versions, in order); the
+    actors' max_lag back-pressure holds for every group; with `too_old = "count"` (PipelineRL's trainer) the
+    samples trained more than max_lag versions late are exactly the ones counted, and nothing is dropped."""
+    ctl, events, w, backend = pipelinerl_run(seed, engines, prompts, lag, "count")
+    assert ctl.v.trainer.steps_done == 6
+    assert backend.reprefill_s == 0
+    for i, (_, u) in enumerate(started(events)):
+        assert i < (lag + u + 1) * prompts                                  # the max_lag admission cap
+    late = 0
+    for version, _, groups in ctl.calls:
+        assert len(groups) == prompts
+        for g in groups:
+            for t in g.trajectories:
+                assert list(t.versions) == sorted(t.versions)
+                late += version - min(t.versions) > lag
+    assert ctl.preset.handoff.stats() == {"too_old_trained": late, "too_old_dropped": 0}
+    check_nothing_lost(ctl, events, w)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), engines=st.integers(1, 3), lag=st.integers(0, 2), prompts=st.integers(1, 4))
+def test_pipelinerl_dropping_too_old_samples_trains_none_staler_than_max_lag(seed, engines, lag, prompts):
+    ctl, events, w, _ = pipelinerl_run(seed, engines, prompts, lag, "drop")
+    assert ctl.preset.staleness_bound() == lag                              # and the controller checks it
+    for version, _, groups in ctl.calls:
+        for g in groups:
+            assert all(version - min(t.versions) <= lag for t in g.trajectories)
+    dropped = sum(1 for e in events if e.kind == "trajectory_aborted")
+    assert ctl.preset.handoff.stats()["too_old_dropped"] == dropped
+
+
+def test_pipelinerl_keeps_the_kv_where_an_areal_load_recomputes_it():
+    """One schedule, two weight syncs: `in_flight` re-prefills nothing; `areal` (AReaL's interrupt) re-prefills the
+    running sequences at every load; both continue trajectories across versions."""
+    mixed = {}
+    for ws in ("in_flight", "areal"):
+        ctl, events, _, backend = pipelinerl_run(3, 2, 3, 2, "count", ws)
+        mixed[ws] = sum(1 for _, _, gs in ctl.calls for g in gs for t in g.trajectories if len(set(t.versions)) > 1)
+        assert (backend.reprefill_s == 0) == (ws == "in_flight")
+    assert mixed["in_flight"] > 0 and mixed["areal"] > 0
