@@ -200,8 +200,8 @@ def test_load_on_a_busy_worker_keeps_running_sequences_under_the_new_version():
 
 def test_a_keep_kv_load_on_a_busy_worker_goes_on_decoding_on_the_old_kv():
     """LoadWeights(keep_kv=True) (PipelineRL's in-flight update) reaches the engine through the relay: nothing is
-    preempted (so none re-prefilled), the new tokens carry the new version, and they attended to the old weights' KV (their
-    logprobs are not the new weights' over the whole context, as they are after the recomputing load above)."""
+    preempted (so none re-prefilled), the new tokens carry the new version, and they attended to the old weights' KV
+    (their logprobs are not the new weights' over the whole context, as they are after the recomputing load above)."""
     w, ch, task, tok = loaded_worker(max_new_tokens=10)
     specs = group_specs(task, tok)
     w.handle(Start(specs))

@@ -147,8 +147,11 @@ def pipelinerl_run(seed: int, engines: int, prompts: int, lag: int, too_old: str
     w = random_workload(rng, 64, 3)
     backend = SimBackend(random_cost(rng), w, engines, 1, seed=seed, counters_every_s=0.5)
     counter = iter(range(10**9))
-    source = lambda n: [PromptItem(i % 64, RunList.of(1, w.prompt(i % 64).prompt_len), None)  # noqa: E731
-                        for i in (next(counter) for _ in range(n))]
+
+    def source(n: int) -> list[PromptItem]:
+        return [PromptItem(i % 64, RunList.of(1, w.prompt(i % 64).prompt_len), None)
+                for i in (next(counter) for _ in range(n))]
+
     log = EventLog()
     preset = sched.load_preset("pipelinerl", {"dispatch": {"lag": lag}, "handoff": {"too_old": too_old},
                                               "weight_sync": {"name": weight_sync}})
@@ -191,7 +194,7 @@ def test_pipelinerl_live_requests_continue_on_new_weights_with_their_kv_within_m
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), engines=st.integers(1, 3), lag=st.integers(0, 2), prompts=st.integers(1, 4))
 def test_pipelinerl_dropping_too_old_samples_trains_none_staler_than_max_lag(seed, engines, lag, prompts):
-    ctl, events, w, _ = pipelinerl_run(seed, engines, prompts, lag, "drop")
+    ctl, events, _, _ = pipelinerl_run(seed, engines, prompts, lag, "drop")
     assert ctl.preset.staleness_bound() == lag                              # and the controller checks it
     for version, _, groups in ctl.calls:
         for g in groups:
@@ -205,7 +208,7 @@ def test_pipelinerl_keeps_the_kv_where_an_areal_load_recomputes_it():
     running sequences at every load; both continue trajectories across versions."""
     mixed = {}
     for ws in ("in_flight", "areal"):
-        ctl, events, _, backend = pipelinerl_run(3, 2, 3, 2, "count", ws)
+        ctl, _, _, backend = pipelinerl_run(3, 2, 3, 2, "count", ws)
         mixed[ws] = sum(1 for _, _, gs in ctl.calls for g in gs for t in g.trajectories if len(set(t.versions)) > 1)
         assert (backend.reprefill_s == 0) == (ws == "in_flight")
     assert mixed["in_flight"] > 0 and mixed["areal"] > 0
