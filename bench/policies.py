@@ -50,7 +50,8 @@ from sched.metrics import summarize  # noqa: E402
 # Every preset of configs/sched/: on-policy first, then the off-policy ones (one optimizer step per batch of
 # prompts_per_step groups, each at its preset's default staleness bound).
 PRESETS: list[str] = ["sync", "slime", "rolloutpipe", "rollpacker", "streamrl", "fgd_tailbatch",
-                      "one_step", "streamrl_async", "partial_rollout", "areal", "staleflow", "laminar"]
+                      "one_step", "streamrl_async", "partial_rollout", "areal", "staleflow", "laminar",
+                      "pipelinerl", "windowed_fifo", "pacing"]
 
 # The long-tail length workload (rl/tasks.py `repeat` + per-prompt caps): identical for every preset.
 WORKLOAD: tuple[str, ...] = (

@@ -5,7 +5,8 @@
 
 `step()` is schedule -> run the model -> sample -> append tokens and retire finished sequences. Around it: `abort`,
 `export` / `import_request` (move an unfinished request between engines, with its KV), `load_weights` (new weights
-tagged with a version; running sequences are recomputed under them, so no KV from the old weights is reused),
+tagged with a version; running sequences are recomputed under them, so no KV from the old weights is reused, unless
+`keep_kv`: then they go on decoding on the KV they have),
 `reset` (drop everything after a failed step) and `stats`. A backend may serve a device with a subclass
 (`register_engine`; the optional cpu/ package registers its CPU engine): `LLMEngine(...)` builds it.
 """
@@ -255,12 +256,16 @@ class LLMEngine:
                    if p.is_floating_point())
 
     # ---- weights ----------------------------------------------------------------------------------------------
-    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
+                     keep_kv: bool = False) -> int:
         """Copy new weights into the model in place and tag what is generated from now on with `version`. Running
         sequences are preempted (recomputed under the new weights when they resume): no KV computed by the old
-        weights is read again. Tokens generated before keep their old version. Returns the tensor count."""
+        weights is read again (AReaL's interrupt). With `keep_kv` they are not: they keep their KV, computed by the
+        old weights, and their next tokens are decoded under the new ones (PipelineRL's in-flight weight update,
+        arXiv 2509.19128). Tokens generated before keep their old version. Returns the tensor count."""
         n = self.runner.load_weights(weights)
-        self.scheduler.preempt_all()
+        if not keep_kv:
+            self.scheduler.preempt_all()
         self.version = version
         return n
 

@@ -69,12 +69,13 @@ class Relay:
         if self.verify:
             self.sums = sums
 
-    def load(self, version: int) -> None:
-        """LoadWeights: adopt the relay's weights (the newest published, at least `version`) in the engine."""
+    def load(self, version: int, keep_kv: bool = False) -> None:
+        """LoadWeights: adopt the relay's weights (the newest published, at least `version`) in the engine; running
+        sequences keep their KV with `keep_kv` (sched.decisions.LoadWeights), else they are recomputed."""
         if version > self.version:
             raise RuntimeError(f"rank {self.rank}: told to load version {version} but the relay holds "
                                f"{self.version}")
-        self.engine.load_weights(self.tensors.items(), self.version)
+        self.engine.load_weights(self.tensors.items(), self.version, keep_kv=keep_kv)
         if self.verify:
             self.check_engine_weights()
         self.event("weights_loaded", version=self.version)

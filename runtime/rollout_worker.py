@@ -11,7 +11,8 @@
     ReceiveWeights   join the publication broadcast on the relay's thread while the engine decodes on
                      (runtime/relay.py; `weights_received` once it is in)
     LoadWeights      adopt the relay's weights in the engine (the weight-sync policy says when): the newest
-                     publication, at least the version asked for (`weights_loaded` says which); kept KV is dropped
+                     publication, at least the version asked for (`weights_loaded` says which); running sequences
+                     are recomputed under it, or keep their KV where the decision says `keep_kv`; kept KV is dropped
     Abort            stop requests; report them aborted (requeued or dropped); drop the KV kept for one
                      (no event: it was not in the engine)
     Stop             leave the loop
@@ -145,7 +146,7 @@ class RolloutWorker:
         elif isinstance(msg, ReceiveWeights):
             self.relay.announce(msg.version)
         elif isinstance(msg, LoadWeights):
-            self.relay.load(msg.version)
+            self.relay.load(msg.version, keep_kv=msg.keep_kv)
             self.kv.out.clear()   # computed by the weights just replaced
         elif isinstance(msg, SendKV):
             self.kv.send(msg.req_id, msg.dst)

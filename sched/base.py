@@ -142,7 +142,8 @@ class WeightSync(Policy):
 
     def engines_to_load(self, v: Views) -> list[LoadWeights | Interrupt]:
         """LoadWeights for engines that adopt a published version now (an engine may be busy: its running
-        sequences keep their tokens and continue under the new weights), optionally preceded by Interrupts."""
+        sequences keep their tokens and continue under the new weights, their KV recomputed, or kept with
+        `keep_kv`), optionally preceded by Interrupts."""
         raise NotImplementedError
 
 

@@ -96,8 +96,13 @@ class Reshard:
 
 @dataclass
 class LoadWeights:
+    """Adopt the newest published weights (at least `version`). `keep_kv` False: the engine's running sequences are
+    preempted and their KV recomputed under the new weights when they resume (AReaL v0.3's interrupt: discard the
+    KV, recompute it). True: they keep the KV the older weights computed and go on decoding under the new ones
+    (PipelineRL's in-flight weight update, arXiv 2509.19128)."""
     engine: int
     version: int
+    keep_kv: bool = False
 
 
 @dataclass

@@ -354,7 +354,8 @@ class SimBackend:
                 self.engines[i].release(self.now())
             self.lent.difference_update(cmd.engines)
         elif isinstance(cmd, LoadWeights):
-            self.engines[cmd.engine].hold(self.now(), duration=self.cost.load_s, version=cmd.version)
+            self.engines[cmd.engine].hold(self.now(), duration=self.cost.load_s, version=cmd.version,
+                                          keep_kv=cmd.keep_kv)
         elif isinstance(cmd, Abort):
             e = self.engines[cmd.engine]
             for r in e.remove(cmd.req_ids, self.now()):

@@ -117,6 +117,7 @@ class SimEngine:
         self.gen = 0                  # bumps whenever a planned wake-up becomes stale
         self.hold_until = -math.inf   # no decoding before this (weight load, colocated training)
         self.pending_version: int | None = None
+        self.pending_keep_kv = False  # the pending load keeps the running sequences' KV (LoadWeights.keep_kv)
         self.busy = False
         self.group_ref: dict[int, int] = {}  # group id -> running members sharing its prompt blocks
         self.shared_blocks = 0
@@ -272,12 +273,18 @@ class SimEngine:
         if self.t >= self.hold_until and self.pending_version is not None:
             # As engine/engine.py load_weights: no KV computed by the old weights is read again; running sequences
             # go back to the front of the queue (progress settled under the old version) and re-prefill prompt +
-            # tokens so far under the new one.
-            for r in reversed(self.running):
-                self._detach(r)
-                r.reloaded = True
-                self.waiting.appendleft(r)
+            # tokens so far under the new one. A keep-KV load (PipelineRL's in-flight update) leaves them running
+            # on their KV: their progress is settled under the old version, their next tokens count the new one.
+            if self.pending_keep_kv:
+                for r in self.running:
+                    self._settle(r)
+            else:
+                for r in reversed(self.running):
+                    self._detach(r)
+                    r.reloaded = True
+                    self.waiting.appendleft(r)
             self.version, self.pending_version = self.pending_version, None
+            self.pending_keep_kv = False
             self.host.emit(Event("weights_loaded", self.t, rank=self.rank, engine=self.index, version=self.version))
         self.schedule_segment()
 
@@ -451,13 +458,16 @@ class SimEngine:
         self.hold_until = self.t
         self.schedule_segment()
 
-    def hold(self, now: float, duration: float = 0.0, until: float | None = None, version: int | None = None) -> None:
-        """Stop decoding for `duration` from the next step boundary (a weight load, adopting `version` at its end) or
-        until `until` (colocated training); running requests stay resident and resume afterwards."""
+    def hold(self, now: float, duration: float = 0.0, until: float | None = None, version: int | None = None,
+             keep_kv: bool = False) -> None:
+        """Stop decoding for `duration` from the next step boundary (a weight load, adopting `version` at its end,
+        keeping the running sequences' KV if `keep_kv`) or until `until` (colocated training); running requests stay
+        resident and resume afterwards."""
         self.sync(now)
         end = max(self.hold_until, self.t) + duration if until is None else max(self.hold_until, until)
         self.hold_until = end
         if version is not None:
             self.pending_version = version
+            self.pending_keep_kv = keep_kv
         self._set_busy(False)
         self.schedule_segment()

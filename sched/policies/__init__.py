@@ -1,7 +1,8 @@
 """The papers' scheduling mechanisms, one module per paper, or one folder with a file per mechanism kind once a
 paper passes ~300 lines. The code behind configs/sched/<paper>.toml lives in sched/policies/<paper>; a preset that
 combines papers (fgd_tailbatch, streamrl_async, staleflow_vanilla) reuses their modules, and the baselines' own
-mechanisms live in sync.py (synchronous rounds), one_step.py, partial_rollout.py and areal.py.
+mechanisms live in sync.py (synchronous rounds), one_step.py, partial_rollout.py and areal.py; the 2025-26 designs
+(pipelinerl, windowed_fifo, pacing) share lag_cap.py and reuse areal's weight sync and Laminar's buffer.
 
     sync.py             fifo, whole_round, step_publish, barrier, none     the synchronous baseline
     rolloutpipe.py      frontier, cgp, every_u                             RolloutPipe
@@ -12,6 +13,10 @@ mechanisms live in sync.py (synchronous rounds), one_step.py, partial_rollout.py
     one_step.py         one_step, oldest_round                             one-step off-policy baseline
     partial_rollout.py  partial_rollout                                    partial-rollout baseline
     areal.py            areal (dispatch, handoff, weight_sync)             AReaL / VeRL-Async baseline
+    lag_cap.py          lag_cap                                            PipelineRL max_lag, TitanRL active buffer
+    pipelinerl/         pipelinerl (handoff), in_flight                    PipelineRL (KV kept across a weight load)
+    windowed_fifo.py    windowed_fifo                                      MiniMax Forge / TitanRL windowed FIFO
+    pacing.py           pacing                                             tinker-cookbook pacing instead of dropping
     fewest_tokens.py    fewest_tokens                                      the README's example of a new mechanism
 
 `python -m sched` prints the registry (kind, name, file, paper section). Importing this package imports every module

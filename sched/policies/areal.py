@@ -3,7 +3,7 @@ describe them, the baseline StaleFlow and Laminar compare against.
 
     areal  dispatch     admission capped so that at most (eta + 1) x batch groups are in flight
     areal  handoff      batches of `batch` groups, oldest version first, never stranding an old group
-    areal  weight_sync  every engine adopts each published version at once, running sequences continuing in place
+    areal  weight_sync  every engine adopts each published version at once, running sequences recomputing their KV
 
 The staleness bound eta is the dispatch's parameter; the hand-off takes it from there (one design, one eta).
 """
@@ -237,8 +237,8 @@ class ArealHandoff(Handoff):
 @register
 class ArealSync(WeightSync):
     """Global version sync with partial rollout: every engine adopts each published version as soon as it appears,
-    busy or not; its running sequences keep their tokens and continue under the new weights after a KV recompute
-    (the engine's in-place load). No interrupt to a trajectory store, no migration.
+    busy or not; its running sequences keep their tokens and continue under the new weights after their KV is
+    discarded and recomputed (AReaL v0.3's interrupt; LoadWeights.keep_kv False). No trajectory store, no migration.
 
     Invariant kept: engines move only to published, newer versions; a trajectory's oldest token version is the
     version it started under, which is what the `areal` dispatch and hand-off bound."""

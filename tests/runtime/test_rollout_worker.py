@@ -198,6 +198,36 @@ def test_load_on_a_busy_worker_keeps_running_sequences_under_the_new_version():
         assert (torch.tensor(t.logprobs[:k]) - ref[:k]).abs().max() > 1e-3  # old ones kept the old weights'
 
 
+def test_a_keep_kv_load_on_a_busy_worker_goes_on_decoding_on_the_old_kv():
+    """LoadWeights(keep_kv=True) (PipelineRL's in-flight update) reaches the engine through the relay: nothing is
+    preempted (so none re-prefilled), the new tokens carry the new version, and they attended to the old weights' KV
+    (their logprobs are not the new weights' over the whole context, as they are after the recomputing load above)."""
+    w, ch, task, tok = loaded_worker(max_new_tokens=10)
+    specs = group_specs(task, tok)
+    w.handle(Start(specs))
+    for _ in range(3):
+        w.step()
+    running = {int(r) for r in w.engine.seqs if w.engine.seqs[r].num_generated > 0}
+    assert running
+    preempted = w.engine.stats().num_preemptions
+    w.relay.fill(published(w.engine, 1.3), 1)
+    w.handle(LoadWeights(0, 1, keep_kv=True))
+    assert w.engine.version == 1 and w.engine.stats().num_preemptions == preempted
+    run_to_end(w)
+    assert w.engine.stats().num_preemptions == preempted
+    scored = {e.req_id: e for e in events_of(ch, "reward_scored")}
+    model = w.engine.runner.model
+    prompt_of = {s.req_id: s.prompt_ids for s in specs}
+    stale = []
+    for rid in running:
+        t = scored[rid].payload
+        k = t.versions.count(0)
+        assert 0 < k < len(t.versions) and t.versions == [0] * k + [1] * (len(t.versions) - k)
+        ref = training_logprobs(model, prompt_of[rid], t.response_ids)
+        stale.append((torch.tensor(t.logprobs[k:]) - ref[k:]).abs().max() > 1e-3)
+    assert any(stale)
+
+
 class LoopbackChannel(FakeChannel):
     """Records what the backend sends; hands it the events queued in `inbox`."""
     def __init__(self):

@@ -374,3 +374,28 @@ def test_a_runlist_pickles_as_its_runs_and_comes_back_equal_and_usable():
     assert type(back) is RunList and back == r and back.runs == r.runs and len(back) == 6
     assert back.tolist() == [3, 3, 7, 7, 7, 7] and back[1] == 3 and back[-1] == 7
     assert pickle.loads(pickle.dumps(RunList.of(1, 0))) == []
+
+
+def test_a_keep_kv_load_under_running_requests_re_prefills_nothing():
+    """PipelineRL's in-flight update (LoadWeights.keep_kv): the same schedule as the test above, but the running
+    sequences keep their KV: no re-prefill, their tokens so far stay version 0 and the rest are version 1, and they
+    finish sooner than under the recomputing load by the re-prefill time."""
+    c = cost(prefill_s_per_token=1e-4, load_s=0.25)
+    ends = {}
+    for keep in (False, True):
+        b = backend(c, [[400, 300]])
+        submit(b, [[400, 300]])
+        b.run_until(0.1)
+        b.command(LoadWeights(0, 1, keep_kv=keep))
+        ev = drain(b)
+        e = b.engines[0]
+        runs = [t.payload.versions.runs for t in ev if t.kind == "reward_scored"]
+        assert len(runs) == 2 and all([v for v, _ in r] == [0, 1] and 0 < r[0][1] for r in runs)
+        assert sorted(sum(n for _, n in r) for r in runs) == [300, 400]
+        ends[keep] = max(t.t for t in ev if t.kind == "trajectory_finished")
+        if keep:
+            assert e.reprefill_s == 0 and b.reprefill_s == 0
+            assert e.prefill_s_total == pytest.approx(c.prefill_s_per_token * 16)   # the first prefill only
+        else:
+            assert e.reprefill_s > 0
+    assert ends[True] < ends[False]
