@@ -285,7 +285,7 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
         log.resumed(trainer.step)
     tt = TrainerThread(trainer, publisher, topo, channel, t0, notify=lambda v: backend.notify_publication(v))
     backend = RuntimeBackend(topo, channel, t0, to_trainer=tt.queue.put,
-                             isolates_faults=preset.failures_isolated() > 0)
+                             isolates_faults=preset.failures_isolated() > 0, kv_block_size=cfg.rollout.kv_block_size)
 
     def save() -> None:
         backend.call(SaveCheckpoint(str(checkpoint_dir(cfg, run_dir)), leader_state(controller, parts, log),

@@ -51,7 +51,7 @@ from sched.metrics import summarize  # noqa: E402
 # prompts_per_step groups, each at its preset's default staleness bound).
 PRESETS: list[str] = ["sync", "slime", "rolloutpipe", "rollpacker", "streamrl", "fgd_tailbatch",
                       "one_step", "streamrl_async", "partial_rollout", "areal", "staleflow", "laminar",
-                      "pipelinerl", "windowed_fifo", "pacing"]
+                      "pipelinerl", "windowed_fifo", "pacing", "april", "adaptive_concurrency"]
 
 # The long-tail length workload (rl/tasks.py `repeat` + per-prompt caps): identical for every preset.
 WORKLOAD: tuple[str, ...] = (

@@ -38,8 +38,9 @@ LEFT_ENGINE = ("trajectory_finished", "trajectory_aborted", "trajectory_interrup
 
 class RuntimeBackend:
     def __init__(self, topo: Topology, channel: Channel, t0: float, to_trainer: Callable[[Any], None],
-                 isolates_faults: bool = False):
+                 isolates_faults: bool = False, kv_block_size: int = 0):
         self.topo, self.channel, self.to_trainer = topo, channel, to_trainer
+        self.kv_block_size = kv_block_size       # tokens per block of the engines' kv_used / kv_free counters
         self.isolates_faults = isolates_faults   # the workers report engine_failed (runtime/engine_health.py)
         self.num_engines = len(topo.rollout_ranks)
         # every rank trains and generates: a train call pauses rollout. No `elastic`: the train group is fixed at

@@ -284,6 +284,7 @@ class RolloutWorker:
                    payload={"partials": self.health.partials()} if self.health.isolated else None,
                    data={"total": st.num_tokens_decoded, "steps": self.steps, "running": len(st.running),
                          "waiting": len(st.waiting), "kv_used": st.kv_blocks_used, "kv_free": st.kv_blocks_free,
+                         "preemptions": st.num_preemptions,
                          "prefill": st.num_prefill_tokens, "kv_adopted": self.kv.adopted, "kv_refused": self.kv.refused,
                          **({"progress": {rid: s.num_generated for rid, s in self.engine.seqs.items()}}
                             if self.sampling.report_progress else {})})

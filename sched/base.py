@@ -47,6 +47,9 @@ class Policy:
     # leaves failed engines (EngineView.failed) out of what it places, loads or moves: every mechanism of a preset
     # that isolates engine faults must (a hand-off or an update never touches an engine)
     skips_failed_engines: ClassVar[bool] = False
+    # reads the engines' counters (KV blocks used / free, waiting, preemptions: EngineView) on a clock: the
+    # simulator's engines then report them every counters_period_s() of virtual time (the runtime's always report)
+    reads_counters: ClassVar[bool] = False
 
     @dataclass
     class Params:
@@ -216,6 +219,10 @@ class Preset:
     def reads_progress(self) -> bool:
         """Whether any of its mechanisms reads the engines' per-request progress (Policy.reads_progress)."""
         return any(p.reads_progress for p in self.policies().values())
+
+    def reads_counters(self) -> bool:
+        """Whether any of its mechanisms reads the engines' counters on a clock (Policy.reads_counters)."""
+        return any(p.reads_counters for p in self.policies().values())
 
     def counters_period_s(self) -> float | None:
         """The shortest counters period its mechanisms ask for (Policy.counters_period_s), or None."""

@@ -153,6 +153,7 @@ class SimBackend:
         self.spare_gpus = spare_gpus           # GPUs the pool may still scale out onto (AddEngines)
         self.reshards: list[tuple[float, int]] = []   # (when, new TP) of every Reshard
         self.tp_sizes = tp_sizes(cost, num_engines * cost.gpus_per_engine)   # what Reshard may ask for
+        self.kv_block_size = cost.block_size   # tokens per block of the engines' kv_used / kv_free counters
         self.replaced: list[SimEngine] = []    # engines a reshard replaced (their counters still count)
         self.rng = random.Random(f"sim-backend:{seed}")
         self.trainer_version = 0

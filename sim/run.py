@@ -156,6 +156,8 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     c = get_profile(cost)
     if ranker_recall is not None and not install(policy, NoisyRanker.with_recall(w, ranker_recall)):
         raise ValueError(f"preset {name!r} has no skewness-aware dispatch to give a ranker (ranker_recall)")
+    if counters_every_s is None and policy.reads_counters():   # as the runtime's engines report (rollout_worker)
+        counters_every_s = policy.counters_period_s()
     backend = SimBackend(c, w, num_engines, train_gpus, seed, colocated=colocated,
                          counters_every_s=counters_every_s, progress=progress, max_events=max_events,
                          stop_after_samples=samples, reward_timeout=reward_timeout,

@@ -66,13 +66,18 @@ class LagCap(Dispatch):
         out: dict[int, list[int]] = {}
         for ids in v.pending_by_group().values():
             ok = {e.engine: load[e.engine] for e in ready if self.admitted < (self.p.lag + e.version + 1) * B}
-            if not ok:
+            if not ok or not self.fits(v, load, len(ids)):
                 break
             eng = least_loaded(ok)
             out.setdefault(eng, []).extend(ids)
             load[eng] += len(ids)
             self.admitted += 1
         return [Submit(e, ids) for e, ids in sorted(out.items())]
+
+    def fits(self, v: Views, load: dict[int, int], samples: int) -> bool:
+        """Whether a group of `samples` requests may start now, `load` the requests on each ready engine counting
+        those placed in this decision (a subclass's concurrency cap). Here: always (no concurrency cap)."""
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"admitted": self.admitted, "pulled": self.pulled}

@@ -506,3 +506,6 @@ def test_the_step_that_empties_the_engine_reports_its_final_counters():
     assert len(counters) == 1 and kinds.index("tokens_decoded") < kinds.index("engine_idle")
     last = counters[-1].data
     assert last["running"] == last["waiting"] == 0 and last["total"] == w.engine.num_tokens_decoded == 3 * 5
+    # the KV pool and the preemptions, as a simulated engine's (adaptive_concurrency's overload signal reads them)
+    assert last["kv_used"] + last["kv_free"] == w.engine.block_manager.num_blocks
+    assert last["preemptions"] == w.engine.scheduler.num_preemptions

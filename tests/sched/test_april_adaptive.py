@@ -118,3 +118,147 @@ def test_april_ends_a_step_before_its_slowest_group():
     assert ctl.preset.dispatch.stats()["groups_carried"] > 0
     assert any(len(set(t.versions)) > 1 for _, _, gs in ctl.calls for g in gs for t in g.trajectories)
     check_nothing_lost(ctl, events, w)
+
+
+# ---- adaptive in-flight concurrency (prime-rl) ----------------------------------------------------------------
+def concurrency(**kw):
+    D = sched.REGISTRY["dispatch"]["adaptive_concurrency"]
+    return D(D.Params(**{"lag": 9, "max_inflight": 100, "initial_inflight": 40, "poll_s": 5.0, **kw}))
+
+
+def engines_views(pending_groups: int = 0) -> Views:
+    """Two engines at version 0 of 100 KV blocks of 16 tokens each (C = 3200 tokens); groups of 4, batch 2;
+    `pending_groups` groups waiting."""
+    v = Views(group_size=4, prompts_per_step=2, kv_block_size=16)
+    v.engines = [EngineView(0, version=0, kv_used=30, kv_free=70), EngineView(1, version=0, kv_used=0, kv_free=100)]
+    for gid in range(pending_groups):
+        v.groups[gid] = GroupState(gid, gid, 0, 4, req_ids=list(range(4 * gid, 4 * gid + 4)))
+        for i in range(4):
+            v.requests[4 * gid + i] = Request(4 * gid + i, gid, i, gid, 0, 40)
+    return v
+
+
+def test_adaptive_concurrency_moves_its_cap_with_kv_pressure_hand_computed():
+    """prime-rl's rules on numbers worked by hand: a HARD poll (preemptions rose) cuts n_max to 0.75 x in flight,
+    no second cut before the drain, half again if HARD survives the drain; the first step's end sets
+    kappa = max(1, n_max G / C); a step of CLEAR polls with the cap binding grows kappa by 2%; the clamp holds."""
+    d, v = concurrency(), engines_views()
+    d.admit(v)
+    assert d.cap == 40                                            # initial_inflight, first poll CLEAR
+    v.engines[0].assigned, v.engines[1].assigned, v.engines[0].preemptions, v.now = 20, 16, 3, 5.0
+    d.admit(v)
+    assert d.cap == 0.75 * 36 == 27 and d.frozen                  # HARD: cut to 0.75 x 36 in flight
+    v.engines[0].assigned, v.engines[0].preemptions, v.now = 14, 4, 10.0   # 30 in flight >= 27: still draining
+    d.admit(v)
+    assert d.cap == 27
+    v.engines[0].assigned, v.engines[0].preemptions, v.now = 4, 5, 15.0    # 20 < 27 and HARD again: halve
+    d.admit(v)
+    assert d.cap == 13.5
+    v.engines[1].assigned, v.now = 6, 20.0                                # 10 in flight, CLEAR: the freeze lifts
+    d.admit(v)
+    assert d.cap == 13.5 and not d.frozen
+    # one request finished: prompt 40 + 360 tokens, so G = 400; the first step ends (version 1)
+    v.requests[99] = Request(99, 0, 0, 0, 0, 40, state="finished", tokens=360)
+    v.finishes[0] = [99]
+    v.trainer.version = 1
+    d.admit(v)
+    assert d.g == 400 and d.kappa == max(1.0, 13.5 * 400 / 3200) and d.cap == 1.6875 * 3200 / 400
+    # step 2: every poll CLEAR and one binding (13 >= 0.9 x 13.5): kappa x 1.02
+    v.engines[1].assigned, v.now = 9, 25.0
+    d.admit(v)
+    assert d.bound and d.clear
+    v.trainer.version = 2
+    d.admit(v)
+    assert abs(d.kappa - 1.6875 * 1.02) < 1e-12 and abs(d.cap - 1.6875 * 1.02 * 8) < 1e-9
+    # the clamp: group_size <= n_max <= max_inflight
+    d.kappa, d.clear, d.bound, v.trainer.version = 50.0, False, False, 3
+    d.admit(v)
+    assert d.cap == 100
+    v.engines[0].assigned = v.engines[1].assigned = 0
+    v.engines[1].preemptions, v.now, d.frozen = 1, 40.0, False
+    d.admit(v)
+    assert d.cap == 4                                             # 0.75 x 0 in flight, floored at group_size
+
+
+def test_adaptive_concurrency_admits_whole_groups_only_within_its_cap():
+    d, v = concurrency(initial_inflight=10), engines_views(pending_groups=4)
+    subs = d.admit(v)
+    assert sum(len(s.req_ids) for s in subs) == 8                 # two groups of 4: a third would make 12 > 10
+    assert d.inflight == 8
+
+
+def tight_kv_run(seed: int, engines: int, kv_blocks: int, initial: int, max_inflight: int):
+    """A long-tail workload on engines whose KV pool holds `kv_blocks` blocks of 16 tokens; the dispatch's cap and
+    the requests it held after each decision recorded."""
+    import random
+
+    from sched.controller import PromptItem
+    from sched.events import EventLog
+    from sim.backend import SimBackend
+    from sim.cost import CostModel, RewardLatency, RewardTask
+    from sim.tokens import RunList
+    from tests.support.offpolicy_sim import Recorder, random_workload
+    rng = random.Random(seed)
+    w = random_workload(rng, 64, 4)
+    cost = CostModel(name="tight", k1=1e-7, k2=1e-2, k3=1e-4, k4=1e-3, prefill_s_per_token=1e-5,
+                     kv_capacity_tokens=16 * kv_blocks, train_s_per_token=1e-4, publish_s=0.2, load_s=0.05,
+                     reward=RewardLatency((RewardTask("math", 1.0, 0.01, 1.5, 5.0),)), block_size=16, max_num_seqs=64)
+    backend = SimBackend(cost, w, engines, 1, seed=seed, counters_every_s=0.5)
+    counter = iter(range(10**9))
+
+    def source(n: int) -> list[PromptItem]:
+        return [PromptItem(i % 64, RunList.of(1, w.prompt(i % 64).prompt_len), None)
+                for i in (next(counter) for _ in range(n))]
+
+    admissions: list[tuple[int, int, float]] = []     # (in flight before, after, cap) of every decision that placed
+
+    class Watch(Recorder):
+        def decide(self, b) -> None:
+            before = sum(e.assigned for e in self.v.engines)
+            super().decide(b)
+            after = sum(e.assigned for e in self.v.engines)
+            d = self.preset.dispatch
+            lo, hi = d.limits(self.v)
+            assert lo <= d.cap <= hi
+            if after > before:
+                admissions.append((before, after, d.cap))
+
+    preset = sched.load_preset("adaptive_concurrency", {"dispatch": {
+        "lag": 3, "initial_inflight": initial, "max_inflight": max_inflight, "poll_s": 1.0}})
+    log = EventLog()
+    ctl = Watch(preset, source, group_size=4, prompts_per_step=4, total_steps=6, log=log)
+    ctl.run(backend)
+    return ctl, log.events, w, admissions
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), engines=st.integers(1, 3), kv_blocks=st.sampled_from([40, 80, 4000]),
+       initial=st.sampled_from([4, 16, 64]), max_inflight=st.sampled_from([0, 24, 96]))
+def test_adaptive_concurrency_cap_follows_preemptions_within_its_limits(seed, engines, kv_blocks, initial,
+                                                                       max_inflight):
+    """On random long-tail schedules: n_max stays within [group_size, max_inflight] after every decision; every
+    decision that placed requests left at most n_max in flight; every HARD cut follows a rise of some engine's
+    reported preemptions since the previous poll, so a schedule without preemptions never cuts; nothing is lost."""
+    ctl, events, w, admissions = tight_kv_run(seed, engines, kv_blocks, initial, max_inflight)
+    d = ctl.preset.dispatch
+    assert ctl.v.trainer.steps_done == 6
+    assert all(after <= cap for _, after, cap in admissions)
+    reported: list[tuple[float, int, int]] = [(e.t, e.engine, e.data["preemptions"]) for e in events
+                                              if e.kind == "tokens_decoded"]
+    for t, _, why in d.history:
+        if why.startswith("hard"):
+            assert any(p > 0 and when <= t for when, _, p in reported)
+    if not any(p for _, _, p in reported):
+        assert not any(why.startswith("hard") for _, _, why in d.history)
+    check_nothing_lost(ctl, events, w)
+
+
+def test_adaptive_concurrency_cuts_under_kv_pressure_and_not_without_it():
+    """One schedule, two KV pools: the tight pool preempts and the cap is cut below where it started; the roomy
+    one never preempts and never cuts."""
+    tight, ev_tight, _, _ = tight_kv_run(5, 2, 40, 64, 0)
+    roomy, ev_roomy, _, _ = tight_kv_run(5, 2, 4000, 64, 0)
+    assert tight.v.engines[0].preemptions + tight.v.engines[1].preemptions > 0
+    assert tight.preset.dispatch.stats()["hard_cuts"] > 0 and tight.preset.dispatch.stats()["n_max_low"] < 64
+    assert roomy.v.engines[0].preemptions + roomy.v.engines[1].preemptions == 0
+    assert roomy.preset.dispatch.stats()["hard_cuts"] == 0
