@@ -93,15 +93,16 @@ def run_one(name: str, args: argparse.Namespace, workload: Any, out: Path | None
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'preset':17s} {'samples/s':>10s} {'tokens/s':>10s} {'trained/gen len':>16s} "
+    w = max([17, *(len(r["preset"]) for r in rows)])      # the preset column fits the longest name
+    head = (f"{'preset':{w}s} {'samples/s':>10s} {'tokens/s':>10s} {'trained/gen len':>16s} "
             f"{'rollout_to_train_end_s':>23s} {'trainer_wait':>13s} {'engine_idle':>12s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['preset']:17s} FAILED: {r['error']}")
+            lines.append(f"{r['preset']:{w}s} FAILED: {r['error']}")
             continue
         r2t = r["rollout_to_train_end_s"]
-        lines.append(f"{r['preset']:17s} {r['throughput']:10.2f} {r['tokens_per_s']:10.0f} "
+        lines.append(f"{r['preset']:{w}s} {r['throughput']:10.2f} {r['tokens_per_s']:10.0f} "
                      f"{r['trained_len_ratio']:16.2f} {('%.1f' % r2t) if r2t is not None else '-':>23s} "
                      f"{r['trainer_wait_ratio']:13.1%} {r['engine_idle_ratio']:12.1%}")
     return "\n".join(lines)

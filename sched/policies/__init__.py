@@ -2,7 +2,8 @@
 paper passes ~300 lines. The code behind configs/sched/<paper>.toml lives in sched/policies/<paper>; a preset that
 combines papers (fgd_tailbatch, streamrl_async, staleflow_vanilla) reuses their modules, and the baselines' own
 mechanisms live in sync.py (synchronous rounds), one_step.py, partial_rollout.py and areal.py; the 2025-26 designs
-(pipelinerl, windowed_fifo, pacing) share lag_cap.py and reuse areal's weight sync and Laminar's buffer.
+(pipelinerl, windowed_fifo, pacing, april, adaptive_concurrency) reuse areal's weight sync and Laminar's buffer and
+weight sync, and all but pacing and april start groups through lag_cap.py.
 
     sync.py             fifo, whole_round, step_publish, barrier, none     the synchronous baseline
     rolloutpipe.py      frontier, cgp, every_u                             RolloutPipe
@@ -17,6 +18,8 @@ mechanisms live in sync.py (synchronous rounds), one_step.py, partial_rollout.py
     pipelinerl/         pipelinerl (handoff), in_flight                    PipelineRL (KV kept across a weight load)
     windowed_fifo.py    windowed_fifo                                      MiniMax Forge / TitanRL windowed FIFO
     pacing.py           pacing                                             tinker-cookbook pacing instead of dropping
+    april.py            april (dispatch, rebalance)                        APRIL over-provisioning, partials carried
+    adaptive_concurrency.py  adaptive_concurrency                          prime-rl adaptive in-flight concurrency
     fewest_tokens.py    fewest_tokens                                      the README's example of a new mechanism
 
 `python -m sched` prints the registry (kind, name, file, paper section). Importing this package imports every module

@@ -27,7 +27,12 @@ CALL = ("model: sync's calls all take 8 optimizer steps, so its fit cannot tell 
         "trainers' calls that only accumulate) pays a per-call cost the simulation does not charge")
 LOADED = ("recorded later than the others, at 1-minute load 14-18 on 2 cores (its pair's sync loop 8.4-11.9 s against "
           "the idle recording's 3.5 s), so the load moves its measured speedup by more than the tolerance")
+APRIL = ("recorded later, at 1-minute load 10-13 on 2 cores (its pair's sync loop 16.3 s against the idle "
+         "recording's 3.5 s); the simulation, calibrated on the idle run, charges APRIL's twice as many sequences per "
+         "decode step and its 886 interrupts at that run's costs; which of the load and those costs moves the "
+         "measured ratio is not established")
 KNOWN_MISSES: dict[str, str] = {   # error: simulated, measured
+    "april": f"-38.0%: simulated 0.92x, measured 1.48x. {APRIL}",
     "areal": f"+64.3%: simulated 1.33x, measured 0.81x. {OVERLAP}",
     "fgd_tailbatch": f"+31.4%: simulated 1.27x, measured 0.97x. {OVERLAP}",
     "laminar": f"+65.7%: simulated 1.34x, measured 0.81x. {OVERLAP}",
