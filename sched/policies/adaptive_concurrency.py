@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.decisions import Submit
 from sched.base import register
+from sched.decisions import Submit
 from sched.policies.lag_cap import LagCap
 from sched.views import Views
 
@@ -52,7 +52,7 @@ class AdaptiveConcurrency(LagCap):
 
     Not modelled: prime-rl's per-environment weighting of G (one task here) and its refill burst cap. Admission
     otherwise is lag_cap's: whole groups, oldest first, to the ready engine with the fewest requests, while
-    groups started < (lag + u + 1) x batch (prime-rl's `max_async_level` plays the lag's role).
+    groups started < (lag + u + 1) x batch (how far rollout may run ahead of the trainer, in versions).
 
     Invariant kept: group_size <= n_max <= max_inflight (when set) at every decision; a group starts only if the
     requests in flight, it included, stay within n_max; the lag cap's invariant."""

@@ -30,7 +30,7 @@ from sched.views import S, Views, least_loaded
 
 @register
 class AprilDispatch(Dispatch):
-    """APRIL's over-provisioning (arXiv 2509.18521 §3; slime `slime/rollout/sglang_rollout.py`,
+    """APRIL's over-provisioning (arXiv 2509.18521; slime `slime/rollout/sglang_rollout.py`,
     `generate_rollout_async`: it submits `over_sampling_batch_size` groups per step, the buffer's aborted groups
     first, and stops once `rollout_batch_size` groups are complete).
 
@@ -100,7 +100,7 @@ class AprilDispatch(Dispatch):
 
 @register
 class AprilStop(Rebalance):
-    """APRIL's active interruption (arXiv 2509.18521 §3; slime's `abort` after the rollout batch is full, which with
+    """APRIL's active interruption (arXiv 2509.18521; slime's `abort` after the rollout batch is full, which with
     `--partial-rollout` hands the unfinished groups back to the data buffer, `data_source.add_samples`): as soon as
     the hand-off holds a batch (N materialised groups, `Handoff.batch_groups`), every running request, on every
     engine, is interrupted; its tokens so far, their behaviour log-probs and per-token versions come back
