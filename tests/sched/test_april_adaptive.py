@@ -256,8 +256,8 @@ def test_adaptive_concurrency_cap_follows_preemptions_within_its_limits(seed, en
 def test_adaptive_concurrency_cuts_under_kv_pressure_and_not_without_it():
     """One schedule, two KV pools: the tight pool preempts and the cap is cut below where it started; the roomy
     one never preempts and never cuts."""
-    tight, ev_tight, _, _ = tight_kv_run(5, 2, 40, 64, 0)
-    roomy, ev_roomy, _, _ = tight_kv_run(5, 2, 4000, 64, 0)
+    tight, _, _, _ = tight_kv_run(5, 2, 40, 64, 0)
+    roomy, _, _, _ = tight_kv_run(5, 2, 4000, 64, 0)
     assert tight.v.engines[0].preemptions + tight.v.engines[1].preemptions > 0
     assert tight.preset.dispatch.stats()["hard_cuts"] > 0 and tight.preset.dispatch.stats()["n_max_low"] < 64
     assert roomy.v.engines[0].preemptions + roomy.v.engines[1].preemptions == 0
