@@ -20,6 +20,7 @@ weight sync, and all but pacing and april start groups through lag_cap.py.
     pacing.py           pacing                                             tinker-cookbook pacing instead of dropping
     april.py            april (dispatch, rebalance)                        APRIL over-provisioning, partials carried
     adaptive_concurrency.py  adaptive_concurrency                          prime-rl adaptive in-flight concurrency
+    verl_hybrid.py      verl_hybrid                                        verl dynamic scheduling (simulator only)
     fewest_tokens.py    fewest_tokens                                      the README's example of a new mechanism
 
 `python -m sched` prints the registry (kind, name, file, paper section). Importing this package imports every module

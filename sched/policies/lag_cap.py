@@ -35,6 +35,9 @@ class LagCap(Dispatch):
     batching (its max_num_seqs and KV pool) decides what runs. PipelineRL's `llm_max_rollouts` is vLLM's
     max-num-seqs, i.e. the engine's own limit. Intake keeps one batch of prompts waiting.
 
+    A group some of whose requests come back pending (interrupted by a rebalance, with their tokens) was counted
+    when it started: its pending requests resume, together, on the ready engine with the fewest requests.
+
     Invariant kept: admitted groups never outnumber (lag + u + 1) x batch for the engine version u they start
     under; groups start in group-id order (oldest first), whole, on one engine."""
     name = "lag_cap"
@@ -64,14 +67,16 @@ class LagCap(Dispatch):
             return []
         load = {e.engine: e.assigned for e in ready}
         out: dict[int, list[int]] = {}
-        for ids in v.pending_by_group().values():
-            ok = {e.engine: load[e.engine] for e in ready if self.admitted < (self.p.lag + e.version + 1) * B}
+        for gid, ids in v.pending_by_group().items():
+            fresh = len(ids) == v.groups[gid].size and all(v.requests[i].partial is None for i in ids)
+            ok = {e.engine: load[e.engine] for e in ready
+                  if not fresh or self.admitted < (self.p.lag + e.version + 1) * B}
             if not ok or not self.fits(v, load, len(ids)):
                 break
             eng = least_loaded(ok)
             out.setdefault(eng, []).extend(ids)
             load[eng] += len(ids)
-            self.admitted += 1
+            self.admitted += int(fresh)
         return [Submit(e, ids) for e, ids in sorted(out.items())]
 
     def fits(self, v: Views, load: dict[int, int], samples: int) -> bool:

@@ -16,6 +16,9 @@ class InFlight(WeightSync):
     with its version. PipelineRL (its Figure 7) reports the off-policyness of the stale KV as negligible. This is
     the difference from `areal`, whose load discards the KV and recomputes it (AReaL v0.3's interrupt).
 
+    An engine lent to the trainer is left alone until it is back (verl's sleeping Hybrid replicas skip the weight
+    sync, `verl_hybrid`); it then adopts the newest version before it takes a request.
+
     Invariant kept: engines move only to published, newer versions; a trajectory's oldest token version is the
     version it started under; its per-token versions never decrease."""
     name = "in_flight"
@@ -23,4 +26,5 @@ class InFlight(WeightSync):
 
     def engines_to_load(self, v: Views) -> list[LoadWeights]:
         ps = v.trainer.published
-        return [LoadWeights(e.engine, ps, keep_kv=True) for e in v.engines if e.version < ps and not e.loading]
+        return [LoadWeights(e.engine, ps, keep_kv=True) for e in v.engines
+                if e.version < ps and not e.loading and not e.lent]
