@@ -3,7 +3,7 @@ paper passes ~300 lines. The code behind configs/sched/<paper>.toml lives in sch
 combines papers (fgd_tailbatch, streamrl_async, staleflow_vanilla) reuses their modules, and the baselines' own
 mechanisms live in sync.py (synchronous rounds), one_step.py, partial_rollout.py and areal.py; the 2025-26 designs
 (pipelinerl, windowed_fifo, pacing, april, adaptive_concurrency) reuse areal's weight sync and Laminar's buffer and
-weight sync, and all but pacing and april start groups through lag_cap.py.
+weight sync; pipelinerl and windowed_fifo start groups through lag_cap.py, adaptive_concurrency by its rule.
 
     sync.py             fifo, whole_round, step_publish, barrier, none     the synchronous baseline
     rolloutpipe.py      frontier, cgp, every_u                             RolloutPipe

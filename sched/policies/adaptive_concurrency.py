@@ -1,8 +1,8 @@
 """Adaptive in-flight concurrency: prime-rl's orchestrator cap (prime-rl `docs/inference.md`, "Adaptive Concurrency";
 configs/sched/adaptive_concurrency.toml).
 
-    adaptive_concurrency  dispatch  lag_cap's version-lag admission under an in-flight cap n_max (requests on the
-                                    engines) that the engines' KV capacity, KV pressure and preemptions move
+    adaptive_concurrency  dispatch  a version-lag admission (lag_cap's rule) under an in-flight cap n_max (requests
+                                    on the engines) that the engines' KV capacity, KV pressure and preemptions move
 """
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import register
+from sched.base import Dispatch, register
 from sched.decisions import Submit
-from sched.policies.lag_cap import LagCap
-from sched.views import Views
+from sched.views import S, Views, least_loaded
 
 CUT = 0.75          # HARD: n_max <- 0.75 x in flight (prime-rl docs/inference.md)
 DRAIN_CUT = 0.5     # HARD that survives a full drain: n_max x 0.5 (same)
@@ -32,7 +31,7 @@ class Signal(enum.IntEnum):
 
 
 @register
-class AdaptiveConcurrency(LagCap):
+class AdaptiveConcurrency(Dispatch):
     """An in-flight cap sized from the KV budget and trimmed by overload feedback (prime-rl `docs/inference.md`,
     "Adaptive Concurrency": "Safety must come from admission-time budgeting; feedback only trims the budget's
     error"). In flight: requests on the engines (running or queued there), counted in samples:
@@ -51,8 +50,10 @@ class AdaptiveConcurrency(LagCap):
     its end kappa = max(1, n_max x G / C).
 
     Not modelled: prime-rl's per-environment weighting of G (one task here) and its refill burst cap. Admission
-    otherwise is lag_cap's: whole groups, oldest first, to the ready engine with the fewest requests, while
-    groups started < (lag + u + 1) x batch (how far rollout may run ahead of the trainer, in versions).
+    otherwise follows the `lag_cap` dispatch's rule (sched/policies/lag_cap.py; how far rollout may run ahead of the
+    trainer, in versions): whole groups, oldest first, to the ready engine with the fewest requests, while groups
+    started < (lag + u + 1) x batch, u the engine's version; a group whose requests came back pending resumes
+    without counting again; intake keeps one batch of prompts waiting.
 
     Invariant kept: group_size <= n_max <= max_inflight (when set) at every decision; a group starts only if the
     requests in flight, it included, stay within n_max; the lag cap's invariant."""
@@ -61,7 +62,9 @@ class AdaptiveConcurrency(LagCap):
     reads_counters = True
 
     @dataclass
-    class Params(LagCap.Params):
+    class Params:
+        lag: int = F(1, ge=0, help="versions a started group may lag (rollout ahead of the trainer): groups started "
+                                   "< (lag + u + 1) x batch, u the engine's version (the lag_cap dispatch's rule)")
         max_inflight: int = F(0, ge=0, help="ceiling of the in-flight cap, in samples (prime-rl's "
                                             "orchestrator.concurrency.max_inflight; 0: capacity-driven, none)")
         initial_inflight: int = F(0, ge=0, help="the cap during the first step, in samples (prime-rl's "
@@ -71,6 +74,8 @@ class AdaptiveConcurrency(LagCap):
 
     def __init__(self, params: "AdaptiveConcurrency.Params | None" = None):
         super().__init__(params)
+        self.admitted = 0                    # groups started, cumulative
+        self.pulled = 0                      # groups pulled into the pipeline, cumulative
         self.cap = 0.0                       # n_max (0: not set yet)
         self.kappa = 1.0
         self.g: float | None = None          # G, tokens per request
@@ -181,6 +186,13 @@ class AdaptiveConcurrency(LagCap):
         self.clear, self.bound = True, False
 
     # -------------------------------------------------------------------------------------------- admission
+    def intake(self, v: Views) -> int:
+        B = v.prompts_per_step
+        if self.pulled - self.admitted >= B:
+            return 0
+        self.pulled += B
+        return B
+
     def admit(self, v: Views) -> list[Submit]:
         self.inflight = sum(e.assigned for e in v.engines)
         if not self.cap:
@@ -190,13 +202,24 @@ class AdaptiveConcurrency(LagCap):
         if v.now - self.polled >= self.p.poll_s:
             self.polled = v.now
             self.poll(v)
-        return super().admit(v)
-
-    def fits(self, v: Views, load: dict[int, int], samples: int) -> bool:
-        if self.inflight + samples > self.cap:
-            return False
-        self.inflight += samples
-        return True
+        B = v.prompts_per_step
+        ready = [e for e in v.engines if e.version >= 0 and not e.loading and not e.lent and not e.failed]
+        if not ready or not v.requests.count(S.PENDING):
+            return []
+        load = {e.engine: e.assigned for e in ready}
+        out: dict[int, list[int]] = {}
+        for gid, ids in v.pending_by_group().items():
+            fresh = len(ids) == v.groups[gid].size and all(v.requests[i].partial is None for i in ids)
+            ok = {e.engine: load[e.engine] for e in ready
+                  if not fresh or self.admitted < (self.p.lag + e.version + 1) * B}
+            if not ok or self.inflight + len(ids) > self.cap:
+                break
+            eng = least_loaded(ok)
+            out.setdefault(eng, []).extend(ids)
+            load[eng] += len(ids)
+            self.inflight += len(ids)
+            self.admitted += int(fresh)
+        return [Submit(e, ids) for e, ids in sorted(out.items())]
 
     def stats(self) -> dict[str, float]:
         cuts = sum(1 for _, _, why in self.history if why.startswith("hard"))
@@ -204,9 +227,10 @@ class AdaptiveConcurrency(LagCap):
                 "hard_cuts": float(cuts)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "cap": self.cap, "kappa": self.kappa, "g": self.g, "step": self.step}
+        return {"admitted": self.admitted, "pulled": self.pulled, "cap": self.cap, "kappa": self.kappa, "g": self.g,
+                "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        self.admitted, self.pulled = int(state.get("admitted", 0)), int(state.get("pulled", 0))
         self.cap, self.kappa = float(state.get("cap", 0.0)), float(state.get("kappa", 1.0))
         self.g, self.step = state.get("g"), int(state.get("step", 0))

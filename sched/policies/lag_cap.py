@@ -71,18 +71,13 @@ class LagCap(Dispatch):
             fresh = len(ids) == v.groups[gid].size and all(v.requests[i].partial is None for i in ids)
             ok = {e.engine: load[e.engine] for e in ready
                   if not fresh or self.admitted < (self.p.lag + e.version + 1) * B}
-            if not ok or not self.fits(v, load, len(ids)):
+            if not ok:
                 break
             eng = least_loaded(ok)
             out.setdefault(eng, []).extend(ids)
             load[eng] += len(ids)
             self.admitted += int(fresh)
         return [Submit(e, ids) for e, ids in sorted(out.items())]
-
-    def fits(self, v: Views, load: dict[int, int], samples: int) -> bool:
-        """Whether a group of `samples` requests may start now, `load` the requests on each ready engine counting
-        those placed in this decision (a subclass's concurrency cap). Here: always (no concurrency cap)."""
-        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"admitted": self.admitted, "pulled": self.pulled}
