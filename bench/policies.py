@@ -2,6 +2,7 @@
 
     python bench/policies.py                       # sync and every preset (PRESETS), 12 rounds each
     python bench/policies.py --presets sync,rolloutpipe --widths 1,2,4 --repeats 3
+    python bench/policies.py --presets sync,areal,laminar --corrections none,tis,m2po   # presets x corrections
 
 Disaggregated pools on one CPU box (`--affinity partition`, perf.cpu_affinity): the two rollout ranks share one
 core and the two train ranks the other, as the papers' rollout and train GPUs are separate; without it, four ranks
@@ -25,6 +26,13 @@ off-policy preset it is the reward of the stale samples it trained on); `trainer
 (RolloutPipe §5.1, `sched.metrics.summarize`). The last line is the wall-clock ratio of each preset against sync
 (median over repeats): `speedup vs sync: rolloutpipe 1.31x, ...`.
 The machine's load average is printed beside every run: on shared cores, read the ratios with it.
+
+`--corrections none,tis,m2po` runs every preset under every off-policy correction (`--train.correction=C`,
+rl/correction.py; the whole matrix alternates per repeat) and prints one table, rows preset x correction
+(bench/policy_table.py), with the mismatch the trainer measured beside the figures above: `KL k3`, the mean over the
+run's steps of `mismatch_kl_k3` (KL(behaviour || trainer), metrics.jsonl), and the correction's `clipped` and
+`masked` token fractions (`correction_clipped_frac` / `_masked_frac`; `-` without a correction); `vs sync` is
+against sync under the same correction. Each run's own config.toml must record its correction.
 """
 from __future__ import annotations
 
@@ -37,12 +45,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.policy_table import matrix_summary, matrix_table  # noqa: E402
+from config import TrainConfig  # noqa: E402
 from sched import load_preset  # noqa: E402
 from sched.events import read_events  # noqa: E402
 from sched.metrics import summarize  # noqa: E402
@@ -62,10 +73,12 @@ WORKLOAD: tuple[str, ...] = (
 
 @dataclass
 class Run:
-    """One preset variant: a name for the table, the preset, and its extra overrides."""
+    """One preset variant under one correction: a name for the table, the preset, the correction
+    (`train.correction`), and its extra overrides."""
     name: str
     preset: str
     overrides: tuple[str, ...] = ()
+    correction: str = "none"
     makespans: list[float] = field(default_factory=list)
     walls: list[float] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
@@ -73,6 +86,9 @@ class Run:
     rewards: list[float] = field(default_factory=list)   # reward reached (`reward_reached`)
     waits: list[float] = field(default_factory=list)
     loads: list[tuple[float, float]] = field(default_factory=list)   # 1-minute load average before, after
+    kls: list[float] = field(default_factory=list)       # mean of the steps' mismatch_kl_k3
+    clipped: list[float] = field(default_factory=list)   # mean of the steps' correction_clipped_frac
+    masked: list[float] = field(default_factory=list)    # mean of the steps' correction_masked_frac
 
     def median(self, xs: list[float]) -> float:
         return statistics.median(xs) if xs else math.nan
@@ -105,6 +121,30 @@ def reward_reached(events: list, share: float = 0.25) -> float:
     return total / n if n else math.nan
 
 
+def step_mean(rows: list[dict], key: str) -> float:
+    """The mean of `key` over the metrics rows that have it (NaN when none does: a correction's fractions are only
+    logged with a correction on)."""
+    xs = [r[key] for r in rows if key in r]
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl rows, one per step."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def run_correction(run_dir: Path) -> str:
+    """`train.correction` as the run's resolved config.toml records it."""
+    with open(run_dir / "config.toml", "rb") as f:
+        return tomllib.load(f)["train"]["correction"]
+
+
+def launch(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """One run: torchrun `cmd` from the repository root, one OpenMP thread per rank, its output captured."""
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def torchrun_cmd(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -> list[str]:
     batch, per_round = batch_overrides(run.preset, args.prompts, args.batch_groups)
     steps = args.rounds * per_round
@@ -115,15 +155,14 @@ def torchrun_cmd(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -
             f"--rollout.prompts_per_step={args.prompts}", f"--rollout.group_size={args.group_size}",
             "--checkpoint.export_hf=false", f"--perf.cpu_affinity={args.affinity}", *WORKLOAD,
             f"--data.len_tail_min={lo}", f"--data.len_tail_max={hi}", f"--rollout.max_new_tokens={hi + 1}", *batch,
-            *args.extra, *run.overrides]
+            *args.extra, *run.overrides, *((f"--train.correction={run.correction}",) if args.matrix else ())]
 
 
 def measure(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -> None:
     cmd = torchrun_cmd(run, run_dir, args, port)
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch(cmd, args.timeout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{run.name}: run failed (exit {proc.returncode})\n{' '.join(cmd)}\n"
@@ -139,21 +178,42 @@ def measure(run: Run, run_dir: Path, args: argparse.Namespace, port: int) -> Non
     run.rewards.append(reward_reached(events))
     run.waits.append(s["trainer_wait_ratio"])
     run.loads.append((load0, os.getloadavg()[0]))
-    print(f"  {run.name:<24} loop {s['makespan_s']:6.2f} s  (process {wall:5.1f} s)  {trained} samples  "
-          f"reward {run.rewards[-1]:.3f}  trainer wait {s['trainer_wait_ratio']:.2f}  "
+    rows = read_metrics(run_dir)
+    run.kls.append(step_mean(rows, "mismatch_kl_k3"))
+    run.clipped.append(step_mean(rows, "correction_clipped_frac"))
+    run.masked.append(step_mean(rows, "correction_masked_frac"))
+    if args.matrix and (recorded := run_correction(run_dir)) != run.correction:
+        raise SystemExit(f"{run_dir}: the run's config.toml has train.correction = {recorded!r}, not "
+                         f"{run.correction!r}")
+    label = f"{run.name}+{run.correction}" if args.matrix else run.name
+    kl = f"  KL k3 {run.kls[-1]:.2e}" if args.matrix else ""
+    print(f"  {label:<24} loop {s['makespan_s']:6.2f} s  (process {wall:5.1f} s)  {trained} samples  "
+          f"reward {run.rewards[-1]:.3f}{kl}  trainer wait {s['trainer_wait_ratio']:.2f}  "
           f"load {load0:.2f} -> {run.loads[-1][1]:.2f}", flush=True)
 
 
 def variants(args: argparse.Namespace) -> list[Run]:
+    """Every preset variant (rolloutpipe once per `--widths` entry) under every correction, sync first."""
     runs = []
     for preset in args.presets:
-        if preset == "rolloutpipe" and args.widths:  # F_w: groups in service per engine
-            runs += [Run(f"rolloutpipe[F_w={w}]", preset, (f"--sched.dispatch.width={w}",)) for w in args.widths]
-        else:
-            runs.append(Run(preset, preset))
+        for c in args.corrections:
+            if preset == "rolloutpipe" and args.widths:  # F_w: groups in service per engine
+                runs += [Run(f"rolloutpipe[F_w={w}]", preset, (f"--sched.dispatch.width={w}",), c)
+                         for w in args.widths]
+            else:
+                runs.append(Run(preset, preset, (), c))
     if runs[0].preset != "sync":
         raise SystemExit("--presets must start with sync (the baseline every ratio is against)")
     return runs
+
+
+def corrections(text: str) -> list[str]:
+    """`--corrections`: a comma-separated list of `train.correction` values (config.py TrainConfig)."""
+    allowed = TrainConfig.__dataclass_fields__["correction"].metadata["choices"]
+    out = text.split(",")
+    if bad := [c for c in out if c not in allowed]:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad)} not one of {', '.join(allowed)}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"comma-separated, sync first (default: {','.join(PRESETS)})")
     ap.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[],
                     help="FGD frontier widths F_w (groups per engine) to sweep for rolloutpipe (default: the preset's)")
+    ap.add_argument("--corrections", type=corrections, default=["none"],
+                    help="comma-separated train.correction values (rl/correction.py): every preset under each, one "
+                         "table of preset x correction (default: none, the single-correction table)")
     ap.add_argument("--rounds", type=int, default=12, help="rounds of P prompts each preset trains on")
     ap.add_argument("--prompts", type=int, default=16, help="P: prompts (groups) per round")
     ap.add_argument("--group-size", type=int, default=8, help="G: samples per prompt")
@@ -180,14 +243,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="", help="keep the run directories here (default: a temporary directory)")
     ap.add_argument("extra", nargs="*", help="more overrides for every run, after --, e.g. -- --train.ppo_epochs=2")
     args = ap.parse_args(argv)
+    args.matrix = args.corrections != ["none"]
     runs = variants(args)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_policies_"))
-    print(f"{len(runs)} variants x {args.repeats} repeats, {args.rounds} rounds of {args.prompts} prompts x "
+    what = "runs of preset x correction" if args.matrix else "variants"
+    print(f"{len(runs)} {what} x {args.repeats} repeats, {args.rounds} rounds of {args.prompts} prompts x "
           f"{args.group_size} samples, 2 rollout + 2 train ranks; runs in {out}", flush=True)
     for rep in range(args.repeats):
         order = runs if rep % 2 == 0 else runs[::-1]
         for i, run in enumerate(order):
-            measure(run, out / f"{run.name}-{rep}", args, args.port + 10 * (rep * len(runs) + i) % 2000)
+            tag = f"{run.name}+{run.correction}" if args.matrix else run.name
+            measure(run, out / f"{tag}-{rep}", args, args.port + 10 * (rep * len(runs) + i) % 2000)
+    if args.matrix:
+        print("\n" + "\n".join(matrix_table(runs)))
+        print(json.dumps({f"{r.name}+{r.correction}": {
+            "loop_s": r.makespans, "samples": r.samples, "tokens": r.tokens, "reward": r.rewards,
+            "trainer_wait": r.waits, "kl_k3": r.kls, "clipped": r.clipped, "masked": r.masked, "load": r.loads}
+            for r in runs}))
+        print(matrix_summary(runs))
+        return
     base = runs[0].median(runs[0].makespans)
     print(f"\n{'preset':<24} {'loop s':>8} {'process s':>10} {'samples/s':>10} {'tokens/s':>9} {'reward':>7}"
           f" {'trainer wait':>13} {'load':>6} {'vs sync':>8}")
