@@ -21,6 +21,10 @@ What it measures (and how the cpu_tiny profile in sim/profiles.py was filled in)
              counts vary; when every call takes the same s > 0 steps (a sync run: train.minibatches each) the fitted
              fixed time per call F is attributed to its steps, b = F / s and c = 0 (an assumption, reported as
              train_fit_assumed); a term whose column does not vary at all (tokens, or steps) is not fitted (0)
+    forward  the share of the train calls' seconds spent in their forward passes (train_step_done: forward_s over
+             step_time_s, summed over the calls): `train_forward_share`, what a decoupled-PPO call's proximal pass
+             (a no-grad forward of the same micro-batches) costs relative to the call, taking a no-grad forward to
+             cost what the forward with grad does (sim/cost.py proximal_share)
     publish  train_step_done -> version_published (sched.metrics weight_sync_s)
     load     version_published -> weights_loaded, per engine
     reward   trajectory_finished -> reward_scored, per request
@@ -149,6 +153,10 @@ def measure(run_dir: str | Path, train_ranks: int | None = None, prompt_tokens: 
     fit = train_fit(calls)
     if fit:
         out.update(fit, train_fit_s_per_token_one_rank=fit["train_fit_s_per_token"] * ranks)
+    fwd = [(e.data["forward_s"], e.data["step_time_s"]) for e in events
+           if e.kind == "train_step_done" and {"forward_s", "step_time_s"} <= e.data.keys()]
+    if fwd and sum(t for _, t in fwd) > 0:
+        out["train_forward_share"] = sum(f for f, _ in fwd) / sum(t for _, t in fwd)
     out["publish_s"] = summarize(events).get("weight_sync_s")
     out["load_s"] = statistics.median(loads) if loads else None
     out["reward_s_median"] = statistics.median(rew) if rew else None

@@ -147,6 +147,7 @@ def summarize_run(name: str, run_dir: Path, printed: dict[str, float], meta: dic
     events = list(read_events(run_dir / "events.jsonl"))
     s = summarize(events, num_engines=ENGINES)
     calls = [e for e in events if e.kind == "train_started"]
+    done = [e for e in events if e.kind == "train_step_done"]
     fin = [e.data["tokens"] for e in events if e.kind == "trajectory_finished"]
     with open(run_dir / "metrics.jsonl") as f:
         metrics = [json.loads(line) for line in f if line.strip()]
@@ -157,6 +158,8 @@ def summarize_run(name: str, run_dir: Path, printed: dict[str, float], meta: dic
         "samples": sum(len(e.data["groups"]) for e in calls) * group_size,
         "train_calls": len(calls), "optimizer_steps": int(sum(m.get("optimizer_steps", 0) for m in metrics)),
         "train_compute_s": s["train_compute_s"],
+        "forward_s": sum(e.data.get("forward_s", 0.0) for e in done),
+        "proximal_s": sum(e.data.get("proximal_s", 0.0) for e in done),
         "versions_published": sum(e.kind == "version_published" for e in events),
         "trainer_wait_ratio": s["trainer_wait_ratio"], "engine_idle_ratio": s["engine_idle_ratio"],
         "responses": len(fin), "response_len_mean": statistics.fmean(fin) if fin else 0.0}
@@ -274,12 +277,18 @@ def profile_from(sync: dict[str, Any]) -> CostModel:
     else:
         train = dict(train_s_per_token=cal["train_s_per_token_one_rank"], train_step_s=0.0, train_overhead_s=0.0)
     fit_src = src + (f", train_fit: {cal['train_fit_assumed']}" if cal.get("train_fit_assumed") else "")
+    # decoupled PPO's proximal pass (the presets with a staleness bound >= 1 train with it, train.py): a no-grad
+    # forward of every minibatch, charged at the share of sync's train time its forward passes took
+    prox = cal.get("train_forward_share") or 0.0
     return replace(base, name="cpu_tiny@validation", k2=k2, k3=k3, k4=k4, prefill_s_per_token=k3, **train,
+                   proximal_share=prox,
                    publish_s=cal.get("publish_s") or 0.0,
                    load_s=cal.get("load_s") or 0.0, reward=reward, max_num_seqs=eng["max_num_seqs"],
                    kv_capacity_tokens=eng["kv_cache_tokens"], block_size=eng["kv_block_size"],
                    sources={**base.sources, **{k: src for k in ("k3", "k4", "publish_s", "load_s", "reward")},
-                            **{k: fit_src for k in train}})
+                            **{k: fit_src for k in train},
+                            "proximal_share": src + ": train_forward_share, the forward passes' share of its train "
+                                              "calls (a no-grad forward taken to cost the forward with grad)"})
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,9 @@ class Trainer:
             ref_cache: dict[tuple[int, int], torch.Tensor] = {}
             prox_cache = None  # decoupled: None = the detached current log-probs (the weights have not moved yet)
             if self.off_policy == "decoupled" and step and len(chunks) * cfg.ppo_epochs > 1:
+                t_prox = time.perf_counter()
                 prox_cache = self._proximal(chunks)
+                metrics["proximal_s"] = time.perf_counter() - t_prox
             for _ in range(cfg.ppo_epochs):
                 for i, chunk in enumerate(chunks):
                     passes.append(self._backward(chunk, i, ref_cache, prox_cache))
@@ -156,7 +158,10 @@ class Trainer:
             metrics.update(self._apply())
             n_steps = 1
         for k in passes[0] if passes else ():
-            metrics[k] = passes[-1][k] if k == "lr" else sum(s[k] for s in passes) / len(passes)
+            if k == "forward_s":   # seconds: the call's total, not a mean over its passes
+                metrics[k] = sum(s[k] for s in passes)
+            else:
+                metrics[k] = passes[-1][k] if k == "lr" else sum(s[k] for s in passes) / len(passes)
         metrics["optimizer_steps"] = float(n_steps)
         metrics["skipped"] = float(not passes and not n_steps)
         metrics["step_time_s"] = time.perf_counter() - t0
@@ -201,6 +206,7 @@ class Trainer:
         # backward before it, leaving the device idle while the host launches the next forward
         batches = list(self._micro_batches(chunk))
         defer = self.DEFER_GRAD_SYNC and self.sharded and self.world == 1 and len(batches) > 1
+        forward_s = 0.0
         try:
             for k, batch in enumerate(batches):
                 if defer:
@@ -208,7 +214,9 @@ class Trainer:
                 ref = ref_cache.get((chunk_id, k))
                 if ref is None and self.ref_model is not None:
                     ref = ref_cache[(chunk_id, k)] = self.logprobs(self.ref_model, batch, grad=False)[0]
+                t_fwd = time.perf_counter()
                 logp, entropy = self.logprobs(self.model, batch, grad=True)
+                forward_s += time.perf_counter() - t_fwd
                 prox = None
                 if self.off_policy == "decoupled":
                     prox = prox_cache[(chunk_id, k)] if prox_cache is not None else logp.detach()
@@ -235,7 +243,7 @@ class Trainer:
         loss = float(acc[-2]) if normaliser == own else float(acc[-2]) * normaliser / own  # this chunk's own mean
         n = max(float(acc[-1]), 1.0)
         stats = {key: float(acc[i]) / n for i, key in enumerate(STAT_KEYS) if self._reports(key)}
-        return dict(stats, loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]))
+        return dict(stats, loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]), forward_s=forward_s)
 
     def _reports(self, key: str) -> bool:
         """Whether a loss statistic exists in this configuration (KL to a reference, decoupled IS weights)."""
