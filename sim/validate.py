@@ -5,8 +5,9 @@
     python -m sim.validate --record --from DIR    # summarize the run directories of `bench/policies.py --out DIR`
 
 Setting: bench/policies.py's (torchrun, 2 rollout + 2 train ranks with `--affinity partition`: the rollout ranks share
-one core and the train ranks the other; 12 rounds of 16 prompts x 8 samples of the `repeat` task, one prompt in eight
-with a 64-96 token answer; U = 2 groups per optimizer step where a preset has that knob). `--record` runs it as one
+one core and the train ranks the other; its default 36 rounds of 16 prompts x 8 samples of the `repeat` task, one
+prompt in eight with a 64-96 token answer; U = 2 groups per optimizer step where a preset has that knob; 36 rounds so
+that the start-up inside the loop is a few percent of it). `--record` runs it as one
 pair per preset, `bench/policies.py --presets sync,PRESET --repeats 1`: each preset right after a sync run of its own,
 so that on a shared machine both see about the same load, and its measured speedup is that pair's ratio of
 training-loop wall times (first round start to last event). It writes sim/validation/<preset>.json: the loop times,
@@ -20,7 +21,11 @@ a cost per call from one per step: it charges their fixed time per step (`train_
 The simulation: every preset on that one profile and trace (nothing from the other presets' runs), 2 engines + 2
 train GPUs, the same optimizer steps and overrides as bench/policies.py gives it (`batch_overrides`, its
 train.minibatches the optimizer steps of each stepping call); its speedup is
-sync's simulated loop time over the preset's. A preset is within the tolerance when |simulated / measured - 1| <=
+sync's simulated loop time over the preset's. What the profile takes from the sync run (`profile_from`): the decode
+step from its busy spans whole (`span_fit`), the trainer's cost per token and per optimizer step (`train_fit`),
+decoupled PPO's proximal pass at the share of its train calls spent in forward passes (charged to the presets with a
+staleness bound >= 1, which train.py runs with decoupled PPO), a call that only accumulates gradients at a step's
+fixed time less the optimizer step's own, publication, load and reward latency. A preset is within the tolerance when |simulated / measured - 1| <=
 15%. Deterministic; the simulation part takes seconds.
 """
 from __future__ import annotations
@@ -257,9 +262,15 @@ def load_recorded(directory: Path = VALIDATION_DIR) -> dict[str, dict[str, Any]]
 
 def profile_from(sync: dict[str, Any]) -> CostModel:
     """cpu_tiny with every constant sim.calibrate measures re-measured on the recorded sync run; the prefill cost is
-    cpu_tiny's assumption (one decode token's compute, k3) and the engine's limits are the run's configuration."""
+    cpu_tiny's assumption (one decode token's compute, k3) and the engine's limits are the run's configuration.
+    The decode step is sim.calibrate's span_fit where the recording has it (each busy span whole: its tokens and
+    steps against its seconds, so that the sync run's generation time is reproduced), else its decode_fit (the
+    intervals inside the spans, which leave out each span's first, largest batches)."""
     cal, eng = sync["calibration"], sync["engine_config"]
-    if "k3" in cal:
+    decode_src = "span_fit" if "span_k3" in cal else "decode_fit"
+    if "span_k3" in cal:
+        k3, k4 = cal["span_k3"], cal["span_k4"]
+    elif "k3" in cal:
         k3, k4 = cal["k3"], cal["k4"]
     else:   # every interval at one batch size: no slope, the step time at that batch is all fixed cost
         k3, k4 = 0.0, cal["step_s"]
@@ -280,13 +291,19 @@ def profile_from(sync: dict[str, Any]) -> CostModel:
     # decoupled PPO's proximal pass (the presets with a staleness bound >= 1 train with it, train.py): a no-grad
     # forward of every minibatch, charged at the share of sync's train time its forward passes took
     prox = cal.get("train_forward_share") or 0.0
+    # a call that only accumulates gradients (the stream trainers' calls between steps) pays a minibatch's pass:
+    # sync's fixed time per step less the optimizer step's own (optimizer_step_s, measured in sync's calls)
+    accumulate = max(0.0, train["train_step_s"] - cal["optimizer_step_s"]) if "optimizer_step_s" in cal else 0.0
     return replace(base, name="cpu_tiny@validation", k2=k2, k3=k3, k4=k4, prefill_s_per_token=k3, **train,
-                   proximal_share=prox,
+                   proximal_share=prox, train_accumulate_s=accumulate,
                    publish_s=cal.get("publish_s") or 0.0,
                    load_s=cal.get("load_s") or 0.0, reward=reward, max_num_seqs=eng["max_num_seqs"],
                    kv_capacity_tokens=eng["kv_cache_tokens"], block_size=eng["kv_block_size"],
-                   sources={**base.sources, **{k: src for k in ("k3", "k4", "publish_s", "load_s", "reward")},
+                   sources={**base.sources, **{k: src for k in ("publish_s", "load_s", "reward")},
+                            **{k: f"{src}: {decode_src}" for k in ("k3", "k4")},
                             **{k: fit_src for k in train},
+                            "train_accumulate_s": src + ": train_step_s less optimizer_step_s (the optimizer "
+                                                  "steps' measured seconds per step)",
                             "proximal_share": src + ": train_forward_share, the forward passes' share of its train "
                                               "calls (a no-grad forward taken to cost the forward with grad)"})
 

@@ -25,6 +25,10 @@ call the proximal log-probs are the detached current ones; with several (minibat
 pass computes them for the whole batch before the first step. Staleness per step: the trainer's version minus
 each trained token's version (`Trajectory.versions`), mean and max.
 
+Timing in a call's metrics (host seconds; on CPU the compute itself): step_time_s the whole call, forward_s its
+forward passes with grad, optimizer_s its optimizer steps, proximal_s decoupled PPO's no-grad pass when it runs
+(sim.calibrate reads them to charge the simulated trainer).
+
 Every train rank calls `train_step` with the same groups (the runtime broadcasts them). Without an initialised
 process group the trainer runs unsharded in one process (debugging, and the reference of the equivalence tests).
 `progress` (when given) is told of each micro-batch back-propagated, each optimizer step and each checkpoint stage:
@@ -140,6 +144,7 @@ class Trainer:
         self.model.train()
         passes: list[dict[str, float]] = []
         n_steps = 0
+        optimizer_s = 0.0   # seconds in the optimizer steps (clip, step, zero)
         if samples:
             chunks = [samples[r.start:r.stop] for r in split_even(len(samples), min(cfg.minibatches, len(samples)))]
             ref_cache: dict[tuple[int, int], torch.Tensor] = {}
@@ -152,10 +157,14 @@ class Trainer:
                 for i, chunk in enumerate(chunks):
                     passes.append(self._backward(chunk, i, ref_cache, prox_cache))
                     if step:
+                        t_opt = time.perf_counter()
                         passes[-1].update(self._apply())
+                        optimizer_s += time.perf_counter() - t_opt
                         n_steps += 1
         elif step and self.accumulated:
+            t_opt = time.perf_counter()
             metrics.update(self._apply())
+            optimizer_s += time.perf_counter() - t_opt
             n_steps = 1
         for k in passes[0] if passes else ():
             if k == "forward_s":   # seconds: the call's total, not a mean over its passes
@@ -163,6 +172,7 @@ class Trainer:
             else:
                 metrics[k] = passes[-1][k] if k == "lr" else sum(s[k] for s in passes) / len(passes)
         metrics["optimizer_steps"] = float(n_steps)
+        metrics["optimizer_s"] = optimizer_s
         metrics["skipped"] = float(not passes and not n_steps)
         metrics["step_time_s"] = time.perf_counter() - t0
         self.step += int(step)

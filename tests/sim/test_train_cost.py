@@ -134,3 +134,47 @@ def test_decoupled_calls_of_several_steps_pay_the_proximal_pass_and_nothing_else
     assert durs("one_step", prox, minibatches=4, proximal_pass=False) == plain
     assert durs("sync", prox, minibatches=4, proximal_pass=True) == pytest.approx(
         [d * 1.25 for d in durs("sync", base, minibatches=4)], rel=1e-9)
+
+
+def test_the_span_fit_recovers_the_decode_step_from_whole_busy_spans():
+    """span_fit: each busy span's seconds against its tokens and steps (the reports' differences across the span),
+    k3 per token and k4 per step; an interval-only fit would never see the spans' first, largest batches."""
+    from sim.calibrate import span_fit
+    k3, k4 = 2e-5, 4e-4
+    events, t, total, steps = [], 0.0, 0, 0
+    events.append(Event("tokens_decoded", t, rank=2, engine=0, data={"total": 0, "steps": 0}))
+    for tokens, n in [(640, 20), (300, 90), (1200, 40), (90, 30)]:
+        t += 0.5
+        events.append(Event("engine_busy", t, rank=2, engine=0))
+        mid = (total + tokens // 2, steps + n // 2)
+        events.append(Event("tokens_decoded", t + 1e-4, rank=2, engine=0, data={"total": mid[0], "steps": mid[1]}))
+        total, steps, t = total + tokens, steps + n, t + k3 * tokens + k4 * n
+        events.append(Event("tokens_decoded", t, rank=2, engine=0, data={"total": total, "steps": steps}))
+        events.append(Event("engine_idle", t, rank=2, engine=0))
+    fit = span_fit(events)
+    assert fit["span_k3"] == pytest.approx(k3, rel=1e-6) and fit["span_k4"] == pytest.approx(k4, rel=1e-6)
+    assert fit["span_fit_spans"] == 4 and fit["span_fit_rms_s"] < 1e-9
+    assert span_fit(events[:5]) == {}   # one span: nothing to fit
+
+
+def test_the_fit_measures_the_optimizer_steps_own_seconds(tmp_path):
+    path = tmp_path / "run"
+    path.mkdir()
+    log = EventLog(path / "events.jsonl")
+    for i, (opt, n) in enumerate([(0.08, 8.0), (0.0, 0.0), (0.04, 8.0)]):
+        log.write(Event("train_step_done", 1.0 + i, rank=0, version=i + 1,
+                        data={"tokens": 100.0, "samples": 8.0, "optimizer_steps": n, "step_time_s": 0.3,
+                              "optimizer_s": opt}))
+    log.close()
+    (path / "metrics.jsonl").write_text("")
+    assert measure(path, 2)["optimizer_step_s"] == pytest.approx(0.12 / 16, rel=1e-12)
+
+
+def test_every_paper_profile_charges_nothing_for_a_call_that_only_accumulates():
+    assert all(p.train_accumulate_s == 0.0 for p in PROFILES.values())
+
+
+def test_a_call_that_only_accumulates_pays_its_pass_and_a_stepping_one_does_not():
+    c = replace(get_profile("cpu_tiny"), train_step_s=0.03, train_accumulate_s=0.02, train_overhead_s=0.001)
+    assert c.train_s(1000, 2, 0) == pytest.approx(0.001 + 0.02 + 1000 * c.train_s_per_token / 2, rel=1e-12)
+    assert c.train_s(1000, 2, 3) == pytest.approx(0.001 + 3 * 0.03 + 1000 * c.train_s_per_token / 2, rel=1e-12)
