@@ -5,9 +5,9 @@
     python -m sim.validate --record --from DIR    # summarize the run directories of `bench/policies.py --out DIR`
 
 Setting: bench/policies.py's (torchrun, 2 rollout + 2 train ranks with `--affinity partition`: the rollout ranks share
-one core and the train ranks the other; its default 36 rounds of 16 prompts x 8 samples of the `repeat` task, one
-prompt in eight with a 64-96 token answer; U = 2 groups per optimizer step where a preset has that knob; 36 rounds so
-that the start-up inside the loop is a few percent of it). `--record` runs it as one
+one core and the train ranks the other; its default 24 rounds of 16 prompts x 8 samples of the `repeat` task, one
+prompt in eight with a 64-96 token answer; U = 2 groups per optimizer step where a preset has that knob; 24 rounds so
+that the start-up inside the loop is ~5% of it). `--record` runs it as one
 pair per preset, `bench/policies.py --presets sync,PRESET --repeats 1`: each preset right after a sync run of its own,
 so that on a shared machine both see about the same load, and its measured speedup is that pair's ratio of
 training-loop wall times (first round start to last event). It writes sim/validation/<preset>.json: the loop times,
@@ -167,7 +167,8 @@ def summarize_run(name: str, run_dir: Path, printed: dict[str, float], meta: dic
         "proximal_s": sum(e.data.get("proximal_s", 0.0) for e in done),
         "versions_published": sum(e.kind == "version_published" for e in events),
         "trainer_wait_ratio": s["trainer_wait_ratio"], "engine_idle_ratio": s["engine_idle_ratio"],
-        "responses": len(fin), "response_len_mean": statistics.fmean(fin) if fin else 0.0}
+        "responses": len(fin), "response_len_mean": statistics.fmean(fin) if fin else 0.0,
+        "loop_after_first_sixth_s": loop_after(events, s["makespan_s"], 1 / 6)}
     if name == "sync":
         trace = sync_trace(run_dir, events)
         plen = statistics.fmean(p for p, lens in trace for _ in lens)
@@ -176,6 +177,19 @@ def summarize_run(name: str, run_dir: Path, printed: dict[str, float], meta: dic
         out.update(calibration={**cal, "prompt_tokens_mean": plen, "counters_interval_s": counters_interval(events)},
                    engine_config=_engine_config(run_dir), trace=trace)
     return out
+
+
+def loop_after(events: list, makespan: float, share: float) -> float:
+    """The loop's seconds after the train call that completes the first `share` of the samples trained (the start-up
+    left out: the first call's warm-up, an overlapping preset's pipeline filling)."""
+    t0 = min(e.t for e in events)
+    done = [(e.t - t0, e.data.get("samples", 0.0)) for e in events if e.kind == "train_step_done"]
+    total, n = sum(x for _, x in done), 0.0
+    for t, x in done:
+        n += x
+        if n >= share * total - 1e-9:
+            return makespan - t
+    return makespan
 
 
 def _engine_config(run_dir: Path) -> dict[str, Any]:
