@@ -25,8 +25,8 @@ sync's simulated loop time over the preset's. What the profile takes from the sy
 step from its busy spans whole (`span_fit`), the trainer's cost per token and per optimizer step (`train_fit`),
 decoupled PPO's proximal pass at the share of its train calls spent in forward passes (charged to the presets with a
 staleness bound >= 1, which train.py runs with decoupled PPO), a call that only accumulates gradients at a step's
-fixed time less the optimizer step's own, publication, load and reward latency. A preset is within the tolerance when |simulated / measured - 1| <=
-15%. Deterministic; the simulation part takes seconds.
+fixed time less the optimizer step's own, publication, load and reward latency. A preset is within the tolerance
+when |simulated / measured - 1| <= 15%. Deterministic; the simulation part takes seconds.
 """
 from __future__ import annotations
 
@@ -209,8 +209,24 @@ def run_setting(run_dir: Path) -> dict[str, Any]:
             "rollout_ranks": c.cluster.rollout_ranks, "train_ranks": TRAIN_RANKS}
 
 
-def bench_argv(out: Path, preset: str) -> list[str]:
-    return ["--presets", f"sync,{preset}", "--repeats", "1", "--out", str(out)]
+def bench_argv(out: Path, preset: str, port: int | None = None) -> list[str]:
+    return ["--presets", f"sync,{preset}", "--repeats", "1", "--out", str(out),
+            *(["--port", str(port)] if port is not None else [])]
+
+
+def free_port(step: int = 10) -> int:
+    """A port p with p and p + step free now (bench/policies.py's two runs of a pair rendezvous on them): not its
+    default 29700, which another bench on the machine may hold."""
+    import socket
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + step < 65536:
+            with contextlib.suppress(OSError), socket.socket() as s:
+                s.bind(("127.0.0.1", port + step))
+                return port
+    raise OSError("no two free ports found")
 
 
 def record(out_dir: Path, runs: Path | None, names: list[str]) -> None:
@@ -225,7 +241,7 @@ def record(out_dir: Path, runs: Path | None, names: list[str]) -> None:
         for name in names[1:]:
             (runs / name).mkdir()
             with open(runs / name / "bench.log", "w") as log, contextlib.redirect_stdout(_Tee(sys.stdout, log)):
-                policies.main(bench_argv(runs / name, name))
+                policies.main(bench_argv(runs / name, name, free_port()))
     first = runs / names[1] / "sync-0" / "events.jsonl"
     stamp = datetime.datetime.fromtimestamp(first.stat().st_mtime, datetime.timezone.utc)
     meta = {"recorded": {"date": stamp.strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(), "commit": git_commit(),
