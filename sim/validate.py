@@ -454,8 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     rec = sync["recorded"]
     loads = [x for r in recorded.values() for k in ("load_avg_1min", "sync_load_avg_1min") for x in r.get(k, [])
              if x is not None]
+    syncs = [r["sync_loop_s"] for r in recorded.values() if "sync_loop_s" in r]
     print(f"real runs: {rec['date']}, {rec['machine']['cpus']} CPUs ({rec['machine']['cpu']}), commit {rec['commit']}, "
-          f"1-minute load {min(loads, default=0):.1f}-{max(loads, default=0):.1f}")
+          f"1-minute load {min(loads, default=0):.1f}-{max(loads, default=0):.1f}; the pairs' identical sync runs "
+          f"took {min(syncs, default=0):.2f}-{max(syncs, default=0):.2f} s (the load's noise on one pair's ratio)")
     print(f"simulator: {profile_from(sync).name}, calibrated from the sync run alone; {len(rs) + 1} presets simulated "
           f"in {time.perf_counter() - t0:.1f} s")
     print(format_table(rs, sync))

@@ -145,3 +145,14 @@ def test_the_simulated_sync_loop_is_the_recorded_one_within_the_tolerance():
     """The calibration run itself: the simulated sync loop against the one it was measured on."""
     (r, *_) = validate.rows(RECORDED)
     assert abs(r.sim_sync_s / RECORDED["sync"]["loop_s"] - 1.0) <= validate.TOLERANCE
+
+
+def test_the_recorder_gives_each_pair_two_free_ports_not_the_bench_default():
+    """bench/policies.py's default port (29700) may be held by another bench on the machine; a pair's two runs
+    rendezvous on port and port + 10."""
+    import socket
+    port = validate.free_port()
+    for p in (port, port + 10):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+    assert validate.bench_argv(validate.ROOT, "areal", port)[-2:] == ["--port", str(port)]
