@@ -1,6 +1,6 @@
 """Scheduling presets for real, side by side: torchrun with 2 rollout + 2 train ranks on the long-tail workload.
 
-    python bench/policies.py                       # sync and every preset (PRESETS), 12 rounds each
+    python bench/policies.py                       # sync and every preset (PRESETS), 24 rounds each
     python bench/policies.py --presets sync,rolloutpipe --widths 1,2,4 --repeats 3
     python bench/policies.py --presets sync,areal,laminar --corrections none,tis,m2po   # presets x corrections
 
@@ -20,7 +20,7 @@ their one accumulated step per round by design (RollPacker §4.4, StreamRL §4).
 `loop s`, the training loop's wall time (first round start to last event, from the run's event log; process
 start-up excluded and printed apart as `process s`); `samples/s` and `tokens/s`, trained samples and their response
 tokens per second of loop; `reward`, the reward reached: the mean reward of the last quarter of the samples trained
-(the last 3 of the default 12 rounds; every train call's own mean, weighted by its samples, from the run's
+(the last 6 of the default 24 rounds; every train call's own mean, weighted by its samples, from the run's
 `train_step_done` events), so that a preset that trains fast but learns worse on the same samples shows it (under an
 off-policy preset it is the reward of the stale samples it trained on); `trainer wait`, the trainer waiting ratio
 (RolloutPipe §5.1, `sched.metrics.summarize`). The last line is the wall-clock ratio of each preset against sync
@@ -225,7 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--corrections", type=corrections, default=["none"],
                     help="comma-separated train.correction values (rl/correction.py): every preset under each, one "
                          "table of preset x correction (default: none, the single-correction table)")
-    ap.add_argument("--rounds", type=int, default=12, help="rounds of P prompts each preset trains on")
+    ap.add_argument("--rounds", type=int, default=24,
+                    help="rounds of P prompts each preset trains on. 24 (~7 s of loop on 2 idle cores) keeps the "
+                         "start-up inside the loop (the first train call's warm-up, an overlapping preset's first "
+                         "publication and its pipeline filling: ~0.4 s more than sync's) near 5%% of the loop; at 12 "
+                         "it moved the overlapping presets' ratios to sync by up to 10-13%%")
     ap.add_argument("--prompts", type=int, default=16, help="P: prompts (groups) per round")
     ap.add_argument("--group-size", type=int, default=8, help="G: samples per prompt")
     ap.add_argument("--batch-groups", type=int, default=2,

@@ -125,7 +125,7 @@ class SimBackend:
                  max_events: int | None = None, stop_after_samples: int | None = None,
                  reward_timeout: Any = None, reward_workers: int = 0, reward_stage: bool = False,
                  spare_gpus: int = 0, faults: Sequence[EngineFault] = (), stream_every_s: float = 10.0,
-                 minibatches: int = 1):
+                 minibatches: int = 1, proximal_pass: bool = False):
         if num_engines < 1 or train_gpus < 1 or minibatches < 1:
             raise ValueError(f"need at least one engine, one train GPU and one minibatch, got {num_engines}, "
                              f"{train_gpus} and {minibatches}")
@@ -146,6 +146,7 @@ class SimBackend:
             self.stream_ticks = round(k)
         self.cost, self.workload, self.train_gpus, self.colocated = cost, workload, train_gpus, colocated
         self.minibatches = minibatches         # optimizer steps of a stepping call (trainer/trainer.py train_step)
+        self.proximal_pass = proximal_pass     # decoupled PPO: a stepping call of several steps pays cost.proximal_s
         self.q = EventQueue()
         first_rank = 0 if colocated else train_gpus
         self.first_rank, self.counters_every_s, self.progress = first_rank, counters_every_s, progress
@@ -389,6 +390,8 @@ class SimBackend:
         samples = sum(len(g.trajectories) for g in groups)
         steps = (min(self.minibatches, samples) if samples else 1) if call.step else 0
         dur = self.cost.train_s(tokens, gpus, steps)
+        if self.proximal_pass:
+            dur += self.cost.proximal_s(tokens, gpus, steps)
         self.lent_gpu_s += dur * lent_gpus
         done = start + dur
         if call.step:

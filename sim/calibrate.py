@@ -21,6 +21,13 @@ What it measures (and how the cpu_tiny profile in sim/profiles.py was filled in)
              counts vary; when every call takes the same s > 0 steps (a sync run: train.minibatches each) the fitted
              fixed time per call F is attributed to its steps, b = F / s and c = 0 (an assumption, reported as
              train_fit_assumed); a term whose column does not vary at all (tokens, or steps) is not fitted (0)
+    forward  the share of the train calls' seconds spent in their forward passes (train_step_done: forward_s over
+             step_time_s, summed over the calls): `train_forward_share`, what a decoupled-PPO call's proximal pass
+             (a no-grad forward of the same micro-batches) costs relative to the call, taking a no-grad forward to
+             cost what the forward with grad does (sim/cost.py proximal_share)
+    optimizer the optimizer steps' own seconds (train_step_done: optimizer_s over optimizer_steps, summed over the
+             calls): `optimizer_step_s`; sync's fixed time per step less it is a minibatch's pass without its step,
+             what a call that only accumulates gradients pays (sim/cost.py train_accumulate_s)
     publish  train_step_done -> version_published (sched.metrics weight_sync_s)
     load     version_published -> weights_loaded, per engine
     reward   trajectory_finished -> reward_scored, per request
@@ -70,6 +77,50 @@ def decode_fit(events: list[Event]) -> dict[str, float]:
             k3 = max(0.0, sum((n - mn) * (s - ms) for n, s in pts) / var)
             out.update(k3=k3, k4=max(0.0, ms - k3 * mn))
     return out
+
+
+def span_fit(events: list[Event]) -> dict[str, float]:
+    """Each busy span of each engine as a whole: its seconds (engine_busy -> engine_idle) against the tokens it
+    decoded and the engine steps it took (its last tokens_decoded report minus the engine's report before the span:
+    the worker reports at the step that empties a busy engine, so the difference is the whole span), fitted as
+    span = k3 * tokens + k4 * steps with k3, k4 >= 0 (least squares through the origin, the best non-negative
+    subset as train_fit). The fit `decode_fit` makes from the reports inside each span leaves out every span's
+    first interval (prefill, the largest batches) and extrapolates its slope from small batches; this one
+    reproduces the spans' total, the generation time a run measured. Keys span_k3, span_k4, span_fit_spans,
+    span_fit_rms_s; {} without two spans."""
+    last: dict[int, Event] = {}
+    start: dict[int, tuple[float, Event | None]] = {}
+    rows: list[tuple[float, float, float]] = []   # tokens, steps, seconds
+    for e in events:
+        if e.kind == "engine_busy":
+            start[e.engine] = (e.t, last.get(e.engine))
+        elif e.kind == "tokens_decoded":
+            last[e.engine] = e
+        elif e.kind == "engine_idle" and e.engine in start:
+            t0, before = start.pop(e.engine)
+            end = last.get(e.engine)
+            if before is None or end is None or end is before or "steps" not in end.data:
+                continue
+            steps = end.data["steps"] - before.data.get("steps", 0)
+            tokens = end.data["total"] - before.data["total"]
+            if steps > 0 and e.t > t0:
+                rows.append((float(tokens), float(steps), e.t - t0))
+    if len(rows) < 2:
+        return {}
+    best: tuple[float, dict[int, float]] | None = None
+    for cols in ([0, 1], [0], [1]):
+        coef = _solve([[r[c] for c in cols] for r in rows], [r[2] for r in rows])
+        if coef is None or min(coef) < 0:
+            continue
+        fit = dict(zip(cols, coef))
+        sse = sum((r[2] - sum(fit[c] * r[c] for c in fit)) ** 2 for r in rows)
+        if best is None or sse < best[0] - 1e-15:
+            best = (sse, fit)
+    if best is None:
+        return {}
+    sse, fit = best
+    return {"span_k3": fit.get(0, 0.0), "span_k4": fit.get(1, 0.0), "span_fit_spans": float(len(rows)),
+            "span_fit_rms_s": math.sqrt(sse / len(rows))}
 
 
 def _solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
@@ -140,7 +191,7 @@ def measure(run_dir: str | Path, train_ranks: int | None = None, prompt_tokens: 
     loads = [e.t - pub[e.version] for e in events if e.kind == "weights_loaded" and e.version in pub]
     fin = {e.req_id: e.t for e in events if e.kind == "trajectory_finished"}
     rew = [e.t - fin[e.req_id] for e in events if e.kind == "reward_scored" and e.req_id in fin]
-    out: dict[str, Any] = {"run": str(run_dir), "train_ranks": ranks, **decode_fit(events)}
+    out: dict[str, Any] = {"run": str(run_dir), "train_ranks": ranks, **decode_fit(events), **span_fit(events)}
     if per_tok:
         out["train_s_per_token_one_rank"] = statistics.median(per_tok) * ranks
     calls = [(e.data["tokens"] + prompt_tokens * e.data.get("samples", 0.0), e.data["optimizer_steps"],
@@ -149,6 +200,14 @@ def measure(run_dir: str | Path, train_ranks: int | None = None, prompt_tokens: 
     fit = train_fit(calls)
     if fit:
         out.update(fit, train_fit_s_per_token_one_rank=fit["train_fit_s_per_token"] * ranks)
+    fwd = [(e.data["forward_s"], e.data["step_time_s"]) for e in events
+           if e.kind == "train_step_done" and {"forward_s", "step_time_s"} <= e.data.keys()]
+    if fwd and sum(t for _, t in fwd) > 0:
+        out["train_forward_share"] = sum(f for f, _ in fwd) / sum(t for _, t in fwd)
+    opt = [(e.data["optimizer_s"], e.data["optimizer_steps"]) for e in events
+           if e.kind == "train_step_done" and {"optimizer_s", "optimizer_steps"} <= e.data.keys()]
+    if opt and sum(n for _, n in opt) > 0:
+        out["optimizer_step_s"] = sum(t for t, _ in opt) / sum(n for _, n in opt)
     out["publish_s"] = summarize(events).get("weight_sync_s")
     out["load_s"] = statistics.median(loads) if loads else None
     out["reward_s_median"] = statistics.median(rew) if rew else None

@@ -99,11 +99,17 @@ class CostModel:
     train_step_s: float = 0.0       # fixed per optimizer step (one minibatch's pass and optimizer update)
     kv_move_s_per_token: float = 0.0  # a migrated trajectory's KV sent to its new engine, per token (0: it is
     #                                 re-prefilled there at prefill_s_per_token, as an interrupted one always is)
+    train_accumulate_s: float = 0.0  # fixed per train call that only accumulates gradients (steps = 0): its
+    #                                 minibatch's forward and backward without an optimizer step (0: nothing)
+    proximal_share: float = 0.0     # decoupled PPO's no-grad proximal pass (one forward of every minibatch before
+    #                                 a call's first step, trainer/trainer.py), as a share of the call's train_s
+    #                                 (0: not charged)
     sources: Mapping[str, str] = field(default_factory=dict)  # constant -> where its value comes from
 
     def __post_init__(self) -> None:
         for k in ("k1", "k2", "k3", "k4", "prefill_s_per_token", "train_s_per_token", "publish_s", "load_s",
-                  "train_overhead_s", "train_step_s", "kv_move_s_per_token"):
+                  "train_overhead_s", "train_step_s", "kv_move_s_per_token", "proximal_share",
+                  "train_accumulate_s"):
             if getattr(self, k) < 0:
                 raise ValueError(f"cost profile {self.name!r}: {k} must be >= 0, got {getattr(self, k)}")
         if self.k2 + self.k4 <= 0:
@@ -156,8 +162,14 @@ class CostModel:
         """One train call over `tokens` trained tokens on the train partition (perfect data-parallel scaling of the
         per-token part) that takes `steps` optimizer steps (0: it only accumulates gradients); the fixed costs per
         call and per step are paid by every rank at once, so the train GPUs do not divide them."""
-        return (self.train_overhead_s + steps * self.train_step_s
+        return (self.train_overhead_s + steps * self.train_step_s + (self.train_accumulate_s if steps == 0 else 0.0)
                 + tokens * self.train_s_per_token / max(1, train_gpus))
+
+    def proximal_s(self, tokens: int, train_gpus: int, steps: int) -> float:
+        """Decoupled PPO's proximal pass before a train call of `steps` > 1 optimizer steps over `tokens`: the
+        trainer's no-grad forward of every minibatch under the weights at the call's start (one step needs none: its
+        proximal log-probs are the current ones)."""
+        return self.proximal_share * self.train_s(tokens, train_gpus, steps) if steps > 1 else 0.0
 
     def decode_tokens_per_s(self, n: int, kv: float) -> float:
         return n / self.step_s(n, kv)

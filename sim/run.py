@@ -127,7 +127,8 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
              log_path: str | Path | None = None, max_events: int | None = 50_000_000,
              samples: int | None = None, reward_timeout: Any = None, reward_workers: int = 0,
              reward_stage: bool = False, spare_gpus: int = 0, faults: Sequence[EngineFault] = (),
-             stream_every_s: float = 10.0, ranker_recall: float | None = None, minibatches: int = 1) -> SimResult:
+             stream_every_s: float = 10.0, ranker_recall: float | None = None, minibatches: int = 1,
+             proximal_pass: bool | None = None) -> SimResult:
     """Run `steps` optimizer steps of `preset` (a configs/sched/*.toml name or a Preset) on simulated engines.
 
     num_engines engines of cost.gpus_per_engine GPUs each, and a train partition of train_gpus GPUs (with
@@ -141,7 +142,10 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
     faults; the engines then stream partial trajectories every `stream_every_s`). `ranker_recall`: the preset's
     skewness-aware dispatch ranks with a simulated ranker whose recall of each round's longest 20% is this (StreamRL
     Table 4's figure; sim/ranker.py) instead of its own predictor (None: its own). `minibatches`: optimizer steps
-    of a train call that steps over its groups (the trainer's train.minibatches; charged at cost.train_step_s each)."""
+    of a train call that steps over its groups (the trainer's train.minibatches; charged at cost.train_step_s each).
+    `proximal_pass`: the trainer runs decoupled PPO, whose stepping calls of several steps first take a no-grad
+    proximal pass (cost.proximal_s; nothing on a profile whose proximal_share is 0); None: the runtime's default,
+    decoupled under a preset with a staleness bound >= 1 (train.py default_off_policy)."""
     name = preset if isinstance(preset, str) else "custom"
     policy = sched.load_preset(preset) if isinstance(preset, str) else preset
     if faults:
@@ -162,7 +166,9 @@ def simulate(preset: str | Preset, workload: str | Workload, cost: str | CostMod
                          counters_every_s=counters_every_s, progress=progress, max_events=max_events,
                          stop_after_samples=samples, reward_timeout=reward_timeout,
                          reward_workers=reward_workers, reward_stage=reward_stage, spare_gpus=spare_gpus,
-                         faults=faults, stream_every_s=stream_every_s, minibatches=minibatches)
+                         faults=faults, stream_every_s=stream_every_s, minibatches=minibatches,
+                         proximal_pass=((policy.staleness_bound() or 0) >= 1 if proximal_pass is None
+                                        else proximal_pass))
     log = EventLog(log_path)
     ctl = Controller(policy, prompt_source(w), group_size, prompts_per_step, steps, log=log)
     t0 = time.perf_counter()

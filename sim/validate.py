@@ -5,8 +5,9 @@
     python -m sim.validate --record --from DIR    # summarize the run directories of `bench/policies.py --out DIR`
 
 Setting: bench/policies.py's (torchrun, 2 rollout + 2 train ranks with `--affinity partition`: the rollout ranks share
-one core and the train ranks the other; 12 rounds of 16 prompts x 8 samples of the `repeat` task, one prompt in eight
-with a 64-96 token answer; U = 2 groups per optimizer step where a preset has that knob). `--record` runs it as one
+one core and the train ranks the other; its default 24 rounds of 16 prompts x 8 samples of the `repeat` task, one
+prompt in eight with a 64-96 token answer; U = 2 groups per optimizer step where a preset has that knob; 24 rounds so
+that the start-up inside the loop is ~5% of it). `--record` runs it as one
 pair per preset, `bench/policies.py --presets sync,PRESET --repeats 1`: each preset right after a sync run of its own,
 so that on a shared machine both see about the same load, and its measured speedup is that pair's ratio of
 training-loop wall times (first round start to last event). It writes sim/validation/<preset>.json: the loop times,
@@ -20,8 +21,12 @@ a cost per call from one per step: it charges their fixed time per step (`train_
 The simulation: every preset on that one profile and trace (nothing from the other presets' runs), 2 engines + 2
 train GPUs, the same optimizer steps and overrides as bench/policies.py gives it (`batch_overrides`, its
 train.minibatches the optimizer steps of each stepping call); its speedup is
-sync's simulated loop time over the preset's. A preset is within the tolerance when |simulated / measured - 1| <=
-15%. Deterministic; the simulation part takes seconds.
+sync's simulated loop time over the preset's. What the profile takes from the sync run (`profile_from`): the decode
+step from its busy spans whole (`span_fit`), the trainer's cost per token and per optimizer step (`train_fit`),
+decoupled PPO's proximal pass at the share of its train calls spent in forward passes (charged to the presets with a
+staleness bound >= 1, which train.py runs with decoupled PPO), a call that only accumulates gradients at a step's
+fixed time less the optimizer step's own, publication, load and reward latency. A preset is within the tolerance
+when |simulated / measured - 1| <= 15%. Deterministic; the simulation part takes seconds.
 """
 from __future__ import annotations
 
@@ -147,6 +152,7 @@ def summarize_run(name: str, run_dir: Path, printed: dict[str, float], meta: dic
     events = list(read_events(run_dir / "events.jsonl"))
     s = summarize(events, num_engines=ENGINES)
     calls = [e for e in events if e.kind == "train_started"]
+    done = [e for e in events if e.kind == "train_step_done"]
     fin = [e.data["tokens"] for e in events if e.kind == "trajectory_finished"]
     with open(run_dir / "metrics.jsonl") as f:
         metrics = [json.loads(line) for line in f if line.strip()]
@@ -157,9 +163,12 @@ def summarize_run(name: str, run_dir: Path, printed: dict[str, float], meta: dic
         "samples": sum(len(e.data["groups"]) for e in calls) * group_size,
         "train_calls": len(calls), "optimizer_steps": int(sum(m.get("optimizer_steps", 0) for m in metrics)),
         "train_compute_s": s["train_compute_s"],
+        "forward_s": sum(e.data.get("forward_s", 0.0) for e in done),
+        "proximal_s": sum(e.data.get("proximal_s", 0.0) for e in done),
         "versions_published": sum(e.kind == "version_published" for e in events),
         "trainer_wait_ratio": s["trainer_wait_ratio"], "engine_idle_ratio": s["engine_idle_ratio"],
-        "responses": len(fin), "response_len_mean": statistics.fmean(fin) if fin else 0.0}
+        "responses": len(fin), "response_len_mean": statistics.fmean(fin) if fin else 0.0,
+        "loop_after_first_sixth_s": loop_after(events, s["makespan_s"], 1 / 6)}
     if name == "sync":
         trace = sync_trace(run_dir, events)
         plen = statistics.fmean(p for p, lens in trace for _ in lens)
@@ -168,6 +177,19 @@ def summarize_run(name: str, run_dir: Path, printed: dict[str, float], meta: dic
         out.update(calibration={**cal, "prompt_tokens_mean": plen, "counters_interval_s": counters_interval(events)},
                    engine_config=_engine_config(run_dir), trace=trace)
     return out
+
+
+def loop_after(events: list, makespan: float, share: float) -> float:
+    """The loop's seconds after the train call that completes the first `share` of the samples trained (the start-up
+    left out: the first call's warm-up, an overlapping preset's pipeline filling)."""
+    t0 = min(e.t for e in events)
+    done = [(e.t - t0, e.data.get("samples", 0.0)) for e in events if e.kind == "train_step_done"]
+    total, n = sum(x for _, x in done), 0.0
+    for t, x in done:
+        n += x
+        if n >= share * total - 1e-9:
+            return makespan - t
+    return makespan
 
 
 def _engine_config(run_dir: Path) -> dict[str, Any]:
@@ -187,8 +209,24 @@ def run_setting(run_dir: Path) -> dict[str, Any]:
             "rollout_ranks": c.cluster.rollout_ranks, "train_ranks": TRAIN_RANKS}
 
 
-def bench_argv(out: Path, preset: str) -> list[str]:
-    return ["--presets", f"sync,{preset}", "--repeats", "1", "--out", str(out)]
+def bench_argv(out: Path, preset: str, port: int | None = None) -> list[str]:
+    return ["--presets", f"sync,{preset}", "--repeats", "1", "--out", str(out),
+            *(["--port", str(port)] if port is not None else [])]
+
+
+def free_port(step: int = 10) -> int:
+    """A port p with p and p + step free now (bench/policies.py's two runs of a pair rendezvous on them): not its
+    default 29700, which another bench on the machine may hold."""
+    import socket
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + step < 65536:
+            with contextlib.suppress(OSError), socket.socket() as s:
+                s.bind(("127.0.0.1", port + step))
+                return port
+    raise OSError("no two free ports found")
 
 
 def record(out_dir: Path, runs: Path | None, names: list[str]) -> None:
@@ -203,7 +241,7 @@ def record(out_dir: Path, runs: Path | None, names: list[str]) -> None:
         for name in names[1:]:
             (runs / name).mkdir()
             with open(runs / name / "bench.log", "w") as log, contextlib.redirect_stdout(_Tee(sys.stdout, log)):
-                policies.main(bench_argv(runs / name, name))
+                policies.main(bench_argv(runs / name, name, free_port()))
     first = runs / names[1] / "sync-0" / "events.jsonl"
     stamp = datetime.datetime.fromtimestamp(first.stat().st_mtime, datetime.timezone.utc)
     meta = {"recorded": {"date": stamp.strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(), "commit": git_commit(),
@@ -254,9 +292,15 @@ def load_recorded(directory: Path = VALIDATION_DIR) -> dict[str, dict[str, Any]]
 
 def profile_from(sync: dict[str, Any]) -> CostModel:
     """cpu_tiny with every constant sim.calibrate measures re-measured on the recorded sync run; the prefill cost is
-    cpu_tiny's assumption (one decode token's compute, k3) and the engine's limits are the run's configuration."""
+    cpu_tiny's assumption (one decode token's compute, k3) and the engine's limits are the run's configuration.
+    The decode step is sim.calibrate's span_fit where the recording has it (each busy span whole: its tokens and
+    steps against its seconds, so that the sync run's generation time is reproduced), else its decode_fit (the
+    intervals inside the spans, which leave out each span's first, largest batches)."""
     cal, eng = sync["calibration"], sync["engine_config"]
-    if "k3" in cal:
+    decode_src = "span_fit" if "span_k3" in cal else "decode_fit"
+    if "span_k3" in cal:
+        k3, k4 = cal["span_k3"], cal["span_k4"]
+    elif "k3" in cal:
         k3, k4 = cal["k3"], cal["k4"]
     else:   # every interval at one batch size: no slope, the step time at that batch is all fixed cost
         k3, k4 = 0.0, cal["step_s"]
@@ -274,12 +318,24 @@ def profile_from(sync: dict[str, Any]) -> CostModel:
     else:
         train = dict(train_s_per_token=cal["train_s_per_token_one_rank"], train_step_s=0.0, train_overhead_s=0.0)
     fit_src = src + (f", train_fit: {cal['train_fit_assumed']}" if cal.get("train_fit_assumed") else "")
+    # decoupled PPO's proximal pass (the presets with a staleness bound >= 1 train with it, train.py): a no-grad
+    # forward of every minibatch, charged at the share of sync's train time its forward passes took
+    prox = cal.get("train_forward_share") or 0.0
+    # a call that only accumulates gradients (the stream trainers' calls between steps) pays a minibatch's pass:
+    # sync's fixed time per step less the optimizer step's own (optimizer_step_s, measured in sync's calls)
+    accumulate = max(0.0, train["train_step_s"] - cal["optimizer_step_s"]) if "optimizer_step_s" in cal else 0.0
     return replace(base, name="cpu_tiny@validation", k2=k2, k3=k3, k4=k4, prefill_s_per_token=k3, **train,
+                   proximal_share=prox, train_accumulate_s=accumulate,
                    publish_s=cal.get("publish_s") or 0.0,
                    load_s=cal.get("load_s") or 0.0, reward=reward, max_num_seqs=eng["max_num_seqs"],
                    kv_capacity_tokens=eng["kv_cache_tokens"], block_size=eng["kv_block_size"],
-                   sources={**base.sources, **{k: src for k in ("k3", "k4", "publish_s", "load_s", "reward")},
-                            **{k: fit_src for k in train}})
+                   sources={**base.sources, **{k: src for k in ("publish_s", "load_s", "reward")},
+                            **{k: f"{src}: {decode_src}" for k in ("k3", "k4")},
+                            **{k: fit_src for k in train},
+                            "train_accumulate_s": src + ": train_step_s less optimizer_step_s (the optimizer "
+                                                  "steps' measured seconds per step)",
+                            "proximal_share": src + ": train_forward_share, the forward passes' share of its train "
+                                              "calls (a no-grad forward taken to cost the forward with grad)"})
 
 
 @dataclass(frozen=True)
@@ -398,8 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     rec = sync["recorded"]
     loads = [x for r in recorded.values() for k in ("load_avg_1min", "sync_load_avg_1min") for x in r.get(k, [])
              if x is not None]
+    syncs = [r["sync_loop_s"] for r in recorded.values() if "sync_loop_s" in r]
     print(f"real runs: {rec['date']}, {rec['machine']['cpus']} CPUs ({rec['machine']['cpu']}), commit {rec['commit']}, "
-          f"1-minute load {min(loads, default=0):.1f}-{max(loads, default=0):.1f}")
+          f"1-minute load {min(loads, default=0):.1f}-{max(loads, default=0):.1f}; the pairs' identical sync runs "
+          f"took {min(syncs, default=0):.2f}-{max(syncs, default=0):.2f} s (the load's noise on one pair's ratio)")
     print(f"simulator: {profile_from(sync).name}, calibrated from the sync run alone; {len(rs) + 1} presets simulated "
           f"in {time.perf_counter() - t0:.1f} s")
     print(format_table(rs, sync))

@@ -30,6 +30,10 @@ takes several optimizer steps. Staleness per step: the trainer's version minus e
 ratio's mean and max, the fraction the correction clipped or masked, and the KL by staleness bucket, summed on the
 device with the other loss statistics (one host read per minibatch).
 
+Timing in a call's metrics (host seconds; on CPU the compute itself): step_time_s the whole call, forward_s its
+forward passes with grad, optimizer_s its optimizer steps, proximal_s decoupled PPO's no-grad pass when it runs
+(sim.calibrate reads them to charge the simulated trainer).
+
 Every train rank calls `train_step` with the same groups (the runtime broadcasts them). Without an initialised
 process group the trainer runs unsharded in one process (debugging, and the reference of the equivalence tests).
 `progress` (when given) is told of each micro-batch back-propagated, each optimizer step and each checkpoint stage:
@@ -152,6 +156,7 @@ class Trainer:
         self.model.train()
         passes: list[dict[str, float]] = []
         n_steps = 0
+        optimizer_s = 0.0   # seconds in the optimizer steps (clip, step, zero)
         if samples:
             chunks = [samples[r.start:r.stop] for r in split_even(len(samples), min(cfg.minibatches, len(samples)))]
             ref_cache: dict[tuple[int, int], torch.Tensor] = {}
@@ -160,20 +165,29 @@ class Trainer:
             prox_cache = None
             wants = self.off_policy == "decoupled" or self.correction.active
             if wants and step and len(chunks) * cfg.ppo_epochs > 1:
+                t_prox = time.perf_counter()
                 prox_cache = self._proximal(chunks)
+                metrics["proximal_s"] = time.perf_counter() - t_prox
             for _ in range(cfg.ppo_epochs):
                 for i, chunk in enumerate(chunks):
                     passes.append(self._backward(chunk, i, ref_cache, prox_cache))
                     if step:
+                        t_opt = time.perf_counter()
                         passes[-1].update(self._apply())
+                        optimizer_s += time.perf_counter() - t_opt
                         n_steps += 1
         elif step and self.accumulated:
+            t_opt = time.perf_counter()
             metrics.update(self._apply())
+            optimizer_s += time.perf_counter() - t_opt
             n_steps = 1
         for k in dict.fromkeys(k for s in passes for k in s):
             vals = [s[k] for s in passes if k in s]
-            metrics[k] = passes[-1][k] if k == "lr" else max(vals) if k.endswith("_max") else sum(vals) / len(vals)
+            # seconds are the call's total; maxima the largest; the rest a mean over the passes (lr: the last)
+            metrics[k] = (passes[-1][k] if k == "lr" else sum(vals) if k == "forward_s" else
+                          max(vals) if k.endswith("_max") else sum(vals) / len(vals))
         metrics["optimizer_steps"] = float(n_steps)
+        metrics["optimizer_s"] = optimizer_s
         metrics["skipped"] = float(not passes and not n_steps)
         metrics["step_time_s"] = time.perf_counter() - t0
         self.step += int(step)
@@ -218,6 +232,7 @@ class Trainer:
         # backward before it, leaving the device idle while the host launches the next forward
         batches = list(self._micro_batches(chunk))
         defer = self.DEFER_GRAD_SYNC and self.sharded and self.world == 1 and len(batches) > 1
+        forward_s = 0.0
         try:
             for k, batch in enumerate(batches):
                 if defer:
@@ -225,7 +240,9 @@ class Trainer:
                 ref = ref_cache.get((chunk_id, k))
                 if ref is None and self.ref_model is not None:
                     ref = ref_cache[(chunk_id, k)] = self.logprobs(self.ref_model, batch, grad=False)[0]
+                t_fwd = time.perf_counter()
                 logp, entropy = self.logprobs(self.model, batch, grad=True)
+                forward_s += time.perf_counter() - t_fwd
                 side = prox_cache[(chunk_id, k)] if prox_cache is not None else None
                 prox = trainer_lp = None
                 if self.off_policy == "decoupled":
@@ -267,7 +284,7 @@ class Trainer:
             count = float(acc[at + len(BUCKET_KEYS) + j])
             if count > 0:
                 stats[key] = float(acc[at + j]) / count
-        return dict(stats, loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]))
+        return dict(stats, loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]), forward_s=forward_s)
 
     def _reports(self, key: str) -> bool:
         """Whether a loss statistic exists in this configuration (KL to a reference, decoupled IS weights)."""

@@ -193,6 +193,26 @@ def test_decoupled_with_on_policy_data_is_plain_ppo(minibatches, epochs):
                                                                              m_b["clip_frac_high"])
 
 
+@pytest.mark.parametrize("mode,minibatches,proximal", [("behaviour", 3, False), ("decoupled", 1, False),
+                                                       ("decoupled", 3, True)])
+def test_a_call_reports_its_forward_and_optimizer_seconds_and_the_proximal_pass_only_when_it_runs(
+        mode, minibatches, proximal):
+    """forward_s: the call's forward passes (with grad), optimizer_s: its optimizer steps, both parts of its
+    step_time_s (sim.calibrate charges the simulated proximal pass at the forward's share, a call that only
+    accumulates at a step's time less the optimizer's); proximal_s: decoupled PPO's no-grad pass, run only for a
+    call of several optimizer steps."""
+    start = tiny_model(seed=2, std=0.1)
+    groups = groups_from(start, 0, lambda g, j, n: [0] * n)
+    m = Trainer(copy.deepcopy(start), train_cfg(off_policy=mode, minibatches=minibatches)).train_step(groups)
+    assert 0 < m["forward_s"] < m["step_time_s"]
+    assert 0 < m["optimizer_s"] < m["step_time_s"] - m["forward_s"]
+    assert ("proximal_s" in m) == proximal
+    if proximal:
+        assert 0 < m["proximal_s"] < m["step_time_s"] - m["forward_s"] - m["optimizer_s"]
+    tr = Trainer(copy.deepcopy(start), train_cfg(off_policy=mode))
+    assert tr.train_step(groups, step=False)["optimizer_s"] == 0.0   # accumulates: no optimizer step
+
+
 def test_decoupled_weights_stale_tokens_and_reports_staleness():
     """Behaviour logprobs from other (stale) weights: the weight exp(prox - behaviour) differs from 1, is truncated
     at is_cap, and the step differs from plain PPO; staleness is per token from Trajectory.versions."""

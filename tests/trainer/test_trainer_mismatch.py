@@ -67,7 +67,7 @@ def test_correction_none_ignores_the_correction_thresholds_bit_for_bit(start):
     a, b = (Trainer(copy.deepcopy(model), c) for c in (
         cfg(), cfg(correction="none", correction_low=0.9, correction_high=1.1, opsm_delta=0.0, m2po_tau=1e-6)))
     ma, mb = a.train_step(data), b.train_step(data)
-    assert all(ma[k] == mb[k] for k in ma if k != "step_time_s")
+    assert all(ma[k] == mb[k] for k in ma if not k.endswith("_s"))   # seconds differ run to run
     wa, wb = weights(a.model), weights(b.model)
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
 
