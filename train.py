@@ -110,13 +110,23 @@ def default_off_policy(cfg: Config, preset: Preset) -> None:
         cfg.train.off_policy = "decoupled"
 
 
+FAIL_WAIT_S = 60.0   # under torchrun, how long a node's other ranks wait for its first rank to report a bad input
+
+
 def fail(line: str, path: str | None, overrides: list[str]) -> int:
     """A bad input found before any process group exists: every rank finds the same one (config, data file, model
     files; only rank 0 reads the data rows) and returns exit code 2; the node's first rank alone prints it, as one
     line. Under torchrun the line names the `--check` command, which gives the same line in seconds, and goes into
     torchrun's error file, so that torchrun's failure report (printed after every rank exits) ends with it as its
-    root cause."""
+    root cause.
+
+    Under torchrun the node's other ranks wait (up to FAIL_WAIT_S) for torchrun to stop them once the first rank has
+    exited: a rank that exited first would be torchrun's first failure, its report's root cause (timestamps in whole
+    seconds, the earliest recorded failure winning a tie), and torchrun would stop the first rank, SIGTERM, before it
+    printed the line when it reached the check later."""
     if int(os.environ.get("LOCAL_RANK", 0) or 0) != 0:
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(FAIL_WAIT_S)
         return 2
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if "TORCHELASTIC_RUN_ID" in os.environ or error_file:

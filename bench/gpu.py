@@ -5,7 +5,8 @@
                                       # arguments after --part 2 (an error naming the file if it is absent)
     python bench/gpu.py --part 3      # the colocated GRPO step with a profile of its training phase; train.py end to
                                       # end with a DCP checkpoint every step, then resumed
-    python bench/gpu.py --dry-run     # parts 1 and 3 and the other sections on CPU at tiny sizes (the suite runs it)
+    python bench/gpu.py --dry-run     # parts 1 and 3 and the other sections on CPU at tiny sizes, two at a time
+                                      # (the suite runs it)
     python bench/gpu.py --sections engine,disagg   # sections outside the three parts, by name
     python bench/gpu.py --report A.json B.json [--save bench/results/<device>-<date>.json]  # merge, print the rows;
                                       # older files' MFU and floor fractions are recomputed against the datasheet
@@ -54,8 +55,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -70,6 +73,7 @@ from bench.gpu_sections import DRY, GPU, LIMIT_S, SECTION_FNS, SECTIONS, dry_lim
 # bench/results/gpu-h200.md: tests 149-165 s before tests/e2e/test_gpu_paths.py (~50 s more), kernels 10, one trainer
 # run ~40 s; grpo_step 50 s before its profile, e2e 91 s before its resume run; vs_vllm ~4.5 min)
 PARTS: dict[int, tuple[str, ...]] = {1: ("versions", "tests", "kernels", "train"), 2: (), 3: ("grpo_step", "e2e")}
+DRY_JOBS = 2   # the dry run's sections at a time (see run_sections)
 VS_VLLM = ROOT / "bench" / "vs_vllm.py"   # part 2: tidal and vLLM side by side in one process
 
 
@@ -133,12 +137,19 @@ def run_child(name: str, dry: bool, out: Path) -> None:
 
 
 def run_sections(names: list[str], dry: bool, results: dict[str, Any],
-                 save: Callable[[], None] = lambda: None) -> None:
-    """Each section in its own process under its limit; `save` after each, so a call cut off keeps what finished."""
+                 save: Callable[[], None] = lambda: None, jobs: int = 1) -> None:
+    """Each section in its own process under its limit; `save` after each, so a call cut off keeps what finished.
+    `jobs` sections at a time (the dry run's processes mostly keep one CPU core each: two on a 2-core machine take
+    half the time; on a GPU one at a time, each measured alone); results["sections"] keeps the order of `names`."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if dry:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    for name in names:
+    if jobs > 1:   # one intra-op thread a process: tiny ops' threads only fight over the cores the sections share
+        env.setdefault("OMP_NUM_THREADS", "1")
+    base, done = dict(results["sections"]), {}   # base: sections merged from an earlier file of the same mode
+    lock = threading.Lock()
+
+    def one(name: str) -> None:
         child_env = dict(env, TRITON_INTERPRET="1", TIDAL_KERNELS="triton") if dry and name == "kernels" else env
         limit = dry_limit(name) if dry else LIMIT_S[name]
         print(f"== {name} (limit {limit} s)", flush=True)
@@ -153,10 +164,19 @@ def run_sections(names: list[str], dry: bool, results: dict[str, Any],
             except subprocess.TimeoutExpired:
                 rec = {"status": "timeout", "error": f"over its {limit} s limit"}
             rec["seconds"] = round(time.perf_counter() - t0, 1)
-        results["sections"][name] = rec
-        print(f"== {name}: {rec['status']} in {rec['seconds']} s" + (f": {rec['error']}" if "error" in rec else ""),
-              flush=True)
-        save()
+        with lock:
+            done[name] = rec
+            results["sections"] = {**base, **{n: done[n] for n in names if n in done}}   # replaced in place
+            print(f"== {name}: {rec['status']} in {rec['seconds']} s" + (f": {rec['error']}" if "error" in rec else
+                                                                         ""), flush=True)
+            save()
+
+    if jobs <= 1:
+        for name in names:
+            one(name)
+        return
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(one, names))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(results, indent=1, default=str))
 
-    run_sections(names, a.dry_run, results, save)
+    run_sections(names, a.dry_run, results, save, jobs=DRY_JOBS if a.dry_run else 1)
     save()
     print(f"\nresults: {a.out} ({results['meta']['campaign_s']} s)")
     report(results)

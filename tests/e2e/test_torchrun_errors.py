@@ -1,7 +1,8 @@
 """Bad inputs under torchrun, on real ranks: the error is one line, printed once (not once per rank), no rank prints a
-traceback, each rank that reaches the check exits 2 (torchrun stops the slower ones with SIGTERM), and torchrun's
-own failure report names the same line as its root cause. These fail before training, so each takes seconds.
-Then `checkpoint.resume = "latest"` in a run directory with no checkpoint: a fresh start and one line saying so."""
+traceback, the first rank exits 2 (torchrun stops the others with SIGTERM: they wait for it), and torchrun's own
+failure report names the same line as its root cause. These fail before training, so each takes seconds; two ranks
+show "once, not once per rank" as well as four. Then `checkpoint.resume = "latest"` in a run directory with no
+checkpoint: a fresh start and one line saying so."""
 from __future__ import annotations
 
 import json
@@ -48,7 +49,7 @@ def assert_one_clean_error(proc: subprocess.CompletedProcess, prefix: str, needl
 
 
 def test_a_misspelt_key_is_one_line_with_the_check_command(tmp_path):
-    proc = torchrun(4, "--train.lrr=1e-3", f"--log.dir={tmp_path / 'run'}")
+    proc = torchrun(2, "--train.lrr=1e-3", f"--log.dir={tmp_path / 'run'}")
     assert_one_clean_error(proc, "config error:", ["unknown key train.lrr (from command line)",
                                                    "did you mean train.lr?", " --train.lrr=1e-3 "])
     assert not (tmp_path / "run").exists()
@@ -56,15 +57,32 @@ def test_a_misspelt_key_is_one_line_with_the_check_command(tmp_path):
 
 def test_a_missing_data_file_is_one_line_on_every_rank(tmp_path):
     build_char_tokenizer("abcdef=", tmp_path / "tok")
-    proc = torchrun(4, f"--model.tokenizer={tmp_path / 'tok'}", f"--data.source={tmp_path / 'missing.jsonl'}",
+    proc = torchrun(2, f"--model.tokenizer={tmp_path / 'tok'}", f"--data.source={tmp_path / 'missing.jsonl'}",
                     "--reward.kind=exact", f"--log.dir={tmp_path / 'run'}")
     assert_one_clean_error(proc, "error:", [f"data.source = '{tmp_path / 'missing.jsonl'}': no such file"])
     assert not (tmp_path / "run").exists()
 
 
 def test_a_named_checkpoint_that_is_not_there_is_one_line(tmp_path):
-    proc = torchrun(4, f"--log.dir={tmp_path / 'run'}", f"--checkpoint.resume={tmp_path / 'run' / 'step_9'}")
+    proc = torchrun(2, f"--log.dir={tmp_path / 'run'}", f"--checkpoint.resume={tmp_path / 'run' / 'step_9'}")
     assert_one_clean_error(proc, "config error:", ["checkpoint.resume", "step_9", "is not a directory"])
+
+
+def test_the_other_ranks_of_a_node_wait_for_torchrun_to_stop_them(monkeypatch, capsys):
+    """Were they to exit at once, torchrun could stop the first rank before it printed the line, or name one of them
+    as the root cause (its failures' timestamps are whole seconds): this file failed so once in 14 runs."""
+    import train
+    waits: list[float] = []
+    monkeypatch.setattr(train.time, "sleep", waits.append)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert train.fail("config error: x", "configs/tiny.toml", []) == 2
+    assert waits == [train.FAIL_WAIT_S] and capsys.readouterr().err == ""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")   # not under torchrun: nobody would stop it
+    assert train.fail("config error: x", "configs/tiny.toml", []) == 2 and len(waits) == 1
+    monkeypatch.setenv("LOCAL_RANK", "0")         # the first rank prints the line and leaves at once
+    assert train.fail("config error: x", "configs/tiny.toml", []) == 2 and len(waits) == 1
+    assert capsys.readouterr().err == "config error: x\n"
 
 
 def test_resume_latest_without_a_checkpoint_starts_afresh_and_says_so(tmp_path):

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -24,6 +25,25 @@ def tiny_run(tmp_path_factory) -> Path:
     proc = torchrun(3, f"--log.dir={run}", "--train.steps=70")
     (run.parent / "output.txt").write_text(proc.stdout + proc.stderr)
     return run
+
+
+# The uninterrupted 4-step runs, split (1 rollout + 2 train ranks) and colocated (2 ranks, engines refreshed in
+# place), each with a checkpoint at step 2: the resume tests resume from it, and the colocated test compares the two.
+COMMON = ["--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=3", "--rollout.prompts_per_step=8"]
+MODES = {"split": (3, []), "colocated": (2, ["--cluster.colocate=true"])}
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory) -> Callable[[str], tuple[Path, str]]:
+    """`get(mode)`: the mode's uninterrupted run (its directory, torchrun's stdout), made once, when first asked."""
+    root, made = tmp_path_factory.mktemp("full"), {}
+
+    def get(mode: str) -> tuple[Path, str]:
+        if mode not in made:
+            nproc, extra = MODES[mode]
+            made[mode] = (root / mode, torchrun(nproc, f"--log.dir={root / mode}", *COMMON, *extra).stdout)
+        return made[mode]
+    return get
 
 
 PHASES = ("tidal: starting (config configs/tiny.toml, {n} ranks)", "tidal: model ready (", "tidal: {n} ranks joined (",
@@ -142,14 +162,15 @@ def test_export_carries_the_tokenizer_and_the_readme_rollout_runs_on_text_prompt
     assert score > 0.3, (greedy, pairs)
 
 
-@pytest.mark.parametrize("nproc,mode", [(3, []), (2, ["--cluster.colocate=true"])], ids=["split", "colocated"])
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, nproc, mode):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_resume_reproduces_the_uninterrupted_run(full_runs, tmp_path, mode):
     """A run that stopped after its step-2 checkpoint (its logs ran on past it), resumed: the same steps, weights and
     summary as the uninterrupted run, and its progress bar continues at step 2 (it once restarted at 0 and the
     summary's rewards covered only the resumed attempt)."""
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=3", "--rollout.prompts_per_step=8", *mode]
-    assert_phases(torchrun(nproc, f"--log.dir={full}", *common).stdout, nproc)
+    (full, stdout), resumed = full_runs(mode), tmp_path / "resumed"
+    nproc, extra = MODES[mode]
+    common = [*COMMON, *extra]
+    assert_phases(stdout, nproc)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
     for name in ("events.jsonl", "metrics.jsonl"):
@@ -188,18 +209,16 @@ def test_config_errors_stop_before_any_work(tmp_path):
     assert proc.returncode == 2 and "psychic" in proc.stderr and "fifo" in proc.stderr
 
 
-def test_colocated_run_reproduces_the_disaggregated_one(tmp_path):
+def test_colocated_run_reproduces_the_disaggregated_one(full_runs):
     """Same seeds, data order and FSDP width (2 train ranks): engines refreshed in place must give the same run as
-    engines fed by broadcast."""
-    common = ["--train.steps=5", "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false"]
-    torchrun(3, f"--log.dir={tmp_path / 'split'}", *common)
-    torchrun(2, f"--log.dir={tmp_path / 'coloc'}", "--cluster.colocate=true", *common)
-    a, b = metrics(tmp_path / "split"), metrics(tmp_path / "coloc")
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    engines fed by broadcast (the resume tests' uninterrupted runs)."""
+    (split, _), (coloc, _) = full_runs("split"), full_runs("colocated")
+    a, b = metrics(split), metrics(coloc)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         for k in ("reward_mean", "loss", "response_len_mean"):
             assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (ra["step"], k)
-    assert (tmp_path / "coloc" / "timeline.png").is_file()
+    assert (coloc / "timeline.png").is_file()
 
 
 def test_train_py_imports_no_train_side_or_compiler_module_before_a_role_needs_it():
