@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, register
+from sched.base import Dispatch, OneBatchAhead, register
 from sched.decisions import Submit
 from sched.views import S, Views, least_loaded
 
@@ -31,7 +31,7 @@ class Signal(enum.IntEnum):
 
 
 @register
-class AdaptiveConcurrency(Dispatch):
+class AdaptiveConcurrency(OneBatchAhead, Dispatch):
     """An in-flight cap sized from the KV budget and trimmed by overload feedback (prime-rl `docs/inference.md`,
     "Adaptive Concurrency": "Safety must come from admission-time budgeting; feedback only trims the budget's
     error"). In flight: requests on the engines (running or queued there), counted in samples:
@@ -186,13 +186,6 @@ class AdaptiveConcurrency(Dispatch):
         self.clear, self.bound = True, False
 
     # -------------------------------------------------------------------------------------------- admission
-    def intake(self, v: Views) -> int:
-        B = v.prompts_per_step
-        if self.pulled - self.admitted >= B:
-            return 0
-        self.pulled += B
-        return B
-
     def admit(self, v: Views) -> list[Submit]:
         self.inflight = sum(e.assigned for e in v.engines)
         if not self.cap:

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, Handoff, Preset, WeightSync, register
+from sched.base import Dispatch, OneBatchAhead, Handoff, Preset, WeightSync, register
 from sched.decisions import LoadWeights, Submit
 from sched.views import ON_ENGINE, GroupState, Request, S, Views, least_loaded
 
 
 @register
-class ArealDispatch(Dispatch):
+class ArealDispatch(OneBatchAhead, Dispatch):
     """"The total amount of in-flight data (i.e., trajectories that are either being generated or have been
     generated but not yet consumed)" is capped so that no sample can be staler than eta. AReaL's form of the cap,
     in groups: a group may start on an engine holding version u only while
@@ -69,13 +69,6 @@ class ArealDispatch(Dispatch):
 
     def staleness_bound(self) -> int | None:
         return self.p.eta
-
-    def intake(self, v: Views) -> int:
-        B = v.prompts_per_step
-        if self.pulled - self.admitted >= B:
-            return 0
-        self.pulled += B
-        return B
 
     def bind(self, preset: Preset) -> None:
         # only this dispatch puts requests on engines unless the rebalance can migrate them (`_live_groups`)

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, register
+from sched.base import Dispatch, OneBatchAhead, register
 from sched.decisions import Submit
 from sched.views import S, Views, least_loaded
 
 
 @register
-class LagCap(Dispatch):
+class LagCap(OneBatchAhead, Dispatch):
     """Admission bounded by version lag, in whole groups, and nothing else.
 
     PipelineRL (arXiv 2509.19128; its actor loop, `pipelinerl/actor.py`): with `max_lag` set, the actor may submit
@@ -52,13 +52,6 @@ class LagCap(Dispatch):
         super().__init__(params)
         self.admitted = 0      # groups started, cumulative
         self.pulled = 0        # groups pulled into the pipeline, cumulative
-
-    def intake(self, v: Views) -> int:
-        B = v.prompts_per_step
-        if self.pulled - self.admitted >= B:
-            return 0
-        self.pulled += B
-        return B
 
     def admit(self, v: Views) -> list[Submit]:
         B = v.prompts_per_step

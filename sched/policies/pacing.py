@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, register
+from sched.base import Dispatch, OneBatchAhead, register
 from sched.decisions import Submit
 from sched.views import S, Views, least_loaded
 
 
 @register
-class Pacing(Dispatch):
+class Pacing(OneBatchAhead, Dispatch):
     """Hold staleness at most K by pausing admission rather than discarding stale samples (tinker-cookbook PR #822,
     `tinker_cookbook/rl/train.py`: "A sample generated with the sampler version from iteration s may be trained at
     iteration t only if t - s <= max_steps_off_policy"; dropping stale samples biases the batch toward short prompts,
@@ -63,13 +63,6 @@ class Pacing(Dispatch):
 
     def staleness_bound(self) -> int | None:
         return self.p.max_steps_off_policy
-
-    def intake(self, v: Views) -> int:
-        B = v.prompts_per_step
-        if self.pulled - self.admitted >= B:
-            return 0
-        self.pulled += B
-        return B
 
     def admit(self, v: Views) -> list[Submit]:
         B, K = v.prompts_per_step, self.p.max_steps_off_policy
