@@ -25,7 +25,11 @@ class RewardResult:
 def version_bounds(versions: Sequence[int]) -> tuple[int, int]:
     """(oldest, newest) of per-token versions; (-1, -1) for no tokens."""
     if isinstance(versions, RunLengthSequence):
-        vs = [v for v, _ in versions.runs]
+        runs = versions.runs
+        if len(runs) == 1:      # one version throughout (the common case)
+            v = runs[0][0]
+            return v, v
+        vs = [v for v, _ in runs]
         return (min(vs), max(vs)) if vs else (-1, -1)
     return (min(versions), max(versions)) if versions else (-1, -1)
 

@@ -237,11 +237,14 @@ class Lifecycle:
     def prune(self) -> None:
         """Forget rounds that are fully consumed (older than the current one), so long runs stay bounded."""
         v = self.v
+        gone = set()
         for r in [r for r in v.round_groups if r < v.round]:
             if all(v.groups[g].closed for g in v.round_groups[r]):
                 v.plans.pop(r, None)
                 v.finishes.pop(r, None)
                 for g in v.round_groups.pop(r):
                     del v.groups[g]
-                for rid in [i for i, q in v.requests.items() if q.round == r]:
-                    del v.requests[rid]
+                gone.add(r)
+        if gone:    # one pass over the requests for every round forgotten
+            for rid in [i for i, q in v.requests.items() if q.round in gone]:
+                del v.requests[rid]

@@ -98,7 +98,9 @@ class RequestTable(_Table):
         ids no longer held are skipped. Not indexed, so no index changes."""
         get = self._all.get
         for rid, n in progress.items():
-            r = get(int(rid))
+            r = get(rid)                    # an int id (the simulator's reports): as get(int(rid))
+            if r is None and type(rid) is not int:
+                r = get(int(rid))
             if r is not None:
                 r.tokens = n
 

@@ -77,7 +77,7 @@ from sim.clock import EventQueue
 from sim.cost import CostModel
 from sim.engine import SimEngine, SimRequest
 from sim.profiles import at_tp, tp_sizes
-from sim.tokens import FAKE_LOGPROB, FAKE_TOKEN, RunList
+from sim.tokens import FAKE_LOGPROB, FAKE_TOKEN, RunList, trusted_runs
 from sim.workload import Workload
 
 _TICK = "counters-tick"           # a queue item: every busy engine reports its counters (SimBackend._tick)
@@ -246,13 +246,15 @@ class SimBackend:
 
     @staticmethod
     def trajectory(engine: int, r: SimRequest, reason: str, **kw) -> Trajectory:
+        runs = tuple([(v, c) for v, c in r.runs if c > 0])   # RunList(r.runs), without its generic checks
         return Trajectory(r.group_id, r.sample_index, r.prompt_ids, RunList.of(FAKE_TOKEN, r.done),
-                          RunList.of(FAKE_LOGPROB, r.done), RunList(r.runs), reason, prompt_index=r.prompt_index,
+                          RunList.of(FAKE_LOGPROB, r.done), trusted_runs(runs, sum([c for _, c in runs])), reason,
+                          prompt_index=r.prompt_index,
                           meta={"engine": engine, "preemptions": r.preemptions}, **kw)
 
     def finished(self, engine: int, r: SimRequest, t: float) -> None:
         reason = "length" if r.done >= self.workload.max_len else "stop"
-        version = min(v for v, _ in r.runs)
+        version = min(r.runs)[0]             # the oldest version of its runs
         self.emit(Event("trajectory_finished", t, rank=self.engines[engine].rank, engine=engine, req_id=r.req_id,
                         group_id=r.group_id, version=version,
                         data={"tokens": r.done, "finish_reason": reason, "preemptions": r.preemptions}))
@@ -291,7 +293,7 @@ class SimBackend:
         reason = "length" if r.done >= self.workload.max_len else "stop"
         traj = self.trajectory(engine, r, reason, reward=float(correct), correct=correct)
         self.emit(Event("reward_scored", start + latency, rank=self.engines[engine].rank, engine=engine,
-                        req_id=r.req_id, group_id=r.group_id, version=min(v for v, _ in r.runs),
+                        req_id=r.req_id, group_id=r.group_id, version=min(r.runs)[0],
                         data={"reward": float(correct), "correct": correct, "failed": False, "task": task.name,
                               "latency_s": latency, "wait_s": start - t},
                         payload=traj))

@@ -37,11 +37,15 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Protocol, Sequence
 
 from sched.events import Event
 from sim.cost import CostModel
 from sim.tokens import partial_chunk
+
+
+_slot = attrgetter("slot")
 
 
 @dataclass(eq=False)  # identity equality: list.remove must not compare field by field
@@ -257,7 +261,9 @@ class SimEngine:
             _, slot, r = heapq.heappop(heap)
             if r.slot == slot:
                 done.append(r)
-        for r in sorted(done, key=lambda r: r.slot):  # in running (admission) order
+        if len(done) > 1:
+            done.sort(key=_slot)                  # in running (admission) order
+        for r in done:
             self._detach(r)
             self.host.finished(self.index, r, self.t)
 
@@ -306,16 +312,18 @@ class SimEngine:
         self._set_busy(True)
         n = len(self._running)
         m = self._min_remaining()
-        if self.overflows_within(m):  # KV overflows inside the segment: stop at the last step that fits
-            lo, hi = 0, m - 1            # need(lo) <= cap < need(hi)
+        peak = self.need(m - 1)
+        if peak > self.cap:           # KV overflows inside the segment (overflows_within): stop at the last step
+            lo, hi = 0, m - 1            # that fits; need(lo) <= cap < need(hi)
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if self.need(mid) <= self.cap else (lo, mid)
             m = lo + 1
+            peak = self.need(lo)
         # admitted since the last step: recomputed, or (a migrated trajectory's) KV moved over the interconnect
         prefill_s = self.cost.prefill_s(self._prefill - self._moved) + self.cost.kv_move_s(self._moved)
         self.prefill_s_total += prefill_s
-        self.peak_blocks = max(self.peak_blocks, self.need(m - 1))
+        self.peak_blocks = max(self.peak_blocks, peak)
         self.seg = _Segment(self.t, prefill_s, n, self.kv_tokens, m)
         self.host.wake(self.index, self.seg.boundary(self.cost, m), self.gen)
 
@@ -333,6 +341,8 @@ class SimEngine:
     def _admit(self) -> None:
         """FIFO admission; each admitted request's first step prefills its prompt (unless a resident sibling
         holds it) and the tokens it already had (recompute after a preemption)."""
+        if not self.waiting:
+            return
         need0, watermark = self.need(0), self.cap // 100
         while self.waiting and len(self._running) < self.cost.max_num_seqs:
             r = self.waiting[0]

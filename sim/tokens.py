@@ -68,10 +68,13 @@ class RunList(RunLengthSequence):
 
 
 def _trusted(runs: tuple[tuple[Any, int], ...], n: int) -> RunList:
-    """A RunList from runs already in canonical form (positive counts summing to n): no validation pass."""
+    """A RunList from runs already in canonical form (positive int counts summing to n): no validation pass."""
     out = RunList.__new__(RunList)
     out._runs, out._len, out._ends = runs, n, None
     return out
+
+
+trusted_runs = _trusted
 
 
 def partial_chunk(done: int, runs: list[list[int]], version: int, k: int) -> tuple[int, RunList, RunList, RunList]:

@@ -29,7 +29,6 @@ and recorded samples keep their lengths.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -113,22 +112,41 @@ class LengthModel(Workload):
         if not 0 < self.runaway_prompts <= 1 or not 0 <= self.runaway_p <= self.runaway_prompts:
             raise ValueError(f"workload {self.name}: need 0 < runaway_prompts <= 1 and 0 <= runaway_p <= "
                              f"runaway_prompts, got {self.runaway_p} and {self.runaway_prompts}")
+        self._fresh_cache()
+
+    def _fresh_cache(self) -> None:
+        """Every prompt's spec once computed, and the runaway threshold, kept on the instance (pure functions of its
+        fields; a hashed cache keyed by the model re-hashed all its fields on every call)."""
+        object.__setattr__(self, "_specs", {})
+        z = -math.inf if self.runaway_prompts >= 1 else NormalDist().inv_cdf(1 - self.runaway_prompts)
+        object.__setattr__(self, "_runaway_z", z)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the cache (a reproduction's pool ships the workload with every result)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_specs", "_runaway_z")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fresh_cache()
 
     def with_seed(self, seed: int) -> "LengthModel":
         return replace(self, seed=seed)
 
     def prompt(self, index: int) -> PromptSpec:
-        return _prompt_spec(self, index)
+        spec = self._specs.get(index)
+        if spec is None:
+            spec = self._specs[index] = _prompt_spec(self, index)
+        return spec
 
     @property
     def runaway_z(self) -> float:
         """The difficulty above which a prompt is runaway-prone (-inf: every prompt)."""
-        return -math.inf if self.runaway_prompts >= 1 else NormalDist().inv_cdf(1 - self.runaway_prompts)
+        return self._runaway_z
 
     def response_len(self, prompt_index: int, sample_index: int) -> int:
-        z = _prompt_spec(self, prompt_index).difficulty
+        z = self.prompt(prompt_index).difficulty
         u1, u2, u3, _ = _uniforms(self.seed, self.name, prompt_index, sample_index)
-        if z > self.runaway_z and u3 < self.runaway_p / self.runaway_prompts:
+        if z > self._runaway_z and u3 < self.runaway_p / self.runaway_prompts:
             return self.max_len
         x = self.median * math.exp(self.sigma_prompt * z + self.sigma_sample * _normal(u1, u2))
         return int(min(self.max_len, max(self.min_len, round(x))))
@@ -142,7 +160,6 @@ class LengthModel(Workload):
         return _capped_mean(self.median, self.sigma, self.max_len, self.runaway_p)
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def _prompt_spec(m: LengthModel, index: int) -> PromptSpec:
     u1, u2, u3, u4 = _uniforms(m.seed, m.name, index)
     z, z_len = _normal(u1, u2), _normal(u3, u4)

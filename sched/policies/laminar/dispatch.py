@@ -54,7 +54,7 @@ class LaminarDispatch(Dispatch):
                 and e.version >= v.trainer.published and e.engine not in self.todo and not v.migrating_to(e.engine))
 
     def intake(self, v: Views) -> int:
-        ready = [e.engine for e in v.engines if self.can_start_batch(v, e)]
+        ready = [e.engine for e in v.engines if e.assigned == 0 and self.can_start_batch(v, e)]
         if not ready:
             return 0
         k = self.batch(v)

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from config import F
 from sched.base import Rebalance, register
 from sched.decisions import Migrate
 from sched.views import RequestState, Views
+
+_REQ_ID = attrgetter("req_id")
 
 S = RequestState
 
@@ -129,7 +132,7 @@ class Repack(Rebalance):
             return []
         self.last_check, self.last_version = v.now, v.trainer.version
         running: dict[int, list[int]] = {}
-        for r in sorted(v.requests.in_state(S.RUNNING), key=lambda r: r.req_id):
+        for r in sorted(v.requests.in_state(S.RUNNING), key=_REQ_ID):
             running.setdefault(r.engine, []).append(r.req_id)
         busy = {r.engine for r in v.requests.in_state(S.INTERRUPTING) if r.engine >= 0}
         snaps: dict[int, list[EngineCheck]] = {}

@@ -63,7 +63,7 @@ class StalenessBuffers:
         return self.buf[b]
 
     def occupied(self, b: int) -> int:
-        return sum(1 for e in self.buf.get(b, ()) if e is not None and e.occupied)
+        return sum([e is not None and e.occupied for e in self.buf.get(b, ())])
 
     def state(self, b: int) -> str:
         s = self.buf.get(b)

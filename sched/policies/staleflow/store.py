@@ -153,6 +153,5 @@ def ts_intake(v: Views, buffers: StalenessBuffers, ts_groups: int) -> int:
     B = v.prompts_per_step
     cap = ts_groups or (buffers.eta + 1) * (B + buffers.extra)
     loc = buffers.loc
-    waiting = {r.group_id for r in v.requests.iter_pending() if r.v_traj < 0}
-    waiting = {g for g in waiting if g not in loc}
+    waiting = {g for r in v.requests.iter_pending() if r.v_traj < 0 and (g := r.group_id) not in loc}
     return B if len(waiting) + B <= cap else 0
