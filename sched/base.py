@@ -108,20 +108,6 @@ class Dispatch(Policy):
         raise NotImplementedError
 
 
-class OneBatchAhead:
-    """A dispatch's intake for continuous admission: pull a batch (`prompts_per_step` prompts) whenever fewer than a
-    batch of pulled prompts wait to be admitted, so one batch always waits. The dispatch counts `pulled` (here) and
-    `admitted` (in its admit), both cumulative; mixed in before `Dispatch`."""
-    pulled: int = 0
-    admitted: int = 0
-
-    def intake(self, v: Views) -> int:
-        B = v.prompts_per_step
-        if self.pulled - self.admitted >= B:
-            return 0
-        self.pulled += B
-        return B
-
 
 class Handoff(Policy):
     kind = "handoff"

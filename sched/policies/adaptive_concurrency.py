@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, OneBatchAhead, register
+from sched.base import Dispatch, register
 from sched.decisions import Submit
+from sched.intake import OneBatchAhead
 from sched.views import S, Views, least_loaded
 
 CUT = 0.75          # HARD: n_max <- 0.75 x in flight (prime-rl docs/inference.md)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, OneBatchAhead, Handoff, Preset, WeightSync, register
+from sched.base import Dispatch, Handoff, Preset, WeightSync, register
 from sched.decisions import LoadWeights, Submit
+from sched.intake import OneBatchAhead
 from sched.views import ON_ENGINE, GroupState, Request, S, Views, least_loaded
 
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import F
-from sched.base import Dispatch, OneBatchAhead, register
+from sched.base import Dispatch, register
 from sched.decisions import Submit
+from sched.intake import OneBatchAhead
 from sched.views import S, Views, least_loaded
 
 
