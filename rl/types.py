@@ -53,6 +53,10 @@ class Trajectory:
     correct: bool | None = None
     prompt_index: int = -1  # position of the prompt in the dataset (for logs and data-order checks)
     meta: dict = field(default_factory=dict)  # timings, engine id, anything a policy wants to carry
+    # Multi-turn episodes (rl/env.py): 1 where response_ids[i] is the model's, 0 where it is an environment
+    # observation (appended and prefilled, never trained on; its logprob 0.0). None: every response token is the
+    # model's (single-turn).
+    loss_mask: list[int] | None = None
 
     @property
     def version(self) -> int:

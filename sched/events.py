@@ -18,6 +18,9 @@ KINDS = frozenset({
     "request_admitted",       # dispatch sent a request to an engine
     "tokens_decoded",         # periodic per-engine counters (data: tokens, running, kv_used, kv_free, prefill and
     #                           kv_adopted / kv_refused: tokens re-prefilled, tokens of migrated KV imported or not)
+    "tool_started",           # a multi-turn request's model turn ended in a tool call: it waits on the tool, its
+    #                           decode slot freed (data: turn, tool)
+    "tool_finished",          # its tool call returned (data: turn, seconds, failed); the observation is prefilled
     "trajectory_finished",    # engine finished a sample (data: tokens, finish_reason)
     "reward_scored",          # the sample's reward is known (data: reward, correct, failed)
     "group_materialized",     # all G samples scored: the group is trainable

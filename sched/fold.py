@@ -24,6 +24,9 @@ the trainer's checkpointed version (`restore_floor`); `weights_loaded` then rele
 Invariants kept here: every event is logged before it is applied; a reward for a discarded sample is never added to
 its group; a partial only grows and its three per-token lists have one entry per token; a trainer version only moves
 on a step that stepped.
+
+Multi-turn requests (rl/env.py): `tool_started` / `tool_finished` mark a request on its engine as waiting on a tool
+(`Request.tool_since`, read by policies through `Request.on_tool`) and back; leaving the engine clears it.
 """
 from __future__ import annotations
 
@@ -54,8 +57,12 @@ class EventFold:
         v.seq += 1
         self.emit(ev)
         k = ev.kind
-        if self.partials is not None and k in LEFT_ENGINE:
-            self.partials.close(ev.req_id)
+        if k in LEFT_ENGINE:
+            r = v.requests.get(ev.req_id)
+            if r is not None:
+                r.tool_since = -1.0
+            if self.partials is not None:
+                self.partials.close(ev.req_id)
         if k == "tokens_decoded":
             e = v.engines[ev.engine]
             d = ev.data
@@ -70,6 +77,12 @@ class EventFold:
                     r = v.requests.get(rid)
                     if r is not None and r.engine == ev.engine and r.state in ON_ENGINE:
                         self.partials.grow(rid, chunk)
+        elif k == "tool_started" or k == "tool_finished":
+            r = v.requests.get(ev.req_id)
+            if r is not None and r.engine == ev.engine and r.state in ON_ENGINE:
+                started = k == "tool_started"
+                r.tool_since = ev.t if started else -1.0
+                r.tool_calls += started
         elif k == "trajectory_finished":
             r = v.requests[ev.req_id]
             r.tokens, r.finished_seq = ev.data.get("tokens", r.tokens), v.seq

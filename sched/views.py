@@ -78,6 +78,13 @@ class Request:
     partial: Trajectory | None = None  # all tokens so far of an interrupted request; resumed from there on submit
     v_traj: int = -1             # version of the engine it was FIRST admitted to (StaleFlow's V_traj; never changes)
     migrate_to: int = -1         # engine a pending Migrate will resubmit it to once the interrupt lands
+    tool_since: float = -1.0     # multi-turn: when it began waiting on a tool call (-1: not waiting)
+    tool_calls: int = 0          # multi-turn: tool calls it started (this attempt)
+
+    @property
+    def on_tool(self) -> bool:
+        """Waiting on a tool call: on its engine, holding KV, not decoding (rl/env.py)."""
+        return self.tool_since >= 0
 
     def __post_init__(self) -> None:
         if type(self.state) is not RequestState:   # e.g. a checkpoint's "pending": checked and converted
