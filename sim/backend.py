@@ -5,11 +5,17 @@ fields, so sched.metrics and sched.timeline read a simulated log exactly as a re
 
     engine_busy / engine_idle          decode activity spans per engine
     tokens_decoded                     engine counters (total, running, waiting, kv_used/kv_free in blocks, plus
-                                       tokens, preemptions, and per-request progress when enabled)
+                                       tokens, preemptions, and per-request progress when enabled; on a
+                                       multi-turn workload `tools`: requests waiting on a tool call)
+    tool_started                       a multi-turn request's model turn ended in a tool call (data: turn, the model
+                                       turn that made it counting from 1, and tool, the workload's tool name)
+    tool_finished                      the call returned (data: turn, seconds, failed: it timed out); the
+                                       observation is then appended and prefilled (sim/engine.py, "Multi-turn")
     trajectory_finished                data: tokens, finish_reason
     reward_scored                      data: reward, correct, failed, task, latency_s (the call), wait_s (queued for
                                        a scorer); payload: an rl.types.Trajectory whose token
-                                       ids / logprobs / versions have the simulated length (versions per token)
+                                       ids / logprobs / versions have the simulated length (versions per token;
+                                       a multi-turn one's observation tokens: loss_mask 0, logprob 0.0)
     trajectory_aborted                 data: requeue, tokens (for Abort commands)
     trajectory_interrupted             data: tokens; payload: the partial Trajectory (all tokens so far, per-token
                                        versions); a resubmitted request re-prefills them (sim/engine.py `add`)

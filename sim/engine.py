@@ -25,6 +25,23 @@ accepts partially generated requests (their tokens are re-prefilled), so an inte
 remove here and an add there; `hold` pauses decoding (weight loads, colocated training). A weight load on a busy
 engine sends its running sequences back to the queue to re-prefill under the new version.
 
+Multi-turn requests (sim/episodes.py; rl/env.py): a request whose model turn ends in a tool call leaves the running
+set (its decode slot is free: it is not in the step's batch) but keeps its KV (`_held`: its private blocks and its
+share of the prompt's count against the pool) while the call runs (`tools`); when the call returns (`observe`) its
+observation tokens are appended under the engine's version and it goes to the front of the queue, and on admission
+only the observation is prefilled (the history's KV is still there). What the rest does to it:
+  - KV short (the running set outgrows the pool, or nothing runs and the queue's head does not fit): the KV held by
+    requests not running is evicted first, the earliest held first, before any running request is preempted; an
+    evicted request re-prefills prompt + tokens + observation when it runs again (counted as a preemption);
+  - a weight load never cancels a call; a load that discards KV discards theirs too (they re-prefill under the new
+    version when they run again, counted in `reprefill_s`), a keep-KV load leaves it;
+  - remove (an Abort, an Interrupt, a migration's first half): taken out with its tokens so far, its turns done and
+    its KV freed; the call in flight goes on but its result is dropped. The interrupted trajectory ends where its
+    last model turn ended; resubmitted (`add`), a request whose last turn ended in a call makes the call again at
+    once (the environment resumes from the transcript alone) and, holding no KV, prefills its history with the
+    observation when the call returns;
+  - a failed engine loses the calls it ran with everything else.
+
 Faults (Laminar §3.3, §8.5; sim/backend.py `EngineFault`): with `stream`, a counters report the backend marks (and
 the one an engine sends as it goes idle) carries every request whose tokens grew since it was last streamed, as a
 partial-response pool chunk (sim/tokens.py `partial_chunk`); `fail` drops everything the engine holds (the tokens
