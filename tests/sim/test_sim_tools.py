@@ -322,3 +322,26 @@ def test_the_agentic_compare_runs_and_names_its_workload(capsys):
     assert [r["preset"] for r in rows] == ["sync", "areal", "partial_rollout"]
     assert all("error" not in r and r["throughput"] > 0 for r in rows), rows
     assert rows[0]["calls_redone"] == 0 and all(r["calls_redone"] >= 0 for r in rows)
+
+
+def test_an_engine_killed_with_requests_on_tools_loses_their_calls_and_their_episodes_resume_elsewhere():
+    """Laminar's fault isolation on agentic episodes: the killed engine's requests, those on tools included, resume
+    elsewhere from the partial-response pool (a call in flight on it makes no tool_finished there and is made again);
+    nothing is lost or trained twice."""
+    from sim.backend import EngineFault
+    from sim.repro.laminar_faults import check_nothing_lost
+    kill = 20.5
+    r = simulate("laminar", "agentic_7b_8k", "h800_7b", 4, 4, steps=4, group_size=4, prompts_per_step=8, seed=0,
+                 counters_every_s=1.0, stream_every_s=2.0, faults=(EngineFault(kill, (0,), 30.0),))
+    (failed,) = [e for e in r.events if e.kind == "engine_failed"]
+    last = {}                    # req -> its last tool or leaving event on engine 0 before the kill
+    for e in r.events:
+        if e.engine == 0 and e.t <= failed.t and e.kind in ("tool_started", "tool_finished", "trajectory_finished",
+                                                            "trajectory_aborted", "trajectory_interrupted"):
+            last[e.req_id] = e.kind
+    on_tool = {rid for rid, kind in last.items() if kind == "tool_started"}
+    assert on_tool and on_tool <= {int(k) for k in failed.data["held"]}, "nobody was on a tool at the kill"
+    assert not [e for e in r.events if e.kind == "tool_finished" and e.engine == 0 and failed.t <= e.t < failed.t + 30]
+    again = {e.req_id for e in r.events if e.kind == "tool_started" and e.t > failed.t}
+    assert on_tool & again
+    check_nothing_lost(r)
