@@ -315,13 +315,22 @@ def test_requests_on_tools_are_marked_in_the_controller_while_they_wait(monkeypa
     assert r.views.requests.count(RequestState.RUNNING) == 0
 
 
-def test_the_agentic_compare_runs_and_names_its_workload(capsys):
+def test_the_agentic_compare_runs_and_names_its_workload(capsys, tmp_path):
     assert compare.main(["--json", "--gpus", "4", "--rounds", "1", "--prompts", "4", "--group-size", "2",
                          "--workload", "agentic_7b_8k", "--no-plots", "--presets", "sync,areal,partial_rollout"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["preset"] for r in rows] == ["sync", "areal", "partial_rollout"]
     assert all("error" not in r and r["throughput"] > 0 for r in rows), rows
     assert rows[0]["calls_redone"] == 0 and all(r["calls_redone"] >= 0 for r in rows)
+    trace = tmp_path / "seconds.json"
+    trace.write_text("[30.0]")                      # every call 30 s: sync's round waits on them
+    small = ["--json", "--gpus", "4", "--rounds", "1", "--prompts", "4", "--group-size", "2", "--no-plots",
+             "--presets", "sync"]
+    assert compare.main([*small, "--workload", "agentic_7b_8k", "--tool-trace", str(trace)]) == 0
+    slow = json.loads(capsys.readouterr().out)[0]
+    assert slow["throughput"] < rows[0]["throughput"] and slow["engine_idle_ratio"] > rows[0]["engine_idle_ratio"]
+    assert compare.main([*small, "--tool-trace", str(trace)]) == 2
+    assert "--tool-trace needs a multi-turn workload" in capsys.readouterr().err
 
 
 def test_an_engine_killed_with_requests_on_tools_loses_their_calls_and_their_episodes_resume_elsewhere():
