@@ -354,3 +354,13 @@ def test_an_engine_killed_with_requests_on_tools_loses_their_calls_and_their_epi
     again = {e.req_id for e in r.events if e.kind == "tool_started" and e.t > failed.t}
     assert on_tool & again
     check_nothing_lost(r)
+
+
+def test_staleflow_accepts_the_engines_counters_while_requests_wait_on_tools():
+    """StaleFlow's Eq. 1 check (sched/policies/staleflow/state.py): an engine's reported batch + queue plus the
+    controller's requests on tools is what it holds, so the snapshot reads the engine's counters (counting a request
+    on a tool in the batch failed the check on most snapshots and fell back to an estimate)."""
+    r = simulate("staleflow", "agentic_7b_8k", "h800_7b", 4, 4, steps=10**9, group_size=4, prompts_per_step=8, seed=0,
+                 samples=3 * 8 * 4, counters_every_s=1.0)
+    st = r.policy.dispatch.state
+    assert st.snaps_accepted > 2 * st.snaps_estimated, (st.snaps_accepted, st.snaps_estimated)
