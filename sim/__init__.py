@@ -22,4 +22,5 @@ from sim.episodes import AgenticWorkload, load_latency_trace  # (registers the m
 from sim.workload import WORKLOADS, LengthModel, TraceError, TraceWorkload, get_workload, load_trace, save_trace
 
 __all__ = ["CostModel", "RewardLatency", "RewardTask", "PROFILES", "get_profile", "SimResult", "simulate", "WORKLOADS",
-           "LengthModel", "AgenticWorkload", "load_latency_trace", "TraceError", "TraceWorkload", "get_workload", "load_trace", "save_trace"]
+           "LengthModel", "AgenticWorkload", "load_latency_trace", "TraceError", "TraceWorkload", "get_workload",
+           "load_trace", "save_trace"]
