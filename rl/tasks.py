@@ -167,7 +167,7 @@ def calc_prompts(n: int, rng: random.Random) -> list[tuple[str, str]]:
             if 100 <= a * b <= 999:
                 break
         if rng.random() < CALC_COPY_FRAC:
-            out.append((f"{a * b}", str(a * b)))
+            out.append((f"{a}*{b}{PLAIN_CALL_END}{a * b}{PLAIN_OBS_END}", str(a * b)))
         else:
             out.append((f"{a}*{b}", str(a * b)))
     return out
