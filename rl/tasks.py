@@ -24,10 +24,10 @@ measures whether the model repeats the right symbol and stops.
 `calc` is the tool-use task (configs/tiny-tools.toml): a random-init model cannot multiply, but in the plain tool
 format (rl/tools.py) a first turn that is just "=" calls the calculator on the prompt's line, "47*8", the result
 comes back as "376|", and a second turn that copies it scores 1. The reward sees the last model turn only. Half the
-prompts are worked examples, "47*8=376|" -> "376", the transcript of such a call, whose copy the model learns with
-per-position credit: that is the answer turn's skill, so that a call soon pays. Products are 3-digit values of a
-2-digit and a 1-digit number (not guessable: a first digit right scores 1/3); without the tool the reward stays
-near the examples' share. Its characters are the digits and `*=|?` (`CALC_CHARS`).
+prompts are worked examples, "47*8=376|" -> "376", the transcript of such a call, meant to teach the answer turn's
+copy with per-position credit. Products are 3-digit values of a 2-digit and a 1-digit number (not guessable: a
+first digit right scores 1/3); without the tool only the examples can be solved. Its characters are the digits and
+`*=|?` (`CALC_CHARS`).
 
 The score gives partial credit, the fraction of answer positions the response gets right, divided by the longer
 of the two lengths so that rambling past the answer costs as much as stopping short. Dense rewards are what makes
