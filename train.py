@@ -317,7 +317,7 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
         backend.stop_workers()
         tt.stop()
         log.close()
-    return lambda: finish_run(run_dir, log, parts)
+    return lambda: finish_run(run_dir, log, parts, cfg.log.plots)
 
 
 def run_follower(cfg: Config, model: torch.nn.Module, topo: Topology) -> None:
@@ -377,7 +377,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
         return None
     ctl.join()
     log.close()
-    return lambda: finish_run(run_dir, log, parts)
+    return lambda: finish_run(run_dir, log, parts, cfg.log.plots)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("tiny") / "run"
-    proc = torchrun(3, f"--log.dir={run}", "--train.steps=70")
+    proc = torchrun(3, f"--log.dir={run}", "--train.steps=70", "--log.plots=true")
     (run.parent / "output.txt").write_text(proc.stdout + proc.stderr)
     return run
 
@@ -41,7 +41,8 @@ def full_runs(tmp_path_factory) -> Callable[[str], tuple[Path, str]]:
     def get(mode: str) -> tuple[Path, str]:
         if mode not in made:
             nproc, extra = MODES[mode]
-            made[mode] = (root / mode, torchrun(nproc, f"--log.dir={root / mode}", *COMMON, *extra).stdout)
+            made[mode] = (root / mode, torchrun(nproc, f"--log.dir={root / mode}", "--log.plots=true", *COMMON,
+                                                    *extra).stdout)
         return made[mode]
     return get
 

@@ -96,7 +96,7 @@ def test_a_frozen_relay_in_the_chain_ends_the_job_with_a_report_naming_it(frozen
     from tests.e2e.test_train_e2e import ROOT, free_port
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_port", str(free_port()),
-           "train.py", "--config", "configs/tiny.toml", "--log.progress=false", f"--log.dir={run}",
+           "train.py", "--config", "configs/tiny.toml", "--log.progress=false", "--log.plots=false", f"--log.dir={run}",
            "--cluster.rollout_ranks=2", "--cluster.relay=chain", "--train.steps=4", "--rollout.prompts_per_step=8",
            "--checkpoint.export_hf=false", "--cluster.timeout_s=5"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TIDAL_FAULTS": f"freeze {frozen} publish 1"}
