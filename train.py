@@ -184,7 +184,7 @@ def main(argv: list[str]) -> int:
 
     # 2. the model, data and reward (each rank builds what its role needs): bad files fail here, in one line
     try:
-        parts = build_run(cfg, with_data=rank == 0)
+        parts = build_run(cfg, with_data=rank == 0, with_tokenizer=rank == 0 or rank in rollout_ranks)
         model = model_for_rank(cfg, parts, device_for_rank(c.backend), rank in train_ranks)
     except (OSError, ValueError) as e:
         return fail(f"error: {e}", path, overrides)
