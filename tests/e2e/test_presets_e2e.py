@@ -1,8 +1,8 @@
 """Every scheduling preset, for real: torchrun with 2 rollout ranks and 1 train rank (Laminar's runs: 2 train ranks)
 on the long-tail length workload (bench/policies.py WORKLOAD: the `repeat` task with per-prompt caps); the invariants
 of docs/architecture.md are checked on the run's own event log, and the response lengths on it are long-tailed and
-group-correlated. A second train rank would cost a second of CPU a run and checks nothing here: the policies decide
-on the train partition's steps, not its size (FSDP2 across train ranks: tests/e2e/test_train_e2e.py)."""
+group-correlated. A second train rank would cost a few seconds of CPU a run (its start-up) and check nothing here: the
+policies decide on the train partition's steps, not its size (FSDP2 across train ranks: tests/e2e/test_train_e2e.py)."""
 from __future__ import annotations
 
 import json
