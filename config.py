@@ -271,6 +271,9 @@ class LogConfig:
     wandb_project: str = F("tidal", help="wandb project")
     wandb_entity: str = F("", help="wandb team or user; '' = your default")
     progress: bool = F(True, help="progress bar on the console")
+    plots: bool = F(True, help="draw timeline.png and curves.png at the end (a second or two of rank 0's CPU); "
+                    "false: skip them, `python -m sched.timeline RUN_DIR` and `python -m runtime.curves RUN_DIR` "
+                    "draw them later")
     every: int = F(1, ge=1, help="log metrics every N steps")
     request_events: str = F("compact", choices=("compact", "full"), help="events.jsonl's per-request events "
                             "(admitted, finished, scored: most of the log): compact = each run of them as one "

@@ -184,7 +184,7 @@ def main(argv: list[str]) -> int:
 
     # 2. the model, data and reward (each rank builds what its role needs): bad files fail here, in one line
     try:
-        parts = build_run(cfg, with_data=rank == 0)
+        parts = build_run(cfg, with_data=rank == 0, with_tokenizer=rank == 0 or rank in rollout_ranks)
         model = model_for_rank(cfg, parts, device_for_rank(c.backend), rank in train_ranks)
     except (OSError, ValueError) as e:
         return fail(f"error: {e}", path, overrides)
@@ -317,7 +317,7 @@ def run_leader(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.Mod
         backend.stop_workers()
         tt.stop()
         log.close()
-    return lambda: finish_run(run_dir, log, parts)
+    return lambda: finish_run(run_dir, log, parts, cfg.log.plots)
 
 
 def run_follower(cfg: Config, model: torch.nn.Module, topo: Topology) -> None:
@@ -377,7 +377,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
         return None
     ctl.join()
     log.close()
-    return lambda: finish_run(run_dir, log, parts)
+    return lambda: finish_run(run_dir, log, parts, cfg.log.plots)
 
 
 if __name__ == "__main__":

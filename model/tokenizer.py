@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tokenizers import Tokenizer, decoders, models, processors
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:   # imported where a tokenizer is made: transformers is ~0.5 s of a rank's start-up
+    from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+CHAR_SPECIALS = (PAD, BOS, EOS, UNK)   # ids 0..3 of a character tokenizer, its characters after them
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 # Each message becomes <|role|>content<eos>; the generation prompt opens an assistant turn.
 CHAR_CHAT_TEMPLATE = (
@@ -52,7 +55,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         raise FileNotFoundError(f"{path}: tokenizer directory {what}")
     if not any((p / f).is_file() for f in _TOKENIZER_FILES):
         raise FileNotFoundError(f"{path}: no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})")
-    from transformers import AutoTokenizer  # here: its model registry is ~1 s of every rank's start-up otherwise
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # its model registry: ~1 s of a rank's start-up
     try:
         tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # transformers raises many kinds (OSError, ValueError, json errors, Rust exceptions)
@@ -107,7 +110,8 @@ def build_char_tokenizer(chars: str, path: str | Path | None = None,
         raise ValueError("build_char_tokenizer needs at least one character")
     if len(set(chars)) != len(chars):
         raise ValueError(f"duplicate characters in {chars!r}")
-    specials = [PAD, BOS, EOS, UNK]
+    from transformers import PreTrainedTokenizerFast
+    specials = list(CHAR_SPECIALS)
     vocab = {t: i for i, t in enumerate(specials)}
     for c in chars:
         vocab[c] = len(vocab)
@@ -127,3 +131,8 @@ def build_char_tokenizer(chars: str, path: str | Path | None = None,
         Path(path).mkdir(parents=True, exist_ok=True)
         tok.save_pretrained(str(path))
     return tok
+
+
+def char_vocab_size(chars: str, chat_template: bool = False) -> int:
+    """`len(build_char_tokenizer(chars, chat_template=chat_template))`, without building it."""
+    return len(CHAR_SPECIALS) + len(chars) + (len(ROLE_TOKENS) if chat_template else 0)

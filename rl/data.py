@@ -11,13 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerFast
 
 from model.tokenizer import encode_prompt
 from rl.jsonl import iter_jsonl
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PromptContent = str | list[dict[str, str]]
 

@@ -39,12 +39,14 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerFast
-
-from model.tokenizer import build_char_tokenizer
+from model.tokenizer import CHAR_SPECIALS, EOS, build_char_tokenizer, char_vocab_size
 from rl.tools import PLAIN_CALL_END, PLAIN_FAILED, PLAIN_OBS_END
 from rl.types import RewardResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 RULES: dict[str, Callable[[str], str]] = {
     "first": lambda s: s[0],
@@ -143,11 +145,27 @@ class SyntheticTask:
             out.append((s + self.sep, rule(s)))
         return out
 
-    def tokenizer(self, path: str | Path | None = None) -> PreTrainedTokenizerFast:
-        """The character tokenizer over the alphabet and the separator (saved to `path` when given)."""
+    @property
+    def chars(self) -> str:
+        """The characters of the prompts and answers: the alphabet (and the digits of `repeat`), the separator; a
+        tool task's own (`CALC_CHARS`)."""
         if self.name in TOOL_TASKS:
-            return build_char_tokenizer(CALC_CHARS, path)
-        return build_char_tokenizer(self.alphabet + (DIGITS if self.name == "repeat" else "") + self.sep, path)
+            return CALC_CHARS
+        return self.alphabet + (DIGITS if self.name == "repeat" else "") + self.sep
+
+    def tokenizer(self, path: str | Path | None = None) -> PreTrainedTokenizerFast:
+        """The character tokenizer over `chars` (saved to `path` when given)."""
+        return build_char_tokenizer(self.chars, path)
+
+    @property
+    def vocab_size(self) -> int:
+        """`len(self.tokenizer())`, without building it (a train rank needs no more of the tokenizer)."""
+        return char_vocab_size(self.chars)
+
+    @property
+    def eos_token_id(self) -> int:
+        """`self.tokenizer().eos_token_id`, without building it."""
+        return CHAR_SPECIALS.index(EOS)
 
     def score(self, response_text: str, answer: str) -> RewardResult:
         return score_positions(response_text, answer)

@@ -92,9 +92,10 @@ def reward_scorer(cfg: Config, fn: Callable[[str, str], RewardResult]) -> Reward
     return AsyncRewardScorer(fn, workers=r.async_workers, timeout=AdaptiveTimeout(params))
 
 
-def build_run(cfg: Config, with_data: bool) -> RunParts:
+def build_run(cfg: Config, with_data: bool, with_tokenizer: bool = True) -> RunParts:
     """The run's parts. Every rank checks that the prompt file is there (so every rank fails alike); the rank
-    `with_data` reads and validates its rows."""
+    `with_data` reads and validates its rows. Without `with_tokenizer` (a train rank other than the leader: it needs
+    only the vocabulary's size), the synthetic task's tokenizer is not built: `tokenizer` is None."""
     d = cfg.data
     if d.source != "synthetic" and not Path(d.source).is_file():
         raise FileNotFoundError(f"data.source = {d.source!r}: no such file"
@@ -103,17 +104,19 @@ def build_run(cfg: Config, with_data: bool) -> RunParts:
     if d.source == "synthetic":
         task = SyntheticTask(d.task, d.num_prompts, d.seed, lengths=LengthDist(
             d.len_body_max, d.len_tail_min, d.len_tail_max, d.len_tail_frac))
-        tok = task.tokenizer()
+        tok = task.tokenizer() if with_tokenizer else None
+        vocab, eos = task.vocab_size, task.eos_token_id
     else:   # the config checked that a prompt file comes with a tokenizer
         tok = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        vocab, eos = len(tok), tok.eos_token_id
     reward = reward_fn(cfg)
     if cfg.model.path:
         mcfg = ModelConfig.from_dir(cfg.model.path)
     else:
-        mcfg = preset_config(cfg.model.preset, vocab_size=len(tok) if cfg.model.preset == "tiny" else None,
-                             eos_token_id=tok.eos_token_id)
-    if len(tok) > mcfg.vocab_size:
-        raise ValueError(f"the tokenizer has {len(tok)} tokens but the model's vocab_size is {mcfg.vocab_size}")
+        mcfg = preset_config(cfg.model.preset, vocab_size=vocab if cfg.model.preset == "tiny" else None,
+                             eos_token_id=eos)
+    if vocab > mcfg.vocab_size:
+        raise ValueError(f"the tokenizer has {vocab} tokens but the model's vocab_size is {mcfg.vocab_size}")
     source, skipped = None, 0
     if with_data:
         if task is not None:

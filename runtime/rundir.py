@@ -188,11 +188,11 @@ def run_rows(run_dir: str | Path, history: list[dict[str, Any]]) -> list[dict[st
     return earlier + history
 
 
-def finish_run(run_dir: str, log: MetricsLogger, parts: RunParts) -> None:
+def finish_run(run_dir: str, log: MetricsLogger, parts: RunParts, plots: bool = True) -> None:
     """summary.json and timeline.png, both from the event log (without the per-request admissions, which neither
     reads), for the rewards every step's row of the run (earlier attempts' included), and curves.png from
-    metrics.jsonl."""
-    phase("writing summary.json, timeline.png and curves.png")
+    metrics.jsonl. Without `plots` (`log.plots = false`), summary.json alone."""
+    phase("writing summary.json, timeline.png and curves.png" if plots else "writing summary.json")
     events = list(read_events(Path(run_dir) / "events.jsonl", skip=("request_admitted",)))
     summary = summarize(events, log.num_engines)
     hist = run_rows(run_dir, log.history)
@@ -204,9 +204,10 @@ def finish_run(run_dir: str, log: MetricsLogger, parts: RunParts) -> None:
     summary["samples_trained"] = int(sum(e.data.get("samples", 0) for e in events if e.kind == "train_step_done"))
     summary["skipped_prompts"] = parts.skipped_prompts
     (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    draw(events, Path(run_dir) / "timeline.png", Path(run_dir).name, summary)
-    rows = read_rows(Path(run_dir) / "metrics.jsonl")     # the file: a resumed run's every step, not this attempt's
-    if rows:
-        draw_curves(rows, Path(run_dir) / "curves.png", Path(run_dir).name)
+    if plots:
+        draw(events, Path(run_dir) / "timeline.png", Path(run_dir).name, summary)
+        rows = read_rows(Path(run_dir) / "metrics.jsonl")   # the file: a resumed run's every step, not this attempt's
+        if rows:
+            draw_curves(rows, Path(run_dir) / "curves.png", Path(run_dir).name)
     print(f"run directory: {run_dir}  reward {summary.get('reward_first', 0):.3f} -> "
           f"{summary.get('reward_last', 0):.3f}  ({summary['makespan_s']:.1f}s)")

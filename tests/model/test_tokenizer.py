@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from model.tokenizer import ROLE_TOKENS, build_char_tokenizer, encode_prompt, load_tokenizer
+from model.tokenizer import ROLE_TOKENS, build_char_tokenizer, char_vocab_size, encode_prompt, load_tokenizer
 
 CHARS = "abcdef=x "
 
@@ -34,6 +34,11 @@ def test_special_ids_and_roundtrip():
 def test_unknown_character_maps_to_unk():
     tok = build_char_tokenizer("ab")
     assert tok("aZb")["input_ids"] == [1, 4, tok.unk_token_id, 5]
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_char_vocab_size_is_the_built_tokenizers(chat_template):
+    assert char_vocab_size(CHARS, chat_template) == len(build_char_tokenizer(CHARS, chat_template=chat_template))
 
 
 @pytest.mark.parametrize("chars", ["", "aba"])

@@ -18,6 +18,15 @@ def test_deterministic_from_seed(name):
     assert len(a) == 50
 
 
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_vocab_size_and_eos_are_the_tokenizers_without_building_it(name):
+    """A train rank sizes the tiny model from these (runtime/build.py) and builds no tokenizer: they must agree."""
+    task = SyntheticTask(name, num_prompts=4, seed=0)
+    tok = task.tokenizer()
+    assert (task.vocab_size, task.eos_token_id) == (len(tok), tok.eos_token_id)
+    assert set(task.chars) >= {c for prompt, answer in task.prompts() for c in prompt + answer}
+
+
 def test_rules():
     for name, expect in [("first", "c"), ("last", "d"), ("copy", "cafd"), ("reverse", "dfac")]:
         task = SyntheticTask(name, num_prompts=200, seed=0, alphabet="abcdf", min_len=4, max_len=4)

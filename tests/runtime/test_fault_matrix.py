@@ -75,7 +75,7 @@ class Job:
 def launch(run: Path, faults: list[str], restarts: int) -> tuple[Job, threading.Thread]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", f"--max-restarts={restarts}",
            "--monitor-interval=0.1", "--master_port", str(free_port()), "train.py", "--config", "configs/tiny.toml",
-           "--log.progress=false", f"--log.dir={run}", *ARGS]
+           "--log.progress=false", "--log.plots=false", f"--log.dir={run}", *ARGS]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TIDAL_FAULTS": ";".join(faults)}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)

@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS = 8
 ARGS = [f"--train.steps={STEPS}", "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false",
-        "--log.progress=false", "--cluster.timeout_s=60", '--cluster.preempt_signals=["SIGTERM", "SIGUSR1"]']
+        "--log.progress=false", "--log.plots=false", "--cluster.timeout_s=60",
+        '--cluster.preempt_signals=["SIGTERM", "SIGUSR1"]']
 SAME = ("reward_mean", "accuracy", "response_len_mean", "loss", "grad_norm", "entropy", "samples")   # not timings
 DEADLINE_S = 400
 

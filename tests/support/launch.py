@@ -14,8 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def torchrun(nproc: int, *args: str, timeout: float = 400, env: dict[str, str] | None = None
              ) -> subprocess.CompletedProcess:
+    """train.py on `nproc` ranks with the tiny config, no progress bar and no plots (`--log.plots=true` draws
+    them); its stdout and stderr, after asserting it succeeded."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-           str(free_port()), "train.py", "--config", "configs/tiny.toml", "--log.progress=false", *args]
+           str(free_port()), "train.py", "--config", "configs/tiny.toml", "--log.progress=false", "--log.plots=false",
+           *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
