@@ -126,7 +126,8 @@ def test_a_held_request_frees_its_decode_slot_and_keeps_its_blocks(model):
     assert not eng.has_unfinished()        # nothing to step while it waits
     # the one seat is free: another request runs to the end while "ep" is held, its blocks untouched
     used = st.kv_blocks_used
-    other = eng.generate([GenRequest(prompts((5,), seed=2)[0], SamplingParams(max_new_tokens=6, seed=1, ignore_eos=True))])[0]
+    plain = SamplingParams(max_new_tokens=6, seed=1, ignore_eos=True)
+    other = eng.generate([GenRequest(prompts((5,), seed=2)[0], plain)])[0]
     assert len(other.token_ids) == 6 and eng.stats().kv_blocks_used == used and eng.stats().held == ["ep"]
     eng.extend("ep", OBS[0])
     assert eng.stats().waiting == ["ep"] and eng.stats().held == []
