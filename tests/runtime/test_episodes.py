@@ -246,3 +246,35 @@ def test_single_turn_workers_are_unchanged():
     w.flush()
     assert w.episodes is None
     assert all(e.payload.loss_mask is None and "turns" not in e.payload.meta for e in events_of(ch, "reward_scored"))
+
+
+def test_the_partial_pool_keeps_a_multi_turn_request_s_mask_for_an_engine_failure():
+    """Under fault isolation the counters stream each request's tokens to the controller's pool; a multi-turn
+    request's chunks carry its mask, so the partial an engine failure resumes from still masks its observations."""
+    from sched.partials import PartialPool
+    w, ch, task, tok = tool_worker(FakeEnv())
+    w.health.isolated = 1
+    w._counters = lambda before: None   # the chunks come here, not in the counters' events
+    specs = group_specs(task, tok, n_groups=1, group_size=3)
+    w.handle(Start(specs))
+    pool = PartialPool()
+    for s in specs:
+        pool.open(s.req_id, None)
+    deadline = time.monotonic() + 30
+    while not any(s.appended for s in w.engine.seqs.values()):
+        assert time.monotonic() < deadline
+        w._tools()
+        w.step() if w.engine.has_unfinished() else time.sleep(0.001)
+        for rid, chunk in w.health.partials().items():
+            pool.grow(rid, chunk)
+    for _ in range(3):   # a few more tokens after the observation
+        w.step() if w.engine.has_unfinished() else None
+    for rid, chunk in w.health.partials().items():
+        pool.grow(rid, chunk)
+    extended = [rid for rid, s in w.engine.seqs.items() if s.appended]
+    for rid in extended:
+        seq = w.engine.seqs[rid]
+        part = pool.take(rid, None, 0, 0, seq.request.prompt_ids, 0)
+        assert part.response_ids == seq.token_ids[seq.num_prompt_tokens:] and part.loss_mask == seq.mask()
+        assert 0 in part.loss_mask
+    w.close()
