@@ -149,7 +149,7 @@ def take_back(v: Views, pool: PartialPool, ev: Event, emit: Callable[[Event], No
         if r.migrate_to >= 0 and r.state == S.INTERRUPTING:
             v.migrations.append((r.req_id, r.engine, r.migrate_to))
         v.requests.set_state(r, S.PENDING)
-        r.engine, r.migrate_to = -1, -1
+        r.engine, r.migrate_to, r.tool_since = -1, -1, -1.0   # a tool call it waited on is abandoned
     emit(Event("trajectories_recovered", v.now, engine=ev.engine,
                data={"resumed": resumed, "tokens_kept": kept, "tokens_lost": lost, "dropped": dropped}))
 
