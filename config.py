@@ -176,6 +176,28 @@ class TrainConfig:
 
 
 @dataclass
+class EnvConfig:
+    kind: str = F("none", choices=("none", "calculator", "lookup"),
+                  help="none = single-turn episodes; calculator | lookup = multi-turn episodes calling that tool "
+                       "(rl/tools.py); the reward scores the episode's last model turn")
+    format: str = F("plain", choices=("plain", "qwen3"),
+                    help="how a model turn writes a call and how the observation is appended: plain = the "
+                         "character-level tiny tasks' syntax (a turn ending in '=' calls the tool), qwen3 = Qwen3's "
+                         "<tool_call> JSON and its chat template's tool message")
+    max_turns: int = F(4, ge=1, help="model turns per episode at most (the last one is the answer, call or not)")
+    tool_timeout_s: float = F(10.0, gt=0, help="one tool call's time limit; a call past it becomes a failed "
+                              "observation and the episode goes on")
+    latency_s: float = F(0.0, ge=0, help="lookup: seconds each call sleeps (a tool of chosen latency)")
+    tool_workers: int = F(4, ge=1, help="threads per rollout rank running tool calls beside decoding")
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        if self.kind != "lookup" and self.latency_s:
+            yield "latency_s", f"applies only to env.kind = \"lookup\", not \"{self.kind}\""
+        if self.latency_s >= self.tool_timeout_s:
+            yield "latency_s", f"must be < env.tool_timeout_s = {self.tool_timeout_s:g} (every call would time out)"
+
+
+@dataclass
 class SchedConfig:
     preset: str = F("sync", help="scheduling preset: configs/sched/<preset>.toml")
     dispatch: dict[str, Any] = F({}, help="{name = ..., params}: overrides the preset's dispatch "
@@ -315,6 +337,7 @@ class Config:
     rollout: RolloutConfig = F(RolloutConfig, help="sampling and the decode engine")
     train: TrainConfig = F(TrainConfig, help="optimizer and GRPO loss")
     sched: SchedConfig = F(SchedConfig, help="rollout/train scheduling policy")
+    env: EnvConfig = F(EnvConfig, help="multi-turn episodes: the tool environment (rl/env.py, rl/tools.py)")
     cluster: ClusterConfig = F(ClusterConfig, help="ranks and process groups")
     log: LogConfig = F(LogConfig, help="metrics, console, wandb")
     checkpoint: CheckpointConfig = F(CheckpointConfig, help="save, resume, export")

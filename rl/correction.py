@@ -27,6 +27,8 @@ correction gives a detached weight w_t that multiplies the token's policy-gradie
                 before Collapse", arXiv 2510.01161 (the second moment of the log ratio kept under tau_M2); the
                 procedure and the strict "<" as in AReaL's `_apply_m2po_masking` / `_get_m2po_loss_mask`
                 (areal/engine/ppo/actor.py), over the tokens of one loss call (a micro-batch), as AReaL does
+Trained tokens are the model's: a multi-turn episode's observation tokens (mask 0) are in no sum, no count n_i
+and no M2PO ranking, so S_i is the product of the ratios of the model's own tokens.
 lo = 0 means no lower bound. A masked token adds nothing to the loss or the gradient but still counts in the
 normaliser, which is fixed per optimizer step (verl's and AReaL's rejection drop it from their per-batch
 denominators instead). The weights carry no gradient.

@@ -37,6 +37,10 @@ Aggregation (`normaliser` is for the whole optimizer step, so micro-batching nev
     seq_mean       sum_i (sum_{t in i} l_t / |i|) / N_seqs       GRPO's original sample-level mean
     seq_sum_norm   sum_i (sum_{t in i} l_t / max_len) / N_seqs   Dr.GRPO (Liu et al. 2025): a constant length
 Sequences are never split across micro-batches, so per-sequence sums are complete within one call.
+Multi-turn episodes: `mask` is 0 on an episode's observation tokens (Trajectory.loss_mask), so "tokens" above are
+the model's tokens only: N_tokens counts them, |i| is sequence i's model tokens, sequence ratios (GSPO) and every
+statistic are over them. An observation token adds nothing to the loss or its gradient whatever its behaviour
+log-prob says (it is replaced by the current one there, so even a NaN cannot leak through a zero weight).
 """
 from __future__ import annotations
 
@@ -114,7 +118,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
     logp: [N] current policy log-probs (with grad); old_logp: [N] behaviour log-probs; advantages: [N] (the
     sequence's advantage on each of its tokens); seq_idx: [N] int64 in [0, num_seqs); mask: [N] 1 where the token
-    is trained on; ref_logp: [N] or None. normaliser: tokens (token_mean) or sequences (seq_*) of the whole step;
+    is trained on (0: an observation token of a multi-turn episode, or a dummy batch); ref_logp: [N] or None. normaliser: tokens (token_mean) or sequences (seq_*) of the whole step;
     None means this batch alone. prox_logp: [N] proximal log-probs (no grad) for decoupled PPO, None for plain PPO
     against the behaviour policy; is_cap: truncation of the decoupled importance weight (0: none); is_mode: what
     happens above it (IS_MODES). trainer_logp: [N] the trainer-side log-probs of the correction and the mismatch
@@ -135,6 +139,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     num_seqs = int(seq_idx.max()) + 1 if num_seqs is None and seq_idx.numel() else int(num_seqs or 0)
     mask = (torch.ones_like(logp) if mask is None else mask).to(logp.dtype)
     old_logp, advantages = old_logp.to(logp.dtype), advantages.to(logp.dtype)
+    # untrained positions read the current log-prob as their behaviour one: every term there is finite and neutral
+    # (ratio 1), so their zero weight zeroes them even when the recorded value is garbage (inf * 0 would be NaN)
+    old_logp = torch.where(mask > 0, old_logp, logp.detach())
     if normaliser is None:
         normaliser = default_normaliser(loss_agg, mask, seq_idx, num_seqs)
     normaliser = float(normaliser) if float(normaliser) > 0 else 1.0  # an empty batch has a zero numerator

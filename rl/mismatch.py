@@ -8,6 +8,7 @@ With l_t = log pi_trainer(y_t) - log pi_behaviour(y_t) (rl/correction.py) and y_
     mismatch_kl_k3_<bucket>   the k3 mean over the tokens whose staleness (the trainer's version minus the token's
                          `Trajectory.versions` entry) falls in the bucket: stale0 (0), stale1 (1), stale2_3 (2-3),
                          stale4plus (>= 4); a bucket without tokens in the step is not reported
+Only trained tokens count (mask 1: a multi-turn episode's observation tokens, sampled by no policy, are left out).
 Everything is a sum (or, for the max, a max) over masked tokens on the device, so the trainer reads it with the
 other loss statistics: no host read per micro-batch.
 """

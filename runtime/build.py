@@ -19,8 +19,10 @@ from model.config import DTYPES
 from model.presets import preset_config
 from model.tokenizer import load_tokenizer
 from rl.data import PromptDataset, PromptSampler
+from rl.env import Environment
 from rl.rewards import RewardResult, get_reward_fn
 from rl.tasks import LengthDist, SyntheticTask
+from rl.tools import make_environment
 from rl.reward_timeout import AdaptiveTimeout
 from runtime.reward_scorer import AsyncRewardScorer, InlineScorer, RewardScorer
 from runtime.topology import Topology, gpu_count, local_device
@@ -62,6 +64,12 @@ class RunParts:
 def reward_fn(cfg: Config) -> Callable[[str, str], RewardResult]:
     kind = cfg.reward.kind
     return get_reward_fn(kind, timeout_s=cfg.reward.timeout_s) if kind == "math" else get_reward_fn(kind)
+
+
+def environment(cfg: Config) -> Environment | None:
+    """The run's tool environment (`[env]`, rl/tools.py), or None for `env.kind = "none"` (single-turn)."""
+    e = cfg.env
+    return make_environment(e.kind, e.format, e.max_turns, e.tool_timeout_s, e.latency_s)  # type: ignore[arg-type]
 
 
 def reward_scorer(cfg: Config, fn: Callable[[str, str], RewardResult]) -> RewardScorer:

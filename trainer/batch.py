@@ -11,6 +11,12 @@ With `train.share_prompts` the G samples of a group travel together (to one rank
 common prompt is packed once, every sample's own tokens after it (model/attention.py `SharedPrefixCausal`): the
 log-probs and gradients are those of the unshared packing (up to float summation order), for P + G * (R - 1)
 tokens instead of G * (P + R - 1).
+
+Multi-turn episodes (rl/episode.py) carry a loss mask over their response (`Trajectory.loss_mask`: 1 = a model
+token, 0 = an environment observation): observation tokens stay in the packed sequence (they condition every later
+model token) and among the targets, with `MicroBatch.mask` 0, so they add nothing to the loss, its gradient, its
+normaliser or any statistic. With shared prompts the prompt carries no mask (it has no targets but the first
+response token's), and each sample's own tokens carry theirs. A trajectory without a mask trains every token.
 """
 from __future__ import annotations
 
@@ -33,10 +39,16 @@ class Sample:
     advantage: float
     group_id: int = -1
     versions: list[int] | None = None  # weight version of each target (Trajectory.versions); None: all 0
+    loss_mask: list[int] | None = None  # per target: 1 trained, 0 an observation token (Trajectory); None: all 1
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def num_trained(self) -> int:
+        """Targets trained on: the model's tokens (all of them without a loss mask)."""
+        return len(self.targets) if self.loss_mask is None else sum(self.loss_mask)
 
     @property
     def prompt_len(self) -> int:
@@ -44,7 +56,8 @@ class Sample:
 
 
 def build_samples(adv: Advantages) -> list[Sample]:
-    """One Sample per trajectory with a non-empty response, in group order."""
+    """One Sample per trajectory with a non-empty response, in group order, with its loss mask (ValueError when the
+    mask's length is not the response's or an entry is not 0 or 1)."""
     out = []
     for group, advantages in zip(adv.groups, adv.advantages):
         for t, a in zip(group.trajectories, advantages):
@@ -57,10 +70,19 @@ def build_samples(adv: Advantages) -> list[Sample]:
                 raise ValueError(f"group {group.group_id} sample {t.sample_index}: {len(t.logprobs)} behaviour "
                                  f"logprobs for {len(t.response_ids)} response tokens")
             n = len(t.response_ids)
+            mask = None
+            if t.loss_mask is not None:
+                if len(t.loss_mask) != n:
+                    raise ValueError(f"group {group.group_id} sample {t.sample_index}: loss_mask has "
+                                     f"{len(t.loss_mask)} entries for {n} response tokens")
+                mask = [int(m) for m in t.loss_mask]
+                if any(m not in (0, 1) for m in mask):
+                    raise ValueError(f"group {group.group_id} sample {t.sample_index}: loss_mask entries must be "
+                                     f"0 (observation) or 1 (model token), got {sorted(set(mask) - {0, 1})}")
             versions = list(t.versions[:n])
             versions += [versions[-1] if versions else 0] * (n - len(versions))
             out.append(Sample(list(t.prompt_ids) + list(t.response_ids[:-1]), list(t.response_ids),
-                              list(t.logprobs), float(a), group.group_id, versions))
+                              list(t.logprobs), float(a), group.group_id, versions, mask))
     return out
 
 
@@ -153,7 +175,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor  # [N] fp32
     advantages: torch.Tensor    # [N] fp32
     seq_idx: torch.Tensor       # [N] int64 in [0, S)
-    mask: torch.Tensor          # [N] fp32: 1 for real tokens, 0 in a dummy batch
+    mask: torch.Tensor          # [N] fp32: 1 for trained tokens; 0 for observation tokens and in a dummy batch
     num_seqs: int
     versions: torch.Tensor | None = None  # [N] int64: the weight version of each target (staleness metrics)
 
@@ -219,11 +241,15 @@ def _micro_batch(samples: list[Sample], ids: list[int], pos: list[int], attn: At
                  loss_index: list[int], seq_idx: list[int], device: torch.device | str) -> MicroBatch:
     n = len(loss_index)
     targets, old, adv, versions = [], [], [], []
+    masked = any(s.loss_mask is not None for s in samples)
+    mask: list[float] = []
     for s in samples:
         targets += s.targets
         old += s.old_logprobs
         adv += [s.advantage] * len(s.targets)
         versions += s.versions if s.versions is not None else [0] * len(s.targets)
+        if masked:
+            mask += [1.0] * len(s.targets) if s.loss_mask is None else s.loss_mask
     return MicroBatch(
         input_ids=_tensor(ids, "q", device),
         positions=_tensor(pos, "q", device),
@@ -233,7 +259,7 @@ def _micro_batch(samples: list[Sample], ids: list[int], pos: list[int], attn: At
         old_logprobs=_tensor(old, "f", device),
         advantages=_tensor(adv, "f", device),
         seq_idx=_tensor(seq_idx, "q", device),
-        mask=torch.ones(n, dtype=torch.float32, device=device),
+        mask=_tensor(mask, "f", device) if masked else torch.ones(n, dtype=torch.float32, device=device),
         num_seqs=len(samples),
         versions=_tensor(versions, "q", device),
     )

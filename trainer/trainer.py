@@ -41,6 +41,7 @@ the runtime's deadlines are renewed by it (runtime/watchdog.py), so a long step 
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from pathlib import Path
@@ -150,7 +151,7 @@ class Trainer:
         metrics: dict[str, float] = {
             "groups": float(len(groups)), "filtered_groups": float(adv.num_filtered),
             "reward_mean": sum(rewards) / max(len(rewards), 1), "sequences": float(len(samples)),
-            "tokens": float(sum(len(s.targets) for s in samples)),
+            "tokens": float(sum(s.num_trained for s in samples)),
             **self.staleness(adv.groups),
         }
         self.model.train()
@@ -210,7 +211,8 @@ class Trainer:
 
     def staleness(self, groups: list[Group]) -> dict[str, float]:
         """Trainer version minus each trained response token's version (Trajectory.versions): mean and max."""
-        lags = [self.step - v for g in groups for t in g.trajectories for v in t.versions[:len(t.response_ids)]]
+        lags = [self.step - v for g in groups for t in g.trajectories
+                for v, m in zip(t.versions[:len(t.response_ids)], t.loss_mask or itertools.repeat(1)) if m]
         if not lags:
             return {}
         return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
@@ -219,7 +221,9 @@ class Trainer:
                   prox_cache: dict[tuple[int, int], torch.Tensor] | None = None) -> dict[str, float]:
         """Forward/backward of one chunk into the gradients, keeping them normalised by the accumulated count."""
         cfg = self.cfg
-        own = float(sum(len(s.targets) for s in chunk) if cfg.loss_agg == "token_mean" else len(chunk))
+        # the normaliser counts trained tokens (token_mean) or sequences with any (seq_*): observations never
+        own = float(sum(s.num_trained for s in chunk) if cfg.loss_agg == "token_mean" else
+                    sum(1 for s in chunk if s.num_trained))
         normaliser = self.accumulated + own
         if self.accumulated:  # the gradients so far were divided by the old count: bring them onto the new one
             for p in self.model.parameters():
