@@ -11,7 +11,9 @@ request (`LLMEngine.extend`), whose next turn then decodes on the KV it kept. An
 under the response's token cap ends the episode ("length"). An environment whose own code raises (in `act` or
 `observation`) ends it with finish_reason "error".
 
-An episode's state is its transcript (the request's tokens and mask) plus counters (`EpisodeStats`, carried in a
+The transcript's turns, the call a turn makes and the tool thread's body are rl/episode.py's and rl/tools.py's
+(`next_call`, `model_turns`, `call_tool`, `timeout_observation`). An episode's state is its transcript (the
+request's tokens and mask) plus counters (`EpisodeStats`, carried in a
 partial trajectory's meta): an interrupted, aborted or migrated request, or one on an engine that failed, forgets
 its call in flight (`abandon`); resumed, it continues from its transcript (its turns: the sampled spans of its
 mask), a turn that had ended acted on again (`resume_held`).
@@ -24,8 +26,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from engine.engine import LLMEngine
-from engine.sequence import RequestId, RequestOutput, spans
+from engine.sequence import RequestId, RequestOutput
 from rl.env import Environment, Observation, ToolCall
+from rl.episode import model_turns, next_call
+from rl.tools import call_tool, timeout_observation
 
 
 @dataclass
@@ -47,33 +51,15 @@ class InFlight:
     deadline: float    # perf_counter after which its observation is a timeout
 
 
-def count_turns(mask: list[int] | None, num_tokens: int) -> int:
-    """The model turns in a transcript: the runs of sampled tokens in its mask (no mask: one, if any token)."""
-    if mask is None:
-        return 1 if num_tokens else 0
-    return len(spans(mask, 1))
+def count_turns(token_ids: list[int], mask: list[int] | None) -> int:
+    """The model turns in a transcript (rl/episode.py: the runs of mask 1)."""
+    return len(model_turns(token_ids, mask))
 
 
 def last_turn(token_ids: list[int], mask: list[int] | None) -> list[int]:
     """The tokens of a transcript's last model turn."""
-    if mask is None:
-        return list(token_ids)
-    runs = spans(mask, 1)
-    return token_ids[runs[-1][0]:runs[-1][1]] if runs else []
-
-
-def run_tool(env: Environment, call: ToolCall) -> Observation:
-    """The tool thread's body: `env.run(call)`, any exception (or a result that is not an Observation) a failed
-    observation naming it."""
-    t0 = time.perf_counter()
-    try:
-        obs = env.run(call)
-    except Exception as e:   # noqa: BLE001: a tool's bug must not take the rank down
-        return Observation(f"error: {type(e).__name__}: {e}", True, time.perf_counter() - t0)
-    if not isinstance(obs, Observation):
-        return Observation(f"error: the tool returned a {type(obs).__name__}, not an Observation", True,
-                           time.perf_counter() - t0)
-    return obs
+    turns = model_turns(token_ids, mask)
+    return turns[-1] if turns else []
 
 
 class Episodes:
@@ -104,18 +90,16 @@ class Episodes:
     # ---- a turn ended ----------------------------------------------------------------------------------------
     def turn_ended(self, out: RequestOutput) -> RequestOutput | None:
         """A held request's turn ended: start its tool call (None), or end its episode (its final output)."""
-        rid, turn = out.request_id, count_turns(out.mask, len(out.token_ids))
-        stats = self.stats.setdefault(rid, EpisodeStats())
-        if turn >= self.env.max_turns:
-            return self.engine.end(rid)
-        try:
-            call = self.env.act(self.decode(last_turn(out.token_ids, out.mask)))
+        rid, turn = out.request_id, count_turns(out.token_ids, out.mask)
+        self.stats.setdefault(rid, EpisodeStats())
+        try:   # None: no call in the turn, or it was the max_turns-th
+            call = next_call(self.env, self.decode, out.token_ids, out.mask)
         except Exception as e:   # noqa: BLE001: the environment's bug ends this episode, not the rank
             return self._error(rid, f"act: {type(e).__name__}: {e}")
         if call is None:
             return self.engine.end(rid)
         now = time.perf_counter()
-        self.calls[rid] = InFlight(self.pool.submit(run_tool, self.env, call), call, turn, now,
+        self.calls[rid] = InFlight(self.pool.submit(call_tool, self.env, call), call, turn, now,
                                    now + float(self.env.timeout_s))
         self.event("tool_started", req_id=rid, group_id=out.group_id, data={"turn": turn, "tool": call.name})
         return None
@@ -141,8 +125,7 @@ class Episodes:
                 obs = c.future.result()
             elif now >= c.deadline:
                 c.future.cancel()   # still queued: never runs; running: abandoned, its result ignored
-                obs = Observation(f"error: the tool call timed out after {self.env.timeout_s:g} s", True,
-                                  float(self.env.timeout_s))
+                obs = timeout_observation(self.env)
             else:
                 continue
             del self.calls[rid]
@@ -162,9 +145,11 @@ class Episodes:
                    data={"turn": c.turn, "seconds": round(seconds, 6), "failed": bool(obs.failed)})
         try:
             ids = self.encode(self.env.observation(obs))
+            if not ids:
+                raise ValueError(f"observation {obs.text[:40]!r} tokenizes to no tokens")
         except Exception as e:   # noqa: BLE001
             return self._error(rid, f"observation: {type(e).__name__}: {e}")
-        if not ids or len(ids) > self.engine.room(rid):
+        if len(ids) > self.engine.room(rid):   # the response's token cap
             return self.engine.end(rid, "length")
         self.engine.extend(rid, ids)
         return None

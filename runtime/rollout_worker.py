@@ -54,7 +54,7 @@ from engine.sequence import GenRequest, KVState, RequestOutput
 from rl.env import Environment
 from rl.rewards import RewardResult
 from rl.types import Trajectory
-from runtime.build import RunParts, reward_scorer
+from runtime.build import RunParts, environment, reward_scorer
 from runtime.channel import WORKER, Channel, ChannelTimeout
 from runtime.engine_health import EngineHealth
 from runtime.episodes import Episodes, count_turns, last_turn
@@ -62,7 +62,7 @@ from runtime.kv_migration import KVMigration
 from runtime.messages import ReceiveWeights, SendKV, Start, StartRequest, Stop
 from runtime.relay import Relay
 from runtime.reward_scorer import RewardScorer
-from runtime.samples import partial_of, request_seed, response_decoder, trajectory_of
+from runtime.samples import observation_encoder, partial_of, request_seed, response_decoder, trajectory_of
 from runtime.topology import Topology
 from runtime.watchdog import Phase, doing, progress
 from sched.base import Preset
@@ -121,8 +121,9 @@ class RolloutWorker:
     def for_rank(cls, cfg: Config, parts: RunParts, engine: LLMEngine, topo: Topology, channel: Channel, t0: float,
                  receiver: WeightReceiver | None, preset: Preset | None = None, **kw: Any) -> "RolloutWorker":
         """This rank's worker, as the run config says; what its counters carry and how often, as `preset`'s
-        mechanisms read them (Preset.reads_progress, Preset.counters_period_s), and whether it isolates engine
-        faults (Preset.failures_isolated; never in colocated mode, where the rank is a trainer shard too)."""
+        mechanisms read them (Preset.reads_progress, Preset.counters_period_s), whether it isolates engine
+        faults (Preset.failures_isolated; never in colocated mode, where the rank is a trainer shard too), and its
+        environment (`[env]`; None, single-turn, for `env.kind = "none"`)."""
         r = cfg.rollout
         return cls(engine, channel, engine_index=topo.engine_of(topo.rank), rank=topo.rank,
                    scorer=reward_scorer(cfg, parts.reward_fn), decode=response_decoder(parts.tokenizer, engine.eos_ids),
@@ -133,7 +134,8 @@ class RolloutWorker:
                                            counters_every_s=preset.counters_period_s() if preset else None), t0=t0,
                    verify_weights=cfg.cluster.verify_weights, kv_group=topo.kv_group if cfg.perf.migrate_kv else None,
                    failures_isolated=preset.failures_isolated() if preset is not None and not topo.colocate else 0,
-                   **kw)
+                   env=environment(cfg), encode=observation_encoder(parts.tokenizer),
+                   tool_workers=cfg.env.tool_workers, **kw)
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -338,8 +340,8 @@ class RolloutWorker:
         traj = trajectory_of(out)
         text_ids = out.token_ids
         if self.episodes is not None:
-            traj.meta.update(self.episodes.meta(req_id), turns=count_turns(out.mask, len(out.token_ids)))
-            text_ids = last_turn(out.token_ids, out.mask)
+            traj.meta.update(self.episodes.meta(req_id), turns=count_turns(out.token_ids, out.mask))
+            text_ids = last_turn(out.token_ids, out.mask)   # rl/episode.py `reward_text`
         self.event("trajectory_finished", req_id=req_id, group_id=out.group_id, version=out.version,
                    data={"tokens": len(out.token_ids), "finish_reason": out.finish_reason})
         if env_error:

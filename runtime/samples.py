@@ -39,3 +39,11 @@ def response_decoder(tok: Any, eos_ids: frozenset[int]) -> Callable[[list[int]],
     def decode(ids: list[int]) -> str:
         return tok.decode(ids[:-1] if ids and ids[-1] in eos_ids else ids, skip_special_tokens=False)
     return decode
+
+
+def observation_encoder(tok: Any) -> Callable[[str], list[int]]:
+    """An observation's text as the tokens appended after a model turn: tokenized alone, no special tokens added
+    (rl/episode.py `observation_ids`)."""
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+    return encode

@@ -100,7 +100,7 @@ def check_episode(t, tok, stops, events):
     assert all(r in (encode(OBS_TEXT), encode(FAILED_TEXT)) for r in runs)
     assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask) if not m)
     assert all(lp < 0.0 for lp, m in zip(t.logprobs, t.loss_mask) if m)
-    turns = count_turns(t.loss_mask, len(t.response_ids))
+    turns = count_turns(t.response_ids, t.loss_mask)
     assert t.meta["turns"] == turns and 1 <= turns <= 3
     assert t.meta["tool_calls"] == len(runs) + (t.finish_reason == "length" and t.loss_mask[-1] == 1
                                                 and t.response_ids[-1] in stops)
@@ -213,7 +213,7 @@ def test_an_interrupt_while_a_tool_runs_abandons_it_and_the_resumed_episode_is_u
         assert part.response_ids[-1] in a.turn_stops or part.response_ids[-1] in a.engine.eos_ids
         assert part.response_ids == want[rid].response_ids[:len(part.response_ids)]
         assert part.loss_mask == want[rid].loss_mask[:len(part.loss_mask)]
-        assert part.meta["tool_calls"] == count_turns(part.loss_mask, len(part.response_ids)) - 1   # not the abandoned
+        assert part.meta["tool_calls"] == count_turns(part.response_ids, part.loss_mask) - 1   # not the abandoned
     time.sleep(0.05)
     a._tools()   # the abandoned calls' results (the gate opened) are ignored
     assert not a.engine.seqs.keys() & set(waiting)
@@ -234,7 +234,7 @@ def test_an_interrupt_while_a_tool_runs_abandons_it_and_the_resumed_episode_is_u
         assert (t.reward, t.correct) == (w0.reward, w0.correct)
         # the resumed rank ran the call the first one abandoned: its turn counted from the transcript
         first = [e.data["turn"] for e in events if e.kind == "tool_started" and e.req_id == rid]
-        assert first and first[0] == count_turns(interrupted[rid].loss_mask, len(interrupted[rid].response_ids))
+        assert first and first[0] == count_turns(interrupted[rid].response_ids, interrupted[rid].loss_mask)
     b.close()
 
 
