@@ -43,3 +43,16 @@ def test_a_restored_request_does_not_wait_on_the_tool_of_its_old_engine():
     life.v, life.emit = v, lambda e: None
     _settle(life, r)
     assert r.state == RequestState.RESTORED and not r.on_tool and r.partial.loss_mask == [1, 1, 0, 0]
+
+
+def test_step_metrics_count_turns_and_tool_calls_of_multi_turn_episodes_only():
+    from rl.types import Group
+    from sched.metrics import rollout_stats
+
+    def traj(meta):
+        return Trajectory(0, 0, [1], [2, 3], [-1.0, -1.0], [0, 0], reward=1.0, meta=meta)
+    multi = rollout_stats([Group(0, 0, None, [traj({"turns": 3, "tool_calls": 2, "tool_failures": 1}),
+                                              traj({"turns": 1, "tool_calls": 0, "tool_failures": 0})])])
+    assert (multi["turns_mean"], multi["tool_calls_mean"], multi["tool_failed_frac"]) == (2.0, 1.0, 0.5)
+    single = rollout_stats([Group(0, 0, None, [traj({}), traj({})])])
+    assert "turns_mean" not in single and "tool_calls_mean" not in single
