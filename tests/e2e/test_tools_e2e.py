@@ -104,6 +104,23 @@ def test_a_checkpoint_taken_while_episodes_wait_on_tools_resumes(tmp_path):
     assert {r["req_id"] for r in mid} <= done   # every episode caught mid-way was finished by the resumed run
 
 
+def test_an_engine_failure_mid_episode_resumes_from_the_pool_with_its_loss_mask(tmp_path):
+    """Laminar's fault isolation with episodes (rank 2's engine fails at its 20th step, unrebuildable for 1 s):
+    the requests it held, waiting on calls or decoding a turn, resume on the other engine from the partial-response
+    pool, whose chunks carry the loss mask, and finish; the run keeps the off-policy invariants."""
+    run = tmp_path / "laminar"
+    env = {"TIDAL_FAULTS": "fail 2 decode 20 1.0 & slow 0 train 3 0.8"}
+    torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=6",
+             *LOOKUP, env=env)
+    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+    check_invariants(run, "laminar")
+    events = event_rows(run / "events.jsonl")
+    failed = next(e for e in events if e["kind"] == "engine_failed")
+    held = {int(r) for r in failed["data"]["held"]}
+    assert held and held <= {e["req_id"] for e in events if e["kind"] == "trajectory_finished"}
+    check_tools(run, strict=False)
+
+
 def test_colocated_ranks_run_multi_turn_episodes(tmp_path):
     """Colocated mode (every rank an engine and a trainer shard): the same episodes, tool calls beside decoding."""
     run = tmp_path / "colocated"
@@ -112,3 +129,4 @@ def test_colocated_ranks_run_multi_turn_episodes(tmp_path):
     check_invariants(run, "sync")
     tools = check_tools(run)
     assert tools["returned"] > 10 and tools["failed"] > 0, tools
+
