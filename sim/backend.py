@@ -5,11 +5,17 @@ fields, so sched.metrics and sched.timeline read a simulated log exactly as a re
 
     engine_busy / engine_idle          decode activity spans per engine
     tokens_decoded                     engine counters (total, running, waiting, kv_used/kv_free in blocks, plus
-                                       tokens, preemptions, and per-request progress when enabled)
+                                       tokens, preemptions, and per-request progress when enabled; on a
+                                       multi-turn workload `tools`: requests waiting on a tool call)
+    tool_started                       a multi-turn request's model turn ended in a tool call (data: turn, the model
+                                       turn that made it counting from 1, and tool, the workload's tool name)
+    tool_finished                      the call returned (data: turn, seconds, failed: it timed out); the
+                                       observation is then appended and prefilled (sim/engine.py, "Multi-turn")
     trajectory_finished                data: tokens, finish_reason
     reward_scored                      data: reward, correct, failed, task, latency_s (the call), wait_s (queued for
                                        a scorer); payload: an rl.types.Trajectory whose token
-                                       ids / logprobs / versions have the simulated length (versions per token)
+                                       ids / logprobs / versions have the simulated length (versions per token;
+                                       a multi-turn one's observation tokens: loss_mask 0, logprob 0.0)
     trajectory_aborted                 data: requeue, tokens (for Abort commands)
     trajectory_interrupted             data: tokens; payload: the partial Trajectory (all tokens so far, per-token
                                        versions); a resubmitted request re-prefills them (sim/engine.py `add`)
@@ -92,10 +98,31 @@ class EngineFault:
 
 
 @dataclass(frozen=True)
+class _ToolDone:
+    """A queue item: request `req`'s tool call on engine `engine` returns (SimBackend._tool_done)."""
+    engine: int
+    req: SimRequest
+
+
+@dataclass(frozen=True)
 class _Up:
     """A queue item: a failed engine is back (SimBackend._recover)."""
     engine: int
     down_s: float
+
+
+def loss_mask_runs(calls, done: int) -> tuple[tuple[int, int], ...]:
+    """The loss mask of a multi-turn response's first `done` tokens as runs: 1 for model tokens, 0 for the
+    observations of `calls` (sim/episodes.py CallSpec)."""
+    runs, pos = [], 0
+    for c in calls:
+        if c.at >= done:
+            break
+        obs = min(c.obs, done - c.at)
+        runs += [(1, c.at - pos), (0, obs)]
+        pos = c.at + obs
+    runs.append((1, done - pos))
+    return tuple((v, n) for v, n in runs if n > 0)
 
 
 def _runs_of(values) -> list[tuple[int, int]]:
@@ -185,7 +212,8 @@ class SimBackend:
             self.q.push(f.at_s, f)
 
     def _engine(self, index: int, rank: int) -> SimEngine:
-        return SimEngine(index, rank, self.cost, self, self.counters_every_s, self.progress, self.isolates_faults)
+        return SimEngine(index, rank, self.cost, self, self.counters_every_s, self.progress, self.isolates_faults,
+                         self.workload.multi_turn)
 
     @property
     def decode_profile(self) -> DecodeProfile:
@@ -246,11 +274,38 @@ class SimBackend:
 
     @staticmethod
     def trajectory(engine: int, r: SimRequest, reason: str, **kw) -> Trajectory:
+        """r's trajectory so far; a multi-turn one's observation tokens have loss mask 0 and logprob 0.0."""
         runs = tuple([(v, c) for v, c in r.runs if c > 0])   # RunList(r.runs), without its generic checks
+        logprobs = RunList.of(FAKE_LOGPROB, r.done)
+        if r.calls:
+            mask = loss_mask_runs(r.calls, r.done)
+            kw["loss_mask"] = trusted_runs(mask, r.done)
+            logprobs = trusted_runs(tuple((FAKE_LOGPROB if m else 0.0, n) for m, n in mask), r.done)
         return Trajectory(r.group_id, r.sample_index, r.prompt_ids, RunList.of(FAKE_TOKEN, r.done),
-                          RunList.of(FAKE_LOGPROB, r.done), trusted_runs(runs, sum([c for _, c in runs])), reason,
+                          logprobs, trusted_runs(runs, sum([c for _, c in runs])), reason,
                           prompt_index=r.prompt_index,
                           meta={"engine": engine, "preemptions": r.preemptions}, **kw)
+
+    def tool_started(self, engine: int, r: SimRequest, t: float) -> None:
+        """r's model turn ended in a tool call on `engine` at t: tool_started now, its return queued."""
+        e = self.engines[engine]
+        call = r.calls[r.turn]
+        self.emit(Event("tool_started", t, rank=e.rank, engine=engine, req_id=r.req_id, group_id=r.group_id,
+                        version=e.version, data={"turn": r.turn + 1, "tool": self.workload.tool}))
+        self.q.push(t + call.seconds, _ToolDone(engine, r))
+
+    def _tool_done(self, item: _ToolDone, t: float) -> None:
+        """A tool call returns: its tool_finished, then the observation (unless the request left the engine)."""
+        if item.engine >= len(self.engines):
+            return
+        e, r = self.engines[item.engine], item.req
+        if not e.tool_returned(r, t):
+            return
+        call = r.calls[r.turn]
+        self.emit(Event("tool_finished", t, rank=e.rank, engine=e.index, req_id=r.req_id, group_id=r.group_id,
+                        version=e.version, data={"turn": r.turn + 1, "seconds": call.seconds,
+                                                 "failed": call.failed}))
+        e.observe(r)
 
     def finished(self, engine: int, r: SimRequest, t: float) -> None:
         reason = "length" if r.done >= self.workload.max_len else "stop"
@@ -308,9 +363,10 @@ class SimBackend:
         w = self.workload
         sims = []
         for r in reqs:
+            ep = w.episode(r.prompt_index, r.sample_index) if w.multi_turn else None
             s = SimRequest(r.req_id, r.group_id, r.sample_index, r.prompt_index, r.prompt_len,
-                           w.response_len(r.prompt_index, r.sample_index), w.max_len, prompts[r.group_id].prompt_ids,
-                           round=r.round)
+                           ep.length if ep else w.response_len(r.prompt_index, r.sample_index), w.max_len,
+                           prompts[r.group_id].prompt_ids, round=r.round, calls=ep.calls if ep else ())
             self.on_engine[r.round] = self.on_engine.get(r.round, 0) + 1
             if r.partial is not None:  # resume: its tokens so far are re-prefilled on admission
                 s.done = len(r.partial.response_ids)
@@ -318,6 +374,7 @@ class SimBackend:
                 s.runs = [[v, c] for v, c in (vs.runs if isinstance(vs, RunList) else _runs_of(vs))]
                 s.preemptions = int(r.partial.meta.get("preemptions", 0))
                 s.moved = self.moving.pop(r.req_id, -1) == engine   # a migration: its KV arrives, not recomputed
+                s.catch_up()             # the calls whose observations it holds
             s.streamed = s.done          # the pool's entry opens with them
             sims.append(s)
         self.engines[engine].add(sims, self.now())
@@ -331,7 +388,7 @@ class SimBackend:
         if isinstance(cmd, ResetEngine) or (isinstance(cmd, LoadWeights) and self.engines[cmd.engine].failed):
             return   # the engine dropped everything when it failed; a load sent before the controller knew is void
         if isinstance(cmd, Reshard):
-            if self.lent or any(e.running or e.waiting for e in self.engines):
+            if self.lent or any(e.running or e.waiting or e.tools for e in self.engines):
                 raise SimStalled(f"Reshard(tp={cmd.tp}) while engines hold requests or are lent")
             gpus = len(self.engines) * self.cost.gpus_per_engine
             self.cost = at_tp(self.cost, cmd.tp)
@@ -458,7 +515,7 @@ class SimBackend:
             if self._burst:
                 return self._count(self._burst.popleft())
             if not self.q:
-                busy = [e.index for e in self.engines if e.running or e.waiting]
+                busy = [e.index for e in self.engines if e.running or e.waiting or e.tools]
                 raise SimStalled(f"simulation stalled at t={self.q.now:.3f} s: nothing is in flight (engines with "
                                  f"work: {busy[:8]}, trainer idle) and the controller is still waiting")
             t, item = self.q.pop()
@@ -472,6 +529,9 @@ class SimBackend:
                 continue
             if isinstance(item, _Up):
                 self._recover(item, t)
+                continue
+            if isinstance(item, _ToolDone):
+                self._tool_done(item, t)
                 continue
             engine, gen = item
             if engine < len(self.engines):     # else: a wake-up of an engine gone in a reshard

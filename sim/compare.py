@@ -2,6 +2,7 @@
 
     python -m sim.compare [--gpus 64] [--trace FILE.jsonl] [--seed 0] [--out runs/compare] [--json]
     python -m sim.compare --presets sync --sched.dispatch=fewest_tokens      # one policy, no preset file written
+    python -m sim.compare --workload agentic_7b_8k [--tool-trace SECONDS.json]  # multi-turn, tool-using episodes
 
 `--presets a,b` runs only those presets; `--sched.KIND=NAME` and `--sched.KIND.PARAM=V` change the mechanisms of
 every preset run, read by the same code as train.py's (config.load_config, then sched.load_preset).
@@ -18,6 +19,8 @@ Columns:
     rollout_to_train_end_s  RolloutPipe's "main time", mean over rounds (sched/metrics.py)
     trainer_wait_ratio      RolloutPipe §5.1: trainer wait / (wait + compute)
     engine_idle_ratio       1 - decode busy time / (engines x makespan)
+    calls_redone            (a multi-turn workload only) tool calls made again: the request was interrupted,
+                            migrated or requeued while its call ran, and the call starts over when it resumes
 A preset that fails is a row with its error, not a crash. Each preset's timeline goes to OUT/<preset>.png.
 Progress goes to stderr, one line per preset as it ends (`[3/15] laminar 4.1 s`); stdout holds only the table.
 """
@@ -34,6 +37,7 @@ from typing import Any
 import sched
 from sched.base import Preset
 from sim.run import draw_timeline, simulate
+from sim.episodes import load_latency_trace
 from sim.workload import get_workload, load_trace, TraceError
 
 KEYS = ("preset", "throughput", "tokens_per_s", "trained_len_ratio", "rollout_to_train_end_s", "trainer_wait_ratio",
@@ -60,6 +64,13 @@ def trained_tokens(events: list) -> tuple[float, float]:
     return sum(d.get("tokens", 0.0) for d in done), (trained / generated if generated else 0.0)
 
 
+def calls_redone(events: list) -> int:
+    """Tool calls started again for a (request, turn) that had already started one (sim/engine.py: a request
+    interrupted on a tool makes its call again when it resumes)."""
+    starts = [(e.req_id, e.data.get("turn")) for e in events if e.kind == "tool_started"]
+    return len(starts) - len(set(starts))
+
+
 def with_overrides(args: list[str], presets: list[str]) -> dict[str, Preset]:
     """Each of `presets` with the `--sched.KIND=NAME` / `--sched.KIND.PARAM=V` overrides `args` laid over it, read as
     train.py reads them. Raises ValueError naming the bad argument or key."""
@@ -81,6 +92,8 @@ def run_one(name: str, args: argparse.Namespace, workload: Any, out: Path | None
                "tokens_per_s": throughput(r.events, tokens), "trained_len_ratio": ratio,
                "rollout_to_train_end_s": m.get("rollout_to_train_end_s"),
                "trainer_wait_ratio": m.get("trainer_wait_ratio"), "engine_idle_ratio": m.get("engine_idle_ratio")}
+        if getattr(workload, "multi_turn", False):
+            row["calls_redone"] = calls_redone(r.events)
         if out is not None:
             draw_timeline(r.events, out / f"{name}.png", name, r.num_engines)
         return row
@@ -96,6 +109,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     w = max([17, *(len(r["preset"]) for r in rows)])      # the preset column fits the longest name
     head = (f"{'preset':{w}s} {'samples/s':>10s} {'tokens/s':>10s} {'trained/gen len':>16s} "
             f"{'rollout_to_train_end_s':>23s} {'trainer_wait':>13s} {'engine_idle':>12s}")
+    tools = any("calls_redone" in r for r in rows)
+    if tools:
+        head += f" {'calls_redone':>13s}"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -104,7 +120,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         r2t = r["rollout_to_train_end_s"]
         lines.append(f"{r['preset']:{w}s} {r['throughput']:10.2f} {r['tokens_per_s']:10.0f} "
                      f"{r['trained_len_ratio']:16.2f} {('%.1f' % r2t) if r2t is not None else '-':>23s} "
-                     f"{r['trainer_wait_ratio']:13.1%} {r['engine_idle_ratio']:12.1%}")
+                     f"{r['trainer_wait_ratio']:13.1%} {r['engine_idle_ratio']:12.1%}"
+                     + (f" {r.get('calls_redone', 0):13d}" if tools else ""))
     return "\n".join(lines)
 
 
@@ -112,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=64, help="simulated GPUs, half engines and half trainer")
     ap.add_argument("--trace", help="replay response lengths from a JSONL trace instead of the workload model")
-    ap.add_argument("--workload", default="rollpacker_7b_8k")
+    ap.add_argument("--workload", default="rollpacker_7b_8k",
+                    help="a workload of sim/workload.py or sim/episodes.py (agentic_7b_8k: multi-turn tool use)")
+    ap.add_argument("--tool-trace", help="a multi-turn workload's tool latency from recorded seconds "
+                                         "(sim/episodes.py: a JSON list, {\"seconds\": [...]}, or JSON Lines)")
     ap.add_argument("--cost", default="h800_7b", help="cost profile (sim/profiles.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=5,
@@ -134,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--presets: no configs/sched/<name>.toml for {', '.join(unknown)}; presets: {', '.join(names)}")
     try:
         workload = load_trace(args.trace) if args.trace else get_workload(args.workload, args.seed)
+        if args.tool_trace:
+            if not workload.multi_turn:
+                raise ValueError(f"--tool-trace needs a multi-turn workload (agentic_7b_8k); {workload.name} has "
+                                 f"no tool calls")
+            workload = workload.with_latency(load_latency_trace(args.tool_trace))
         built = with_overrides(extra, chosen) if extra else {}
     except (TraceError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -25,6 +25,23 @@ accepts partially generated requests (their tokens are re-prefilled), so an inte
 remove here and an add there; `hold` pauses decoding (weight loads, colocated training). A weight load on a busy
 engine sends its running sequences back to the queue to re-prefill under the new version.
 
+Multi-turn requests (sim/episodes.py; rl/env.py): a request whose model turn ends in a tool call leaves the running
+set (its decode slot is free: it is not in the step's batch) but keeps its KV (`_held`: its private blocks and its
+share of the prompt's count against the pool) while the call runs (`tools`); when the call returns (`observe`) its
+observation tokens are appended under the engine's version and it goes to the front of the queue, and on admission
+only the observation is prefilled (the history's KV is still there). What the rest does to it:
+  - KV short (the running set outgrows the pool, or nothing runs and the queue's head does not fit): the KV held by
+    requests not running is evicted first, the earliest held first, before any running request is preempted; an
+    evicted request re-prefills prompt + tokens + observation when it runs again (counted as a preemption);
+  - a weight load never cancels a call; a load that discards KV discards theirs too (they re-prefill under the new
+    version when they run again, counted in `reprefill_s`), a keep-KV load leaves it;
+  - remove (an Abort, an Interrupt, a migration's first half): taken out with its tokens so far, its turns done and
+    its KV freed; the call in flight goes on but its result is dropped. The interrupted trajectory ends where its
+    last model turn ended; resubmitted (`add`), a request whose last turn ended in a call makes the call again at
+    once (the environment resumes from the transcript alone) and, holding no KV, prefills its history with the
+    observation when the call returns;
+  - a failed engine loses the calls it ran with everything else.
+
 Faults (Laminar §3.3, §8.5; sim/backend.py `EngineFault`): with `stream`, a counters report the backend marks (and
 the one an engine sends as it goes idle) carries every request whose tokens grew since it was last streamed, as a
 partial-response pool chunk (sim/tokens.py `partial_chunk`); `fail` drops everything the engine holds (the tokens
@@ -34,6 +51,7 @@ like a replacement machine.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,6 +86,25 @@ class SimRequest:
     streamed: int = 0               # response tokens the controller's partial-response pool holds (`stream`)
     mark: int = 0                   # engine step count when `done` was last written (while running)
     slot: int = -1                  # admission number on its engine (running order; -1: not running)
+    calls: tuple = ()               # multi-turn: its episode's tool calls (sim/episodes.py CallSpec), in order
+    turn: int = 0                   # calls whose observation it holds (the model turn it is in, from 0)
+    held_blocks: int = 0            # KV blocks it keeps while not running (on a tool, or back and queued); 0: none
+    obs_new: int = 0                # observation tokens appended since its KV was last computed (to prefill)
+
+    @property
+    def stop(self) -> int:
+        """Response tokens at which it next stops decoding: its next tool call, or the end of its episode."""
+        return self.calls[self.turn].at if self.turn < len(self.calls) else self.target
+
+    @property
+    def at_call(self) -> bool:
+        """Its last model turn ended in a tool call whose observation has not come back."""
+        return self.turn < len(self.calls) and self.done == self.calls[self.turn].at
+
+    def catch_up(self) -> None:
+        """Set `turn` from `done` (a resumed trajectory: the calls whose observation it already holds)."""
+        while self.turn < len(self.calls) and self.done >= self.calls[self.turn].at + self.calls[self.turn].obs:
+            self.turn += 1
 
     def add_tokens(self, version: int, k: int) -> None:
         if self.runs and self.runs[-1][0] == version:
@@ -82,6 +119,7 @@ class EngineHost(Protocol):
     def emit(self, ev: Event) -> None: ...
     def wake(self, engine: int, t: float, gen: int) -> None: ...
     def finished(self, engine: int, req: SimRequest, t: float) -> None: ...
+    def tool_started(self, engine: int, req: SimRequest, t: float) -> None: ...
 
 
 @dataclass
@@ -99,9 +137,14 @@ class _Segment:
 
 class SimEngine:
     def __init__(self, index: int, rank: int, cost: CostModel, host: EngineHost,
-                 counters_every_s: float | None = None, progress: bool = False, stream: bool = False):
+                 counters_every_s: float | None = None, progress: bool = False, stream: bool = False,
+                 multi_turn: bool = False):
         self.index, self.rank, self.cost, self.host = index, rank, cost, host
         self.counters_every_s, self.progress, self.stream = counters_every_s, progress, stream
+        self.multi_turn = multi_turn  # its counters report requests on tools (`tools`)
+        self.tools: dict[int, SimRequest] = {}   # req_id -> request waiting on a tool call (not decoding)
+        self._held: dict[int, SimRequest] = {}   # req_id -> request not running that keeps its KV, in holding order
+        self._held_blocks = 0         # their private KV blocks (their prompts' shared blocks: `group_ref`)
         self.failed = False           # between `fail` and `recover`: holds nothing, decodes nothing
         self.bs, self.cap = cost.block_size, cost.kv_capacity_blocks
         self._running: dict[int, SimRequest] = {}  # slot -> request, in admission order
@@ -157,6 +200,7 @@ class SimEngine:
             r.add_tokens(self.version, k)
             r.prefill = 0
             r.reloaded = False
+            r.obs_new = 0
         r.mark = self.steps
 
     # ------------------------------------------------------------------------------------------------ KV blocks
@@ -176,7 +220,7 @@ class SimEngine:
         # ceil((m + q bs + r) / bs) = q + (0 if m + r == 0, 1 if m + r <= bs, else 2), summed over the residues m
         q, r = divmod(self.steps + j, bs)
         n = suf[0]
-        return (self.shared_blocks + self._q_sum + q * n + n - (self._m_count[0] if r == 0 else 0)
+        return (self.shared_blocks + self._held_blocks + self._q_sum + q * n + n - (self._m_count[0] if r == 0 else 0)
                 + (suf[bs - r + 1] if r else 0))
 
     def overflows_within(self, m: int) -> bool:
@@ -198,7 +242,7 @@ class SimEngine:
         self._m_count[b % self.bs] += 1
         self._m_suffix = None
         self._kv_base += r.prompt_len + r.done - r.mark
-        heapq.heappush(self._heap, (r.mark + r.target - r.done, r.slot, r))
+        heapq.heappush(self._heap, (r.mark + r.stop - r.done, r.slot, r))
 
     def _detach(self, r: SimRequest) -> None:
         """Take r out of the running set, its progress settled (its heap entry goes stale: slot -1)."""
@@ -207,9 +251,9 @@ class SimEngine:
         if r.prefill and self._prefill:
             self._prefill -= r.prefill
             if r.moved:
-                self._moved -= r.prefill
+                self._moved -= r.prefill - r.obs_new
             if r.reloaded:
-                self._reloaded -= r.prefill
+                self._reloaded -= r.prefill - r.obs_new
         r.moved = False
         r.slot = -1
         left = self.group_ref[r.group_id] - 1
@@ -223,6 +267,78 @@ class SimEngine:
         self._m_count[b % self.bs] -= 1
         self._m_suffix = None
         self._kv_base -= r.prompt_len + r.done - r.mark
+
+    # ------------------------------------------------------------------------------------- multi-turn requests
+    def _hold_kv(self, r: SimRequest) -> None:
+        """r (not running) keeps its KV: its private blocks, and its share of its prompt's blocks."""
+        r.held_blocks = -(-(r.prompt_len % self.bs + r.done) // self.bs)
+        self._held[r.req_id] = r
+        self._held_blocks += r.held_blocks
+        if self.group_ref.get(r.group_id, 0) == 0:
+            self.shared_blocks += r.prompt_len // self.bs
+        self.group_ref[r.group_id] = self.group_ref.get(r.group_id, 0) + 1
+
+    def _release_kv(self, r: SimRequest) -> None:
+        del self._held[r.req_id]
+        self._held_blocks -= r.held_blocks
+        r.held_blocks = 0
+        left = self.group_ref[r.group_id] - 1
+        if left == 0:
+            del self.group_ref[r.group_id]
+            self.shared_blocks -= r.prompt_len // self.bs
+        else:
+            self.group_ref[r.group_id] = left
+
+    def _evict(self, r: SimRequest) -> None:
+        """Free the KV r holds while not running (a preemption by recompute: it re-prefills when admitted)."""
+        self._release_kv(r)
+        r.preemptions += 1
+        self.preemptions += 1
+
+    def _evict_for(self, r: SimRequest) -> bool:
+        """Nothing runs and r does not fit: evict the KV of a request not running (the earliest held, r last);
+        whether one was evicted."""
+        for q in self._held.values():
+            if q is not r:
+                self._evict(q)
+                return True
+        if r.req_id in self._held:
+            self._evict(r)
+            return True
+        return False
+
+    def _to_tool(self, r: SimRequest, keep_kv: bool) -> None:
+        """r's model turn ended in a tool call: its decode slot is free; its KV stays (`keep_kv`) until it runs
+        again, unless the pool runs short (`_preempt_to_fit`)."""
+        self.tools[r.req_id] = r
+        if keep_kv:
+            self._hold_kv(r)
+        self.host.tool_started(self.index, r, self.t)
+
+    def tool_returned(self, r: SimRequest, now: float) -> bool:
+        """r's tool call returned at `now`: whether r still waits on it here (else it was aborted, interrupted or
+        lost with the engine, and the result is dropped). The caller then emits tool_finished and calls `observe`."""
+        if self.tools.get(r.req_id) is not r:
+            return False
+        self.sync(now)
+        del self.tools[r.req_id]
+        return True
+
+    def observe(self, r: SimRequest) -> None:
+        """Append r's observation under the engine's version; r ends there if it reached its length (the cap), else
+        goes to the front of the queue (it holds KV, as a preempted request does) to prefill the observation."""
+        c = r.calls[r.turn]
+        r.add_tokens(self.version, c.obs)
+        r.done += c.obs
+        r.turn += 1
+        if r.done >= r.target:
+            if r.req_id in self._held:
+                self._release_kv(r)
+            self.host.finished(self.index, r, self.t)
+        else:
+            r.obs_new += c.obs
+            self.waiting.appendleft(r)
+        self.schedule_segment()
 
     def _min_remaining(self) -> int:
         heap = self._heap
@@ -265,7 +381,10 @@ class SimEngine:
             done.sort(key=_slot)                  # in running (admission) order
         for r in done:
             self._detach(r)
-            self.host.finished(self.index, r, self.t)
+            if r.calls and r.at_call:
+                self._to_tool(r, keep_kv=True)
+            else:
+                self.host.finished(self.index, r, self.t)
 
     def on_wake(self, t: float, gen: int) -> None:
         if gen != self.gen:
@@ -281,6 +400,8 @@ class SimEngine:
             # go back to the front of the queue (progress settled under the old version) and re-prefill prompt +
             # tokens so far under the new one. A keep-KV load (PipelineRL's in-flight update) leaves them running
             # on their KV: their progress is settled under the old version, their next tokens count the new one.
+            # Requests not running keep their tool calls going either way; a load that discards KV discards theirs
+            # too (they re-prefill under the new version when they run again).
             if self.pending_keep_kv:
                 for r in self.running:
                     self._settle(r)
@@ -289,6 +410,9 @@ class SimEngine:
                     self._detach(r)
                     r.reloaded = True
                     self.waiting.appendleft(r)
+                for r in list(self._held.values()):
+                    self._release_kv(r)
+                    r.reloaded = True
             self.version, self.pending_version = self.pending_version, None
             self.pending_keep_kv = False
             self.host.emit(Event("weights_loaded", self.t, rank=self.rank, engine=self.index, version=self.version))
@@ -329,7 +453,11 @@ class SimEngine:
 
     def _preempt_to_fit(self) -> bool:
         preempted = False
-        while self._running and self.need(0) > self.cap:
+        while (self._running or self._held) and self.need(0) > self.cap:
+            if self._held:     # KV of requests not decoding goes first, the earliest held first (a long-tailed
+                self._evict(next(iter(self._held.values())))   # call that has waited longest waits longest more)
+                preempted = True
+                continue
             victim = self._running[next(reversed(self._running))]
             self._detach(victim)
             victim.preemptions += 1
@@ -346,19 +474,28 @@ class SimEngine:
         need0, watermark = self.need(0), self.cap // 100
         while self.waiting and len(self._running) < self.cost.max_num_seqs:
             r = self.waiting[0]
-            resident = self.group_ref.get(r.group_id, 0) > 0
-            extra = (0 if resident else r.prompt_len // self.bs) + self._private(r, 0)
+            held = bool(self._held) and r.req_id in self._held   # back from a tool with its KV
+            if held:
+                resident, extra = True, self._private(r, 0) - r.held_blocks
+            else:
+                resident = self.group_ref.get(r.group_id, 0) > 0
+                extra = (0 if resident else r.prompt_len // self.bs) + self._private(r, 0)
             if need0 + extra + (watermark if self._running else 0) > self.cap:
+                if not self._running and self._held and self._evict_for(r):   # else nothing could ever run
+                    need0 = self.need(0)
+                    continue
                 break
             self.waiting.popleft()
+            if held:
+                self._release_kv(r)
             self._attach(r)
             need0 += extra
-            r.prefill = (r.prompt_len % self.bs if resident else r.prompt_len) + r.done
+            r.prefill = r.obs_new if held else (r.prompt_len % self.bs if resident else r.prompt_len) + r.done
             self._prefill += r.prefill
             if r.moved:
-                self._moved += r.prefill
+                self._moved += r.prefill - r.obs_new
             elif r.reloaded:
-                self._reloaded += r.prefill
+                self._reloaded += r.prefill - r.obs_new
 
     def _set_busy(self, busy: bool) -> None:
         if busy != self.busy:
@@ -390,10 +527,13 @@ class SimEngine:
             "tokens": total - self._tokens_reported, "total": total,
             "running": len(self._running), "waiting": len(self.waiting), "kv_used": used,
             "kv_free": self.cap - used, "preemptions": self.preemptions}
+        if self.multi_turn:
+            data["tools"] = len(self.tools)
         if self.progress:
             at = self.steps + j                 # done_of(r) + j, inlined (every running request, every report)
             progress = {r.req_id: r.done + at - r.mark for r in self._running.values()}
             progress.update((r.req_id, r.done) for r in self.waiting)
+            progress.update((r.req_id, r.done) for r in self.tools.values())
             data["progress"] = progress
         self._tokens_reported = total
         self.host.emit(Event("tokens_decoded", self.t if now is None else now, rank=self.rank, engine=self.index,
@@ -409,7 +549,7 @@ class SimEngine:
             if r.done + k > r.streamed:
                 out[r.req_id] = partial_chunk(r.done, r.runs, self.version, k)
                 r.streamed = r.done + k
-        for r in self.waiting:
+        for r in itertools.chain(self.waiting, self.tools.values()):
             if r.done > r.streamed:
                 out[r.req_id] = partial_chunk(r.done, r.runs, self.version, 0)
                 r.streamed = r.done
@@ -423,7 +563,11 @@ class SimEngine:
         for r in held:
             self._detach(r)
         held += self.waiting
+        held += self.tools.values()       # their calls' results are lost with the engine
+        for r in list(self._held.values()):
+            self._release_kv(r)
         self.waiting.clear()
+        self.tools.clear()
         self.failed, self.hold_until, self.pending_version = True, math.inf, None
         self.gen += 1
         if self.busy:   # no counters report: a dead engine streams nothing more
@@ -446,7 +590,11 @@ class SimEngine:
                                  f"response tokens) cannot fit in the KV pool of {self.cap} blocks x {self.bs} tokens "
                                  f"(cost profile {self.cost.name!r})")
         self.sync(now)
-        self.waiting.extend(reqs)
+        for r in reqs:
+            if r.calls and r.at_call:    # resumed at a call whose result it lacks: the call is made again, now
+                self._to_tool(r, keep_kv=False)
+            else:
+                self.waiting.append(r)
         self.schedule_segment()
 
     def remove(self, req_ids: list[int], now: float) -> list[SimRequest]:
@@ -459,6 +607,13 @@ class SimEngine:
             out.append(r)
         for r in [r for r in self.waiting if r.req_id in want]:
             self.waiting.remove(r)
+            if self._held and r.req_id in self._held:
+                self._release_kv(r)
+            out.append(r)
+        for rid in [rid for rid in req_ids if rid in self.tools]:   # its call goes on; its result is dropped
+            r = self.tools.pop(rid)
+            if r.req_id in self._held:
+                self._release_kv(r)
             out.append(r)
         return out
 

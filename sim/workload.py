@@ -55,9 +55,14 @@ class Workload:
     (the response cap: a response of that length finishes with reason "length")."""
     name: str
     max_len: int
+    multi_turn = False            # episodes with tool calls (sim/episodes.py); False: one model turn per sample
 
     def prompt(self, index: int) -> PromptSpec:
         raise NotImplementedError
+
+    def episode(self, prompt_index: int, sample_index: int) -> Any:
+        """A multi-turn workload's `sim.episodes.Episode` of this sample (its tool calls); None: single-turn."""
+        return None
 
     def response_len(self, prompt_index: int, sample_index: int) -> int:
         raise NotImplementedError

@@ -447,3 +447,21 @@ def test_areal_live_group_counts_kept_from_finishes_equal_a_recount_at_every_adm
     finally:
         D._live_groups = real
     assert ctl.v.trainer.steps_done == 5 and calls
+
+
+def test_migration_never_moves_a_trajectory_waiting_on_a_tool_and_discard_keeps_the_counts():
+    """Multi-turn: a request on a tool call is RUNNING but neither decodes nor queues (its call would start over
+    where it lands). Case 1 takes the wait queue's excess from what decodes or queues; Case 2 drains only that."""
+    mig = StaleFlowMigration()
+    # Case 1: 5 queued (phi_wait 3): the excess 2 come from the movable ids, never the two on tools (ids 8, 9)
+    s = InstanceSnap(0, 1, running=2, waiting=5, kv=1e3, requests=(8, 9, 1, 2, 3, 4, 5, 6, 7), on_tool=2)
+    assert mig.select({0: s}, ThroughputModel()) == [(0, [6, 7])]
+    few = InstanceSnap(0, 1, running=0, waiting=5, kv=1e3, requests=(8, 9, 10, 11, 12, 13, 14), on_tool=7)
+    assert mig.select({0: few}, ThroughputModel()) == []
+    # Case 2: the fast instance is drained of what it decodes, not of its tool waiters
+    fast = InstanceSnap(0, 1, running=200, kv=1e3, requests=(500, 501) + tuple(range(200)), on_tool=2)
+    slow = InstanceSnap(1, 1, running=1, kv=1e6, requests=(300,))
+    (moved,) = mig.select({0: fast, 1: slow}, ThroughputModel())
+    assert moved == (0, list(range(200)))
+    d = discard(s, [9, 7, 6])
+    assert (d.running, d.waiting, d.on_tool, d.requests) == (2, 3, 1, (8, 1, 2, 3, 4, 5))

@@ -169,9 +169,10 @@ def discard(s: InstanceSnap, trajs: list[int]) -> InstanceSnap:
     if not trajs:
         return s
     gone = set(trajs)
-    n = sum(1 for i in s.requests if i in gone)
+    n = sum(1 for i in s.requests[s.on_tool:] if i in gone)     # one waiting on a tool neither runs nor waits
     from_wait = min(s.waiting, n)
     running = max(0, s.running - (n - from_wait))
     kv = s.kv * running / s.running if s.running else 0.0
     return replace(s, running=running, waiting=s.waiting - from_wait, kv=kv,
-                   requests=tuple(i for i in s.requests if i not in gone))
+                   requests=tuple(i for i in s.requests if i not in gone),
+                   on_tool=sum(1 for i in s.requests[:s.on_tool] if i not in gone))

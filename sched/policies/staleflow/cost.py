@@ -34,6 +34,7 @@ class InstanceSnap:
     budget: float = math.inf  # M: the KV budget in tokens
     loading: bool = False    # a Pull (LoadWeights) is in flight
     requests: tuple[int, ...] = ()  # request ids on the instance (run + wait), for interrupts
+    on_tool: int = 0         # of which the first on_tool wait on a tool call (multi-turn: not decoding, KV held)
 
 
 @dataclass

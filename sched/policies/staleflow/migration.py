@@ -23,6 +23,8 @@ class StaleFlowMigration(Rebalance):
       Case 1 (long wait queue, KV full): an instance with more than phi_wait trajectories in its engine's wait
         queue has the excess interrupted. Which ones the paper leaves open: we take the latest requests (highest
         ids, mostly the most recently routed: the back of the engine's FIFO queue, the ones that would wait longest).
+        A multi-turn trajectory waiting on a tool call is in neither the queue nor the batch: neither case moves it
+        (its call would start over where it lands, and it frees no decode seat).
       Case 2 (imbalance): with throughputs T_i from the cost model (Eq. 2), if max T / min T > phi_throughput, every
         trajectory on the highest-throughput instance is interrupted "and returned to the TS for redistribution by
         the routing strategy". The paper does not say what an idle instance (T = 0) or one mid-Pull does to the
@@ -44,12 +46,13 @@ class StaleFlowMigration(Rebalance):
         out: dict[int, list[int]] = {}
         for e, s in S.items():                                        # Case 1
             excess = s.waiting - self.p.phi_wait
-            if excess > 0 and s.requests:
-                out[e] = list(s.requests[-excess:])
+            movable = s.requests[s.on_tool:]
+            if excess > 0 and movable:
+                out[e] = list(movable[-excess:])
         thr = {e: model.throughput(s) for e, s in S.items() if s.running > 0 and not s.loading}
         if len(thr) >= 2:                                              # Case 2
             hi, lo = max(thr, key=lambda e: (thr[e], -e)), min(thr, key=lambda e: (thr[e], e))
             if thr[hi] > self.p.phi_throughput * thr[lo]:
                 picked = set(out.get(hi, []))
-                out[hi] = out.get(hi, []) + [i for i in S[hi].requests if i not in picked]
+                out[hi] = out.get(hi, []) + [i for i in S[hi].requests[S[hi].on_tool:] if i not in picked]
         return [(e, ids) for e, ids in sorted(out.items()) if ids]

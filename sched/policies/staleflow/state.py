@@ -152,20 +152,28 @@ class StaleFlowState:
         for e in v.engines:
             reqs = on[e.engine]
             running = [r for r in reqs if r.state is RUNNING]
+            # a multi-turn request waiting on a tool is RUNNING but in neither the engine's batch nor its queue
+            # (its KV held: in kv_used); the snapshot's running and waiting are the engine's, Eq. 1 checks the rest;
+            # its id comes first in `requests` (migration moves what decodes or queues, not a call in flight)
+            on_tool = [r for r in running if r.on_tool]
+            tools = len(on_tool)
+            if tools:
+                running = on_tool + [r for r in running if not r.on_tool]
             ids = tuple(map(_req_id, running))
             reported = e.running + e.waiting
             M = (e.kv_used + e.kv_free) * bs if e.kv_used + e.kv_free > 0 else budget
-            if reported == len(running) and reported == e.assigned and not e.loading and (e.kv_used or not reqs):
+            if reported + tools == len(running) == e.assigned and not e.loading and (e.kv_used or not reqs):
                 snap = InstanceSnap(e.engine, e.version, e.running, e.waiting, float(e.kv_used * bs), M, e.loading,
-                                    ids)
+                                    ids, tools)
                 self.snaps_accepted += 1
             else:
                 if e.loading and not reqs and e.assigned == 0:
                     self.snaps_empty_pull += 1
                 else:
                     self.snaps_estimated += 1
-                kv = sum(r.prompt_len + r.tokens for r in running)
-                snap = InstanceSnap(e.engine, e.version, len(running), 0, float(kv), M, e.loading, ids)
+                kv = sum(r.prompt_len + r.tokens for r in running)     # tool waiters' KV included
+                snap = InstanceSnap(e.engine, e.version, len(running) - tools, 0, float(kv), M, e.loading, ids,
+                                    tools)
             out[e.engine] = snap
         return out
 
