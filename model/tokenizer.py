@@ -78,17 +78,20 @@ def export_tokenizer(tok: PreTrainedTokenizerFast, path: str | Path, sources: Se
     (path / GENERATION_CONFIG).write_text(json.dumps(ids, indent=2) + "\n")
 
 
-def encode_prompt(tok: PreTrainedTokenizerFast, prompt: Prompt, chat_template: bool) -> list[int]:
+def encode_prompt(tok: PreTrainedTokenizerFast, prompt: Prompt, chat_template: bool,
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Prompt token ids. With `chat_template`, a string becomes one user message, the template is rendered with
-    add_generation_prompt=True and tokenized without extra special tokens (the template places them). Without it, a
-    string is tokenized as is with the tokenizer's own special tokens (e.g. Llama's BOS)."""
+    add_generation_prompt=True (and `tools`, function specs the template lists, when given) and tokenized without
+    extra special tokens (the template places them). Without it, a string is tokenized as is with the tokenizer's
+    own special tokens (e.g. Llama's BOS)."""
     if chat_template:
         if not tok.chat_template:
             raise ValueError(f"chat_template=True but tokenizer {tok.name_or_path!r} has no chat template")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise TypeError(f"prompt must be a string or a list of message dicts, got {type(prompt).__name__}")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         return list(tok(text, add_special_tokens=False)["input_ids"])
     if not isinstance(prompt, str):
         raise ValueError("a list of messages needs chat_template=True (there is no plain-text form of a conversation)")

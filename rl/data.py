@@ -131,10 +131,10 @@ class PromptDataset:
     def from_records(cls, records: Iterable[tuple[int, Any]], tokenizer: PreTrainedTokenizerFast,
                      max_prompt_tokens: int, prompt_field: str = "prompt", answer_field: str | None = "answer",
                      chat_template: bool = False, source: str = "<memory>",
-                     system_prompt: str = "") -> "PromptDataset":
+                     system_prompt: str = "", tools: list[dict[str, Any]] | None = None) -> "PromptDataset":
         """Build from (line number, row) pairs: validate each row, tokenize (with `system_prompt` as the first
-        message when the chat template is on and the prompt has no system message), drop and count over-long
-        prompts."""
+        message when the chat template is on and the prompt has no system message, and the function specs `tools`
+        when given: multi-turn episodes, rl/tools.py), drop and count over-long prompts."""
         if max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
         prompts, skipped, n_rows = [], [], 0
@@ -146,7 +146,7 @@ class PromptDataset:
             text, answer = parse_row(row, where, prompt_field, answer_field, chat_template)
             try:
                 ids = encode_prompt(tokenizer, with_system(text, system_prompt) if chat_template else text,
-                                    chat_template)
+                                    chat_template, tools)
             except Exception as e:  # this prompt is the tokenizer's problem, not the run's: skipped and counted
                 rejected.append(index)
                 reason = reason or f"{where}: {type(e).__name__}: {e}"
@@ -171,9 +171,10 @@ class PromptDataset:
     @classmethod
     def from_file(cls, path: str | Path, tokenizer: PreTrainedTokenizerFast, max_prompt_tokens: int,
                   prompt_field: str = "prompt", answer_field: str | None = "answer",
-                  chat_template: bool = False, system_prompt: str = "") -> "PromptDataset":
+                  chat_template: bool = False, system_prompt: str = "",
+                  tools: list[dict[str, Any]] | None = None) -> "PromptDataset":
         return cls.from_records(read_rows(path), tokenizer, max_prompt_tokens, prompt_field, answer_field,
-                                chat_template, source=str(path), system_prompt=system_prompt)
+                                chat_template, source=str(path), system_prompt=system_prompt, tools=tools)
 
     @classmethod
     def from_synthetic(cls, task: Any, tokenizer: PreTrainedTokenizerFast | None = None,

@@ -5,17 +5,19 @@ An episode's response is its model turns and the observations between them, in o
 
     response_ids = turn_1 + obs_1 + turn_2 + obs_2 + ... + turn_k          loss_mask = 1...1 0...0 1...1 0...0 1...1
 
-Each model turn is the tokens the engine sampled, up to and including the token it stopped at (EOS); each
+Each model turn is the tokens the engine sampled, up to and including the token it stopped at (EOS, or a stop
+token of the environment's format: `stop_token_ids`, plain's "="); each
 observation is `env.observation(obs)` tokenized alone, without the tokenizer's own special tokens
 (`observation_ids`; for Qwen3 these are the very ids the whole conversation tokenizes to, tests/rl/test_tools.py).
 An observation is never empty, so the model turns are exactly the maximal runs of 1 in the mask (`model_turns`).
 
 Text: a turn's text is `decode(turn_ids)` with the run's response decoder (runtime/samples.py `response_decoder`:
-the final EOS dropped, other special tokens kept). The environment reads the text of the latest turn
-(`next_call`); **the reward sees the text of the episode's last model turn** (`reward_text`), scored against the
+the final EOS dropped, other special tokens kept). The environment reads the text of the latest turn (`next_call`;
+the plain format reads the turn's line, which for a first turn begins in the prompt); **the reward sees the text of
+the episode's last model turn** (`reward_text`), scored against the
 prompt's answer as a single-turn response is. An episode ends when a turn makes no call, when it is the
 `env.max_turns`-th, or when the response reaches its token cap (finish_reason "length"; the worker does not ask
-`next_call` about a turn that did not stop at EOS).
+`next_call` about a turn that did not stop at EOS or a stop token).
 """
 from __future__ import annotations
 
@@ -86,14 +88,32 @@ def reward_text(decode: Callable[[list[int]], str], response_ids: Sequence[int],
     return decode(turns[-1]) if turns else ""
 
 
-def next_call(env: Environment, decode: Callable[[list[int]], str], response_ids: Sequence[int],
-              loss_mask: Sequence[int] | None) -> ToolCall | None:
-    """After a model turn stopped at EOS: the call it makes, or None when the episode is over (no call in the
-    turn's text, or the turn was the `env.max_turns`-th)."""
+def next_call(env: Environment, decode: Callable[[list[int]], str], prompt_ids: Sequence[int],
+              response_ids: Sequence[int], loss_mask: Sequence[int] | None) -> ToolCall | None:
+    """After a model turn stopped (at EOS or one of `stop_token_ids`): the call it makes, or None when the episode
+    is over (no call, or the turn was the `env.max_turns`-th). The environment reads the turn's decoded text, or
+    what its `call_text` makes of it (the plain format: the turn's line, which for a first turn begins in the
+    prompt)."""
     turns = model_turns(response_ids, loss_mask)
     if not turns or len(turns) >= env.max_turns:
         return None
-    return env.act(decode(turns[-1]))
+    text = decode(turns[-1])
+    call_text = getattr(env, "call_text", None)
+    if call_text is not None:
+        text = call_text(decode(list(prompt_ids)), text, len(turns) == 1)
+    return env.act(text)
+
+
+def stop_token_ids(env: Environment, tokenizer: Any) -> tuple[int, ...]:
+    """The token ids that end a model turn besides EOS (`env.stop`, each one token; ValueError otherwise): what a
+    rollout rank adds to a multi-turn request's SamplingParams.stop_token_ids."""
+    out = []
+    for text in getattr(env, "stop", ()):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(f"stop text {text!r} is {len(ids)} tokens for this tokenizer, not one")
+        out.append(ids[0])
+    return tuple(out)
 
 
 def append_observation(response_ids: list[int], logprobs: list[float], versions: list[int], loss_mask: list[int],

@@ -10,6 +10,8 @@ the transformed string followed by `<eos>` (the tokenizer is character level, se
     reverse  the string reversed             "cafd=" -> "dfac"
     repeat   a symbol n times                "c7="   -> "ccccccc"
 
+    calc     a product, with a calculator    "47*8"  -> "376"   (multi-turn: env.kind = "calculator")
+
 `repeat` is the long-tail length workload (the scheduling presets need rounds whose groups finish at very
 different times, as in the papers' reasoning traces). The prompt states how long the answer is, and n is drawn per
 prompt from a heavy-tailed `LengthDist` (by default 7 prompts in 8 answer in 1-4 tokens, 1 in 8 in 24-32), so the
@@ -18,6 +20,14 @@ StreamRL §5.1 "difficulty is a property inherent to the prompts themselves"). A
 early or never; with `data.cap_at_answer` each response is also stopped at its answer's length + 1 (EOS), so the
 response lengths are long-tailed by construction from the first step, and the reward (positions right) still
 measures whether the model repeats the right symbol and stops.
+
+`calc` is the tool-use task (configs/tiny-tools.toml): a random-init model cannot multiply, but in the plain tool
+format (rl/tools.py) a first turn that is just "=" calls the calculator on the prompt's line, "47*8", the result
+comes back as "376|", and a second turn that copies it scores 1. The reward sees the last model turn only. Half the
+prompts are worked examples, "47*8=376|" -> "376", the transcript of such a call, meant to teach the answer turn's
+copy with per-position credit. Products are 3-digit values of a 2-digit and a 1-digit number (not guessable: a
+first digit right scores 1/3); without the tool only the examples can be solved. Its characters are the digits and
+`*=|?` (`CALC_CHARS`).
 
 The score gives partial credit, the fraction of answer positions the response gets right, divided by the longer
 of the two lengths so that rambling past the answer costs as much as stopping short. Dense rewards are what makes
@@ -33,6 +43,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerFast
 
 from model.tokenizer import build_char_tokenizer
+from rl.tools import PLAIN_CALL_END, PLAIN_FAILED, PLAIN_OBS_END
 from rl.types import RewardResult
 
 RULES: dict[str, Callable[[str], str]] = {
@@ -41,7 +52,8 @@ RULES: dict[str, Callable[[str], str]] = {
     "copy": lambda s: s,
     "reverse": lambda s: s[::-1],
 }
-TASK_NAMES = tuple(RULES) + ("repeat",)
+TOOL_TASKS = ("calc",)
+TASK_NAMES = tuple(RULES) + ("repeat",) + TOOL_TASKS
 DIGITS = "0123456789"
 
 
@@ -97,6 +109,10 @@ class SyntheticTask:
     def __post_init__(self) -> None:
         if self.name not in TASK_NAMES:
             raise ValueError(f"unknown synthetic task {self.name!r}; valid tasks: {', '.join(TASK_NAMES)}")
+        if self.name in TOOL_TASKS:   # its own prompts and characters (calc_prompts)
+            if self.num_prompts < 1:
+                raise ValueError(f"num_prompts must be positive, got {self.num_prompts}")
+            return
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}")
         if self.num_prompts < 1:
@@ -112,6 +128,8 @@ class SyntheticTask:
     def prompts(self) -> list[tuple[str, str]]:
         """(prompt_text, answer) pairs; the same list for the same (name, num_prompts, seed, alphabet, lengths)."""
         rng = random.Random(f"{self.name}:{self.seed}")
+        if self.name == "calc":
+            return calc_prompts(self.num_prompts, rng)
         if self.name == "repeat":
             out = []
             for _ in range(self.num_prompts):
@@ -127,7 +145,29 @@ class SyntheticTask:
 
     def tokenizer(self, path: str | Path | None = None) -> PreTrainedTokenizerFast:
         """The character tokenizer over the alphabet and the separator (saved to `path` when given)."""
+        if self.name in TOOL_TASKS:
+            return build_char_tokenizer(CALC_CHARS, path)
         return build_char_tokenizer(self.alphabet + (DIGITS if self.name == "repeat" else "") + self.sep, path)
 
     def score(self, response_text: str, answer: str) -> RewardResult:
         return score_positions(response_text, answer)
+
+
+CALC_COPY_FRAC = 0.5
+CALC_CHARS = DIGITS + "*" + PLAIN_CALL_END + PLAIN_OBS_END + PLAIN_FAILED   # the calc task's characters
+
+
+def calc_prompts(n: int, rng: random.Random) -> list[tuple[str, str]]:
+    """The `calc` task's (prompt, answer) pairs: a product of a 2-digit and a 1-digit number with 3 digits,
+    "47*8" -> "376", or (a `CALC_COPY_FRAC` share) the same worked through the calculator, "47*8=376|" -> "376"."""
+    out = []
+    for _ in range(n):
+        while True:
+            a, b = rng.randint(10, 99), rng.randint(2, 9)
+            if 100 <= a * b <= 999:
+                break
+        if rng.random() < CALC_COPY_FRAC:
+            out.append((f"{a}*{b}{PLAIN_CALL_END}{a * b}{PLAIN_OBS_END}", str(a * b)))
+        else:
+            out.append((f"{a}*{b}", str(a * b)))
+    return out

@@ -7,11 +7,13 @@ Tools (plain functions of one argument string, raising ValueError on a bad argum
                  sleeping `latency_s` per call: a tool whose latency a run chooses
 
 Formats (how a call is written in a model turn, and how its observation is appended after it):
-    plain   for the character-level tiny tasks: a turn whose text (stripped) ends with "=" calls the environment's
-            tool on the text before it ("12*34=" calls the calculator on "12*34"; a turn without a final "=" is the
-            answer). Observation: the result then "|" ("408|"); a failed call's text is "?" ("?|"), as the
-            character vocabulary has no letters for an error message. The text needs `PLAIN_CHARS` in the
-            tokenizer.
+    plain   for the character-level tiny tasks, a completion format: prompt, turns and observations are one running
+            text, and "|" ends a line (prompts may end with one; every observation does). A turn ending in "="
+            (a stop token: generation stops there, `ToolEnv.stop`) calls the environment's tool on its *line*, the
+            text after the transcript's last "|" without the "=": prompt "12*34" then turn "=" calls the calculator
+            on "12*34", and so do prompt "|" then turn "12*34=". A turn ending at EOS is the answer. Observation: the
+            result then "|" ("408|"); a failed call's text is "?" ("?|"), as the character vocabulary has no
+            letters for an error message. The text needs `PLAIN_CHARS` in the tokenizer.
     qwen3   Qwen3's function calling: the turn's first `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
             block (Qwen3's chat template writes the assistant's calls so). The calculator takes
             {"expression": "..."}, lookup {"key": "..."}. The observation is exactly what the Qwen3 chat template
@@ -150,12 +152,22 @@ QWEN3_OBS_HEAD = "\n<|im_start|>user\n<tool_response>\n"
 QWEN3_OBS_TAIL = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
-def parse_plain(turn_text: str, tool: str) -> ToolCall | None:
-    """A plain-format call of `tool`: the turn's text (stripped) ends with "=", the argument is what precedes it."""
-    text = turn_text.strip()
+SPECIAL = re.compile(r"<[^<>]*>")   # a special token's text (<bos>, <|im_end|>): no plain character is "<"
+
+
+def plain_line(prompt_text: str, turn_text: str, first: bool) -> str:
+    """The line a plain-format turn writes on: the text after the last "|" of (the prompt, for the first turn) and
+    the turn, special tokens' text dropped."""
+    text = SPECIAL.sub("", (prompt_text if first else "") + turn_text)
+    return text.rsplit(PLAIN_OBS_END, 1)[-1]
+
+
+def parse_plain(line: str, tool: str) -> ToolCall | None:
+    """A plain-format call of `tool`: the line (stripped) ends with "=", the argument is what precedes it."""
+    text = line.strip()
     if not text.endswith(PLAIN_CALL_END):
         return None
-    return ToolCall(tool, text[:-len(PLAIN_CALL_END)])
+    return ToolCall(tool, text[:-len(PLAIN_CALL_END)].strip())
 
 
 def render_plain(obs: Observation) -> str:
@@ -214,7 +226,18 @@ class ToolEnv:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """Texts besides EOS that end a model turn (each one token): plain's "=", none for qwen3 (its turns end at
+        <|im_end|>, its EOS)."""
+        return (PLAIN_CALL_END,) if self.format == "plain" else ()
+
+    def call_text(self, prompt_text: str, turn_text: str, first: bool) -> str:
+        """What `act` reads for a turn: plain, the turn's line (`plain_line`); qwen3, the turn's text."""
+        return plain_line(prompt_text, turn_text, first) if self.format == "plain" else turn_text
+
     def act(self, turn_text: str) -> ToolCall | None:
+        """The call in `turn_text` (for plain: the turn's line, `call_text`), or None: the turn is the answer."""
         if self.format == "plain":
             return parse_plain(turn_text, self.name)
         return parse_qwen3(turn_text)

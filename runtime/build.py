@@ -72,6 +72,15 @@ def environment(cfg: Config) -> Environment | None:
     return make_environment(e.kind, e.format, e.max_turns, e.tool_timeout_s, e.latency_s)  # type: ignore[arg-type]
 
 
+def prompt_tools(cfg: Config) -> list[dict[str, Any]] | None:
+    """The tool specs a chat template lists in the prompt (Qwen3's system message) when the run's episodes call a
+    tool in the qwen3 format over chat-template prompts; else None."""
+    env = environment(cfg)
+    if env is None or cfg.env.format != "qwen3" or not cfg.data.chat_template:
+        return None
+    return [env.schema()]  # type: ignore[attr-defined]
+
+
 def reward_scorer(cfg: Config, fn: Callable[[str, str], RewardResult]) -> RewardScorer:
     """A rollout rank's reward scorer: inline (`reward.async_workers = 0`), or RollPacker §4.3's asynchronous one
     (`reward.async_workers` threads, per-prompt adaptive timeout between `reward.timeout_min_s` and
@@ -111,7 +120,7 @@ def build_run(cfg: Config, with_data: bool) -> RunParts:
             ds = PromptDataset.from_synthetic(task, tok, d.max_prompt_tokens, d.chat_template, d.cap_at_answer)
         else:
             ds = PromptDataset.from_file(d.source, tok, d.max_prompt_tokens, d.prompt_field, d.answer_field,
-                                         d.chat_template, d.system_prompt)
+                                         d.chat_template, d.system_prompt, prompt_tools(cfg))
         skipped = len(ds.skipped_too_long) + len(ds.skipped_rejected)
         source = PromptSource(PromptSampler(ds, d.seed, d.shuffle))
     return RunParts(mcfg, tok, reward, source, skipped, cfg.rollout.max_new_tokens)

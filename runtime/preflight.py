@@ -211,8 +211,9 @@ def check_data(plan: Plan, tok: Any) -> None:
             check_data_size(plan, n)
             return
         else:
+            from runtime.build import prompt_tools
             ds = PromptDataset.from_file(d.source, tok, d.max_prompt_tokens, d.prompt_field, d.answer_field,
-                                         d.chat_template, d.system_prompt)
+                                         d.chat_template, d.system_prompt, prompt_tools(cfg))
     except DataError as e:
         raise PreflightError(str(e)) from None
     lengths = sorted(len(p.prompt_ids) for p in ds)

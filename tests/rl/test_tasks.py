@@ -36,7 +36,7 @@ def test_lengths_and_alphabet_respected():
 
 
 def test_unknown_task_and_bad_options():
-    with pytest.raises(ValueError, match="valid tasks: first, last, copy, reverse, repeat"):
+    with pytest.raises(ValueError, match="valid tasks: first, last, copy, reverse, repeat, calc"):
         SyntheticTask("sort")
     for kwargs in [dict(min_len=0), dict(min_len=3, max_len=2), dict(num_prompts=0), dict(alphabet="aab"),
                    dict(sep="a"), dict(sep="==")]:
@@ -135,3 +135,34 @@ def test_build_run_wires_the_workload_keys():
     items = build_run(cfg, with_data=True).source(40)
     assert {len(i.answer) for i in items} == {6, 7}
     assert all(i.max_new_tokens == len(i.answer) + 1 for i in items)
+
+
+def test_calc_prompts_are_solved_by_one_call_and_not_guessable():
+    """Every `calc` product is solved exactly by a first turn "=" (the calculator on the prompt's line) and a second
+    turn copying the result; a worked example shows that transcript. The answers are spread over hundreds of values
+    (no constant answer scores much), and the tokenizer covers every prompt and observation."""
+    from rl.episode import next_call, observation_ids
+    from rl.tools import calculator_env
+    from runtime.samples import response_decoder
+    task = SyntheticTask("calc", num_prompts=400, seed=0)
+    tok = task.tokenizer()
+    env = calculator_env("plain", max_turns=2)
+    decode = response_decoder(tok, frozenset({tok.eos_token_id}))
+    eq = tok("=", add_special_tokens=False)["input_ids"]
+    pairs = task.prompts()
+    products = [(p, a) for p, a in pairs if "=" not in p]
+    examples = [(p, a) for p, a in pairs if "=" in p]
+    assert 0.4 < len(examples) / len(pairs) < 0.6
+    for p, a in products:
+        assert p.count("*") == 1 and len(a) == 3 and int(a) == eval(p)   # noqa: S307 (test data only)
+        ids = tok(p)["input_ids"]
+        assert tok.unk_token_id not in ids
+        obs = env.run(next_call(env, decode, ids, eq, [1]))
+        assert obs.text == a and not obs.failed
+        transcript = tok.decode(ids + eq + observation_ids(tok, env, obs), skip_special_tokens=True)
+        assert transcript == f"{p}={a}|"
+    for p, a in examples:
+        assert p == f"{p.split('=')[0]}={a}|" and tok.unk_token_id not in tok(p)["input_ids"]
+    assert len({a for _, a in products}) > 120
+    best_constant = max(sum(score_positions(c, a).reward for _, a in products) for c in ("111", "222", "333", "123"))
+    assert best_constant / len(products) < 0.25

@@ -56,9 +56,16 @@ def test_lookup_is_a_fixed_table_with_its_latency():
 
 def test_plain_format_calls_on_a_final_equals_sign_and_renders_results_with_a_bar():
     env = calculator_env("plain")
+    assert env.stop == ("=",) and calculator_env("qwen3").stop == ()
     assert env.act("12*34=") == ToolCall("calculator", "12*34")
     assert env.act(" 5+5= ") == ToolCall("calculator", "5+5")
     assert env.act("408") is None and env.act("12=34") is None and env.act("") is None
+    # a turn's line: the first turn's begins in the prompt; a later turn's after the last observation's bar
+    assert env.call_text("<bos>12*34", "=", first=True) == "12*34="
+    assert env.call_text("<bos>7|", "12*34=", first=True) == "12*34="
+    assert env.call_text("<bos>12*34", "5*6=", first=False) == "5*6="
+    assert env.call_text("<bos>1", "408<eos>", first=True) == "1408"
+    assert calculator_env("qwen3").call_text("<bos>x", "y", first=True) == "y"
     obs = env.run(env.act("12*34="))
     assert obs == Observation("408", False, obs.seconds) and env.observation(obs) == "408|"
     bad = env.run(env.act("12*="))
@@ -99,7 +106,7 @@ def test_call_tool_turns_any_exception_into_an_observation_and_timeouts_have_one
 
 
 def test_lookup_calls_run_concurrently_in_threads():
-    env = lookup_env("plain", latency_s=0.2)
+    env = lookup_env("plain", latency_s=0.5)
     out = []
     threads = [threading.Thread(target=lambda: out.append(call_tool(env, env.act("argon=")))) for _ in range(4)]
     t0 = time.perf_counter()
@@ -108,7 +115,7 @@ def test_lookup_calls_run_concurrently_in_threads():
     for t in threads:
         t.join(5)
     assert [o.text for o in out] == ["18"] * 4
-    assert time.perf_counter() - t0 < 0.6   # four 0.2 s calls side by side, not one after another
+    assert time.perf_counter() - t0 < 1.5   # four 0.5 s calls side by side, not one after another (2 s)
 
 
 def test_qwen3_parser_reads_the_first_tool_call_block():
@@ -173,3 +180,18 @@ def test_env_config_builds_the_environment_and_rejects_bad_values():
         assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
     with pytest.raises(ValueError, match="environment kind 'x'"):
         make_environment("x")
+
+
+@needs_qwen
+def test_a_qwen3_tools_run_lists_the_calculator_in_its_prompts(qwen3_tokenizer):
+    from model.tokenizer import encode_prompt
+    from runtime.build import prompt_tools
+    cfg = load_config("configs/qwen3-0.6b-tools.toml")
+    tools = prompt_tools(cfg)
+    assert tools == [calculator_env("qwen3").schema()]
+    assert prompt_tools(load_config("configs/tiny-tools.toml")) is None   # plain format: no chat template
+    assert prompt_tools(load_config("configs/qwen3-0.6b-gsm8k.toml")) is None
+    text = qwen3_tokenizer.decode(encode_prompt(qwen3_tokenizer, [{"role": "system", "content": "Be brief."},
+                                                                  {"role": "user", "content": "2+2?"}], True, tools))
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and '"name": "calculator"' in text
+    assert text.endswith("<|im_start|>assistant\n")
