@@ -93,7 +93,7 @@ class Episodes:
         rid, turn = out.request_id, count_turns(out.token_ids, out.mask)
         self.stats.setdefault(rid, EpisodeStats())
         try:   # None: no call in the turn, or it was the max_turns-th
-            call = next_call(self.env, self.decode, out.token_ids, out.mask)
+            call = next_call(self.env, self.decode, out.prompt_ids, out.token_ids, out.mask)
         except Exception as e:   # noqa: BLE001: the environment's bug ends this episode, not the rank
             return self._error(rid, f"act: {type(e).__name__}: {e}")
         if call is None:

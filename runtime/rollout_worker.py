@@ -52,6 +52,7 @@ from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import GenRequest, KVState, RequestOutput
 from rl.env import Environment
+from rl.episode import stop_token_ids
 from rl.rewards import RewardResult
 from rl.types import Trajectory
 from runtime.build import RunParts, environment, reward_scorer
@@ -108,7 +109,7 @@ class RolloutWorker:
         self.kv = KVMigration(engine, kv_group, rank=rank)     # kv_group None: migrated requests are re-prefilled
         self.health = EngineHealth(engine, self.relay, self.kv, rank=rank, engine_index=engine_index,
                                    isolated=failures_isolated, event=self.event, flush=self.flush)
-        # multi-turn episodes: `turn_stops` end a turn besides EOS (the environment's call syntax)
+        # multi-turn episodes: `turn_stops` end a turn besides EOS (rl/episode.py stop_token_ids: plain's "=")
         self.episodes: Episodes | None = None
         self.turn_stops = tuple(turn_stops)
         if env is not None:
@@ -124,7 +125,7 @@ class RolloutWorker:
         mechanisms read them (Preset.reads_progress, Preset.counters_period_s), whether it isolates engine
         faults (Preset.failures_isolated; never in colocated mode, where the rank is a trainer shard too), and its
         environment (`[env]`; None, single-turn, for `env.kind = "none"`)."""
-        r = cfg.rollout
+        r, env = cfg.rollout, environment(cfg)
         return cls(engine, channel, engine_index=topo.engine_of(topo.rank), rank=topo.rank,
                    scorer=reward_scorer(cfg, parts.reward_fn), decode=response_decoder(parts.tokenizer, engine.eos_ids),
                    receiver=receiver,
@@ -134,7 +135,8 @@ class RolloutWorker:
                                            counters_every_s=preset.counters_period_s() if preset else None), t0=t0,
                    verify_weights=cfg.cluster.verify_weights, kv_group=topo.kv_group if cfg.perf.migrate_kv else None,
                    failures_isolated=preset.failures_isolated() if preset is not None and not topo.colocate else 0,
-                   env=environment(cfg), encode=observation_encoder(parts.tokenizer),
+                   env=env, encode=observation_encoder(parts.tokenizer),
+                   turn_stops=stop_token_ids(env, parts.tokenizer) if env is not None else (),
                    tool_workers=cfg.env.tool_workers, **kw)
 
     def now(self) -> float:

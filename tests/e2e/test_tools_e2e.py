@@ -130,3 +130,23 @@ def test_colocated_ranks_run_multi_turn_episodes(tmp_path):
     tools = check_tools(run)
     assert tools["returned"] > 10 and tools["failed"] > 0, tools
 
+
+
+def test_the_tiny_tools_run_learns_to_call_the_calculator(tmp_path):
+    """configs/tiny-tools.toml as the README runs it: the reward rises, and through the calculator: successful
+    calls per episode rise (a product is solved only by calling) and fewer calls fail."""
+    run = tmp_path / "tiny-tools"
+    torchrun(4, "--config", "configs/tiny-tools.toml", f"--log.dir={run}", "--checkpoint.export_hf=false",
+             timeout=900)
+    m = metrics(run)
+    k = len(m) // 5
+    first, last = m[:k], m[-k:]
+
+    def avg(f, rows):
+        return sum(f(r) for r in rows) / len(rows)
+    reward = [avg(lambda r: r["reward_mean"], rows) for rows in (first, last)]
+    ok_calls = [avg(lambda r: r["tool_calls_mean"] * (1 - r["tool_failed_frac"]), rows) for rows in (first, last)]
+    failed = [avg(lambda r: r["tool_failed_frac"], rows) for rows in (first, last)]
+    assert reward[1] > reward[0] + 0.15, reward
+    assert ok_calls[1] > ok_calls[0] + 0.3, ok_calls
+    assert failed[1] < failed[0] / 4, failed
