@@ -83,6 +83,16 @@ class BlockManager:
         seq.block_table = []
         seq.table_synced = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past those of `seq`'s cached tokens (allocated ahead for tokens never computed)."""
+        keep = cdiv(seq.num_cached_tokens, self.block_size)
+        for b in reversed(seq.block_table[keep:]):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                heapq.heappush(self.free_ids, b)
+        del seq.block_table[keep:]
+        seq.table_synced = min(seq.table_synced, keep)
+
     def hold(self, n: int) -> list[int]:
         """Take n free blocks out of circulation (KV kept outside the pool, counted against it), at most what is
         free."""

@@ -7,8 +7,9 @@
 `export` / `import_request` (move an unfinished request between engines, with its KV), `load_weights` (new weights
 tagged with a version; running sequences are recomputed under them, so no KV from the old weights is reused, unless
 `keep_kv`: then they go on decoding on the KV they have),
-`reset` (drop everything after a failed step) and `stats`. A backend may serve a device with a subclass
-(`register_engine`; the optional cpu/ package registers its CPU engine): `LLMEngine(...)` builds it.
+`reset` (drop everything after a failed step) and `stats`. A multi-turn request is held when a turn stops, then
+`extend`ed with an observation (its KV kept across turns) or `end`ed (engine/turns.py). A backend may serve a device
+with a subclass (`register_engine`; the optional cpu/ package registers its CPU engine): `LLMEngine(...)` builds it.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from engine import turns
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
@@ -146,7 +148,10 @@ class LLMEngine:
         return finished
 
     def retire(self, seq: Sequence, reason: str, now: float) -> RequestOutput:
-        """Finish a sequence (its blocks back to the pool) and return its output."""
+        """Finish a sequence (its blocks back to the pool) and return its output; a multi-turn request whose turn
+        stopped is held instead (engine/turns.py)."""
+        if reason == "stop" and seq.request.multi_turn:
+            return turns.hold(self, seq, now)
         seq.finish_reason, seq.finish_time = reason, now
         self.scheduler.finish(seq)
         return self.seqs.pop(seq.request_id).output()
@@ -173,9 +178,24 @@ class LLMEngine:
             done.update((o.request_id, o) for o in outs if o.request_id in wanted)
         return [done[i] for i in ids]
 
+    # ---- multi-turn requests (engine/turns.py) ------------------------------------------------------------------
+    def extend(self, request_id: RequestId, token_ids: list[int]) -> None:
+        """Append an observation's tokens to a held multi-turn request and queue its next turn: only the new tokens
+        (and the last sampled one) are prefilled, unless its KV was dropped meanwhile."""
+        turns.extend(self, request_id, token_ids)
+
+    def room(self, request_id: RequestId) -> int:
+        """How many tokens a held request can be extended by and still generate one."""
+        return turns.room(self, request_id)
+
+    def end(self, request_id: RequestId, reason: str = "stop") -> RequestOutput:
+        """Finish a held multi-turn request (its episode is over); its final output."""
+        return turns.end(self, request_id, reason)
+
     # ---- taking requests out, putting them in ---------------------------------------------------------------------
     def abort(self, request_id: RequestId) -> RequestOutput | None:
-        """Stop a request now. Returns its output so far (finish_reason "abort"), or None if it is not here."""
+        """Stop a request now (a held one too: its blocks back). Returns its output so far (finish_reason "abort"),
+        or None if it is not here."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
@@ -194,11 +214,11 @@ class LLMEngine:
         kv = None
         if with_kv and seq.num_cached_tokens > 0:
             kv = KVState(self.runner.read_kv(seq.block_table, seq.num_cached_tokens), self.version)
+        u = seq.unfinished()
         self.scheduler.remove(seq)
         if kv is not None:
             self.release_kv(request_id)
             self.kept[request_id] = self.block_manager.hold(-(-kv.num_tokens // self.config.block_size))
-        u = seq.unfinished()
         u.kv = kv
         return u
 
@@ -213,7 +233,9 @@ class LLMEngine:
         this engine's version and when a seat and the blocks are free now, is written into this pool and the request
         runs at once with those tokens cached: its next step computes only what was left (a decode), nothing is
         re-prefilled. Otherwise (no KV, KV of another weight version, which must never be read as cached, or no room)
-        prompt + generated tokens are re-prefilled here. KV of another model's shape or dtype is a ValueError."""
+        prompt + generated tokens are re-prefilled here. KV of another model's shape or dtype is a ValueError. A
+        multi-turn request exported while held comes back held (to be `extend`ed), with its KV when it can adopt it
+        and the blocks are free (no seat needed)."""
         seq = Sequence.resume(unfinished)
         kv = unfinished.kv
         if kv is not None:
@@ -225,7 +247,13 @@ class LLMEngine:
                 raise ValueError(f"request {seq.request_id}: KV of {kv.num_tokens} tokens for a request of "
                                  f"{seq.num_tokens} (at least the last token is left to compute)")
         request_id = self._add(seq)
-        if kv is not None and kv.version == self.version and self.scheduler.admit_cached(seq, kv.num_tokens):
+        adopt = kv is not None and kv.version == self.version
+        if unfinished.held:   # its turn had ended: held again, to be extended
+            if self.scheduler.park(seq, kv.num_tokens if adopt else 0):
+                self.runner.write_kv(seq.block_table, kv.data)
+                seq.num_cached_tokens = kv.num_tokens
+            seq.finish_reason = "stop"
+        elif adopt and self.scheduler.admit_cached(seq, kv.num_tokens):
             self.runner.write_kv(seq.block_table, kv.data)
             seq.num_cached_tokens = kv.num_tokens
         return request_id
@@ -237,9 +265,9 @@ class LLMEngine:
         dropped = list(self.seqs)
         self.seqs.clear()
         self.kept.clear()
-        preemptions = self.scheduler.num_preemptions
+        counts = self.scheduler.num_preemptions, self.scheduler.num_evictions
         self.block_manager, self.scheduler = self._fresh_pool()
-        self.scheduler.num_preemptions = preemptions
+        self.scheduler.num_preemptions, self.scheduler.num_evictions = counts
         for cache in (*self.runner.k_caches, *self.runner.v_caches):
             cache.zero_()
         return dropped
@@ -262,7 +290,8 @@ class LLMEngine:
         sequences are preempted (recomputed under the new weights when they resume): no KV computed by the old
         weights is read again (AReaL's interrupt). With `keep_kv` they are not: they keep their KV, computed by the
         old weights, and their next tokens are decoded under the new ones (PipelineRL's in-flight weight update,
-        arXiv 2509.19128). Tokens generated before keep their old version. Returns the tensor count."""
+        arXiv 2509.19128). Tokens generated before keep their old version. The KV kept by held multi-turn requests
+        goes (or stays, with `keep_kv`) alike. Returns the tensor count."""
         n = self.runner.load_weights(weights)
         if not keep_kv:
             self.scheduler.preempt_all()
@@ -277,7 +306,8 @@ class LLMEngine:
             waiting=[s.request_id for s in sch.waiting], kv_blocks_used=bm.num_used, kv_blocks_free=bm.num_free,
             kv_blocks_total=bm.num_blocks, block_size=bm.block_size, num_tokens_decoded=self.num_tokens_decoded,
             num_prefill_tokens=self.num_prefill_tokens, num_steps=self.num_steps,
-            num_preemptions=sch.num_preemptions, time=self.clock())
+            num_preemptions=sch.num_preemptions, time=self.clock(), held=list(sch.held),
+            num_evictions=sch.num_evictions)
 
 
 def eos_ids(model_eos: int | list[int] | None, tokenizer: Any) -> frozenset[int]:

@@ -6,6 +6,11 @@ long prompt takes a chunk of what is left of the token budget), then admits wait
 When the block pool runs dry the newest running sequence is preempted by recompute: its blocks are freed and it
 goes back to the front of the waiting queue with its tokens, to be re-prefilled (prompt + generated) later.
 
+Multi-turn requests (engine/turns.py): a request whose turn ended is `held`, out of the running set (its seat
+free) with its blocks kept; extended, it waits again holding them and only its new tokens are prefilled. Kept KV
+gives way first: when the pool runs dry, the KV of the request held longest (then of a waiting one, newest first) is
+dropped before any running sequence is preempted or an admission refused; that request is recomputed when it runs.
+
 GRPO groups: when a fresh request of group g is admitted, its waiting siblings with the same prompt attach to it as
 `forks`; the prompt is prefilled once, and in the step that completes it every fork gets the leader's blocks
 (shared, copy-on-write) and samples its first token from the leader's logits row with its own generator.
@@ -23,7 +28,7 @@ from engine.sequence import RequestId, Sequence, SeqStatus
 class EngineStats:
     """What an engine reports about itself."""
     version: int
-    running: list[RequestId]  # request ids of sequences holding KV blocks
+    running: list[RequestId]  # request ids of sequences decoding or prefilling
     waiting: list[RequestId]  # request ids queued for (re-)prefill, next first
     kv_blocks_used: int
     kv_blocks_free: int
@@ -34,6 +39,8 @@ class EngineStats:
     num_steps: int = 0
     num_preemptions: int = 0
     time: float = 0.0
+    held: list[RequestId] = field(default_factory=list)  # multi-turn requests between turns, held longest first
+    num_evictions: int = 0  # kept KV of held or waiting requests dropped under memory pressure
 
 
 @dataclass
@@ -60,9 +67,10 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: dict[RequestId, Sequence] = {}  # multi-turn requests between turns, held longest first
         self.free_seats = list(range(max_num_seqs - 1, -1, -1))
         self.watermark = self.bm.num_blocks // 100  # kept free when admitting next to running sequences
-        self.num_preemptions = 0
+        self.num_preemptions = self.num_evictions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -89,6 +97,8 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed, budget)
             while not self.bm.can_allocate(seq, n):
+                if self.evict():
+                    continue
                 victim = self.running[-1]
                 self.preempt(victim)
                 preempted = True
@@ -116,7 +126,7 @@ class Scheduler:
             if 1 + len(seq.forks) > len(self.free_seats):
                 break
             reserve = self.watermark if self.running else 0
-            if not self.bm.can_allocate(seq, n, reserve):
+            if not self._room(seq, n, reserve):
                 break
             self.waiting.remove(seq)
             if seq.can_fork or seq.forks:
@@ -128,6 +138,13 @@ class Scheduler:
             self.running += forked.get(id(seq), [])
             budget -= n
         return budget
+
+    def _room(self, seq: Sequence, n: int, reserve: int) -> bool:
+        """Whether `n` more tokens of `seq` fit with `reserve` blocks to spare, once kept KV has given way."""
+        while not self.bm.can_allocate(seq, n, reserve):
+            if not self.evict(keep=seq):
+                return False
+        return True
 
     def _gather_siblings(self, leader: Sequence) -> None:
         """Waiting group siblings with the same prompt fork from `leader` (as many as there are seats for)."""
@@ -222,8 +239,60 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def preempt_all(self) -> None:
+        """Every running sequence preempted, and the KV kept for held and waiting ones dropped: all recomputed."""
         for seq in reversed(list(self.running)):
             self.preempt(seq)
+        for seq in [*self.held.values(), *self.waiting]:
+            if seq.block_table and seq.leader is None:
+                self._drop_kv(seq)
+
+    # ---- multi-turn requests between turns ----------------------------------------------------------------------
+    def hold(self, seq: Sequence) -> None:
+        """A running multi-turn request's turn ended: out of the running set, its seat free, its blocks kept (those
+        allocated ahead of its cached tokens given back)."""
+        self.running.remove(seq)
+        self.bm.trim(seq)
+        if seq.seat >= 0:
+            self.free_seats.append(seq.seat)
+            seq.seat = -1
+        seq.table_synced = 0   # the runner's block-table row was the seat's: its next seat's row is rewritten
+        seq.status = SeqStatus.HELD
+        self.held[seq.request_id] = seq
+
+    def park(self, seq: Sequence, num_tokens: int) -> bool:
+        """A fresh-imported `seq` exported while held is held here, with blocks for its first `num_tokens` tokens
+        (whose K/V the caller writes, then marks cached) when they are free beyond the watermark; False: without."""
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.HELD
+        self.held[seq.request_id] = seq
+        if num_tokens <= 0 or not self.bm.can_allocate(seq, num_tokens, self.watermark if self.running else 0):
+            return False
+        self.bm.allocate(seq, num_tokens)
+        return True
+
+    def unhold(self, seq: Sequence) -> None:
+        """A held request was extended: it waits (at the back) with the blocks it kept."""
+        del self.held[seq.request_id]
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def evict(self, keep: Sequence | None = None) -> bool:
+        """Drop the kept KV of one request not running (but `keep`): the one held longest, else the newest waiting
+        one; False when none keeps any."""
+        for seq in self.held.values():
+            if seq.block_table:
+                self._drop_kv(seq)
+                return True
+        for seq in reversed(self.waiting):
+            if seq.block_table and seq is not keep and seq.leader is None:
+                self._drop_kv(seq)
+                return True
+        return False
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        seq.num_cached_tokens = 0
+        self.num_evictions += 1
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of the engine (abort / export) wherever it is. A leader hands its place to a fork."""
@@ -251,4 +320,8 @@ class Scheduler:
             self._release(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            self._release(seq)   # an extended multi-turn request waits with the blocks it kept
+        elif seq.status is SeqStatus.HELD:
+            del self.held[seq.request_id]
+            self._release(seq)
         seq.status = SeqStatus.FINISHED

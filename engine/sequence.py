@@ -2,7 +2,9 @@
 
 A `GenRequest` is what a caller submits (prompt tokens, sampling params, GRPO group id and sample index). The engine
 turns it into a `Sequence` (token ids, KV block table, generated logprobs and versions) and, when it finishes or is
-aborted, into a `RequestOutput`. An unfinished sequence can leave one engine as an `UnfinishedRequest` and resume
+aborted, into a `RequestOutput`. A multi-turn request (`GenRequest.multi_turn`) is held when a turn ends and extended
+with an observation's tokens (engine/turns.py): its response interleaves sampled and appended tokens, told apart by
+its `mask`. An unfinished sequence can leave one engine as an `UnfinishedRequest` and resume
 in another, with its KV (`KVState`) when the engines share weights. Only `KVState` holds tensors.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ class GenRequest:
     group_id: int = -1  # GRPO group: samples of one group with the same prompt share its KV blocks
     sample_index: int = 0
     prompt_index: int = -1  # position of the prompt in the dataset, carried through for logs
+    multi_turn: bool = False  # a turn's stop (EOS, stop token) holds the request for `LLMEngine.extend`
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -58,6 +61,9 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float = 0.0
     num_preemptions: int = 0
+    # Multi-turn requests: per response token 1 = sampled, 0 = appended by `extend` (logprob 0.0); None otherwise.
+    mask: list[int] | None = None
+    held: bool = False  # a multi-turn request's turn ended: it waits in the engine for `extend` or `end`
 
     @property
     def version(self) -> int:
@@ -92,11 +98,14 @@ class UnfinishedRequest:
     first_token_time: float | None = None
     num_preemptions: int = 0
     kv: KVState | None = None  # the KV of the tokens the exporting engine had cached (`LLMEngine.export(with_kv=True)`)
+    mask: list[int] | None = None  # a multi-turn request's per-token mask (RequestOutput.mask)
+    held: bool = False  # exported while held (its turn had ended): imported held, to be extended
 
 
 class SeqStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    HELD = auto()  # a multi-turn request between turns: no seat, its blocks kept (while the pool can spare them)
     FINISHED = auto()
 
 
@@ -126,6 +135,7 @@ class Sequence:
         self.num_preemptions = 0
         self.leader: Sequence | None = None  # a group sibling being prefilled that this one will fork from
         self.forks: list[Sequence] = []  # siblings waiting to fork from this one once its prompt is prefilled
+        self.appended: list[tuple[int, int]] = []  # [start, end) of the tokens `observe` appended, generated index
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.name}, tokens={len(self.token_ids)}, "
@@ -169,6 +179,24 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = now
 
+    def observe(self, tokens: list[int], version: int) -> None:
+        """Append tokens the model did not sample (a multi-turn request's observation): logprob 0.0, mask 0."""
+        start = self.num_generated
+        self.token_ids += tokens
+        self.logprobs += [0.0] * len(tokens)
+        self.sampling_logprobs += [0.0] * len(tokens)
+        self.versions += [version] * len(tokens)
+        self.appended.append((start, start + len(tokens)))
+
+    def mask(self) -> list[int] | None:
+        """Per generated token 1 (sampled) or 0 (appended); None for a single-turn request."""
+        if not self.request.multi_turn:
+            return None
+        mask = [1] * self.num_generated
+        for a, b in self.appended:
+            mask[a:b] = [0] * (b - a)
+        return mask
+
     def output(self) -> RequestOutput:
         r = self.request
         return RequestOutput(
@@ -177,14 +205,15 @@ class Sequence:
             logprobs=list(self.logprobs), sampling_logprobs=list(self.sampling_logprobs), versions=list(self.versions),
             finish_reason=self.finish_reason or "abort", group_id=r.group_id, sample_index=r.sample_index,
             prompt_index=r.prompt_index, arrival_time=self.arrival_time, first_token_time=self.first_token_time,
-            finish_time=self.finish_time, num_preemptions=self.num_preemptions)
+            finish_time=self.finish_time, num_preemptions=self.num_preemptions, mask=self.mask(),
+            held=self.status is SeqStatus.HELD)
 
     def unfinished(self) -> UnfinishedRequest:
         return UnfinishedRequest(
             request=self.request, token_ids=self.token_ids[self.num_prompt_tokens:], logprobs=list(self.logprobs),
             sampling_logprobs=list(self.sampling_logprobs), versions=list(self.versions),
             arrival_time=self.arrival_time, first_token_time=self.first_token_time,
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions, mask=self.mask(), held=self.status is SeqStatus.HELD)
 
     @classmethod
     def resume(cls, u: UnfinishedRequest) -> Sequence:
@@ -194,4 +223,20 @@ class Sequence:
         seq.versions = list(u.versions)
         seq.first_token_time = u.first_token_time
         seq.num_preemptions = u.num_preemptions
+        if u.mask is not None:  # the appended spans back from the mask
+            if len(u.mask) != len(u.token_ids):
+                raise ValueError(f"request {seq.request_id}: a mask of {len(u.mask)} for {len(u.token_ids)} tokens")
+            seq.appended = spans(u.mask, 0)
         return seq
+
+
+def spans(mask: list[int], value: int) -> list[tuple[int, int]]:
+    """The [start, end) runs of `value` in `mask`."""
+    out, start = [], None
+    for i, m in enumerate([*mask, None]):
+        if m == value and start is None:
+            start = i
+        elif m != value and start is not None:
+            out.append((start, i))
+            start = None
+    return out

@@ -137,14 +137,16 @@ class EngineHealth:
                    data={"down_s": time.perf_counter() - self.failed_at, "reloaded": reloaded})
         self.flush()
 
-    def partials(self) -> dict[int, tuple[int, list[int], list[float], list[int]]]:
+    def partials(self) -> dict[int, tuple]:
         """Each request's tokens since the last stream, for the controller's partial-response pool (sched/partials.py):
-        (start index, ids, behaviour log-probs, per-token versions)."""
+        (start index, ids, behaviour log-probs, per-token versions), and a multi-turn request's loss mask over them."""
         out, streamed = {}, {}
         for rid, s in self.engine.seqs.items():
             k, n = self.streamed.get(rid, 0), s.num_generated
             if n > k:
                 out[rid] = (k, s.token_ids[s.num_prompt_tokens + k:], s.logprobs[k:], s.versions[k:])
+                if s.request.multi_turn:
+                    out[rid] += (s.mask()[k:],)
             streamed[rid] = n
         self.streamed = streamed
         return out

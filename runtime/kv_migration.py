@@ -86,14 +86,19 @@ class KVMigration:
         self.incoming.clear()
         return held
 
-    def resume(self, req: StartRequest, params: SamplingParams, kv: KVState | None) -> None:
+    def resume(self, req: StartRequest, params: SamplingParams, kv: KVState | None, multi_turn: bool = False,
+               held: bool = False) -> None:
         """Queue a request resumed from its partial trajectory: its tokens so far are re-prefilled, or adopted as
         cached from `kv` when that was computed by this engine's weights. Its seed is the same and its draws are a
         function of (seed, token index), so the continuation is the one the first engine would have produced under
-        the same weights; max_new_tokens counts the carried tokens too."""
+        the same weights; max_new_tokens counts the carried tokens too. A multi-turn request carries its loss mask
+        (no mask: every token the model's); `held`: its last turn had ended (imported held, to be extended)."""
         part = req.partial
         request = GenRequest(req.prompt_ids, params, request_id=req.req_id, group_id=req.group_id,
-                             sample_index=req.sample_index, prompt_index=req.prompt_index)
+                             sample_index=req.sample_index, prompt_index=req.prompt_index, multi_turn=multi_turn)
+        mask = None
+        if multi_turn:
+            mask = list(part.loss_mask) if part.loss_mask is not None else [1] * len(part.response_ids)
         ids, lps, versions = list(part.response_ids), list(part.logprobs), list(part.versions)
         if not len(ids) == len(lps) == len(versions):
             raise ValueError(f"rank {self.rank}: request {req.req_id} resumed with {len(ids)} tokens, "
@@ -104,7 +109,7 @@ class KVMigration:
         # The sampled-distribution logprobs of earlier parts are not carried (nothing downstream reads them).
         self.engine.import_request(UnfinishedRequest(
             request, token_ids=ids, logprobs=lps, sampling_logprobs=[float("nan")] * len(ids),
-            versions=versions, arrival_time=self.engine.clock(), kv=kv))
+            versions=versions, arrival_time=self.engine.clock(), kv=kv, mask=mask, held=held))
         if kv is not None:   # refused: computed by other weights, or no room now (re-prefilled instead)
             adopted = self.engine.seqs[req.req_id].num_cached_tokens > 0
             self.adopted += kv.num_tokens * adopted

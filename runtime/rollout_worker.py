@@ -19,6 +19,13 @@
     ResetEngine      (after this rank reported `engine_failed`) the controller took the engine's requests back: the
                      engine may rebuild and rejoin (runtime/engine_health.py: fault isolation, Laminar §3.3)
 
+Multi-turn episodes (an `Environment`, rl/env.py; runtime/episodes.py): a request's turn that stops is held by the
+engine; its text goes to the environment, whose tool call runs on this rank's tool pool beside decoding
+(`tool_started`, then `tool_finished` when it returns or times out) and whose observation extends the request, its
+KV kept. The episode's one `trajectory_finished` comes at its end, its trajectory carrying the loss mask; the reward
+scores its last model turn. An interrupted, aborted or migrated request (or one on a failed engine) waiting on a tool
+abandons the call; resumed, it continues from its transcript.
+
 Request ids are the controller's int `req_id` end to end, the engine's request id included. Between messages the
 engine steps; events go out batched, one message per engine step. Each finished sample goes to the scorer
 (runtime/reward_scorer.py: inline, the default, or asynchronous, RollPacker §4.3) as its `trajectory_finished` goes
@@ -44,16 +51,19 @@ from config import Config
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import GenRequest, KVState, RequestOutput
+from rl.env import Environment
+from rl.episode import stop_token_ids
 from rl.rewards import RewardResult
 from rl.types import Trajectory
-from runtime.build import RunParts, reward_scorer
+from runtime.build import RunParts, environment, reward_scorer
 from runtime.channel import WORKER, Channel, ChannelTimeout
 from runtime.engine_health import EngineHealth
+from runtime.episodes import Episodes, count_turns, last_turn
 from runtime.kv_migration import KVMigration
 from runtime.messages import ReceiveWeights, SendKV, Start, StartRequest, Stop
 from runtime.relay import Relay
 from runtime.reward_scorer import RewardScorer
-from runtime.samples import partial_of, request_seed, response_decoder, trajectory_of
+from runtime.samples import observation_encoder, partial_of, request_seed, response_decoder, trajectory_of
 from runtime.topology import Topology
 from runtime.watchdog import Phase, doing, progress
 from sched.base import Preset
@@ -85,7 +95,9 @@ class RolloutWorker:
     def __init__(self, engine: LLMEngine, channel: Channel, *, engine_index: int, rank: int,
                  scorer: RewardScorer, decode: Callable[[list[int]], str], receiver: WeightReceiver | None,
                  sampling: SamplingConfig, t0: float, verify_weights: bool = False,
-                 kv_group: dist.ProcessGroup | None = None, failures_isolated: int = 0):
+                 kv_group: dist.ProcessGroup | None = None, failures_isolated: int = 0,
+                 env: Environment | None = None, encode: Callable[[str], list[int]] | None = None,
+                 turn_stops: tuple[int, ...] = (), tool_workers: int = 4):
         self.engine, self.channel, self.engine_index, self.rank = engine, channel, engine_index, rank
         self.scorer, self.decode, self.sampling, self.t0 = scorer, decode, sampling, t0
         self.answers: dict[int, str | None] = {}               # req_id -> its reference answer
@@ -97,14 +109,23 @@ class RolloutWorker:
         self.kv = KVMigration(engine, kv_group, rank=rank)     # kv_group None: migrated requests are re-prefilled
         self.health = EngineHealth(engine, self.relay, self.kv, rank=rank, engine_index=engine_index,
                                    isolated=failures_isolated, event=self.event, flush=self.flush)
+        # multi-turn episodes: `turn_stops` end a turn besides EOS (rl/episode.py stop_token_ids: plain's "=")
+        self.episodes: Episodes | None = None
+        self.turn_stops = tuple(turn_stops)
+        if env is not None:
+            if encode is None:
+                raise ValueError("a multi-turn worker needs the tokenizer's encode for observations")
+            self.episodes = Episodes(env, engine, encode=encode, decode=decode, event=self.event,
+                                     tool_workers=tool_workers)
 
     @classmethod
     def for_rank(cls, cfg: Config, parts: RunParts, engine: LLMEngine, topo: Topology, channel: Channel, t0: float,
                  receiver: WeightReceiver | None, preset: Preset | None = None, **kw: Any) -> "RolloutWorker":
         """This rank's worker, as the run config says; what its counters carry and how often, as `preset`'s
-        mechanisms read them (Preset.reads_progress, Preset.counters_period_s), and whether it isolates engine
-        faults (Preset.failures_isolated; never in colocated mode, where the rank is a trainer shard too)."""
-        r = cfg.rollout
+        mechanisms read them (Preset.reads_progress, Preset.counters_period_s), whether it isolates engine
+        faults (Preset.failures_isolated; never in colocated mode, where the rank is a trainer shard too), and its
+        environment (`[env]`; None, single-turn, for `env.kind = "none"`)."""
+        r, env = cfg.rollout, environment(cfg)
         return cls(engine, channel, engine_index=topo.engine_of(topo.rank), rank=topo.rank,
                    scorer=reward_scorer(cfg, parts.reward_fn), decode=response_decoder(parts.tokenizer, engine.eos_ids),
                    receiver=receiver,
@@ -114,7 +135,9 @@ class RolloutWorker:
                                            counters_every_s=preset.counters_period_s() if preset else None), t0=t0,
                    verify_weights=cfg.cluster.verify_weights, kv_group=topo.kv_group if cfg.perf.migrate_kv else None,
                    failures_isolated=preset.failures_isolated() if preset is not None and not topo.colocate else 0,
-                   **kw)
+                   env=env, encode=observation_encoder(parts.tokenizer),
+                   turn_stops=stop_token_ids(env, parts.tokenizer) if env is not None else (),
+                   tool_workers=cfg.env.tool_workers, **kw)
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -155,7 +178,7 @@ class RolloutWorker:
                 self.kv.out.pop(req_id, None)   # kept since its migrating Interrupt: dropped pending, not sent
                 out = self.engine.abort(req_id)
                 if out is not None:
-                    self.answers.pop(req_id, None)
+                    self._forget(req_id)
                     self.event("trajectory_aborted", req_id=req_id, group_id=out.group_id,
                                data={"requeue": msg.requeue, "tokens": len(out.token_ids)})
             self._maybe_idle()
@@ -174,7 +197,8 @@ class RolloutWorker:
         s = self.sampling
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
                               max_new_tokens=min(s.max_new_tokens, req.max_new_tokens or s.max_new_tokens),
-                              seed=request_seed(s.seed, req.group_id, req.sample_index), ignore_eos=s.ignore_eos)
+                              seed=request_seed(s.seed, req.group_id, req.sample_index), ignore_eos=s.ignore_eos,
+                              stop_token_ids=self.turn_stops if self.episodes is not None else ())
 
     def _add(self, req: StartRequest) -> None:
         """Queue one request: fresh, or resumed from its partial trajectory, at once or, when its KV is on another
@@ -184,7 +208,8 @@ class RolloutWorker:
         if part is None:
             self.engine.add_request(GenRequest(req.prompt_ids, self._params(req), request_id=req.req_id,
                                                group_id=req.group_id, sample_index=req.sample_index,
-                                               prompt_index=req.prompt_index))
+                                               prompt_index=req.prompt_index,
+                                               multi_turn=self.episodes is not None))
             self.answers[req.req_id] = req.answer
             return
         src = part.meta.get("kv_rank")
@@ -199,10 +224,24 @@ class RolloutWorker:
             self._resume(req, kv)
 
     def _resume(self, req: StartRequest, kv: KVState | None) -> None:
-        """Queue a request from its partial trajectory (runtime/kv_migration.py), with the KV it comes with."""
-        self.kv.resume(req, self._params(req), kv)
+        """Queue a request from its partial trajectory (runtime/kv_migration.py), with the KV it comes with. A
+        multi-turn one whose last turn had ended comes back held, that turn acted on again."""
+        part = req.partial
+        held = self.episodes is not None and self._turn_over(part.response_ids, part.loss_mask)
+        self.kv.resume(req, self._params(req), kv, multi_turn=self.episodes is not None, held=held)
         self.answers[req.req_id] = req.answer
-        self.health.streamed[req.req_id] = len(req.partial.response_ids)   # the controller's pool holds these
+        self.health.streamed[req.req_id] = len(part.response_ids)   # the controller's pool holds these
+        if self.episodes is None:
+            return
+        if not held:
+            self.episodes.resumed(req.req_id, part.meta)
+        elif (out := self.episodes.resume_held(req.req_id, part.meta)) is not None:
+            self._finished(out)
+
+    def _turn_over(self, ids: list[int], mask: list[int] | None) -> bool:
+        """A transcript whose last model turn had stopped (and had no observation yet): it waited on a tool."""
+        return bool(ids) and (mask is None or mask[-1] == 1) and (
+            ids[-1] in self.turn_stops or (ids[-1] in self.engine.eos_ids and not self.sampling.ignore_eos))
 
     def _interrupt(self, req_id: int, migrating: bool = False) -> None:
         """Export one request the engine still holds and report its tokens so far (no event if not held); a
@@ -210,14 +249,22 @@ class RolloutWorker:
         if req_id not in self.engine.seqs:
             return
         u = self.engine.export(req_id, with_kv=migrating and self.kv.keeps_kv)
-        self.answers.pop(req_id, None)
-        meta: dict[str, Any] = {}
+        meta: dict[str, Any] = self._forget(req_id)
         data = {"tokens": len(u.token_ids)}
         if u.kv is not None:
             self.kv.out[req_id] = u.kv
             meta["kv_rank"], data["kv_tokens"] = self.rank, u.kv.num_tokens
         self.event("trajectory_interrupted", req_id=req_id, group_id=u.request.group_id, version=self.engine.version,
                    data=data, payload=partial_of(u, meta))
+
+    def _forget(self, req_id: int) -> dict[str, Any]:
+        """A request left this engine unfinished: its answer dropped, its tool call in flight abandoned. Returns its
+        episode's counters (for a partial trajectory's meta; empty when single-turn)."""
+        self.answers.pop(req_id, None)
+        if self.episodes is None:
+            return {}
+        self.episodes.abandon(req_id)
+        return self.episodes.meta(req_id)
 
     def _maybe_idle(self) -> None:
         """An engine emptied by aborts or interrupts is idle now, not at its next step (which may never come)."""
@@ -245,29 +292,65 @@ class RolloutWorker:
             if not self.health.isolated:
                 raise
             for req_id in self.health.fail(err, finished):
-                self.answers.pop(req_id, None)
+                self._forget(req_id)
             self._maybe_idle()
             self.flush()
             return
+        if self.episodes is not None:
+            finished = self._turns(finished)
         scored = sum(self._finished(out) for out in finished) + self.collect_scores()
         self._counters(before)
         self._maybe_idle()
         if finished or scored or not self.busy or self.health.isolated:   # the pool is kept fresh
             self.flush()
 
+    def _turns(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's outputs, each held one (a turn that ended) handed to its episode: a tool call starts, or the
+        episode is over (its final output kept)."""
+        done = []
+        for out in outs:
+            if out.held:
+                out = self.episodes.turn_ended(out)   # type: ignore[union-attr]
+            if out is not None:
+                done.append(out)
+        return done
+
+    def _tools(self) -> None:
+        """The tool calls that returned or timed out: their observations appended (the requests decode on), the
+        episodes they ended reported."""
+        if self.episodes is None or not self.episodes.pending:
+            return
+        ended = self.episodes.poll()
+        for out in ended:
+            self._finished(out)
+        if self.outbox:
+            progress(f"{len(ended)} episodes ended by tool results")
+            self.flush()
+
     def _finished(self, out: RequestOutput) -> int:
-        """Report one finished request and hand it to the scorer; the scores that are in at once (inline)."""
+        """Report one finished request and hand it to the scorer; the scores that are in at once (inline). An
+        episode's reward scores its last model turn; one its environment broke (finish_reason "error") scores 0."""
         req_id = out.request_id
         answer = self.answers.pop(req_id)
-        if out.finish_reason == "error":  # non-finite logits: dropped (never trained, never rescored), counted
+        env_error = self.episodes is not None and req_id in self.episodes.errors
+        if out.finish_reason == "error" and not env_error:  # non-finite logits: dropped (never trained), counted
+            if self.episodes is not None:
+                self.episodes.meta(req_id)
             self.event("trajectory_aborted", req_id=req_id, group_id=out.group_id, version=out.version,
                        data={"requeue": False, "error": "non-finite logits", "tokens": len(out.token_ids)})
             return 0
         traj = trajectory_of(out)
+        text_ids = out.token_ids
+        if self.episodes is not None:
+            traj.meta.update(self.episodes.meta(req_id), turns=count_turns(out.token_ids, out.mask))
+            text_ids = last_turn(out.token_ids, out.mask)   # rl/episode.py `reward_text`
         self.event("trajectory_finished", req_id=req_id, group_id=out.group_id, version=out.version,
                    data={"tokens": len(out.token_ids), "finish_reason": out.finish_reason})
+        if env_error:
+            self._scored(req_id, out.version, traj, RewardResult(0.0, False, reason=traj.meta["env_error"]))
+            return 1 + self.collect_scores()
         # the key comes back with the score; the test case is the prompt (RollPacker §4.3's adaptive timeout)
-        self.scorer.submit((req_id, out.version, traj), traj.prompt_index, self.decode(out.token_ids), answer or "")
+        self.scorer.submit((req_id, out.version, traj), traj.prompt_index, self.decode(text_ids), answer or "")
         return self.collect_scores()
 
     def _counters(self, before: int) -> None:
@@ -313,6 +396,8 @@ class RolloutWorker:
         KV this rank was told to send is taken, and drop what it still keeps."""
         self.kv.close()
         self.relay.close()
+        if self.episodes is not None:
+            self.episodes.close()
         self.collect_scores()
         self.scorer.close()
         self.flush()
@@ -328,12 +413,14 @@ class RolloutWorker:
             while True:
                 self._take_kv()
                 self.relay.take()
+                self._tools()
                 msgs = self.channel.poll(WORKER)
                 if self.health.rebuild_due:
                     self.health.rebuild()
                 if not msgs and not self.engine.has_unfinished():
                     if (len(self.scorer) or self.kv.pending or self.relay.publications.pending
-                            or self.health.rebuild_due):   # look again soon
+                            or self.health.rebuild_due or (self.episodes is not None and self.episodes.pending)):
+                        # look again soon
                         self.collect_scores()
                         self.flush()
                         try:
@@ -353,4 +440,6 @@ class RolloutWorker:
                     self.step()
         finally:
             self.scorer.close()
+            if self.episodes is not None:
+                self.episodes.close()
 

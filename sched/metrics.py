@@ -185,9 +185,15 @@ def rollout_stats(groups: list[Group]) -> dict[str, float]:
     if not trajs:
         return {}
     lens = [len(t.response_ids) for t in trajs]
-    return {"reward_mean": mean(t.reward or 0.0 for t in trajs),
-            "accuracy": mean(1.0 if t.correct else 0.0 for t in trajs),
-            "response_len_mean": mean(lens), "response_len_max": float(max(lens)),
-            "truncated_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in trajs),
-            "reward_failed": float(sum(1 for t in trajs if t.meta.get("reward_failed"))),
-            "samples": float(len(trajs))}
+    out = {"reward_mean": mean(t.reward or 0.0 for t in trajs),
+           "accuracy": mean(1.0 if t.correct else 0.0 for t in trajs),
+           "response_len_mean": mean(lens), "response_len_max": float(max(lens)),
+           "truncated_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in trajs),
+           "reward_failed": float(sum(1 for t in trajs if t.meta.get("reward_failed"))),
+           "samples": float(len(trajs))}
+    if any("turns" in t.meta for t in trajs):   # multi-turn episodes (runtime/episodes.py): their counters
+        out.update(turns_mean=mean(t.meta.get("turns", 1) for t in trajs),
+                   tool_calls_mean=mean(t.meta.get("tool_calls", 0) for t in trajs),
+                   tool_failed_frac=sum(t.meta.get("tool_failures", 0) for t in trajs)
+                   / max(1, sum(t.meta.get("tool_calls", 0) for t in trajs)))
+    return out

@@ -5,7 +5,8 @@ engine loses at most what it generated since its last report (§3.3: "in-progres
 Engines stream only when a preset's mechanism isolates engine faults (`Preset.isolates_faults`). The request
 lifecycle's event fold (sched/fold.py) writes the pool, and nothing else does: an entry opens when a request is
 admitted (holding the partial trajectory it resumes from, if any), grows with each `tokens_decoded` event's
-`payload["partials"]` chunk (`start`, ids, behaviour log-probs, per-token versions, from that token index on), and
+`payload["partials"]` chunk (`start`, ids, behaviour log-probs, per-token versions, from that token index on; a
+multi-turn request's also its loss mask, so that a resumed episode still never trains on its observations), and
 closes when the request leaves its engine (finished, interrupted, aborted). When an engine fails, the fold's
 `take_back` (below) returns its requests to PENDING, each resuming from its entry (`take`); `rejoin` lets the engine
 take work again once it reports itself rebuilt.
@@ -38,9 +39,11 @@ class PartialEntry:
     logprobs: Sequence[float] = field(default_factory=list)
     versions: Sequence[int] = field(default_factory=list)
     streamed: int = 0    # tokens that arrived by stream (not carried in from a resume)
+    mask: list[int] | None = None   # a multi-turn request's loss mask (None: single-turn)
 
 
-Chunk = tuple[int, list[int], list[float], list[int]]   # (start, ids, log-probs, versions)
+# (start, ids, log-probs, versions), and a multi-turn request's loss mask over those tokens
+Chunk = tuple[int, list[int], list[float], list[int]] | tuple[int, list[int], list[float], list[int], list[int]]
 
 
 class PartialPool:
@@ -58,16 +61,18 @@ class PartialPool:
         elif isinstance(partial.response_ids, RunLengthSequence):   # read-only: kept as they are
             self.entries[req_id] = PartialEntry(partial.response_ids, partial.logprobs, partial.versions)
         else:
+            mask = list(partial.loss_mask) if partial.loss_mask is not None else None
             self.entries[req_id] = PartialEntry(list(partial.response_ids), list(partial.logprobs),
-                                                list(partial.versions))
+                                                list(partial.versions), mask=mask)
 
     def grow(self, req_id: int, chunk: Chunk) -> None:
         """Tokens from index `start` on, as the engine streamed them (a chunk may repeat tokens already held)."""
         entry = self.entries.get(req_id)
         if entry is None:
             return   # left its engine already (the stream and the departure crossed)
-        start, ids, lps, versions = chunk
-        if not len(ids) == len(lps) == len(versions):
+        start, ids, lps, versions = chunk[:4]
+        mask = chunk[4] if len(chunk) > 4 else None
+        if not len(ids) == len(lps) == len(versions) or (mask is not None and len(mask) != len(ids)):
             raise InvariantError(f"partial chunk for request {req_id}: {len(ids)} ids, {len(lps)} log-probs, "
                                  f"{len(versions)} versions")
         if start > len(entry.ids):
@@ -88,6 +93,8 @@ class PartialPool:
             entry.ids += ids
             entry.logprobs += lps
             entry.versions += versions
+            if mask is not None:
+                entry.mask = (entry.mask or [1] * start)[:start] + list(mask)
         entry.streamed += new
         self.tokens_streamed += new
 
@@ -103,7 +110,8 @@ class PartialPool:
             return like
         return Trajectory(group_id=group_id, sample_index=sample_index, prompt_ids=list(prompt_ids),
                           response_ids=entry.ids, logprobs=entry.logprobs, versions=entry.versions,
-                          finish_reason="interrupted", prompt_index=prompt_index, meta={"from_pool": True})
+                          finish_reason="interrupted", prompt_index=prompt_index, meta={"from_pool": True},
+                          loss_mask=entry.mask)
 
 
 def take_back(v: Views, pool: PartialPool, ev: Event, emit: Callable[[Event], None]) -> None:
@@ -141,7 +149,7 @@ def take_back(v: Views, pool: PartialPool, ev: Event, emit: Callable[[Event], No
         if r.migrate_to >= 0 and r.state == S.INTERRUPTING:
             v.migrations.append((r.req_id, r.engine, r.migrate_to))
         v.requests.set_state(r, S.PENDING)
-        r.engine, r.migrate_to = -1, -1
+        r.engine, r.migrate_to, r.tool_since = -1, -1, -1.0   # a tool call it waited on is abandoned
     emit(Event("trajectories_recovered", v.now, engine=ev.engine,
                data={"resumed": resumed, "tokens_kept": kept, "tokens_lost": lost, "dropped": dropped}))
 

@@ -126,6 +126,7 @@ def _settle(life: "Lifecycle", r: Request) -> None:
                         data={"requeue": False, "restored": True}))
     elif r.state in REGENERATE or (r.state == S.FINISHED and not scored):
         r.state, r.engine, r.finished_seq, r.migrate_to = S.RESTORED, -1, -1, -1
+        r.tool_since = -1.0   # a tool call it waited on went with its engine
         r.tokens = len(r.partial.response_ids) if r.partial is not None else 0
         if r.partial is None:
             r.v_traj = -1  # its tokens will all be new: first admitted on resume

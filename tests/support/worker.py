@@ -23,7 +23,7 @@ class FakeChannel:
         self.sent.append((dst, obj))
 
 
-def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None, rank=1):
+def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None, rank=1, **kw):
     task = SyntheticTask("reverse", 16, 0)
     tok = task.tokenizer()
     cfg = preset_config("tiny", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
@@ -36,7 +36,7 @@ def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None, ran
                       scorer=scorer if scorer is not None else InlineScorer(task.score),
                       decode=response_decoder(tok, engine.eos_ids), receiver=None,
                       sampling=SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0,
-                      verify_weights=verify)
+                      verify_weights=verify, **kw)
     return w, ch, task, tok
 
 
