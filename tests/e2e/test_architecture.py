@@ -184,7 +184,7 @@ def test_python_m_sched_says_where_to_run_it(tmp_path):
     bad = run("staleflow")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "takes no arguments" in bad.stderr
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "from the repository root: elsewhere `python -m sched` is the standard library's" in readme
+    assert "from the repository root (elsewhere `python -m sched` is the standard library's module)" in readme
 
 
 NEW_MECHANISM = '''from dataclasses import dataclass
