@@ -88,6 +88,7 @@ class EventFold:
             r.tokens, r.finished_seq = ev.data.get("tokens", r.tokens), v.seq
             r.preemptions = ev.data.get("preemptions", r.preemptions)
             v.finishes.setdefault(r.round, []).append(r.req_id)
+            v.finished += 1
             v.engines[r.engine].assigned -= 1
             self._finished(r)
         elif k == "reward_scored":

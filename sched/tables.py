@@ -11,10 +11,14 @@ goes through the indexing `__setitem__` / `__delitem__`.
 from __future__ import annotations
 
 from collections.abc import MutableMapping
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Hashable, Iterator, Sequence
 
 if TYPE_CHECKING:
     from sched.views import GroupState, Request
+
+
+_req_id = attrgetter("req_id")
 
 
 class _Table(MutableMapping):
@@ -49,13 +53,18 @@ class _Table(MutableMapping):
 
 class RequestTable(_Table):
     """req_id -> Request, with an index of the requests in each of the `indexed` states (the non-final ones); the
-    `queue` state's index is read in request-id order (the pending queue)."""
+    `queue` state's index is read in request-id order (the pending queue). The queue is also indexed split in two:
+    its requests never admitted to an engine (`v_traj < 0`), by group, and those admitted before (interrupted,
+    requeued or taken back), so a policy that treats the two apart reads each without scanning the other.
+    `v_traj` changes only on admission, as the request leaves the queue."""
 
     def __init__(self, indexed: Sequence[Hashable], queue: Hashable):
         self._all: dict[int, Request] = {}
         self._by_state: dict[Hashable, dict[int, Request]] = {s: {} for s in indexed}
         self._queue = queue
         self._sorted = True       # the queue's index is in id order
+        self._fresh: dict[int, dict[int, Request]] = {}   # group id -> its queued requests never admitted, by id
+        self._resumed: dict[int, Request] = {}            # queued requests admitted before
 
     def __setitem__(self, req_id: int, r: "Request") -> None:
         old = self._all.get(req_id)
@@ -72,6 +81,8 @@ class RequestTable(_Table):
         for idx in self._by_state.values():
             idx.clear()
         self._sorted = True
+        self._fresh.clear()
+        self._resumed.clear()
 
     # ---------------------------------------------------------------------------------------------- the index
     def set_state(self, r: "Request", state: Hashable) -> None:
@@ -84,13 +95,27 @@ class RequestTable(_Table):
         idx = self._by_state.get(r.state)
         if idx is not None:
             idx.pop(r.req_id, None)
+        if r.state == self._queue:    # by id and group, not by v_traj: admission sets it before the state changes
+            if self._resumed.pop(r.req_id, None) is None:
+                members = self._fresh.get(r.group_id)
+                if members is not None and members.pop(r.req_id, None) is not None and not members:
+                    del self._fresh[r.group_id]
 
     def _index(self, r: "Request") -> None:
         idx = self._by_state.get(r.state)
         if idx is None:
             return
-        if r.state == self._queue and idx and r.req_id < next(reversed(idx)):
-            self._sorted = False
+        if r.state == self._queue:
+            if idx and r.req_id < next(reversed(idx)):
+                self._sorted = False
+            if r.v_traj >= 0:
+                self._resumed[r.req_id] = r
+            else:
+                members = self._fresh.setdefault(r.group_id, {})
+                in_order = not members or r.req_id > next(reversed(members))
+                members[r.req_id] = r
+                if not in_order:
+                    self._fresh[r.group_id] = dict(sorted(members.items()))
         idx[r.req_id] = r
 
     def set_tokens(self, progress: dict) -> None:
@@ -99,9 +124,9 @@ class RequestTable(_Table):
         get = self._all.get
         for rid, n in progress.items():
             r = get(rid)                    # an int id (the simulator's reports): as get(int(rid))
-            if r is None and type(rid) is not int:
-                r = get(int(rid))
             if r is not None:
+                r.tokens = n
+            elif type(rid) is not int and (r := get(int(rid))) is not None:
                 r.tokens = n
 
     def iter_pending(self) -> Iterator["Request"]:
@@ -114,6 +139,16 @@ class RequestTable(_Table):
 
     def pending(self) -> list["Request"]:
         return list(self.iter_pending())
+
+    def fresh_by_group(self) -> dict[int, dict[int, "Request"]]:
+        """The pending requests never admitted to an engine (`v_traj < 0`): group id -> {req_id: request} in id
+        order, groups in insertion order (the caller sorts them if it needs to); read only, and change no request's
+        state while reading."""
+        return self._fresh
+
+    def resumed_pending(self) -> list["Request"]:
+        """The pending requests admitted before (`v_traj >= 0`: interrupted, requeued, taken back), in id order."""
+        return sorted(self._resumed.values(), key=_req_id)
 
     def in_state(self, *states: Hashable) -> list["Request"]:
         """Requests in any of these indexed states, state by state, each in the order it entered that state
@@ -131,6 +166,13 @@ class RequestTable(_Table):
         for r in self._all.values():
             idx = self._by_state.get(r.state)
             assert idx is None or idx.get(r.req_id) is r, f"request {r.req_id} ({r.state}) missing from its index"
+        queue = self._by_state[self._queue]
+        fresh = {i: r for members in self._fresh.values() for i, r in members.items()}
+        assert fresh.keys() | self._resumed.keys() == queue.keys() and not fresh.keys() & self._resumed.keys(), \
+            "the queue's split index out of step"
+        assert all(r.v_traj < 0 and r.group_id == g and list(m) == sorted(m) for g, m in self._fresh.items()
+                   for r in m.values()), "a fresh entry admitted before, in another group or out of id order"
+        assert all(r.v_traj >= 0 for r in self._resumed.values()), "a resumed entry never admitted"
 
 
 class GroupTable(_Table):

@@ -154,6 +154,7 @@ class Views:
     seq: int = 0                          # events applied so far (orders finishes and materialisations)
     materialized: int = 0                 # groups materialised so far (a cheap "anything new?" for handoffs)
     dropped: int = 0                      # samples dropped so far (likewise: a group may have become void)
+    finished: int = 0                     # trajectory_finished events folded (likewise, for readers of `finishes`)
     elastic: bool = False                 # the backend can lend an engine's GPUs to the trainer (LendEngines)
     decode_profile: DecodeProfile | None = None   # the engines' profiled decode step, when the backend has one
     colocated: bool = False               # engines and trainer share the same GPUs (a train call pauses rollout)

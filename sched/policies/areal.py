@@ -65,6 +65,7 @@ class ArealDispatch(OneBatchAhead, Dispatch):
         self.live: dict[int, dict[int, dict[int, Request]]] = {}
         self.members: Counter[int] = Counter()
         self.cursor: dict[int, int] = {}
+        self.finished = 0      # Views.finished when the cursors were last read
         self.synced = False
         self.own_placement = False
 
@@ -119,10 +120,13 @@ class ArealDispatch(OneBatchAhead, Dispatch):
                 self.live.setdefault(r.engine, {}).setdefault(r.group_id, {})[r.req_id] = r
                 self.members[r.engine] += 1
             self.cursor = {rnd: len(done) for rnd, done in v.finishes.items()}
-            self.synced = True
-        else:
+            self.finished, self.synced = v.finished, True
+        elif v.finished != self.finished:    # finishes arrived since the last call
+            self.finished = v.finished
             for rnd, done in v.finishes.items():
                 k = self.cursor.get(rnd, 0)
+                if k == len(done):
+                    continue
                 for rid in done[k:]:
                     r = v.requests.get(rid)
                     group = self.live.get(r.engine, {}).get(r.group_id) if r is not None else None

@@ -282,7 +282,11 @@ def test_ts_intake_keeps_eta_plus_one_batches_of_unreserved_groups_waiting():
     assert ts_intake(v, sb, 0) == 0                       # 3 + 2 > (1 + 1) x 2
     sb.reserve(0, 0)                                      # group 0 reserved: no longer counted
     assert ts_intake(v, sb, 0) == 2 and ts_intake(v, sb, 3) == 0    # 2 + 2 <= 4; an explicit capacity of 3
-    v.requests[2].v_traj = v.requests[3].v_traj = 0       # group 1 started (routed once): not waiting fresh
+    for rid in (2, 3):                                    # group 1 started (admitted once, back pending): not
+        r = v.requests[rid]                               # waiting fresh
+        r.v_traj = 0
+        v.requests.set_state(r, RequestState.RUNNING)
+        v.requests.set_state(r, RequestState.PENDING)
     assert ts_intake(v, sb, 3) == 2
 
 

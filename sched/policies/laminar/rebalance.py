@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Any
 
 from config import F
 from sched.base import Rebalance, register
 from sched.decisions import Migrate
 from sched.views import RequestState, Views
-
-_REQ_ID = attrgetter("req_id")
 
 S = RequestState
 
@@ -131,8 +128,8 @@ class Repack(Rebalance):
         if not self.due(v):
             return []
         self.last_check, self.last_version = v.now, v.trainer.version
-        running: dict[int, list[int]] = {}
-        for r in sorted(v.requests.in_state(S.RUNNING), key=_REQ_ID):
+        running: dict[int, list[int]] = {}      # engine -> its running request ids (sorted once moved)
+        for r in v.requests.in_state(S.RUNNING):
             running.setdefault(r.engine, []).append(r.req_id)
         busy = {r.engine for r in v.requests.in_state(S.INTERRUPTING) if r.engine >= 0}
         snaps: dict[int, list[EngineCheck]] = {}
@@ -150,7 +147,7 @@ class Repack(Rebalance):
                 assert v.engines[src].version == v.engines[dst].version == version
                 ids = running.get(src, [])
                 if ids:
-                    out.append(Migrate(src, dst, list(ids)))
+                    out.append(Migrate(src, dst, sorted(ids)))
                     self.moves += 1
         return out
 

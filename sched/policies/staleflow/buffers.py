@@ -54,6 +54,7 @@ class StalenessBuffers:
         self.eta, self.batch, self.v_next, self.extra = eta, batch, v_next, extra
         self.buf: dict[int, list[Entry | None]] = {}
         self.loc: dict[int, tuple[int, int]] = {}
+        self.n_occupied: dict[int, int] = {}   # buffer -> its occupied entries (kept with every Occupy and move)
         self.surplus: list[int] = []   # groups dropped from a buffer that became Ready (batch redundancy)
 
     # ---------------------------------------------------------------------------------------------- reading
@@ -63,7 +64,7 @@ class StalenessBuffers:
         return self.buf[b]
 
     def occupied(self, b: int) -> int:
-        return sum([e is not None and e.occupied for e in self.buf.get(b, ())])
+        return self.n_occupied.get(b, 0)
 
     def state(self, b: int) -> str:
         s = self.buf.get(b)
@@ -75,7 +76,7 @@ class StalenessBuffers:
 
     def next_ready(self) -> bool:
         """Is the buffer the trainer consumes next (V_buf = v_next) Ready?"""
-        return self.state(self.v_next) == READY
+        return self.occupied(self.v_next) >= self.batch
 
     def entry(self, key: int) -> Entry | None:
         at = self.loc.get(key)
@@ -158,12 +159,15 @@ class StalenessBuffers:
         assert b <= hole_b, "an empty slot at or before the final hole always exists"
         self.slots(b)[i] = Entry(key, e.v, occupied=True)
         self.loc[key] = (b, i)
+        self.n_occupied[b] = self.n_occupied.get(b, 0) + 1
         self._trim(b)
         return b
 
     def remove(self, key: int) -> None:
         """Filter or abort group `key` (reserved or occupied); later occupied entries move forward into the hole."""
         hole_b, hole_i = self.loc.pop(key)
+        if self.buf[hole_b][hole_i].occupied:  # type: ignore[union-attr]
+            self.n_occupied[hole_b] -= 1
         self.buf[hole_b][hole_i] = None
         while (mover := self._earliest(lambda x, b: x.occupied, hole_b + 1, self.v_next + self.eta + 1)) is not None:
             self._move(mover, (hole_b, hole_i))
@@ -188,6 +192,7 @@ class StalenessBuffers:
         keys = [e.key for e in self.buf.pop(self.v_next) if e is not None]
         for k in keys:
             del self.loc[k]
+        del self.n_occupied[self.v_next]
         self.v_next += 1
         return keys
 
@@ -203,6 +208,9 @@ class StalenessBuffers:
         self.buf[src[0]][src[1]] = None
         self.slots(dst[0])[dst[1]] = x
         self.loc[x.key] = dst  # type: ignore[union-attr]
+        if x.occupied:  # type: ignore[union-attr]
+            self.n_occupied[src[0]] -= 1
+            self.n_occupied[dst[0]] = self.n_occupied.get(dst[0], 0) + 1
 
     # ---------------------------------------------------------------------------------------------- checking
     def check(self) -> None:
@@ -211,7 +219,8 @@ class StalenessBuffers:
         for b, s in self.buf.items():
             assert len(s) == self.batch + self.extra, f"buffer {b} has {len(s)} slots"
             assert b >= self.v_next, f"buffer {b} is older than v_next {self.v_next}"
-            occ = self.occupied(b)
+            occ = sum(e is not None and e.occupied for e in s)
+            assert occ == self.occupied(b), f"buffer {b}: occupied count {self.occupied(b)} is not its {occ} entries"
             assert occ <= self.batch, f"buffer {b} holds {occ} occupied entries > batch {self.batch}"
             assert occ < self.batch or all(e is None or e.occupied for e in s), f"Ready buffer {b} holds a reservation"
             for i, e in enumerate(s):
@@ -227,6 +236,7 @@ class StalenessBuffers:
         c = StalenessBuffers(self.eta, self.batch, self.v_next, self.extra)
         c.buf = {b: [None if e is None else Entry(e.key, e.v, e.occupied) for e in s] for b, s in self.buf.items()}
         c.loc = dict(self.loc)
+        c.n_occupied = dict(self.n_occupied)
         return c
 
     def state_dict(self) -> dict[str, Any]:
@@ -242,4 +252,5 @@ class StalenessBuffers:
             for i, x in enumerate(s):
                 if x is not None:
                     sb.loc[int(x[0])] = (int(b), i)
+            sb.n_occupied[int(b)] = sum(x is not None and bool(x[2]) for x in s)
         return sb

@@ -69,13 +69,20 @@ def fewest_routes(snaps: dict[int, InstanceSnap], items: Iterable[Item], buffers
     later pass instead of piling onto the instances that already pulled (after a vanilla sync every instance pulls
     at once, and the first to land would otherwise take the whole store)."""
     load = {e: s.running + s.waiting for e, s in snaps.items()}
+    # as in marginal_routes, Alg. 2 is asked once per distinct instance version (instances without weights or
+    # mid-Pull take nothing)
+    by_ver: dict[int, list[InstanceSnap]] = {}
+    for s in snaps.values():
+        if s.version >= 0 and not s.loading:
+            by_ver.setdefault(s.version, []).append(s)
+    pulling = [s for s in snaps.values() if s.loading and s.version >= 0]
     out: list[tuple[int, Item]] = []
     for it in items:
-        cands = [s for s in snaps.values() if routable(buffers, it, s)]
+        cands = [s for ver, ss in by_ver.items() if routable(buffers, it, ss[0]) for s in ss]
         if not cands:
             break                                   # MLQ head-of-line, as in Alg. 3
         chosen = min(cands, key=lambda s: (load[s.engine], s.engine))
-        if any(s.loading and s.version >= 0 and load[s.engine] < load[chosen.engine] for s in snaps.values()):
+        if any(load[s.engine] < load[chosen.engine] for s in pulling):
             break                                   # the least-loaded instance is mid-Pull: wait for it
         commit(buffers, it, chosen.version)
         load[chosen.engine] += 1

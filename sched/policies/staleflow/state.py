@@ -137,11 +137,10 @@ class StaleFlowState:
         routed = self.routed
         keep = [r for r in v.requests.in_state(*ON_ENGINE) if r.engine >= 0 and r.req_id in routed]
         if len(keep) != len(routed):
-            routed.intersection_update(r.req_id for r in keep)
+            self.routed = {r.req_id for r in keep}
+        keep.sort(key=_req_id)
         for r in keep:
             out[r.engine].append(r)
-        for rs in out.values():
-            rs.sort(key=_req_id)
         return out
 
     def snapshots(self, v: Views, budget: float) -> dict[int, InstanceSnap]:

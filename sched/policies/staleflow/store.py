@@ -32,7 +32,9 @@ class TSQueue:
     """The TS in MLQ order, read lazily: the head (every trajectory with a finite priority: partial ones and
     unrouted members of reserved groups, a few hundred at most) is built at once; the tail (initial trajectories of
     groups not reserved when the queue was taken, usually thousands, in request-id order) is built only as far as a
-    reader iterates, and remembered, so routing that withholds after a few dozen never touches the rest.
+    reader iterates, and remembered, so routing that withholds after a few dozen never touches the rest. Both are
+    read from the controller's pending index split by admission (`RequestTable.fresh_by_group`, `resumed_pending`),
+    so taking the queue costs what its head holds and the reserved groups, not every pending request.
 
     Iterate it within the decision call that took it (the tail reads the controller's pending index live; nothing
     changes request states while a policy decides). Reading it yields exactly the list the eager sort would.
@@ -41,41 +43,27 @@ class TSQueue:
     def __init__(self, v: Views, buffers: StalenessBuffers, skip: set[int] | frozenset[int] = frozenset()):
         loc, buf = buffers.loc, buffers.buf
         self._reserved = set(loc) | skip    # groups reserved when the queue was taken (routing adds to loc)
-        gprio: dict[int, float] = {}
-        buckets: dict[float, list[Item]] = {}
-        for r in v.requests.iter_pending():
-            vt = r.v_traj
-            if skip and r.group_id in skip:
-                continue
-            if vt >= 0:
-                prio: float = vt
-            else:
-                gid = r.group_id
-                if gid not in loc:
-                    continue                # tail
-                prio = gprio.get(gid)  # type: ignore[assignment]
-                if prio is None:
-                    at = loc[gid]
-                    prio = gprio[gid] = buf[at[0]][at[1]].v  # type: ignore[union-attr]
-            b = buckets.get(prio)
-            if b is None:
-                buckets[prio] = [_item(r, prio)]
-            else:
-                b.append(_item(r, prio))
-        self.head: list[Item] = [it for p in sorted(buckets) for it in buckets[p]]
+        fresh = v.requests.fresh_by_group()
+        head = [_item(r, r.v_traj) for r in v.requests.resumed_pending() if r.group_id not in skip]
+        for gid, (b, i) in loc.items():     # initial trajectories of reserved groups: at their group's version
+            members = fresh.get(gid)
+            if members and gid not in skip:
+                prio = buf[b][i].v  # type: ignore[union-attr]
+                head += [_item(r, prio) for r in members.values()]
+        head.sort(key=_mlq_order)
+        self.head: list[Item] = head
         self._tail: list[Item] = []
-        self._src = v.requests.iter_pending()
+        # the rest in request-id order: a group's requests have consecutive ids, so by group id, then by id
+        self._src = (r for gid in sorted(fresh) if gid not in self._reserved for r in fresh[gid].values())
         self._done = False
 
     def _more(self) -> Item | None:
         if self._done:
             return None
-        inf, reserved = float("inf"), self._reserved
         for r in self._src:
-            if r.v_traj < 0 and r.group_id not in reserved:
-                it = _item(r, inf)
-                self._tail.append(it)
-                return it
+            it = _item(r, float("inf"))
+            self._tail.append(it)
+            return it
         self._done = True
         return None
 
@@ -94,6 +82,11 @@ class TSQueue:
             else:
                 continue
             i += 1
+
+
+def _mlq_order(it: Item) -> tuple[float, int]:
+    """MLQ order: by priority (V_traj, or the reserved group's version), FIFO (request id) within a queue."""
+    return it.prio, it.req.req_id
 
 
 def _item(r: Request, prio: float) -> Item:
@@ -153,5 +146,5 @@ def ts_intake(v: Views, buffers: StalenessBuffers, ts_groups: int) -> int:
     B = v.prompts_per_step
     cap = ts_groups or (buffers.eta + 1) * (B + buffers.extra)
     loc = buffers.loc
-    waiting = {g for r in v.requests.iter_pending() if r.v_traj < 0 and (g := r.group_id) not in loc}
-    return B if len(waiting) + B <= cap else 0
+    waiting = sum(1 for g in v.requests.fresh_by_group() if g not in loc)
+    return B if waiting + B <= cap else 0
