@@ -256,17 +256,21 @@ class SimEngine:
                 self._reloaded -= r.prefill - r.obs_new
         r.moved = False
         r.slot = -1
+        self._unshare(r)
+        b = r.prompt_len % self.bs + r.done - r.mark
+        self._q_sum -= b // self.bs
+        self._m_count[b % self.bs] -= 1
+        self._m_suffix = None
+        self._kv_base -= r.prompt_len + r.done - r.mark
+
+    def _unshare(self, r: SimRequest) -> None:
+        """r no longer holds its share of its group's prompt blocks (the last one out frees them)."""
         left = self.group_ref[r.group_id] - 1
         if left == 0:
             del self.group_ref[r.group_id]
             self.shared_blocks -= r.prompt_len // self.bs
         else:
             self.group_ref[r.group_id] = left
-        b = r.prompt_len % self.bs + r.done - r.mark
-        self._q_sum -= b // self.bs
-        self._m_count[b % self.bs] -= 1
-        self._m_suffix = None
-        self._kv_base -= r.prompt_len + r.done - r.mark
 
     # ------------------------------------------------------------------------------------- multi-turn requests
     def _hold_kv(self, r: SimRequest) -> None:
@@ -282,12 +286,7 @@ class SimEngine:
         del self._held[r.req_id]
         self._held_blocks -= r.held_blocks
         r.held_blocks = 0
-        left = self.group_ref[r.group_id] - 1
-        if left == 0:
-            del self.group_ref[r.group_id]
-            self.shared_blocks -= r.prompt_len // self.bs
-        else:
-            self.group_ref[r.group_id] = left
+        self._unshare(r)
 
     def _evict(self, r: SimRequest) -> None:
         """Free the KV r holds while not running (a preemption by recompute: it re-prefills when admitted)."""

@@ -12,12 +12,12 @@ from sched.decisions import Abort, Interrupt, LoadWeights
 from sched.views import ON_ENGINE, Request, RequestState
 from sim import compare, simulate
 from sim import run as sim_run
-from sim.backend import SimBackend, SimStalled
+from sim.backend import SimBackend
 from sim.check import on_policy_report
 from sim.episodes import (AGENTIC_LATENCY, CallSpec, Episode, LogNormalLatency, MixtureLatency, load_latency_trace)
 from sim.tokens import FAKE_LOGPROB, RunList
 from sim.workload import PromptSpec, TraceError, Workload, get_workload
-from tests.sim.test_sim_engine import cost
+from tests.sim.test_sim_engine import cost, drain
 
 PROMPT = 16
 
@@ -55,13 +55,6 @@ def submit(b: SimBackend, keys, partial=None, first: int = 0) -> None:
     b.submit(0, reqs, {p: PromptItem(p, RunList.of(1, PROMPT), None) for p, _ in keys})
 
 
-def drain(b: SimBackend) -> list:
-    out = []
-    while True:
-        try:
-            out.append(b.next_event())
-        except SimStalled:
-            return out
 
 
 def until(b: SimBackend, kind: str) -> list:
