@@ -387,7 +387,7 @@ def _e2e(s: Sizes, dry: bool, tmp: Path) -> dict[str, Any]:
     if dry:
         over += ["--model.preset=tiny", "--model.dtype=float32", "--rollout.kv_cache_tokens=4096",
                  "--train.micro_batch_tokens=1024", "--rollout.max_batch_tokens=1024", "--rollout.max_num_seqs=16",
-                 "--data.max_prompt_tokens=256"]
+                 "--data.max_prompt_tokens=256", "--log.plots=false"]   # no figures from a dry run's runs
     args = ["train.py", "--config", config, *common, *over]
     import contextlib
     import io
@@ -424,28 +424,30 @@ def _e2e(s: Sizes, dry: bool, tmp: Path) -> dict[str, Any]:
 
 
 DISAGG_STEPS = 6
+DRY_DISAGG_STEPS = 3   # the dry run: still several steps' weights across the relay, at half the CPU
 
 
 def section_disagg(s: Sizes, dry: bool) -> dict[str, Any]:
     """train.py disaggregated on one device: global rank 0 trains, rank 1 runs the engine (on a GPU both share it:
     runtime/topology.py), once per relay route; every step's weights cross trainer -> host relay -> engine, checked."""
-    runs = []
+    runs, steps = [], DRY_DISAGG_STEPS if dry else DISAGG_STEPS
     for route in ("broadcast", "chain"):
         with tempfile.TemporaryDirectory(prefix=f"tidal-disagg-{route}-") as tmp:
-            res = _disagg_run(route, Path(tmp) / "run")
+            res = _disagg_run(route, Path(tmp) / "run", steps, dry)
         if not res.pop("ok"):
             return {"ok": False, "route": route, "log": res["log"], "runs": runs}
         runs.append(res)
-    ok = all(r["steps"] == DISAGG_STEPS and r["weights_loaded"] >= DISAGG_STEPS for r in runs)
+    ok = all(r["steps"] == steps and r["weights_loaded"] >= steps for r in runs)
     return {"ok": ok, "runs": runs}
 
 
-def _disagg_run(route: str, run_dir: Path) -> dict[str, Any]:
-    """One disaggregated run over `route` in `run_dir`: {"ok": False, "log": ...} or its figures."""
-    args = ["train.py", "--config", "configs/tiny.toml", f"--train.steps={DISAGG_STEPS}", "--log.progress=false",
+def _disagg_run(route: str, run_dir: Path, steps: int = DISAGG_STEPS, dry: bool = False) -> dict[str, Any]:
+    """One disaggregated run of `steps` steps over `route` in `run_dir`: {"ok": False, "log": ...} or its figures
+    (the dry run's without the run's figures: --log.plots=false)."""
+    args = ["train.py", "--config", "configs/tiny.toml", f"--train.steps={steps}", "--log.progress=false",
             f"--log.dir={run_dir}", "--checkpoint.export_hf=false", "--cluster.rollout_ranks=1",
             "--cluster.backend=auto", "--deterministic=false", f"--cluster.relay={route}",
-            "--rollout.gpu_memory_fraction=0.1"]
+            "--rollout.gpu_memory_fraction=0.1", *(["--log.plots=false"] if dry else [])]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S["disagg"] // 2 - 10)

@@ -356,9 +356,9 @@ def test_train_bench_reports_each_modes_median_run_with_the_range(capsys):
 
 def test_train_bench_profiles_one_step_of_each_mode(tmp_path):
     """`bench/train.py --profile PREFIX`: one untimed step of each mode under torch.profiler, a table per mode."""
-    proc = subprocess.run([sys.executable, "bench/train.py", "--shape", "tiny", "--steps", "1", "--checkpointing",
-                           "off", "--eager", "off", "--profile", str(tmp_path / "p")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "bench/train.py", "--shape", "tiny", "--steps", "1", "--seqs", "2",
+                           "--prompt", "8", "--response", "8", "--checkpointing", "off", "--eager", "off", "--profile",
+                           str(tmp_path / "p")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("trainer_mfu: ")
     fused, eager = (tmp_path / "p.off-fused.txt").read_text(), (tmp_path / "p.off-eager.txt").read_text()
@@ -376,7 +376,8 @@ def test_train_bench_frees_each_modes_trainer_before_the_next():
               "from bench import train as bt\n"
               "from trainer.trainer import Trainer\n"
               "bt.init_one_rank('cpu')\n"
-              "args = bt.parse_args(['--shape', 'tiny', '--steps', '1'])\n"
+              "args = bt.parse_args(['--shape', 'tiny', '--steps', '1', '--seqs', '2', '--prompt', '8',\n"
+              "                      '--response', '8'])\n"
               "bt.bench_mode(args, bt.shape('tiny'), False, 1e9)\n"
               "print('alive', sum(isinstance(o, Trainer) for o in gc.get_objects()))\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
