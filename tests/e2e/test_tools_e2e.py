@@ -4,6 +4,7 @@ a checkpoint taken while episodes wait on tools resumes; the tiny tools run lear
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -62,7 +63,13 @@ def check_tools(run: Path, strict: bool = True) -> dict:
             "finished": len(finished), "in_flight": len(in_flight)}
 
 
-@pytest.mark.parametrize("preset", ["sync", "partial_rollout", "laminar", "rollpacker"])
+# Four presets in the suite (a synchronous, an off-policy partial, a migrating and an over-provisioning one); every
+# preset with TIDAL_ALL_PRESETS=1 (bench/results/cpu-runtime.md, "Multi-turn episodes under every preset").
+PRESETS = (sorted(p.stem for p in (Path(__file__).parents[2] / "configs" / "sched").glob("*.toml"))
+           if os.environ.get("TIDAL_ALL_PRESETS") else ["sync", "partial_rollout", "laminar", "rollpacker"])
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_a_preset_runs_multi_turn_episodes_on_real_ranks_and_keeps_the_invariants(preset, tmp_path):
     run = tmp_path / preset
     torchrun(3, f"--log.dir={run}", f"--sched.preset={preset}", "--cluster.rollout_ranks=2", "--train.steps=4",
@@ -70,7 +77,8 @@ def test_a_preset_runs_multi_turn_episodes_on_real_ranks_and_keeps_the_invariant
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
     check_invariants(run, preset)
     tools = check_tools(run)
-    assert tools["started"] > 10 and tools["finished"] >= 4 * 8 * 8, tools
+    trained = sum(r["samples"] for r in metrics(run))   # a step: 8 groups of 8, or as few as a streamed group
+    assert tools["started"] > 10 and trained >= 4 * 8 and tools["finished"] >= trained, (trained, tools)
     if preset == "rollpacker":   # over-provisioned rounds: the episodes still waiting on calls are the stragglers
         assert tools["abandoned"] > 0, tools
     else:   # a random model's keys are unknown: failed observations, and the episodes went on
