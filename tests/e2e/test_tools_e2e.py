@@ -3,7 +3,6 @@ checked as it runs (an InvariantError ends the run) and again on the event log; 
 a checkpoint taken while episodes wait on tools resumes; the tiny tools run learns."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections import Counter
