@@ -14,8 +14,7 @@ A request's life (sched/lifecycle.py has the rules):
     RUNNING --Abort(requeue)--> REQUEUEING --(engine confirms)--> PENDING               (or FINISHED if it won)
     RUNNING --Interrupt / Migrate--> INTERRUPTING --trajectory_interrupted--> PENDING   (with its tokens so far)
     PENDING / FINISHED --Abort--> ABORTED                                               (never sent / discarded)
-    RUNNING / INTERRUPTING / REQUEUEING --engine_failed--> PENDING                      (tokens from the pool)
-    ABORTING --engine_failed--> ABORTED
+    RUNNING / INTERRUPTING / REQUEUEING --engine_failed--> PENDING (tokens from the pool); ABORTING --> ABORTED
     (checkpoint) anything not yet scored --> RESTORED --(every engine holds the checkpoint's weights)--> PENDING
 """
 from __future__ import annotations
@@ -82,8 +81,7 @@ class Request:
     tool_calls: int = 0          # multi-turn: tool calls it started (this attempt)
 
     @property
-    def on_tool(self) -> bool:
-        """Waiting on a tool call: on its engine, holding KV, not decoding (rl/env.py)."""
+    def on_tool(self) -> bool:   # waiting on a tool call: on its engine, holding KV, not decoding (rl/env.py)
         return self.tool_since >= 0
 
     def __post_init__(self) -> None:

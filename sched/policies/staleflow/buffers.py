@@ -68,23 +68,19 @@ class StalenessBuffers:
 
     def state(self, b: int) -> str:
         s = self.buf.get(b)
-        if s is None:
-            return WAITING
-        if self.occupied(b) >= self.batch:
+        if s is not None and self.occupied(b) >= self.batch:
             return READY
-        return WAITING if any(e is None for e in s) else STUCK
+        return STUCK if s is not None and all(e is not None for e in s) else WAITING
 
     def next_ready(self) -> bool:
         """Is the buffer the trainer consumes next (V_buf = v_next) Ready?"""
         return self.occupied(self.v_next) >= self.batch
 
     def entry(self, key: int) -> Entry | None:
-        at = self.loc.get(key)
-        return None if at is None else self.buf[at[0]][at[1]]
+        return self.buf[self.loc[key][0]][self.loc[key][1]] if key in self.loc else None
 
     def where(self, key: int) -> int | None:
-        at = self.loc.get(key)
-        return None if at is None else at[0]
+        return self.loc[key][0] if key in self.loc else None
 
     def live(self) -> int:
         return len(self.loc)
@@ -99,10 +95,7 @@ class StalenessBuffers:
             return 0
         if self.extra and self.occupied(b) >= self.batch:
             return -1                                   # Ready: its spare slots take nothing more
-        for i, e in enumerate(s):
-            if e is None:
-                return i
-        return -1
+        return next((i for i, e in enumerate(s) if e is None), -1)
 
     # ------------------------------------------------------------------------------------------ discriminator
     def can_assign(self, v: int) -> bool:
