@@ -74,7 +74,8 @@ class DataConfig:
     len_tail_max: int = F(32, ge=1, help="repeat task: the long tail's longest answer")
     len_tail_frac: float = F(0.125, ge=0, le=1, help="repeat task: share of prompts whose answer is in the tail")
     cap_at_answer: bool = F(False, help="stop each synthetic response at its answer's length + 1 (EOS): response "
-                            "lengths follow the task's answer lengths by construction (the long-tail workload)")
+                            "lengths follow the task's answer lengths by construction (the long-tail workload); "
+                            "calc: at exactly a correct episode's tokens (its call, observation and answer)")
     num_prompts: int = F(1024, ge=1, help="number of synthetic prompts")
     max_prompt_tokens: int = F(256, ge=1, help="prompt length cap in tokens")
     chat_template: bool = F(False, help="wrap prompts in the tokenizer's chat template")

@@ -183,15 +183,16 @@ class PromptDataset:
                        max_prompt_tokens: int = 64, chat_template: bool = False,
                        cap_at_answer: bool = False) -> "PromptDataset":
         """Prompts of an `rl.tasks.SyntheticTask` (tokenized with its own character tokenizer by default). With
-        `cap_at_answer` each prompt's responses stop at its answer's length + 1 token (room for EOS): the response
-        lengths then follow the task's answer-length distribution by construction (the long-tail workload)."""
+        `cap_at_answer` each prompt's responses stop at `task.response_cap` tokens, the answer's length + 1 (room
+        for EOS; `calc`: a correct episode's tokens): the response lengths then follow the task's answer-length
+        distribution by construction (the long-tail workload)."""
         tok = tokenizer if tokenizer is not None else task.tokenizer()
         records = ((i + 1, {"prompt": p, "answer": a}) for i, (p, a) in enumerate(task.prompts()))
         ds = cls.from_records(records, tok, max_prompt_tokens, chat_template=chat_template,
                               source=f"synthetic:{task.name}")
         if cap_at_answer:
             for p in ds.prompts:
-                p.max_new_tokens = len(p.answer or "") + 1
+                p.max_new_tokens = task.response_cap(p.prompt, p.answer or "")
         return ds
 
 

@@ -10,7 +10,7 @@ the transformed string followed by `<eos>` (the tokenizer is character level, se
     reverse  the string reversed             "cafd=" -> "dfac"
     repeat   a symbol n times                "c7="   -> "ccccccc"
 
-    calc     a product, with a calculator    "47*8"  -> "376"   (multi-turn: env.kind = "calculator")
+    calc     a product, with a calculator    "(47*8)" -> "376"  (multi-turn: env.kind = "calculator")
 
 `repeat` is the long-tail length workload (the scheduling presets need rounds whose groups finish at very
 different times, as in the papers' reasoning traces). The prompt states how long the answer is, and n is drawn per
@@ -22,12 +22,16 @@ response lengths are long-tailed by construction from the first step, and the re
 measures whether the model repeats the right symbol and stops.
 
 `calc` is the tool-use task (configs/tiny-tools.toml): a random-init model cannot multiply, but in the plain tool
-format (rl/tools.py) a first turn that is just "=" calls the calculator on the prompt's line, "47*8", the result
+format (rl/tools.py) a first turn that is just "=" calls the calculator on the prompt's line, "(47*8)", the result
 comes back as "376|", and a second turn that copies it scores 1. The reward sees the last model turn only. Half the
-prompts are worked examples, "47*8=376|" -> "376", the transcript of such a call, meant to teach the answer turn's
-copy with per-position credit. Products are 3-digit values of a 2-digit and a 1-digit number (not guessable: a
-first digit right scores 1/3); without the tool only the examples can be solved. Its characters are the digits and
-`*=|?` (`CALC_CHARS`).
+prompts are worked examples, "(47*8)=376|" -> "376", the transcript of such a call: they teach the answer turn's copy
+with per-position credit. Products are 3-digit values of a 2-digit and a 1-digit number (not guessable: a first
+digit right scores 1/3); without the tool only the examples can be solved. Three choices keep the task down to the
+call and the copy: the products are parenthesised, so "=" follows ")" and never a digit in a correct episode (an
+answer turn's digit is not a place to call); the calculator fails a bare number ("14=" -> "?|", rl/tools.py), so a
+worked example is not turned into a call on guessed digits; and with `data.cap_at_answer` a calc response stops at
+exactly the tokens a correct episode needs (`SyntheticTask.response_cap`), so there is no stop to learn and stopping
+after one right digit is never worth more than going on. Its characters are the digits and `*()=|?` (`CALC_CHARS`).
 
 The score gives partial credit, the fraction of answer positions the response gets right, divided by the longer
 of the two lengths so that rambling past the answer costs as much as stopping short. Dense rewards are what makes
@@ -107,6 +111,7 @@ class SyntheticTask:
     max_len: int = 3
     sep: str = "="
     lengths: LengthDist = field(default_factory=LengthDist)   # answer lengths of `repeat` (min_len/max_len: others)
+    tools: bool = False   # the episodes may call a tool (env.kind != "none"): calc's response caps leave room for it
 
     def __post_init__(self) -> None:
         if self.name not in TASK_NAMES:
@@ -170,14 +175,24 @@ class SyntheticTask:
     def score(self, response_text: str, answer: str) -> RewardResult:
         return score_positions(response_text, answer)
 
+    def response_cap(self, prompt: str, answer: str) -> int:
+        """A response's token cap under `data.cap_at_answer`: the answer's length + 1 (room for EOS). For `calc`,
+        exactly the tokens of a correct episode, without EOS: a worked example's answer; a product's call, its
+        observation and the answer ("=376|376") when `tools`, else the answer alone."""
+        if self.name != "calc":
+            return len(answer) + 1
+        if PLAIN_CALL_END in prompt or not self.tools:
+            return len(answer)
+        return len(PLAIN_CALL_END) + len(answer) + len(PLAIN_OBS_END) + len(answer)
+
 
 CALC_COPY_FRAC = 0.5
-CALC_CHARS = DIGITS + "*" + PLAIN_CALL_END + PLAIN_OBS_END + PLAIN_FAILED   # the calc task's characters
+CALC_CHARS = DIGITS + "*()" + PLAIN_CALL_END + PLAIN_OBS_END + PLAIN_FAILED   # the calc task's characters
 
 
 def calc_prompts(n: int, rng: random.Random) -> list[tuple[str, str]]:
     """The `calc` task's (prompt, answer) pairs: a product of a 2-digit and a 1-digit number with 3 digits,
-    "47*8" -> "376", or (a `CALC_COPY_FRAC` share) the same worked through the calculator, "47*8=376|" -> "376"."""
+    "(47*8)" -> "376", or (a `CALC_COPY_FRAC` share) the same worked through the calculator, "(47*8)=376|" -> "376"."""
     out = []
     for _ in range(n):
         while True:
@@ -185,7 +200,7 @@ def calc_prompts(n: int, rng: random.Random) -> list[tuple[str, str]]:
             if 100 <= a * b <= 999:
                 break
         if rng.random() < CALC_COPY_FRAC:
-            out.append((f"{a}*{b}{PLAIN_CALL_END}{a * b}{PLAIN_OBS_END}", str(a * b)))
+            out.append((f"({a}*{b}){PLAIN_CALL_END}{a * b}{PLAIN_OBS_END}", str(a * b)))
         else:
-            out.append((f"{a}*{b}", str(a * b)))
+            out.append((f"({a}*{b})", str(a * b)))
     return out

@@ -2,7 +2,8 @@
 
 Tools (plain functions of one argument string, raising ValueError on a bad argument):
     calculator   integers, + - * /, unary minus and parentheses, evaluated on the parsed `ast` (never `eval`);
-                 exact rational arithmetic, the result an integer or a decimal ("7/2" -> "3.5")
+                 exact rational arithmetic, the result an integer or a decimal ("7/2" -> "3.5"); a bare number
+                 ("14") is nothing to calculate and fails
     lookup       a fixed table key -> value (`LOOKUP_TABLE`: the first 20 chemical elements -> atomic number),
                  sleeping `latency_s` per call: a tool whose latency a run chooses
 
@@ -55,8 +56,9 @@ DECIMALS = 6
 def calculate(expression: str) -> str:
     """The value of an arithmetic expression over integers with + - * /, unary +/- and parentheses, as text: an
     integer, or a decimal rounded to 6 places without trailing zeros. Parsed with `ast` and walked node by node;
-    any other syntax (names, calls, floats, **, %) raises ValueError, as do division by zero, more than
-    MAX_EXPRESSION_CHARS characters and a value of more than MAX_RESULT_DIGITS digits."""
+    any other syntax (names, calls, floats, **, %) raises ValueError, as do a bare number ("14", "(14)": nothing to
+    calculate), division by zero, more than MAX_EXPRESSION_CHARS characters and a value of more than
+    MAX_RESULT_DIGITS digits."""
     if not isinstance(expression, str):
         raise ValueError(f"expression must be text, got {type(expression).__name__}")
     text = expression.strip()
@@ -68,6 +70,8 @@ def calculate(expression: str) -> str:
         tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         raise ValueError(f"not an arithmetic expression: {text!r}") from e
+    if isinstance(tree.body, ast.Constant) and type(tree.body.value) is int:
+        raise ValueError(f"a bare number, nothing to calculate: {text!r}")
     value = _eval(tree.body)
     return _format_number(value)
 

@@ -103,7 +103,7 @@ def build_run(cfg: Config, with_data: bool, with_tokenizer: bool = True) -> RunP
     task = None
     if d.source == "synthetic":
         task = SyntheticTask(d.task, d.num_prompts, d.seed, lengths=LengthDist(
-            d.len_body_max, d.len_tail_min, d.len_tail_max, d.len_tail_frac))
+            d.len_body_max, d.len_tail_min, d.len_tail_max, d.len_tail_frac), tools=cfg.env.kind != "none")
         tok = task.tokenizer() if with_tokenizer else None
         vocab, eos = task.vocab_size, task.eos_token_id
     else:   # the config checked that a prompt file comes with a tokenizer

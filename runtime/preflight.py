@@ -156,7 +156,8 @@ def synthetic_task(cfg: Config) -> Any:
     from rl.tasks import LengthDist, SyntheticTask
     d = cfg.data
     return SyntheticTask(d.task, d.num_prompts, d.seed,
-                         lengths=LengthDist(d.len_body_max, d.len_tail_min, d.len_tail_max, d.len_tail_frac))
+                         lengths=LengthDist(d.len_body_max, d.len_tail_min, d.len_tail_max, d.len_tail_frac),
+                         tools=cfg.env.kind != "none")
 
 
 def model_shapes(cfg: Config, tok: Any, absent: list[str]) -> tuple[ModelConfig, str]:

@@ -140,8 +140,9 @@ def test_colocated_ranks_run_multi_turn_episodes(tmp_path):
 
 
 def test_the_tiny_tools_run_learns_to_call_the_calculator(tmp_path):
-    """configs/tiny-tools.toml as the README runs it: the reward rises, and through the calculator: successful
-    calls per episode rise (a product is solved only by calling) and fewer calls fail."""
+    """configs/tiny-tools.toml as the README runs it: the reward rises well past what the worked examples alone give
+    (a run without the tool ends near 0.43), and through the calculator: by the end about one successful call per
+    product (half the prompts), almost none failing."""
     run = tmp_path / "tiny-tools"
     torchrun(4, "--config", "configs/tiny-tools.toml", f"--log.dir={run}", "--checkpoint.export_hf=false",
              timeout=900)
@@ -154,6 +155,6 @@ def test_the_tiny_tools_run_learns_to_call_the_calculator(tmp_path):
     reward = [avg(lambda r: r["reward_mean"], rows) for rows in (first, last)]
     ok_calls = [avg(lambda r: r["tool_calls_mean"] * (1 - r["tool_failed_frac"]), rows) for rows in (first, last)]
     failed = [avg(lambda r: r["tool_failed_frac"], rows) for rows in (first, last)]
-    assert reward[1] > reward[0] + 0.15, reward
-    assert ok_calls[1] > ok_calls[0] + 0.3, ok_calls
-    assert failed[1] < failed[0] / 4, failed
+    assert reward[0] < 0.15 and reward[1] > 0.55, reward
+    assert ok_calls[0] < 0.1 and ok_calls[1] > 0.35, ok_calls
+    assert failed[1] < 0.1 and failed[1] < failed[0] / 4, failed

@@ -164,6 +164,7 @@ def test_calc_prompts_are_solved_by_one_call_and_not_guessable():
     assert 0.4 < len(examples) / len(pairs) < 0.6
     for p, a in products:
         assert p.count("*") == 1 and len(a) == 3 and int(a) == eval(p)   # noqa: S307 (test data only)
+        assert p[0] == "(" and p[-1] == ")"    # "=" follows ")" in a correct episode, never a digit
         ids = tok(p)["input_ids"]
         assert tok.unk_token_id not in ids
         obs = env.run(next_call(env, decode, ids, eq, [1]))
@@ -175,3 +176,26 @@ def test_calc_prompts_are_solved_by_one_call_and_not_guessable():
     assert len({a for _, a in products}) > 120
     best_constant = max(sum(score_positions(c, a).reward for _, a in products) for c in ("111", "222", "333", "123"))
     assert best_constant / len(products) < 0.25
+
+
+def test_calc_responses_stop_at_exactly_a_correct_episode():
+    """Under cap_at_answer a product's cap is its call, observation and answer when episodes may call a tool (the
+    answer alone when not), a worked example's its answer: a correct episode fills it, and no EOS is needed."""
+    from rl.episode import observation_ids
+    from rl.env import Observation
+    from rl.tools import calculator_env
+    env = calculator_env("plain", max_turns=2)
+    for tools in (True, False):
+        task = SyntheticTask("calc", num_prompts=60, seed=1, tools=tools)
+        tok = task.tokenizer()
+        ds = PromptDataset.from_synthetic(task, tok, 16, cap_at_answer=True)
+        assert {"=" in p.prompt for p in ds} == {True, False}
+        for p in ds:
+            answer = tok(p.answer, add_special_tokens=False)["input_ids"]
+            if "=" in p.prompt or not tools:
+                assert p.max_new_tokens == len(answer) == 3
+                continue
+            episode = (tok("=", add_special_tokens=False)["input_ids"]
+                       + observation_ids(tok, env, Observation(p.answer)) + answer)
+            assert p.max_new_tokens == len(episode) == 8
+    assert SyntheticTask("reverse").response_cap("abc=", "cba") == 4   # other tasks: the answer and its EOS

@@ -35,6 +35,7 @@ def test_calculator_evaluates_integer_arithmetic_exactly(expr, value):
     ("__import__('os')", "Call"), ("x+1", "Name"), ("1.5*2", "1.5"), ("7%3", "Mod"), ("'a'*3", "'a'"),
     ("True+1", "True"), ("1" * 201, "longer than"), ("*".join(["99999999999"] * 12), "digits"),
     ("(1).real", "Attribute"), ("[1,2]", "List"), ("1 if 1 else 2", "IfExp"),
+    ("14", "a bare number"), (" (14) ", "a bare number"), ("((7))", "a bare number"),
 ])
 def test_calculator_rejects_everything_else_with_a_clear_value_error(expr, needle):
     with pytest.raises(ValueError) as e:
@@ -71,6 +72,17 @@ def test_plain_format_calls_on_a_final_equals_sign_and_renders_results_with_a_ba
     bad = env.run(env.act("12*="))
     assert bad.failed and "not an arithmetic expression" in bad.text and env.observation(bad) == "?|"
     assert parse_plain("oxygen=", "lookup") == ToolCall("lookup", "oxygen")
+
+
+def test_a_call_on_a_bare_number_fails_and_one_with_an_operator_does_not():
+    """Nothing to calculate in "14" (a worked example's answer turned into a call on its digits): a failed
+    observation; a signed number or any operation is a calculation."""
+    env = calculator_env("plain")
+    for line in ("14=", "(376)="):
+        obs = env.run(env.act(line))
+        assert obs.failed and "a bare number" in obs.text and env.observation(obs) == "?|", obs
+    assert env.run(env.act("-14=")).text == "-14" and env.run(env.act("(14)*1=")).text == "14"
+    assert calculate("0+14") == "14"
 
 
 def test_environment_turns_a_models_mistakes_into_failed_observations():
