@@ -348,7 +348,7 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
     trainer, _ = make_trainer(cfg, model, topo)
     extra = resume_trainer(cfg, trainer, topo)
     worker = ColocatedWorker.for_rank(cfg, parts, engine, topo, channel, t0, None, trainer=trainer,
-                                      ranks=topo.train_ranks, preset=preset)
+                                      ranks=topo.train_ranks, preset=preset, keep_kv=preset.weight_sync.keeps_kv)
     ctl = log = None
     if topo.is_leader:
         log = MetricsLogger(cfg, run_dir, num_engines=len(topo.rollout_ranks))

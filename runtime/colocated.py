@@ -6,7 +6,8 @@ Each rank's main thread runs a ColocatedWorker: the rollout worker's messages pl
 (runtime/messages.py), which the backend sends to every rank at once, so the FSDP2 collectives line up; every rank
 runs them with the disaggregated trainer's own `run_work`. A publication is an in-place refresh: every rank gathers
 the full weights inside the train group and copies them into its engine, so the engine's version moves with the
-trainer's, with no broadcast. Rank 0 also runs the controller, in a second thread, talking to its own worker
+trainer's, with no broadcast; the engine's running sequences are recomputed under the new weights, or keep their KV
+where the preset's weight sync keeps it (`WeightSync.keeps_kv`: PipelineRL's in-flight update). Rank 0 also runs the controller, in a second thread, talking to its own worker
 through the channel's ports.
 """
 from __future__ import annotations
@@ -29,15 +30,16 @@ from trainer.trainer import Trainer
 
 
 class ColocatedWorker(RolloutWorker):
-    def __init__(self, *args: Any, trainer: Trainer, ranks: list[int], **kw: Any):
+    def __init__(self, *args: Any, trainer: Trainer, ranks: list[int], keep_kv: bool = False, **kw: Any):
         super().__init__(*args, **kw)
-        self.trainer, self.ranks = trainer, ranks
+        self.trainer, self.ranks, self.keep_kv = trainer, ranks, keep_kv
 
     def sync_engine(self) -> None:
-        """Copy the trainer's weights into the engine (collective: every rank gathers its shards' full tensors)."""
+        """Copy the trainer's weights into the engine (collective: every rank gathers its shards' full tensors);
+        running sequences keep their KV if `keep_kv`, else are recomputed (LLMEngine.load_weights)."""
         version = self.trainer.step
         with waiting(f"the engine refresh to v{version}", on=self.ranks, phase=Phase.PUBLISH, step=version):
-            self.engine.load_weights(full_tensors(self.trainer.model), version)
+            self.engine.load_weights(full_tensors(self.trainer.model), version, keep_kv=self.keep_kv)
         self.event("weights_loaded", version=version)
 
     def publish(self, version: int, overlapped: bool) -> None:

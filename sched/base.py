@@ -143,6 +143,8 @@ class Update(Policy):
 
 class WeightSync(Policy):
     kind = "weight_sync"
+    keeps_kv = False   # its loads keep running sequences' KV (LoadWeights.keep_kv); colocated mode, whose engines
+    #                    are refreshed in place at each publication with no LoadWeights to say it, reads this
 
     def engines_to_load(self, v: Views) -> list[LoadWeights | Interrupt]:
         """LoadWeights for engines that adopt a published version now (an engine may be busy: its running

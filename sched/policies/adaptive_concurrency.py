@@ -14,8 +14,8 @@ from typing import Any
 from config import F
 from sched.base import Dispatch, register
 from sched.decisions import Submit
-from sched.intake import OneBatchAhead
-from sched.views import S, Views, least_loaded
+from sched.intake import OneBatchAhead, admit_within_lag
+from sched.views import Views
 
 CUT = 0.75          # HARD: n_max <- 0.75 x in flight (prime-rl docs/inference.md)
 DRAIN_CUT = 0.5     # HARD that survives a full drain: n_max x 0.5 (same)
@@ -196,24 +196,9 @@ class AdaptiveConcurrency(OneBatchAhead, Dispatch):
         if v.now - self.polled >= self.p.poll_s:
             self.polled = v.now
             self.poll(v)
-        B = v.prompts_per_step
-        ready = [e for e in v.engines if e.version >= 0 and not e.loading and not e.lent and not e.failed]
-        if not ready or not v.requests.count(S.PENDING):
-            return []
-        load = {e.engine: e.assigned for e in ready}
-        out: dict[int, list[int]] = {}
-        for gid, ids in v.pending_by_group().items():
-            fresh = len(ids) == v.groups[gid].size and all(v.requests[i].partial is None for i in ids)
-            ok = {e.engine: load[e.engine] for e in ready
-                  if not fresh or self.admitted < (self.p.lag + e.version + 1) * B}
-            if not ok or self.inflight + len(ids) > self.cap:
-                break
-            eng = least_loaded(ok)
-            out.setdefault(eng, []).extend(ids)
-            load[eng] += len(ids)
-            self.inflight += len(ids)
-            self.admitted += int(fresh)
-        return [Submit(e, ids) for e, ids in sorted(out.items())]
+        out, self.admitted, placed = admit_within_lag(v, self.admitted, self.p.lag, room=self.cap - self.inflight)
+        self.inflight += placed
+        return out
 
     def stats(self) -> dict[str, float]:
         cuts = sum(1 for _, _, why in self.history if why.startswith("hard"))

@@ -12,8 +12,8 @@ from typing import Any
 from config import F
 from sched.base import Dispatch, register
 from sched.decisions import Submit
-from sched.intake import OneBatchAhead
-from sched.views import S, Views, least_loaded
+from sched.intake import OneBatchAhead, admit_within_lag
+from sched.views import Views
 
 
 @register
@@ -55,23 +55,8 @@ class LagCap(OneBatchAhead, Dispatch):
         self.pulled = 0        # groups pulled into the pipeline, cumulative
 
     def admit(self, v: Views) -> list[Submit]:
-        B = v.prompts_per_step
-        ready = [e for e in v.engines if e.version >= 0 and not e.loading and not e.lent]
-        if not ready or not v.requests.count(S.PENDING):
-            return []
-        load = {e.engine: e.assigned for e in ready}
-        out: dict[int, list[int]] = {}
-        for gid, ids in v.pending_by_group().items():
-            fresh = len(ids) == v.groups[gid].size and all(v.requests[i].partial is None for i in ids)
-            ok = {e.engine: load[e.engine] for e in ready
-                  if not fresh or self.admitted < (self.p.lag + e.version + 1) * B}
-            if not ok:
-                break
-            eng = least_loaded(ok)
-            out.setdefault(eng, []).extend(ids)
-            load[eng] += len(ids)
-            self.admitted += int(fresh)
-        return [Submit(e, ids) for e, ids in sorted(out.items())]
+        out, self.admitted, _ = admit_within_lag(v, self.admitted, self.p.lag)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"admitted": self.admitted, "pulled": self.pulled}

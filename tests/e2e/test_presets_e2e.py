@@ -159,12 +159,16 @@ def test_the_log_checker_catches_an_off_policy_sample_and_a_double_handoff(tmp_p
     assert len(report["off_policy"]) == 1 and report["twice"]
 
 
-@pytest.mark.parametrize("preset,bound", [("one_step", 1), ("streamrl_async", 1), ("partial_rollout", None)])
+OFF_POLICY = [("one_step", 1), ("streamrl_async", 1), ("partial_rollout", None), ("pipelinerl", None),
+              ("windowed_fifo", None), ("pacing", 2), ("april", None), ("adaptive_concurrency", None)]
+
+
+@pytest.mark.parametrize("preset,bound", OFF_POLICY)
 def test_offpolicy_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, bound, tmp_path):
-    """Off-policy presets: samples may be older than the step (bounded where the preset says so), but no group is
-    trained twice or before it materialised, no finished sample of a trained group is missing, and every
-    interrupted request comes back (tests/support/offpolicy_log.py). Laminar's real-rank runs
-    (a full buffer, forced repacks, a failed engine) follow, each with the same checks."""
+    """Off-policy presets: samples may be older than the step (bounded where the preset says so: pacing's K = 2),
+    but no group is trained twice or before it materialised, no finished sample of a trained group is missing, and
+    every interrupted request comes back (tests/support/offpolicy_log.py). Laminar's real-rank runs (a full buffer,
+    forced repacks, a failed engine) follow, each with the same checks."""
     from tests.support.offpolicy_log import check_offpolicy_log
     run = tmp_path / preset
     torchrun(3, f"--log.dir={run}", f"--sched.preset={preset}", "--cluster.rollout_ranks=2", "--train.steps=6",

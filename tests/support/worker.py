@@ -23,7 +23,7 @@ class FakeChannel:
         self.sent.append((dst, obj))
 
 
-def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None, rank=1, **kw):
+def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None, rank=1, cls=RolloutWorker, **kw):
     task = SyntheticTask("reverse", 16, 0)
     tok = task.tokenizer()
     cfg = preset_config("tiny", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
@@ -32,7 +32,7 @@ def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None, ran
         num_kv_tokens=512, max_num_seqs=16, max_batch_tokens=256,
         cpu_decode_steps=1), version=-1)   # a worker step is one engine step here (the tests count them)
     ch = FakeChannel()
-    w = RolloutWorker(engine, ch, engine_index=0, rank=rank,
+    w = cls(engine, ch, engine_index=0, rank=rank,
                       scorer=scorer if scorer is not None else InlineScorer(task.score),
                       decode=response_decoder(tok, engine.eos_ids), receiver=None,
                       sampling=SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0,

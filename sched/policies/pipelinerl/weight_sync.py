@@ -23,8 +23,9 @@ class InFlight(WeightSync):
     version it started under; its per-token versions never decrease."""
     name = "in_flight"
     paper = "PipelineRL in-flight weight updates, KV kept (arXiv 2509.19128)"
+    keeps_kv = True
 
     def engines_to_load(self, v: Views) -> list[LoadWeights]:
         ps = v.trainer.published
-        return [LoadWeights(e.engine, ps, keep_kv=True) for e in v.engines
+        return [LoadWeights(e.engine, ps, keep_kv=self.keeps_kv) for e in v.engines
                 if e.version < ps and not e.loading and not e.lent]
