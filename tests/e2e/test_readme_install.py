@@ -21,6 +21,13 @@ def test_quickstart_is_the_two_commands_ci_runs():
     assert re.search(r"pip install -q torch==2\.13\.0\b", (ROOT / ".ci" / "run").read_text())
 
 
+def test_ci_runs_the_readme_s_full_suite_command():
+    tests = README.split("Tests (CPU only", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    full = tests[0].split(" && ")[-1].split("#")[0].strip()
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert full.startswith("python -m pytest tests") and ci == "exec python3 -m pytest " + full.split("pytest ", 1)[1]
+
+
 def test_cpu_only_install_line_pins_the_same_torch_from_the_cpu_index():
     pinned = re.search(r"torch==([\d.]+)", quickstart_commands()[0]).group(1)
     cpu = re.findall(r"pip install torch==([\d.]+) --index-url https://download\.pytorch\.org/whl/cpu", README)
