@@ -7,8 +7,8 @@ Each rank's main thread runs a ColocatedWorker: the rollout worker's messages pl
 runs them with the disaggregated trainer's own `run_work`. A publication is an in-place refresh: every rank gathers
 the full weights inside the train group and copies them into its engine, so the engine's version moves with the
 trainer's, with no broadcast; the engine's running sequences are recomputed under the new weights, or keep their KV
-where the preset's weight sync keeps it (`WeightSync.keeps_kv`: PipelineRL's in-flight update). Rank 0 also runs the controller, in a second thread, talking to its own worker
-through the channel's ports.
+where the preset's weight sync keeps it (`WeightSync.keeps_kv`: PipelineRL's in-flight update). Rank 0 also runs the
+controller, in a second thread, talking to its own worker through the channel's ports.
 """
 from __future__ import annotations
 
