@@ -33,10 +33,10 @@ def make_worker(verify=True, max_new_tokens=4, temperature=1.0, scorer=None, ran
         cpu_decode_steps=1), version=-1)   # a worker step is one engine step here (the tests count them)
     ch = FakeChannel()
     w = cls(engine, ch, engine_index=0, rank=rank,
-                      scorer=scorer if scorer is not None else InlineScorer(task.score),
-                      decode=response_decoder(tok, engine.eos_ids), receiver=None,
-                      sampling=SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0,
-                      verify_weights=verify, **kw)
+            scorer=scorer if scorer is not None else InlineScorer(task.score),
+            decode=response_decoder(tok, engine.eos_ids), receiver=None,
+            sampling=SamplingConfig(temperature, 1.0, -1, max_new_tokens, seed=0), t0=0.0,
+            verify_weights=verify, **kw)
     return w, ch, task, tok
 
 
