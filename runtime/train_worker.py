@@ -75,11 +75,16 @@ def run_work(item: Any, trainer: Trainer, publish: PublishFn, ranks: Sequence[in
     refresh; each declares its own wait); `report` (the rank that reports: the leader) gets `train_step_done`."""
     if isinstance(item, Train):
         call, n = item.call, trainer.step + 1
+        cpu0 = time.process_time() - time.thread_time()
         with waiting(f"train step {n}", on=ranks, phase=Phase.TRAIN, step=n):
             metrics = trainer.train_step(item.groups, step=call.step)
         if report is not None:
+            # what the rest of this process (on the leader: the controller, its inbox, the watchdog) took of the
+            # CPU before and during the call, cumulative (sim/calibrate.py charges it to the simulated trainer)
+            other = time.process_time() - time.thread_time()
+            cpu = {"other_cpu_start_s": cpu0, "other_cpu_s": other}
             report(Event("train_step_done", clock(), rank=0, version=trainer.step,
-                         data={"stepped": call.step, **rollout_stats(item.groups), **floats(metrics)}))
+                         data={"stepped": call.step, **rollout_stats(item.groups), **floats(metrics), **cpu}))
         if call.publish:
             publish(trainer.step, call.overlap_publish)
     elif isinstance(item, Publish):

@@ -33,7 +33,9 @@ task's limit, or at the adaptive timeout (`reward_timeout`, RollPacker §4.3, fo
 (prompt, task)), scores 0.
 
 The trainer runs one call at a time, in order, like the runtime's trainer thread: a call starts when the previous
-call and its publication are done.
+call and its publication are done. With `cost.controller_s_per_trajectory` (a CPU run's controller sharing the train
+leader's CPU; disaggregated mode) every trajectory that finishes while a call runs extends that call by it, so a
+call's end is known only when it comes (`_TrainRun`; the calls issued meanwhile wait in order).
 
 Migration (an Interrupt with a destination, the controller's Migrate): the trajectory's tokens reach its new engine
 as KV over the interconnect at `cost.kv_move_s` when the profile gives a rate (`kv_move_s_per_token`, Laminar's
@@ -87,6 +89,22 @@ from sim.tokens import FAKE_LOGPROB, FAKE_TOKEN, RunList, trusted_runs
 from sim.workload import Workload
 
 _TICK = "counters-tick"           # a queue item: every busy engine reports its counters (SimBackend._tick)
+
+
+@dataclass
+class _TrainRun:
+    """A train call of a trainer whose calls the controller's CPU stretches: issued, then running from `start`."""
+    call: TrainCall
+    data: dict[str, Any]
+    version: int
+    dur: float
+    start: float = math.inf
+    gen: int = 0          # its end's queue item is current while gen matches (an extension pushes a new one)
+
+
+@dataclass(frozen=True)
+class _TrainEnd:
+    gen: int
 
 
 @dataclass(frozen=True)
@@ -187,6 +205,8 @@ class SimBackend:
         self.trainer_version = 0
         self.trainer_free = 0.0
         self.publish_free = 0.0       # when the last publication's transfer ends
+        self.controller_s = 0.0 if colocated else cost.controller_s_per_trajectory
+        self.train_runs: deque[_TrainRun] = deque()   # with controller_s: the calls issued, the first running
         self.max_events = max_events
         self.events_out = 0
         self.stop_after_samples = stop_after_samples
@@ -313,6 +333,8 @@ class SimBackend:
         self.emit(Event("trajectory_finished", t, rank=self.engines[engine].rank, engine=engine, req_id=r.req_id,
                         group_id=r.group_id, version=version,
                         data={"tokens": r.done, "finish_reason": reason, "preemptions": r.preemptions}))
+        if self.controller_s:
+            self._stretch(t)
         if self.reward_stage:
             self.held.setdefault(r.round, []).append((engine, r))
         else:
@@ -455,9 +477,49 @@ class SimBackend:
         done = start + dur
         if call.step:
             self.trainer_version += 1
+        data = {"stepped": call.step, **rollout_stats(groups), "tokens": float(tokens)}
+        if self.controller_s:
+            self.train_runs.append(_TrainRun(call, data, self.trainer_version, dur))
+            if len(self.train_runs) == 1:
+                self._start_run(now)
+            return
         self.emit(Event("train_step_done", done, rank=0, version=self.trainer_version,
-                        data={"stepped": call.step, **rollout_stats(groups), "tokens": float(tokens),
-                              "step_time_s": dur}))
+                        data={**data, "step_time_s": dur}))
+        self._trained(call, done)
+        if self.colocated and not self.lent:
+            for e in self.engines:
+                e.hold(now, until=self.trainer_free)
+
+    def _start_run(self, now: float) -> None:
+        run = self.train_runs[0]
+        run.start = max(now, self.trainer_free)
+        self._end_run_at(run, run.start + run.dur)
+
+    def _end_run_at(self, run: _TrainRun, t: float) -> None:
+        run.gen += 1
+        self.trainer_free = t
+        self.q.push(t, _TrainEnd(run.gen))
+
+    def _stretch(self, t: float) -> None:
+        """A trajectory finished at t: the running call (if one runs) ends controller_s later."""
+        run = self.train_runs[0] if self.train_runs else None
+        if run is not None and run.start <= t:
+            run.dur += self.controller_s
+            self._end_run_at(run, run.start + run.dur)
+
+    def _run_ended(self, end: _TrainEnd, t: float) -> None:
+        run = self.train_runs[0] if self.train_runs else None
+        if run is None or end.gen != run.gen:
+            return     # superseded by an extension
+        self.train_runs.popleft()
+        self.emit(Event("train_step_done", t, rank=0, version=run.version, data={**run.data, "step_time_s": run.dur}))
+        self._trained(run.call, t, run.version)
+        if self.train_runs:
+            self._start_run(t)
+
+    def _trained(self, call: TrainCall, done: float, version: int | None = None) -> None:
+        """The trainer is free at `done`, after the call's publication when it publishes without overlap."""
+        version = self.trainer_version if version is None else version
         self.trainer_free = done
         if call.publish:
             # An overlapped publication (call.overlap_publish) is sent while the next call trains: the trainer is
@@ -466,11 +528,8 @@ class SimBackend:
             self.publish_free = start + self.cost.publish_s
             if not call.overlap_publish:
                 self.trainer_free = self.publish_free
-            self.emit(Event("version_published", self.publish_free, rank=0, version=self.trainer_version,
+            self.emit(Event("version_published", self.publish_free, rank=0, version=version,
                             data={"seconds": self.cost.publish_s}))
-        if self.colocated and not self.lent:
-            for e in self.engines:
-                e.hold(now, until=self.trainer_free)
 
     def _fail(self, f: EngineFault, t: float) -> None:
         for i in f.engines:
@@ -532,6 +591,9 @@ class SimBackend:
                 continue
             if isinstance(item, _ToolDone):
                 self._tool_done(item, t)
+                continue
+            if isinstance(item, _TrainEnd):
+                self._run_ended(item, t)
                 continue
             engine, gen = item
             if engine < len(self.engines):     # else: a wake-up of an engine gone in a reshard

@@ -28,6 +28,15 @@ What it measures (and how the cpu_tiny profile in sim/profiles.py was filled in)
     optimizer the optimizer steps' own seconds (train_step_done: optimizer_s over optimizer_steps, summed over the
              calls): `optimizer_step_s`; sync's fixed time per step less it is a minibatch's pass without its step,
              what a call that only accumulates gradients pays (sim/cost.py train_accumulate_s)
+    split    (`call_split`, runs whose train_step_done carry passes_s) each call's time taken apart rather than
+             fitted: its own fixed time per call `split_call_s`, the mean of (train_started -> train_step_done) less
+             its minibatch passes, optimizer steps and proximal pass (the hand-off to the train ranks, advantages,
+             metrics); the passes fitted as  passes_s = a * tokens + b * passes  (`split_s_per_token`,
+             `split_pass_s`: one pass per minibatch, whatever the call's optimizer steps; when every call makes the
+             same number of passes b is their fixed time over that number); and `controller_s_per_trajectory`: the
+             train leader's CPU outside its trainer thread (train_step_done's other_cpu_start_s / other_cpu_s: the
+             controller, its inbox, the watchdog) per trajectory it handled between calls, less the rate it burns
+             during calls, when no trajectory arrives (a sync run's calls run with the engines idle)
     publish  train_step_done -> version_published (sched.metrics weight_sync_s)
     load     version_published -> weights_loaded, per engine
     reward   trajectory_finished -> reward_scored, per request
@@ -177,6 +186,42 @@ def train_fit(calls: list[tuple[float, float, float]]) -> dict[str, Any]:
     return out
 
 
+def call_split(events: list[Event], prompt_tokens: float = 0.0) -> dict[str, Any]:
+    """A run's train calls taken apart (the module docstring's `split`); {} when its train_step_done events lack
+    passes_s or the CPU counters."""
+    calls, start = [], None
+    for e in events:
+        if e.kind == "train_started":
+            start = e.t
+        elif e.kind == "train_step_done" and start is not None and "passes_s" in e.data:
+            calls.append((start, e))
+            start = None
+    if not calls:
+        return {}
+    fixed = [e.t - t0 - e.data["passes_s"] - e.data.get("optimizer_s", 0.0) - e.data.get("proximal_s", 0.0)
+             for t0, e in calls]
+    passes = [(e.data["tokens"] + prompt_tokens * e.data.get("samples", 0.0),
+               max(1.0, e.data.get("optimizer_steps", 1.0)), e.data["passes_s"]) for _, e in calls]
+    fit = train_fit(passes)
+    out: dict[str, Any] = {"split_calls": len(calls), "split_call_s": max(0.0, statistics.fmean(fixed)),
+                           "split_s_per_token": fit["train_fit_s_per_token"],
+                           "split_pass_s": fit["train_step_s"] + fit["train_call_s"] / statistics.fmean(
+                               p for _, p, _ in passes)}
+    if all({"other_cpu_start_s", "other_cpu_s"} <= e.data.keys() for _, e in calls):
+        during = sum(e.data["other_cpu_s"] - e.data["other_cpu_start_s"] for _, e in calls)
+        during_s = sum(e.t - t0 for t0, e in calls)
+        rate = during / during_s if during_s > 0 else 0.0
+        between = between_s = 0.0
+        handled = 0
+        for (_, prev), (t0, e) in zip(calls, calls[1:]):
+            between += e.data["other_cpu_start_s"] - prev.data["other_cpu_s"]
+            between_s += t0 - prev.t
+            handled += sum(1 for x in events if x.kind == "trajectory_finished" and prev.t < x.t <= t0)
+        out.update(controller_cpu_rate=rate, controller_handled=handled,
+                   controller_s_per_trajectory=max(0.0, between - rate * between_s) / handled if handled else 0.0)
+    return out
+
+
 def measure(run_dir: str | Path, train_ranks: int | None = None, prompt_tokens: float = 0.0) -> dict[str, Any]:
     run_dir = Path(run_dir)
     events = list(read_events(run_dir / "events.jsonl"))
@@ -208,6 +253,9 @@ def measure(run_dir: str | Path, train_ranks: int | None = None, prompt_tokens: 
            if e.kind == "train_step_done" and {"optimizer_s", "optimizer_steps"} <= e.data.keys()]
     if opt and sum(n for _, n in opt) > 0:
         out["optimizer_step_s"] = sum(t for t, _ in opt) / sum(n for _, n in opt)
+    split = call_split(events, prompt_tokens)
+    if split:
+        out.update(split, split_s_per_token_one_rank=split["split_s_per_token"] * ranks)
     out["publish_s"] = summarize(events).get("weight_sync_s")
     out["load_s"] = statistics.median(loads) if loads else None
     out["reward_s_median"] = statistics.median(rew) if rew else None

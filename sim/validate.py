@@ -310,30 +310,39 @@ def profile_from(sync: dict[str, Any]) -> CostModel:
     base = get_profile("cpu_tiny")
     reward = RewardLatency((RewardTask("repeat", 1.0, max(cal.get("reward_s_median") or 0.0, 1e-6), 0.5, 5.0),))
     src = "sim.calibrate on the recorded sync run (sim/validation/sync.json)"
-    # the trainer: sim.calibrate's train_fit over sync's calls (per token, per optimizer step, per call) where the
-    # recording has it, else its median seconds per token alone
-    if "train_fit_s_per_token_one_rank" in cal:
+    # the trainer: sim.calibrate's call_split of sync's calls (per call, per minibatch pass, per token, per optimizer
+    # step) where the recording has it, else its train_fit (per token and per step: sync's calls all take the same
+    # steps, so its fixed time per call goes to the steps) or its median seconds per token alone
+    opt_s = cal.get("optimizer_step_s", 0.0)
+    if "split_pass_s" in cal:
+        train = dict(train_s_per_token=cal["split_s_per_token_one_rank"], train_step_s=cal["split_pass_s"] + opt_s,
+                     train_overhead_s=cal["split_call_s"])
+        accumulate, fit_src = cal["split_pass_s"], src + ": call_split"
+    elif "train_fit_s_per_token_one_rank" in cal:
         train = dict(train_s_per_token=cal["train_fit_s_per_token_one_rank"], train_step_s=cal["train_step_s"],
                      train_overhead_s=cal["train_call_s"])
+        # a call that only accumulates gradients (the stream trainers' calls between steps) pays a minibatch's
+        # pass: sync's fixed time per step less the optimizer step's own
+        accumulate = max(0.0, train["train_step_s"] - opt_s)
+        fit_src = src + (f", train_fit: {cal['train_fit_assumed']}" if cal.get("train_fit_assumed") else "")
     else:
         train = dict(train_s_per_token=cal["train_s_per_token_one_rank"], train_step_s=0.0, train_overhead_s=0.0)
-    fit_src = src + (f", train_fit: {cal['train_fit_assumed']}" if cal.get("train_fit_assumed") else "")
+        accumulate, fit_src = 0.0, src
     # decoupled PPO's proximal pass (the presets with a staleness bound >= 1 train with it, train.py): a no-grad
     # forward of every minibatch, charged at the share of sync's train time its forward passes took
     prox = cal.get("train_forward_share") or 0.0
-    # a call that only accumulates gradients (the stream trainers' calls between steps) pays a minibatch's pass:
-    # sync's fixed time per step less the optimizer step's own (optimizer_step_s, measured in sync's calls)
-    accumulate = max(0.0, train["train_step_s"] - cal["optimizer_step_s"]) if "optimizer_step_s" in cal else 0.0
     return replace(base, name="cpu_tiny@validation", k2=k2, k3=k3, k4=k4, prefill_s_per_token=k3, **train,
                    proximal_share=prox, train_accumulate_s=accumulate,
+                   controller_s_per_trajectory=cal.get("controller_s_per_trajectory", 0.0),
                    publish_s=cal.get("publish_s") or 0.0,
                    load_s=cal.get("load_s") or 0.0, reward=reward, max_num_seqs=eng["max_num_seqs"],
                    kv_capacity_tokens=eng["kv_cache_tokens"], block_size=eng["kv_block_size"],
                    sources={**base.sources, **{k: src for k in ("publish_s", "load_s", "reward")},
                             **{k: f"{src}: {decode_src}" for k in ("k3", "k4")},
                             **{k: fit_src for k in train},
-                            "train_accumulate_s": src + ": train_step_s less optimizer_step_s (the optimizer "
-                                                  "steps' measured seconds per step)",
+                            "train_accumulate_s": fit_src + ": one minibatch's pass without its optimizer step",
+                            "controller_s_per_trajectory": src + ": call_split, the leader's CPU outside its "
+                                                           "trainer thread per trajectory handled between calls",
                             "proximal_share": src + ": train_forward_share, the forward passes' share of its train "
                                               "calls (a no-grad forward taken to cost the forward with grad)"})
 

@@ -31,8 +31,9 @@ ratio's mean and max, the fraction the correction clipped or masked, and the KL 
 device with the other loss statistics (one host read per minibatch).
 
 Timing in a call's metrics (host seconds; on CPU the compute itself): step_time_s the whole call, forward_s its
-forward passes with grad, optimizer_s its optimizer steps, proximal_s decoupled PPO's no-grad pass when it runs
-(sim.calibrate reads them to charge the simulated trainer).
+forward passes with grad, passes_s its minibatch passes whole (forward, loss, backward, the statistics' reduction),
+optimizer_s its optimizer steps, proximal_s decoupled PPO's no-grad pass when it runs; the rest of step_time_s is the
+call's own fixed work (advantages, samples, metrics). sim.calibrate reads them to charge the simulated trainer.
 
 Every train rank calls `train_step` with the same groups (the runtime broadcasts them). Without an initialised
 process group the trainer runs unsharded in one process (debugging, and the reference of the equivalence tests).
@@ -158,6 +159,7 @@ class Trainer:
         passes: list[dict[str, float]] = []
         n_steps = 0
         optimizer_s = 0.0   # seconds in the optimizer steps (clip, step, zero)
+        passes_s = 0.0      # seconds in the minibatch passes (forward, loss, backward, reduction)
         if samples:
             chunks = [samples[r.start:r.stop] for r in split_even(len(samples), min(cfg.minibatches, len(samples)))]
             ref_cache: dict[tuple[int, int], torch.Tensor] = {}
@@ -171,7 +173,9 @@ class Trainer:
                 metrics["proximal_s"] = time.perf_counter() - t_prox
             for _ in range(cfg.ppo_epochs):
                 for i, chunk in enumerate(chunks):
+                    t_pass = time.perf_counter()
                     passes.append(self._backward(chunk, i, ref_cache, prox_cache))
+                    passes_s += time.perf_counter() - t_pass
                     if step:
                         t_opt = time.perf_counter()
                         passes[-1].update(self._apply())
@@ -189,6 +193,7 @@ class Trainer:
                           max(vals) if k.endswith("_max") else sum(vals) / len(vals))
         metrics["optimizer_steps"] = float(n_steps)
         metrics["optimizer_s"] = optimizer_s
+        metrics["passes_s"] = passes_s
         metrics["skipped"] = float(not passes and not n_steps)
         metrics["step_time_s"] = time.perf_counter() - t0
         self.step += int(step)

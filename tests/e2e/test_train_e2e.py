@@ -95,7 +95,12 @@ def test_run_directory_holds_everything(tiny_run):
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert summary["staleness"] == {"0": 70 * 32}  # sync preset: every sample on-policy
     assert summary["dropped"] == 0
-    kinds = {e["kind"] for e in event_rows(tiny_run / "events.jsonl")}
+    rows = list(event_rows(tiny_run / "events.jsonl"))
+    kinds = {e["kind"] for e in rows}
+    # the leader's CPU outside its trainer thread (the controller), cumulative, before and after each call
+    cpu = [(e["data"]["other_cpu_start_s"], e["data"]["other_cpu_s"]) for e in rows if e["kind"] == "train_step_done"]
+    assert len(cpu) == 70 and all(0 <= a <= b for a, b in cpu)
+    assert all(b <= c for (_, b), (c, _) in zip(cpu, cpu[1:])) and cpu[-1][1] > cpu[0][0]
     assert {"round_started", "request_admitted", "trajectory_finished", "reward_scored", "group_materialized",
             "train_started", "train_step_done", "version_published", "weights_loaded"} <= kinds
     # the resolved config reloads to the same run

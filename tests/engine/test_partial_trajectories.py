@@ -200,11 +200,12 @@ def test_a_call_reports_its_forward_and_optimizer_seconds_and_the_proximal_pass_
     """forward_s: the call's forward passes (with grad), optimizer_s: its optimizer steps, both parts of its
     step_time_s (sim.calibrate charges the simulated proximal pass at the forward's share, a call that only
     accumulates at a step's time less the optimizer's); proximal_s: decoupled PPO's no-grad pass, run only for a
-    call of several optimizer steps."""
+    call of several optimizer steps; passes_s: its minibatch passes whole (the forward inside them), apart from the
+    optimizer steps and the proximal pass (sim.calibrate's call_split takes the call apart with them)."""
     start = tiny_model(seed=2, std=0.1)
     groups = groups_from(start, 0, lambda g, j, n: [0] * n)
     m = Trainer(copy.deepcopy(start), train_cfg(off_policy=mode, minibatches=minibatches)).train_step(groups)
-    assert 0 < m["forward_s"] < m["step_time_s"]
+    assert 0 < m["forward_s"] < m["passes_s"] < m["step_time_s"] - m["optimizer_s"] - m.get("proximal_s", 0.0)
     assert 0 < m["optimizer_s"] < m["step_time_s"] - m["forward_s"]
     assert ("proximal_s" in m) == proximal
     if proximal:
