@@ -147,14 +147,16 @@ def summarize(events: list[Event], num_engines: int | None = None) -> dict[str, 
     return out
 
 
-def kv_utilisation(events: Iterable[Event], num_engines: int) -> float:
+def kv_utilisation(events: Iterable[Event], num_engines: int, end: float | None = None) -> float:
     """Average KV-cache utilisation (Laminar Table 1): per engine, kv_used / (kv_used + kv_free) from its
     tokens_decoded counters, held until the next counter (an idle engine reports 0), time-weighted from its first
-    counter to the log's end, then averaged over engines. NaN without counters."""
+    counter to the log's end (`end`; default: the latest event's time), then averaged over engines. NaN without
+    counters. Only `tokens_decoded` and `engine_idle` events are read, so those alone may be passed, with `end`."""
     evs = list(events)
     if not evs:
         return float("nan")
-    end = max(e.t for e in evs)
+    if end is None:
+        end = max(e.t for e in evs)
     last: dict[int, tuple[float, float]] = {}
     area: dict[int, float] = defaultdict(float)
     span: dict[int, float] = defaultdict(float)
