@@ -13,6 +13,7 @@ goes through the indexing `__setitem__` / `__delitem__`.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import MutableMapping
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, Sequence
@@ -78,6 +79,7 @@ class RequestTable(_Table):
         self._engines: dict[int, dict[int, Request]] = {}  # engine -> its requests in an `on_engine` state, by id
         self._unsorted: set[int] = set()                    # engines whose entry is not in id order
         self._stamp: dict[int, int] = {}                    # engine -> stamp of its entry's last change
+        self._counts: dict[tuple[int, Hashable], int] = {}  # (engine, state) -> its requests in that state
 
     def __setitem__(self, req_id: int, r: "Request") -> None:
         old = self._all.get(req_id)
@@ -103,6 +105,7 @@ class RequestTable(_Table):
         self._resumed.clear()
         self._engines.clear()
         self._unsorted.clear()
+        self._counts.clear()
         self._stamp = {e: next(_stamps) for e in self._stamp}
 
     # ---------------------------------------------------------------------------------------------- the index
@@ -110,16 +113,22 @@ class RequestTable(_Table):
         """Move request r to `state`, keeping the index in step (the only way a state changes)."""
         on = self._on
         was = r.engine >= 0 and r.state in on
+        now = r.engine >= 0 and state in on
+        if was:
+            if now:                 # a change of state on the same engine
+                self._counts[r.engine, r.state] -= 1
+            else:
+                self._engine_remove(r)
         self._unindex(r)
         r.state = state
         self._index(r)
-        if r.engine >= 0 and state in on:
+        if now:
             if was:
-                self._stamp[r.engine] = next(_stamps)   # a change of state on the same engine
+                key = (r.engine, state)
+                self._counts[key] = self._counts.get(key, 0) + 1
+                self._stamp[r.engine] = next(_stamps)
             else:
                 self._engine_add(r)
-        elif was:
-            self._engine_remove(r)
 
     def set_tool(self, r: "Request", since: float) -> None:
         """r starts (`since` >= 0: when) or stops (-1) waiting on a tool call."""
@@ -135,11 +144,14 @@ class RequestTable(_Table):
         elif members and r.req_id < next(reversed(members)):
             self._unsorted.add(e)
         members[r.req_id] = r
+        key = (e, r.state)
+        self._counts[key] = self._counts.get(key, 0) + 1
         self._stamp[e] = next(_stamps)
 
     def _engine_remove(self, r: "Request") -> None:
         members = self._engines.get(r.engine)
         if members is not None and members.pop(r.req_id, None) is not None:
+            self._counts[r.engine, r.state] -= 1
             self._stamp[r.engine] = next(_stamps)
 
     def _unindex(self, r: "Request") -> None:
@@ -212,6 +224,10 @@ class RequestTable(_Table):
             self._unsorted.discard(engine)
         return members.values()
 
+    def count_on(self, engine: int, state: Hashable) -> int:
+        """How many requests on `engine` are in `state` (one of the `on_engine` states)."""
+        return self._counts.get((engine, state), 0)
+
     def engine_stamp(self, engine: int) -> int:
         """A stamp of `engine`'s entry in the per-engine index: equal stamps, equal requests in equal states and
         tool waits (0: nothing entered it since the table was made or cleared)."""
@@ -243,6 +259,9 @@ class RequestTable(_Table):
         held = {(r.engine, i) for i, r in self._all.items() if r.engine >= 0 and r.state in self._on}
         indexed = {(e, i) for e, members in self._engines.items() for i, r in members.items()}
         assert held == indexed, "the per-engine index out of step"
+        counts = Counter((r.engine, r.state) for m in self._engines.values() for r in m.values())
+        assert all(self._counts.get(k, 0) == n for k, n in counts.items()) and \
+            all(n == counts.get(k, 0) for k, n in self._counts.items()), "the per-engine state counts out of step"
         assert all(r.engine == e and self._all.get(i) is r for e, m in self._engines.items() for i, r in m.items()), \
             "a per-engine entry on another engine or not in the table"
         assert all(list(m) == sorted(m) for e, m in self._engines.items() if e not in self._unsorted), \
