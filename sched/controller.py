@@ -53,6 +53,8 @@ class Backend(Protocol):
 
 __all__ = ["Backend", "Controller", "InvariantError", "PromptItem"]
 
+_NO_DESIGN = Joint()   # the decisions of a preset without a Design: every kind asked of its own mechanism (read only)
+
 
 class Controller:
     def __init__(self, preset: Preset, source: Callable[[int], list[PromptItem]], group_size: int,
@@ -146,7 +148,7 @@ class Controller:
         for sub, src in self.life.due_migrations():   # migrated requests land before any other admission
             self.submit(backend, sub)
             self.life.migrated(sub, src)
-        joint = p.design.decide(v) if p.design is not None else Joint()   # a Design decides its kinds at once
+        joint = p.design.decide(v) if p.design is not None else _NO_DESIGN   # a Design decides its kinds at once
         for sub in p.dispatch.admit(v) if joint.submit is None else joint.submit:
             self.submit(backend, sub)
         for cmd in p.rebalance.plan(v) if joint.rebalance is None else joint.rebalance:

@@ -59,8 +59,8 @@ class EventFold:
         k = ev.kind
         if k in LEFT_ENGINE:
             r = v.requests.get(ev.req_id)
-            if r is not None:
-                r.tool_since = -1.0
+            if r is not None and r.tool_since != -1.0:
+                v.requests.set_tool(r, -1.0)
             if self.partials is not None:
                 self.partials.close(ev.req_id)
         if k == "tokens_decoded":
@@ -81,7 +81,7 @@ class EventFold:
             r = v.requests.get(ev.req_id)
             if r is not None and r.engine == ev.engine and r.state in ON_ENGINE:
                 started = k == "tool_started"
-                r.tool_since = ev.t if started else -1.0
+                v.requests.set_tool(r, ev.t if started else -1.0)
                 r.tool_calls += started
         elif k == "trajectory_finished":
             r = v.requests[ev.req_id]

@@ -116,8 +116,8 @@ class Lifecycle:
                 raise InvariantError(f"request {r.req_id} submitted twice (state {r.state})")
             if r.v_traj < 0:
                 r.v_traj = e.version
+            r.engine, r.version = sub.engine, e.version   # the engine first: the table indexes it by engine
             v.requests.set_state(r, S.RUNNING)
-            r.engine, r.version = sub.engine, e.version
             if pool is not None:
                 pool.open(r.req_id, r.partial)
             self.emit(Event("request_admitted", v.now, engine=sub.engine, req_id=r.req_id, group_id=r.group_id,

@@ -55,14 +55,34 @@ def trainer_spans(events: Iterable[Event]) -> list[tuple[float, float, dict[str,
     return out
 
 
+_TRAINER = frozenset({"train_started", "train_step_done"})
+_ENGINE = frozenset({"engine_busy", "engine_idle"})
+
+
+def _by_kind(events: list[Event]) -> tuple[dict[str, list[Event]], list[Event], list[Event]]:
+    """The events grouped by kind, each group in log order, in one pass; and the trainer's two kinds and the engines'
+    busy / idle, each pair together in log order (what trainer_spans and engine_spans read)."""
+    out: dict[str, list[Event]] = defaultdict(list)
+    trainer: list[Event] = []
+    engine: list[Event] = []
+    for e in events:
+        k = e.kind
+        out[k].append(e)
+        if k in _TRAINER:
+            trainer.append(e)
+        elif k in _ENGINE:
+            engine.append(e)
+    return out, trainer, engine
+
+
 def summarize(events: list[Event], num_engines: int | None = None) -> dict[str, Any]:
     if not events:
         return {}
-    t0 = min(e.t for e in events if e.kind == "round_started") if any(
-        e.kind == "round_started" for e in events) else events[0].t
+    by, trainer, engine = _by_kind(events)
+    t0 = min(e.t for e in by["round_started"]) if by["round_started"] else events[0].t
     t_end = max(e.t for e in events)
     makespan = max(t_end - t0, 1e-9)
-    train = trainer_spans(events)
+    train = trainer_spans(trainer)
     compute = sum(b - a for a, b, _ in train)
     train_end = train[-1][1] if train else t_end
     wait = max(0.0, (train_end - t0) - compute)
@@ -70,8 +90,8 @@ def summarize(events: list[Event], num_engines: int | None = None) -> dict[str, 
                            "trainer_wait_ratio": wait / max(wait + compute, 1e-9)}
 
     # per-round figures
-    round_start = {e.data["round"]: e.t for e in events if e.kind == "round_started"}
-    group_round = {e.group_id: e.data.get("round", -1) for e in events if e.kind == "group_materialized"}
+    round_start = {e.data["round"]: e.t for e in by["round_started"]}
+    group_round = {e.group_id: e.data.get("round", -1) for e in by["group_materialized"]}
     first_start: dict[int, float] = {}
     last_end: dict[int, float] = {}
     for a, b, data in train:
@@ -90,26 +110,25 @@ def summarize(events: list[Event], num_engines: int | None = None) -> dict[str, 
         out["trainer_wait_ratio_eq4"] = sum(eq4) / len(eq4)
 
     # engines
-    spans = engine_spans(events, t_end)
+    spans = engine_spans(engine, t_end)
     n_eng = num_engines or (max(spans) + 1 if spans else 0)
     if n_eng:
         busy = sum(_busy_time(s) for s in spans.values())
         out["engine_idle_ratio"] = 1.0 - busy / (n_eng * makespan)
 
     # throughput and staleness
-    fin = [e for e in events if e.kind == "trajectory_finished"]
+    fin = by["trajectory_finished"]
     out["samples_per_s"] = len(fin) / makespan
     out["tokens_per_s"] = sum(e.data.get("tokens", 0) for e in fin) / makespan
-    gen_version = {e.group_id: e.version for e in events if e.kind == "group_materialized"}
+    gen_version = {e.group_id: e.version for e in by["group_materialized"]}
     stale: Counter[int] = Counter()
-    for e in events:
-        if e.kind == "train_started":
-            for g in e.data.get("groups", []):
-                if g in gen_version:
-                    stale[e.version - gen_version[g]] += 1
+    for e in by["train_started"]:
+        for g in e.data.get("groups", []):
+            if g in gen_version:
+                stale[e.version - gen_version[g]] += 1
     out["staleness"] = dict(sorted(stale.items()))
     out["staleness_max"] = max(stale) if stale else 0
-    steps = sorted((e.t, e.version) for e in events if e.kind == "train_step_done" and e.data.get("stepped", True))
+    steps = sorted((e.t, e.version) for e in by["train_step_done"] if e.data.get("stepped", True))
     step_t = [t for t, _ in steps]
     running_max, v = [], 0
     for _, ver in steps:
@@ -124,37 +143,38 @@ def summarize(events: list[Event], num_engines: int | None = None) -> dict[str, 
     out["staleness_at_finish_max"] = max(inherent) if inherent else 0
 
     # weight sync
-    done_t = {e.version: e.t for e in events if e.kind == "train_step_done" and e.data.get("stepped", True)}
-    sync = [e.t - done_t[e.version] for e in events if e.kind == "version_published" and e.version in done_t]
+    done_t = {e.version: e.t for e in by["train_step_done"] if e.data.get("stepped", True)}
+    sync = [e.t - done_t[e.version] for e in by["version_published"] if e.version in done_t]
     if sync:
         out["weight_sync_s"] = sum(sync) / len(sync)
-    out["dropped"] = sum(1 for e in events if e.kind == "trajectory_aborted" and not e.data.get("requeue"))
+    out["dropped"] = sum(1 for e in by["trajectory_aborted"] if not e.data.get("requeue"))
 
     # engine faults isolated (Laminar §3.3), and the mechanisms' own counters
-    rec = [e.data for e in events if e.kind == "trajectories_recovered"]
+    rec = [e.data for e in by["trajectories_recovered"]]
     if rec:
-        out["engine_failures"] = sum(1 for e in events if e.kind == "engine_failed")
-        out["engines_retired"] = len({e.engine for e in events if e.kind == "engine_failed"
-                                      and e.data.get("permanent")})
+        out["engine_failures"] = len(by["engine_failed"])
+        out["engines_retired"] = len({e.engine for e in by["engine_failed"] if e.data.get("permanent")})
         for key in ("resumed", "tokens_kept", "tokens_lost"):
             out[f"failed_engine_{key}"] = sum(d.get(key, 0) for d in rec)
-        down = [e.data["down_s"] for e in events if e.kind == "engine_recovered" and "down_s" in e.data]
+        down = [e.data["down_s"] for e in by["engine_recovered"] if "down_s" in e.data]
         if down:
             out["engine_down_s"] = sum(down) / len(down)
-    stats = [e.data for e in events if e.kind == "policy_stats"]
+    stats = [e.data for e in by["policy_stats"]]
     if stats:
         out["policy_stats"] = stats[-1]
     return out
 
 
-def kv_utilisation(events: Iterable[Event], num_engines: int) -> float:
+def kv_utilisation(events: Iterable[Event], num_engines: int, end: float | None = None) -> float:
     """Average KV-cache utilisation (Laminar Table 1): per engine, kv_used / (kv_used + kv_free) from its
     tokens_decoded counters, held until the next counter (an idle engine reports 0), time-weighted from its first
-    counter to the log's end, then averaged over engines. NaN without counters."""
+    counter to the log's end (`end`; default: the latest event's time), then averaged over engines. NaN without
+    counters. Only `tokens_decoded` and `engine_idle` events are read, so those alone may be passed, with `end`."""
     evs = list(events)
     if not evs:
         return float("nan")
-    end = max(e.t for e in evs)
+    if end is None:
+        end = max(e.t for e in evs)
     last: dict[int, tuple[float, float]] = {}
     area: dict[int, float] = defaultdict(float)
     span: dict[int, float] = defaultdict(float)

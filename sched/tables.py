@@ -4,21 +4,26 @@ they read, not to every request of every live round.
 
 The indexes follow insertions and removals by themselves; a change of a field they depend on is announced
 explicitly by the one writer, the request lifecycle (sched/lifecycle.py): `RequestTable.set_state` for a request's
-state, `GroupTable.track` after a group's scored / dropped / consumed counts changed. Both are full
+state (a request's engine is set before it enters an on-engine state and cleared after it left one),
+`RequestTable.set_tool` for its tool wait, `GroupTable.track` after a group's scored / dropped / consumed counts
+changed. Both are full
 `MutableMapping`s over a private dict, so every way of inserting or removing (`update`, `setdefault`, `pop`, ...)
 goes through the indexing `__setitem__` / `__delitem__`.
 """
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from collections.abc import MutableMapping
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, Sequence
 
 if TYPE_CHECKING:
     from sched.views import GroupState, Request
 
 
 _req_id = attrgetter("req_id")
+_stamps = itertools.count(1)   # change stamps of the per-engine index: never repeated, across tables and clears
 
 
 class _Table(MutableMapping):
@@ -56,25 +61,40 @@ class RequestTable(_Table):
     `queue` state's index is read in request-id order (the pending queue). The queue is also indexed split in two:
     its requests never admitted to an engine (`v_traj < 0`), by group, and those admitted before (interrupted,
     requeued or taken back), so a policy that treats the two apart reads each without scanning the other.
-    `v_traj` changes only on admission, as the request leaves the queue."""
+    `v_traj` changes only on admission, as the request leaves the queue.
 
-    def __init__(self, indexed: Sequence[Hashable], queue: Hashable):
+    The requests in any of the `on_engine` states with an engine (`engine >= 0`) are also indexed by engine
+    (`on_engine`, read in id order), each engine's entry with a change stamp (`engine_stamp`) that moves whenever a
+    request enters or leaves it, changes state within it, or starts or stops waiting on a tool (`set_tool`), so a
+    policy may keep what it derived from an engine's requests until the stamp moves."""
+
+    def __init__(self, indexed: Sequence[Hashable], queue: Hashable, on_engine: Sequence[Hashable] = ()):
         self._all: dict[int, Request] = {}
         self._by_state: dict[Hashable, dict[int, Request]] = {s: {} for s in indexed}
         self._queue = queue
         self._sorted = True       # the queue's index is in id order
         self._fresh: dict[int, dict[int, Request]] = {}   # group id -> its queued requests never admitted, by id
         self._resumed: dict[int, Request] = {}            # queued requests admitted before
+        self._on = tuple(on_engine)
+        self._engines: dict[int, dict[int, Request]] = {}  # engine -> its requests in an `on_engine` state, by id
+        self._unsorted: set[int] = set()                    # engines whose entry is not in id order
+        self._stamp: dict[int, int] = {}                    # engine -> stamp of its entry's last change
+        self._counts: dict[tuple[int, Hashable], int] = {}  # (engine, state) -> its requests in that state
 
     def __setitem__(self, req_id: int, r: "Request") -> None:
         old = self._all.get(req_id)
         if old is not None:
             self._unindex(old)
+            self._engine_remove(old)
         self._all[req_id] = r
         self._index(r)
+        if r.engine >= 0 and r.state in self._on:
+            self._engine_add(r)
 
     def __delitem__(self, req_id: int) -> None:
-        self._unindex(self._all.pop(req_id))
+        r = self._all.pop(req_id)
+        self._unindex(r)
+        self._engine_remove(r)
 
     def clear(self) -> None:
         self._all.clear()
@@ -83,13 +103,56 @@ class RequestTable(_Table):
         self._sorted = True
         self._fresh.clear()
         self._resumed.clear()
+        self._engines.clear()
+        self._unsorted.clear()
+        self._counts.clear()
+        self._stamp = {e: next(_stamps) for e in self._stamp}
 
     # ---------------------------------------------------------------------------------------------- the index
     def set_state(self, r: "Request", state: Hashable) -> None:
         """Move request r to `state`, keeping the index in step (the only way a state changes)."""
+        on = self._on
+        was = r.engine >= 0 and r.state in on
+        now = r.engine >= 0 and state in on
+        if was:
+            if now:                 # a change of state on the same engine
+                self._counts[r.engine, r.state] -= 1
+            else:
+                self._engine_remove(r)
         self._unindex(r)
         r.state = state
         self._index(r)
+        if now:
+            if was:
+                key = (r.engine, state)
+                self._counts[key] = self._counts.get(key, 0) + 1
+                self._stamp[r.engine] = next(_stamps)
+            else:
+                self._engine_add(r)
+
+    def set_tool(self, r: "Request", since: float) -> None:
+        """r starts (`since` >= 0: when) or stops (-1) waiting on a tool call."""
+        r.tool_since = since
+        if r.engine >= 0 and r.state in self._on:
+            self._stamp[r.engine] = next(_stamps)
+
+    def _engine_add(self, r: "Request") -> None:
+        e = r.engine
+        members = self._engines.get(e)
+        if members is None:
+            members = self._engines[e] = {}
+        elif members and r.req_id < next(reversed(members)):
+            self._unsorted.add(e)
+        members[r.req_id] = r
+        key = (e, r.state)
+        self._counts[key] = self._counts.get(key, 0) + 1
+        self._stamp[e] = next(_stamps)
+
+    def _engine_remove(self, r: "Request") -> None:
+        members = self._engines.get(r.engine)
+        if members is not None and members.pop(r.req_id, None) is not None:
+            self._counts[r.engine, r.state] -= 1
+            self._stamp[r.engine] = next(_stamps)
 
     def _unindex(self, r: "Request") -> None:
         idx = self._by_state.get(r.state)
@@ -150,6 +213,26 @@ class RequestTable(_Table):
         """The pending requests admitted before (`v_traj >= 0`: interrupted, requeued, taken back), in id order."""
         return sorted(self._resumed.values(), key=_req_id)
 
+    def on_engine(self, engine: int) -> Iterable["Request"]:
+        """The requests on `engine` (in an `on_engine` state) in id order, without a copy: change no request's
+        state while iterating."""
+        members = self._engines.get(engine)
+        if members is None:
+            return ()
+        if engine in self._unsorted:
+            members = self._engines[engine] = dict(sorted(members.items()))
+            self._unsorted.discard(engine)
+        return members.values()
+
+    def count_on(self, engine: int, state: Hashable) -> int:
+        """How many requests on `engine` are in `state` (one of the `on_engine` states)."""
+        return self._counts.get((engine, state), 0)
+
+    def engine_stamp(self, engine: int) -> int:
+        """A stamp of `engine`'s entry in the per-engine index: equal stamps, equal requests in equal states and
+        tool waits (0: nothing entered it since the table was made or cleared)."""
+        return self._stamp.get(engine, 0)
+
     def in_state(self, *states: Hashable) -> list["Request"]:
         """Requests in any of these indexed states, state by state, each in the order it entered that state
         (a state that is not indexed is an error)."""
@@ -173,6 +256,16 @@ class RequestTable(_Table):
         assert all(r.v_traj < 0 and r.group_id == g and list(m) == sorted(m) for g, m in self._fresh.items()
                    for r in m.values()), "a fresh entry admitted before, in another group or out of id order"
         assert all(r.v_traj >= 0 for r in self._resumed.values()), "a resumed entry never admitted"
+        held = {(r.engine, i) for i, r in self._all.items() if r.engine >= 0 and r.state in self._on}
+        indexed = {(e, i) for e, members in self._engines.items() for i, r in members.items()}
+        assert held == indexed, "the per-engine index out of step"
+        counts = Counter((r.engine, r.state) for m in self._engines.values() for r in m.values())
+        assert all(self._counts.get(k, 0) == n for k, n in counts.items()) and \
+            all(n == counts.get(k, 0) for k, n in self._counts.items()), "the per-engine state counts out of step"
+        assert all(r.engine == e and self._all.get(i) is r for e, m in self._engines.items() for i, r in m.items()), \
+            "a per-engine entry on another engine or not in the table"
+        assert all(list(m) == sorted(m) for e, m in self._engines.items() if e not in self._unsorted), \
+            "a per-engine entry out of id order unmarked"
 
 
 class GroupTable(_Table):

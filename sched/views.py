@@ -137,7 +137,7 @@ def least_loaded(load: Mapping[int, float]) -> int:
 class Views:
     group_size: int = 1                   # G: requests per prompt (a RoundPlan may ask for another size)
     prompts_per_step: int = 1             # prompts (groups) per round, the run's training batch in groups
-    requests: RequestTable = field(default_factory=lambda: RequestTable(IN_FLIGHT, S.PENDING))
+    requests: RequestTable = field(default_factory=lambda: RequestTable(IN_FLIGHT, S.PENDING, ON_ENGINE))
     groups: GroupTable = field(default_factory=GroupTable)
     engines: list[EngineView] = field(default_factory=list)
     trainer: TrainerView = field(default_factory=TrainerView)

@@ -148,6 +148,8 @@ class SimEngine:
         self.failed = False           # between `fail` and `recover`: holds nothing, decodes nothing
         self.bs, self.cap = cost.block_size, cost.kv_capacity_blocks
         self._running: dict[int, SimRequest] = {}  # slot -> request, in admission order
+        self._base: dict[int, int] = {}   # req_id -> done - mark of each running request (fixed while it runs), in
+        #                                   admission order: its tokens at engine step k are base + k
         self._slots = 0
         self._heap: list[tuple[int, int, SimRequest]] = []  # (finish step, slot, request); stale entries skipped
         self._q_sum = 0               # private blocks: sum of Q_r, plus per residue M_r the count of requests
@@ -234,6 +236,7 @@ class SimEngine:
         r.slot, r.mark = self._slots, self.steps
         self._slots += 1
         self._running[r.slot] = r
+        self._base[r.req_id] = r.done - r.mark
         if self.group_ref.get(r.group_id, 0) == 0:
             self.shared_blocks += r.prompt_len // self.bs
         self.group_ref[r.group_id] = self.group_ref.get(r.group_id, 0) + 1
@@ -248,6 +251,7 @@ class SimEngine:
         """Take r out of the running set, its progress settled (its heap entry goes stale: slot -1)."""
         self._settle(r)
         del self._running[r.slot]
+        del self._base[r.req_id]
         if r.prefill and self._prefill:
             self._prefill -= r.prefill
             if r.moved:
@@ -529,8 +533,8 @@ class SimEngine:
         if self.multi_turn:
             data["tools"] = len(self.tools)
         if self.progress:
-            at = self.steps + j                 # done_of(r) + j, inlined (every running request, every report)
-            progress = {r.req_id: r.done + at - r.mark for r in self._running.values()}
+            at = self.steps + j                 # done_of(r) + j, from `_base` (every running request, every report)
+            progress = {rid: base + at for rid, base in self._base.items()}
             progress.update((r.req_id, r.done) for r in self.waiting)
             progress.update((r.req_id, r.done) for r in self.tools.values())
             data["progress"] = progress

@@ -50,13 +50,40 @@ class SimResult:
     policy: Any = field(default=None, repr=False)  # the Preset as it ended (its mechanisms' own state)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled (a reproduction's pool ships results, sim/repro/core.py) with the events as columns."""
+        """Pickled (a reproduction's pool ships results, sim/repro/core.py) with the events as columns (without the
+        memo of `of`)."""
         state = dict(self.__dict__)
+        state.pop("_of", None)
         state["events"] = to_columns(state["events"])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, events=from_columns(state["events"]))
+
+    def _memo(self) -> dict[Any, Any]:
+        """What `of` and `end_t` computed from this `events` list (made again if the list is replaced)."""
+        memo = self.__dict__.get("_of")
+        if memo is None or memo[0] is not self.events:
+            memo = self.__dict__["_of"] = (self.events, {})
+        return memo[1]
+
+    def of(self, *kinds: str) -> list[Event]:
+        """The run's events of these kinds, in log order: a reproduction's figures read a few kinds of a log of
+        ~10^5-10^6 events, each several times, so each selection is made once and kept."""
+        memo = self._memo()
+        out = memo.get(kinds)
+        if out is None:
+            want = frozenset(kinds)
+            out = memo[kinds] = [e for e in self.events if e.kind in want]
+        return out
+
+    @property
+    def end_t(self) -> float:
+        """The latest event time of the log (kept, as `of`'s selections)."""
+        memo = self._memo()
+        if "end_t" not in memo:
+            memo["end_t"] = max(e.t for e in self.events)
+        return memo["end_t"]
 
     def write(self, out_dir: str | Path, timeline: bool = True) -> Path:
         """events.jsonl + summary.json (+ timeline.png) like a real run directory."""

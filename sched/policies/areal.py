@@ -138,17 +138,20 @@ class ArealDispatch(OneBatchAhead, Dispatch):
             if len(self.cursor) > len(v.finishes):
                 self.cursor = {rnd: k for rnd, k in self.cursor.items() if rnd in v.finishes}
         out = {}
+        live, counts = self.live, self.members
         for e in v.engines:
-            groups = self.live.get(e.engine, {})
-            if self.members[e.engine] != e.assigned:
+            groups = live.get(e.engine)
+            if counts[e.engine] != e.assigned:
+                if groups is None:
+                    groups = {}
                 for gid in list(groups):
                     members = groups[gid]
                     for rid in [rid for rid, r in members.items() if r.state not in ON_ENGINE or r.engine != e.engine]:
                         del members[rid]
                     if not members:
                         del groups[gid]
-                self.members[e.engine] = sum(len(m) for m in groups.values())
-            out[e.engine] = len(groups)
+                counts[e.engine] = sum(len(m) for m in groups.values())
+            out[e.engine] = len(groups) if groups else 0
         return out
 
     def state_dict(self) -> dict[str, Any]:

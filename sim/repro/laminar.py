@@ -9,8 +9,8 @@ from sched.metrics import engine_spans, kv_utilisation, trainer_spans
 from sim.cost import relay_broadcast_s
 from sim.profiles import BYTES_PER_PARAM, LAMINAR_CHUNK, LAMINAR_NIC_BW, LAMINAR_T_START, QWEN25_72B
 from sim.repro.core import ARITHMETIC, BOUND, SPEEDUP, Paper, Row, Runs, Setting, gather
-from sim.repro.figures import (after_warmup_throughput, generation_tps, length_bias, metric, reprefill_share,
-                                rollout_idle_ratio, round_figures)
+from sim.repro.figures import (after_warmup_throughput, end_t, generation_tps, length_bias, metric, of,
+                                reprefill_share, rollout_idle_ratio, round_figures)
 from sim.repro.placement import per_sample_balanced_split
 from sim.run import SimResult
 
@@ -131,7 +131,7 @@ def lm_system(name: str) -> Callable[[Runs], SimResult | None]:
 
 def _window(r: SimResult, warmup: int = LM_WARMUP) -> tuple[float, float]:
     """The after-warm-up window: the end of optimizer step `warmup` to the end of the last."""
-    steps = [e.t for e in r.events if e.kind == "train_step_done" and e.data.get("stepped", True)]
+    steps = [e.t for e in of(r, "train_step_done") if e.data.get("stepped", True)]
     if len(steps) <= warmup:
         raise RuntimeError(f"{r.preset}: only {len(steps)} optimizer steps")
     return steps[warmup - 1], steps[-1]
@@ -143,8 +143,9 @@ def gpu_idle_share(r: SimResult, gpus_per_engine: int, warmup: int = 1) -> float
     (a pipeline's first round has nothing to train) to the last step's end."""
     t0, t1 = _window(r, warmup)
     clip = lambda a, b: max(0.0, min(b, t1) - max(a, t0))   # noqa: E731
-    eng_busy = sum(clip(a, b) for spans in engine_spans(r.events, t1).values() for a, b in spans)
-    train_busy = sum(clip(a, b) for a, b, _ in trainer_spans(r.events))
+    eng_busy = sum(clip(a, b) for spans in engine_spans(of(r, "engine_busy", "engine_idle"), t1).values()
+                   for a, b in spans)
+    train_busy = sum(clip(a, b) for a, b, _ in trainer_spans(of(r, "train_started", "train_step_done")))
     gpus = r.num_engines * gpus_per_engine + r.train_gpus
     idle = (r.num_engines * (t1 - t0) - eng_busy) * gpus_per_engine + ((t1 - t0) - train_busy) * r.train_gpus
     return idle / (gpus * (t1 - t0))
@@ -153,7 +154,8 @@ def gpu_idle_share(r: SimResult, gpus_per_engine: int, warmup: int = 1) -> float
 def trainer_idle_share(r: SimResult) -> float:
     """Share of the after-warm-up window in which no train call runs."""
     t0, t1 = _window(r)
-    busy = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b, _ in trainer_spans(r.events))
+    calls = trainer_spans(of(r, "train_started", "train_step_done"))
+    busy = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b, _ in calls)
     return 1.0 - busy / (t1 - t0)
 
 
@@ -162,9 +164,10 @@ def generation_headroom(r: SimResult) -> float:
     per sample trained there, over the engines' busy share there, minus 1 (engines idle waiting for the trainer,
     or a growing backlog, are headroom; a pipeline's one round in flight is not, as a whole-run count would read)."""
     t0, t1 = _window(r)
-    finished = sum(1 for e in r.events if e.kind == "trajectory_finished" and t0 < e.t <= t1)
-    trained = sum(e.data.get("samples", 0) for e in r.events if e.kind == "train_step_done" and t0 < e.t <= t1)
-    busy = sum(max(0.0, min(b, t1) - max(a, t0)) for spans in engine_spans(r.events, t1).values() for a, b in spans)
+    finished = sum(1 for e in of(r, "trajectory_finished") if t0 < e.t <= t1)
+    trained = sum(e.data.get("samples", 0) for e in of(r, "train_step_done") if t0 < e.t <= t1)
+    spans = engine_spans(of(r, "engine_busy", "engine_idle"), t1)
+    busy = sum(max(0.0, min(b, t1) - max(a, t0)) for s in spans.values() for a, b in s)
     return finished / trained / max(1e-9, busy / (r.num_engines * (t1 - t0))) - 1.0
 
 
@@ -208,6 +211,11 @@ def lm_metric(get: Callable[[Runs], SimResult | None],
     return f
 
 
+def kv_row(r: SimResult) -> float:
+    """Table 1's average KV utilisation of a run (sched.metrics.kv_utilisation over its counters and idle events)."""
+    return kv_utilisation(of(r, "engine_idle", "tokens_decoded"), r.num_engines, end=end_t(r))
+
+
 def run_of(preset: str, s: Setting, overrides: tuple = ()) -> Callable[[Runs], SimResult | None]:
     return lambda runs: lm_get(runs, preset, s, overrides)
 
@@ -236,10 +244,10 @@ LAMINAR = [
         lambda runs: lm_ratio(runs, LAMINAR_RUN, ("laminar", LM_EVEN, NO_REPACK), generation_tps) - 1,
         setting="64 + 64 (§8.4's setting)"),
     Row("repack: average KV utilisation with repack (Table 1)", (0.822, 0.822), "82.2%",
-        lm_metric(run_of(*LAMINAR_RUN), lambda r: kv_utilisation(r.events, r.num_engines)),
+        lm_metric(run_of(*LAMINAR_RUN), kv_row),
         setting="64 + 64 (§8.4's setting)"),
     Row("repack: average KV utilisation without repack (Table 1)", (0.716, 0.716), "71.6%",
-        lm_metric(run_of("laminar", LM_EVEN, NO_REPACK), lambda r: kv_utilisation(r.events, r.num_engines)),
+        lm_metric(run_of("laminar", LM_EVEN, NO_REPACK), kv_row),
         setting="64 + 64 (§8.4's setting)"),
     Row("relay broadcast, 72B, master -> 127 relays (§4.2, Fig. 19)", (0.0, 1.6), "< 1.6 s",
         lambda runs: relay_broadcast_s(QWEN25_72B.params * BYTES_PER_PARAM, 127, LAMINAR_NIC_BW, LAMINAR_CHUNK,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sim.repro.core import Setting
+from sim.repro.figures import of
 from sim.run import SimResult
 
 
@@ -43,7 +44,7 @@ def per_sample_balanced_split(r: SimResult, s: Setting, total_gpus: int, node: i
     if node % gpus_per_engine:
         raise ValueError(f"a node of {node} GPUs does not hold whole engines of {gpus_per_engine}")
     m = r.metrics
-    generated = sum(1 for e in r.events if e.kind == "trajectory_finished")
+    generated = len(of(r, "trajectory_finished"))
     trained = m["samples_trained"]
     if not generated or not trained:
         raise RuntimeError(f"{r.preset}: nothing generated or trained, no split to balance")

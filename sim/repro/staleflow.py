@@ -9,7 +9,7 @@ from typing import Callable
 import sched
 from sim.profiles import get_profile
 from sim.repro.core import BOUND, SPEEDUP, Paper, Row, Runs, Setting, gather
-from sim.repro.figures import length_bias, throughput
+from sim.repro.figures import length_bias, of, throughput
 from sim.repro.placement import balanced_split
 from sim.run import SimResult
 
@@ -74,8 +74,8 @@ def router_error(r: SimResult, cost: dict[str, float]) -> float:
     e = get_profile(SF.cost)
     k1, k2, k3, k4 = (cost[k] for k in TABLE4)
     errs = []
-    for ev in r.events:
-        if ev.kind == "tokens_decoded" and ev.data.get("running", 0) > 0:
+    for ev in of(r, "tokens_decoded"):
+        if ev.data.get("running", 0) > 0:
             n, kv = ev.data["running"], ev.data["kv_used"] * e.block_size
             errs.append(abs(e.step_s(n, kv) / (k1 * kv + max(k2, k3 * n) + k4) - 1.0))
     return statistics.fmean(errs)

@@ -128,9 +128,7 @@ class Repack(Rebalance):
         if not self.due(v):
             return []
         self.last_check, self.last_version = v.now, v.trainer.version
-        running: dict[int, list[int]] = {}      # engine -> its running request ids (sorted once moved)
-        for r in v.requests.in_state(S.RUNNING):
-            running.setdefault(r.engine, []).append(r.req_id)
+        table = v.requests                      # its per-engine index: requests on each engine, by state
         busy = {r.engine for r in v.requests.in_state(S.INTERRUPTING) if r.engine >= 0}
         snaps: dict[int, list[EngineCheck]] = {}
         for e in v.engines:
@@ -139,15 +137,15 @@ class Repack(Rebalance):
             prev, self.kv_prev[e.engine] = self.kv_prev.get(e.engine, c), c
             if cap <= 0 or e.loading or e.failed or e.version < 0 or e.engine in busy or v.migrating_to(e.engine):
                 continue
-            n = len(running.get(e.engine, []))
+            n = table.count_on(e.engine, S.RUNNING)
             snaps.setdefault(e.version, []).append(EngineCheck(e.engine, e.version, c, prev, n, e.waiting))
         out: list[Migrate] = []
         for version in sorted(snaps):
             for src, dst in best_fit(snaps[version], self.p.c_max, self.p.batch, self.p.idle_rule, self.p.guard):
                 assert v.engines[src].version == v.engines[dst].version == version
-                ids = running.get(src, [])
+                ids = [r.req_id for r in table.on_engine(src) if r.state == S.RUNNING]   # in id order
                 if ids:
-                    out.append(Migrate(src, dst, sorted(ids)))
+                    out.append(Migrate(src, dst, ids))
                     self.moves += 1
         return out
 

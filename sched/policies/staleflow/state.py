@@ -43,7 +43,7 @@ from config import F
 from sched.policies.staleflow.aborts import StalenessAborts, spare
 from sched.policies.staleflow.buffers import StalenessBuffers
 from sched.policies.staleflow.cost import CostParams, InstanceSnap, ThroughputModel
-from sched.views import ON_ENGINE, Request, RequestState, Views
+from sched.views import Request, RequestState, Views
 
 if TYPE_CHECKING:
     from sched.base import Preset
@@ -73,6 +73,18 @@ class StaleFlowParams:
                                               "long (Fig. 8c: delayed trajectories); 0: never")
 
 
+@dataclass(slots=True)
+class _OnEngine:
+    """The requests StaleFlow routed to one engine that are still on it, as of the request table's `stamp`."""
+    stamp: int
+    table: Any             # the request table it was read from
+    reqs: list[Request]    # in id order
+    keys: tuple[int, ...]  # their ids
+    running: list[Request]  # the RUNNING ones, those waiting on a tool first
+    ids: tuple[int, ...]   # their ids, in that order
+    tools: int             # how many wait on a tool
+
+
 class StaleFlowState:
     def __init__(self, p: StaleFlowParams):
         self.p = p
@@ -88,6 +100,7 @@ class StaleFlowState:
         self.snaps_accepted = 0                  # engine reports Eq. 1 accepted in a snapshot
         self.snaps_estimated = 0                 # ... and those it replaced by P's estimate (they predated a command)
         self.snaps_empty_pull = 0                # empty instances mid-Pull: P is exact (nothing on it), no report read
+        self._engines: dict[int, _OnEngine] = {}   # engine -> what the snapshot last read of its requests
 
     def buffers(self, v: Views) -> StalenessBuffers:
         """The staleness buffers, made at their first use: `prompts_per_step` entries each, starting at the
@@ -129,41 +142,54 @@ class StaleFlowState:
                 self.aborts.occupied(sb, g, v)
         self.aborts.take_surplus(sb)
 
+    def _engine(self, v: Views, engine: int) -> _OnEngine:
+        """What the snapshot reads of one engine's requests, kept until the request table's stamp of the engine
+        moves (a request entered or left it, changed state or tool wait): a routed request joins an engine only by
+        its admission, and `routed` loses only requests on no engine, so nothing else changes it."""
+        table = v.requests
+        stamp = table.engine_stamp(engine)
+        c = self._engines.get(engine)
+        if c is not None and c.stamp == stamp and c.table is table:
+            return c
+        routed = self.routed
+        reqs = [r for r in table.on_engine(engine) if r.req_id in routed]
+        running = [r for r in reqs if r.state is RUNNING]
+        # a multi-turn request waiting on a tool (`on_tool`) is RUNNING but in neither the engine's batch nor its
+        # queue (its KV held: in kv_used); its id comes first in the snapshot's `requests` (migration moves what
+        # decodes or queues, not a call in flight)
+        on_tool = [r for r in running if r.tool_since >= 0]
+        if on_tool:
+            running = on_tool + [r for r in running if r.tool_since < 0]
+        c = self._engines[engine] = _OnEngine(stamp, table, reqs, tuple(map(_req_id, reqs)), running,
+                                              tuple(map(_req_id, running)), len(on_tool))
+        return c
+
     def on_engine(self, v: Views) -> dict[int, list[Request]]:
         """Per engine, the requests StaleFlow routed there that are still on it, in id order; `routed` is pruned to
-        them. Reads the controller's index of requests on engines: O(requests there), not O(every request ever
-        routed)."""
-        out: dict[int, list[Request]] = {e.engine: [] for e in v.engines}
-        routed = self.routed
-        keep = [r for r in v.requests.in_state(*ON_ENGINE) if r.engine >= 0 and r.req_id in routed]
-        if len(keep) != len(routed):
-            self.routed = {r.req_id for r in keep}
-        keep.sort(key=_req_id)
-        for r in keep:
-            out[r.engine].append(r)
+        them. Reads the controller's per-engine index of requests, each engine's list kept until its stamp moves."""
+        out: dict[int, list[Request]] = {}
+        n = 0
+        for e in v.engines:
+            reqs = out[e.engine] = self._engine(v, e.engine).reqs
+            n += len(reqs)
+        if n != len(self.routed):
+            self.routed = set().union(*(self._engines[e].keys for e in out))
         return out
 
     def snapshots(self, v: Views, budget: float) -> dict[int, InstanceSnap]:
         """The coordinator's snapshot of every instance, each engine's reported counters validated by Eq. 1."""
-        on = self.on_engine(v)
+        self.on_engine(v)
         bs = self.p.block_size
         out = {}
         for e in v.engines:
-            reqs = on[e.engine]
-            running = [r for r in reqs if r.state is RUNNING]
-            # a multi-turn request waiting on a tool is RUNNING but in neither the engine's batch nor its queue
-            # (its KV held: in kv_used); the snapshot's running and waiting are the engine's, Eq. 1 checks the rest;
-            # its id comes first in `requests` (migration moves what decodes or queues, not a call in flight)
-            on_tool = [r for r in running if r.on_tool]
-            tools = len(on_tool)
-            if tools:
-                running = on_tool + [r for r in running if not r.on_tool]
-            ids = tuple(map(_req_id, running))
+            c = self._engines[e.engine]
+            reqs, running, tools = c.reqs, c.running, c.tools
+            # the snapshot's running and waiting are the engine's (a tool waiter is in neither), Eq. 1 checks the rest
             reported = e.running + e.waiting
             M = (e.kv_used + e.kv_free) * bs if e.kv_used + e.kv_free > 0 else budget
             if reported + tools == len(running) == e.assigned and not e.loading and (e.kv_used or not reqs):
                 snap = InstanceSnap(e.engine, e.version, e.running, e.waiting, float(e.kv_used * bs), M, e.loading,
-                                    ids, tools)
+                                    c.ids, tools)
                 self.snaps_accepted += 1
             else:
                 if e.loading and not reqs and e.assigned == 0:
@@ -171,7 +197,7 @@ class StaleFlowState:
                 else:
                     self.snaps_estimated += 1
                 kv = sum(r.prompt_len + r.tokens for r in running)     # tool waiters' KV included
-                snap = InstanceSnap(e.engine, e.version, len(running) - tools, 0, float(kv), M, e.loading, ids,
+                snap = InstanceSnap(e.engine, e.version, len(running) - tools, 0, float(kv), M, e.loading, c.ids,
                                     tools)
             out[e.engine] = snap
         return out
