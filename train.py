@@ -25,6 +25,7 @@ in hf/ with the run's tokenizer.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import gc
 import json
@@ -380,5 +381,16 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
     return lambda: finish_run(run_dir, log, parts, cfg.log.plots)
 
 
+def leave(code: int) -> None:
+    """End a rank's process with `code` once `main` has returned (every file of the run written and closed): the
+    atexit handlers run and stdout and stderr are flushed, as at a normal exit, but the interpreter's teardown,
+    which frees every object of torch, the model and (train ranks) the compiler one by one, is skipped: ~0.5 s of
+    CPU a rank at the end of every launch."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))
