@@ -279,12 +279,16 @@ def test_colocated_world_of_one(tmp_path):
               "print('inductor', sorted(m for m in sys.modules if m.startswith('torch._inductor')))\n"
               f"rc = train.main(['--config', 'configs/tiny.toml', '--log.progress=false', '--log.dir={tmp_path}', "
               "'--cluster.colocate=true', '--train.steps=3', '--rollout.prompts_per_step=4'])\n"
-              "sys.exit(rc)\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+              "import atexit; atexit.register(print, 'atexit handlers ran')\n"
+              "train.leave(rc)\n")   # as `python train.py` ends: os._exit, after the atexit handlers and a flush
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},   # stdout buffered, as in a job
+           "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.splitlines()[-2].startswith("run directory: ")   # buffered (a pipe), flushed before leaving
+    assert proc.stdout.splitlines()[-1] == "atexit handlers ran"
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
     assert (tmp_path / "hf" / "config.json").is_file()
     from model.tokenizer import load_tokenizer   # the colocated export carries the tokenizer too
