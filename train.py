@@ -25,7 +25,6 @@ in hf/ with the run's tokenizer.
 """
 from __future__ import annotations
 
-import atexit
 import copy
 import gc
 import json
@@ -57,6 +56,7 @@ from runtime.channel import Channel
 from runtime.logger import MetricsLogger
 from runtime.messages import ExportHF, Publish, SaveCheckpoint
 from runtime.preempt import Preempted, Preemption
+from runtime.process_exit import leave
 from runtime.progress import phase
 from runtime.rollout_worker import RolloutWorker
 from runtime.rundir import (checkpoint_dir, finish_run, leader_state, periodic_checkpoints, prepare_run_dir,
@@ -381,16 +381,5 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
     return lambda: finish_run(run_dir, log, parts, cfg.log.plots)
 
 
-def leave(code: int) -> None:
-    """End a rank's process with `code` once `main` has returned (every file of the run written and closed): the
-    atexit handlers run and stdout and stderr are flushed, as at a normal exit, but the interpreter's teardown,
-    which frees every object of torch, the model and (train ranks) the compiler one by one, is skipped: ~0.5 s of
-    CPU a rank at the end of every launch."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    leave(main(sys.argv[1:]))
+if __name__ == "__main__":   # main has returned: the run's files are closed; no interpreter teardown
+    leave(main(sys.argv[1:]))   # (runtime/process_exit.py: ~0.5 s of CPU a rank at the end of every launch)
