@@ -56,6 +56,7 @@ from runtime.channel import Channel
 from runtime.logger import MetricsLogger
 from runtime.messages import ExportHF, Publish, SaveCheckpoint
 from runtime.preempt import Preempted, Preemption
+from runtime.process_exit import leave
 from runtime.progress import phase
 from runtime.rollout_worker import RolloutWorker
 from runtime.rundir import (checkpoint_dir, finish_run, leader_state, periodic_checkpoints, prepare_run_dir,
@@ -380,5 +381,5 @@ def run_colocated(cfg: Config, preset: Preset, parts: RunParts, model: torch.nn.
     return lambda: finish_run(run_dir, log, parts, cfg.log.plots)
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":   # main has returned: the run's files are closed; no interpreter teardown
+    leave(main(sys.argv[1:]))   # (runtime/process_exit.py: ~0.5 s of CPU a rank at the end of every launch)

@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         import cpu
         cpu.enable()   # the C backend for the dry run's CPU engines and trainers (cpu/)
         run_child(a.section, a.dry_run, a.json)
-        return 0
+        from runtime.process_exit import leave
+        leave(0)   # its results written: no interpreter teardown (~0.5 s of CPU a section)
     if a.report:
         merged = merge(a.report)
         if a.save:

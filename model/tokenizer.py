@@ -2,7 +2,8 @@
 a tiny character-level tokenizer for the offline synthetic task.
 
 Nothing here touches the network: every load is `local_files_only`, and the character tokenizer is built in memory
-with the `tokenizers` library and saved in the ordinary HF layout so it reloads through `load_tokenizer`.
+with the `tokenizers` library (model/char_tokenizer.py: no transformers import) and saved in the ordinary HF layout
+so it reloads through `load_tokenizer`.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tokenizers import Tokenizer, decoders, models, processors
+
+from model.char_tokenizer import CharTokenizer
 
 if TYPE_CHECKING:   # imported where a tokenizer is made: transformers is ~0.5 s of a rank's start-up
     from transformers import PreTrainedTokenizerFast
@@ -65,7 +68,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return tok
 
 
-def export_tokenizer(tok: PreTrainedTokenizerFast, path: str | Path, sources: Sequence[str | Path] = ()) -> None:
+def export_tokenizer(tok: PreTrainedTokenizerFast | CharTokenizer, path: str | Path,
+                     sources: Sequence[str | Path] = ()) -> None:
     """Save a run's tokenizer beside its exported weights, so the directory is complete for transformers, vLLM and
     rollout.py: tokenizer.json, tokenizer_config.json, the chat template and special tokens (`save_pretrained`), and
     generation_config.json: the first of `sources` that has one (the Hugging Face directory the run started from),
@@ -81,7 +85,7 @@ def export_tokenizer(tok: PreTrainedTokenizerFast, path: str | Path, sources: Se
     (path / GENERATION_CONFIG).write_text(json.dumps(ids, indent=2) + "\n")
 
 
-def encode_prompt(tok: PreTrainedTokenizerFast, prompt: Prompt, chat_template: bool,
+def encode_prompt(tok: PreTrainedTokenizerFast | CharTokenizer, prompt: Prompt, chat_template: bool,
                   tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Prompt token ids. With `chat_template`, a string becomes one user message, the template is rendered with
     add_generation_prompt=True (and `tools`, function specs the template lists, when given) and tokenized without
@@ -102,15 +106,14 @@ def encode_prompt(tok: PreTrainedTokenizerFast, prompt: Prompt, chat_template: b
 
 
 def build_char_tokenizer(chars: str, path: str | Path | None = None,
-                         chat_template: bool = False) -> PreTrainedTokenizerFast:
+                         chat_template: bool = False) -> CharTokenizer:
     """A character-level tokenizer: <pad>=0, <bos>=1, <eos>=2, <unk>=3, then one id per character of `chars` in
     order (then the role tokens when `chat_template`). Encoding prepends <bos>; decoding concatenates characters.
-    Saved with `save_pretrained` to `path` when given."""
+    Saved with `save_pretrained` to `path` when given (which imports transformers; building does not)."""
     if not chars:
         raise ValueError("build_char_tokenizer needs at least one character")
     if len(set(chars)) != len(chars):
         raise ValueError(f"duplicate characters in {chars!r}")
-    from transformers import PreTrainedTokenizerFast
     specials = list(CHAR_SPECIALS)
     vocab = {t: i for i, t in enumerate(specials)}
     for c in chars:
@@ -123,10 +126,8 @@ def build_char_tokenizer(chars: str, path: str | Path | None = None,
     core.add_special_tokens(specials)
     if chat_template:
         core.add_special_tokens(list(ROLE_TOKENS))
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
-                                  unk_token=UNK)
-    if chat_template:
-        tok.chat_template = CHAR_CHAT_TEMPLATE
+    tok = CharTokenizer(core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+                        chat_template=CHAR_CHAT_TEMPLATE if chat_template else None)
     if path is not None:
         Path(path).mkdir(parents=True, exist_ok=True)
         tok.save_pretrained(str(path))

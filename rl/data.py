@@ -21,6 +21,8 @@ from rl.jsonl import iter_jsonl
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
+    from model.char_tokenizer import CharTokenizer
+
 PromptContent = str | list[dict[str, str]]
 
 
@@ -130,7 +132,7 @@ class PromptDataset:
         return iter(self.prompts)
 
     @classmethod
-    def from_records(cls, records: Iterable[tuple[int, Any]], tokenizer: PreTrainedTokenizerFast,
+    def from_records(cls, records: Iterable[tuple[int, Any]], tokenizer: PreTrainedTokenizerFast | CharTokenizer,
                      max_prompt_tokens: int, prompt_field: str = "prompt", answer_field: str | None = "answer",
                      chat_template: bool = False, source: str = "<memory>",
                      system_prompt: str = "", tools: list[dict[str, Any]] | None = None) -> "PromptDataset":
@@ -171,7 +173,7 @@ class PromptDataset:
         return cls(prompts, skipped, source, rejected)
 
     @classmethod
-    def from_file(cls, path: str | Path, tokenizer: PreTrainedTokenizerFast, max_prompt_tokens: int,
+    def from_file(cls, path: str | Path, tokenizer: PreTrainedTokenizerFast | CharTokenizer, max_prompt_tokens: int,
                   prompt_field: str = "prompt", answer_field: str | None = "answer",
                   chat_template: bool = False, system_prompt: str = "",
                   tools: list[dict[str, Any]] | None = None) -> "PromptDataset":
@@ -179,7 +181,7 @@ class PromptDataset:
                                 chat_template, source=str(path), system_prompt=system_prompt, tools=tools)
 
     @classmethod
-    def from_synthetic(cls, task: Any, tokenizer: PreTrainedTokenizerFast | None = None,
+    def from_synthetic(cls, task: Any, tokenizer: CharTokenizer | None = None,
                        max_prompt_tokens: int = 64, chat_template: bool = False,
                        cap_at_answer: bool = False) -> "PromptDataset":
         """Prompts of an `rl.tasks.SyntheticTask` (tokenized with its own character tokenizer by default). With

@@ -43,14 +43,11 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from model.char_tokenizer import CharTokenizer
 from model.tokenizer import CHAR_SPECIALS, EOS, build_char_tokenizer, char_vocab_size
 from rl.tools import PLAIN_CALL_END, PLAIN_FAILED, PLAIN_OBS_END
 from rl.types import RewardResult
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
 
 RULES: dict[str, Callable[[str], str]] = {
     "first": lambda s: s[0],
@@ -158,7 +155,7 @@ class SyntheticTask:
             return CALC_CHARS
         return self.alphabet + (DIGITS if self.name == "repeat" else "") + self.sep
 
-    def tokenizer(self, path: str | Path | None = None) -> PreTrainedTokenizerFast:
+    def tokenizer(self, path: str | Path | None = None) -> CharTokenizer:
         """The character tokenizer over `chars` (saved to `path` when given)."""
         return build_char_tokenizer(self.chars, path)
 

@@ -11,6 +11,12 @@ import cpu
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 cpu.enable()   # the C backend for CPU runs, as the entry points enable it (train.py, rollout.py)
+# Under pytest-xdist the workers share the machine's cores, as a job's ranks do: each takes its share of them for
+# torch's intra-op threads (the runtime's rule, cpu/process.py). With more threads than cores, tiny ops' threads
+# only spin and fight: `-n 2` on 2 cores spent 2-3x the CPU seconds of one thread a worker on the engine's tests.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
 @pytest.fixture(scope="module")

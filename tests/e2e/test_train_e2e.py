@@ -240,6 +240,37 @@ def test_train_py_imports_no_train_side_or_compiler_module_before_a_role_needs_i
     assert proc.stdout.splitlines() == ["[]", "Trainer True"], proc.stdout
 
 
+def test_a_synthetic_task_runs_leader_and_rollout_rank_never_import_transformers():
+    """The synthetic tasks' character tokenizer is built on `tokenizers` alone (model/char_tokenizer.py): what the
+    leader and a rollout rank do with it for configs/tiny.toml and configs/tiny-tools.toml (the prompts through
+    the tokenizer, the reward's decode, the observations' encode, the turn stops, the engine's EOS) imports no
+    transformers (~0.4 s of CPU a rank at start-up)."""
+    script = ("import json, sys, train\n"
+              "from config import load_config\n"
+              "from engine.engine import eos_ids\n"
+              "from rl.episode import stop_token_ids\n"
+              "from runtime.build import build_run, environment\n"
+              "from runtime.samples import observation_encoder, response_decoder\n"
+              "for config in ('configs/tiny.toml', 'configs/tiny-tools.toml'):\n"
+              "    cfg = load_config(config)\n"
+              "    parts = build_run(cfg, with_data=True)\n"
+              "    tok, env = parts.tokenizer, environment(cfg)\n"
+              "    item = parts.source(1)[0]\n"
+              "    decode = response_decoder(tok, eos_ids(parts.model_cfg.eos_token_id, tok))\n"
+              "    print(json.dumps({'tokenizer': type(tok).__name__, 'prompt': decode(item.prompt_ids[1:] + [2]),\n"
+              "                      'observation': observation_encoder(tok)('376|'),\n"
+              "                      'stops': list(stop_token_ids(env, tok)) if env is not None else [],\n"
+              "                      'transformers': 'transformers' in sys.modules}))\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain, tools = (json.loads(line) for line in proc.stdout.splitlines())
+    assert plain["tokenizer"] == tools["tokenizer"] == "CharTokenizer"
+    assert not plain["transformers"] and not tools["transformers"], proc.stdout   # never imported
+    assert plain["prompt"].endswith("=") and tools["prompt"].startswith("(")   # "cafd=", "(47*8)": decoded whole
+    # calc's characters after the 4 special ids: the digits, then "*()=|?": "376|" and the turn stop "="
+    assert tools["observation"] == [4 + 3, 4 + 7, 4 + 6, 4 + 14] and tools["stops"] == [4 + 13], tools
+
+
 def test_colocated_world_of_one(tmp_path):
     """A world of one, started the way torchrun starts each rank (its environment, no launcher). Its switch to
     deterministic algorithms imports no compiler: `torch.use_deterministic_algorithms` imports torch._inductor, 2.2 s
@@ -253,12 +284,16 @@ def test_colocated_world_of_one(tmp_path):
               "print('inductor', sorted(m for m in sys.modules if m.startswith('torch._inductor')))\n"
               f"rc = train.main(['--config', 'configs/tiny.toml', '--log.progress=false', '--log.dir={tmp_path}', "
               "'--cluster.colocate=true', '--train.steps=3', '--rollout.prompts_per_step=4'])\n"
-              "sys.exit(rc)\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+              "import atexit; atexit.register(print, 'atexit handlers ran')\n"
+              "train.leave(rc)\n")   # as `python train.py` ends: os._exit, after the atexit handlers and a flush
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},   # stdout buffered, as in a job
+           "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.splitlines()[-2].startswith("run directory: ")   # buffered (a pipe), flushed before leaving
+    assert proc.stdout.splitlines()[-1] == "atexit handlers ran"
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
     assert (tmp_path / "hf" / "config.json").is_file()
     from model.tokenizer import load_tokenizer   # the colocated export carries the tokenizer too

@@ -123,3 +123,41 @@ def test_export_tokenizer_keeps_the_real_qwen3_tokenizer(tmp_path, no_network):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
     assert len(back) == len(tok) == 151_669 and back.eos_token == tok.eos_token
     assert encode_prompt(back, msgs, True) == encode_prompt(tok, msgs, True)
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_the_char_tokenizer_is_its_transformers_form_on_every_task(chat_template):
+    """The character tokenizer is built on the `tokenizers` library alone (a synthetic-task rank never imports
+    transformers); `to_hf()` is the PreTrainedTokenizerFast the run used before, made from the same core. Both give the
+    same ids for every task's prompts and answers, special tokens and unknown characters included, and the same text
+    for any ids."""
+    import random
+
+    from transformers import PreTrainedTokenizerFast
+
+    from model.char_tokenizer import CharTokenizer
+    from rl.tasks import TASK_NAMES, SyntheticTask
+    rng = random.Random(0)
+    for name in TASK_NAMES:
+        task = SyntheticTask(name, 32, 0, tools=name == "calc")
+        tok = build_char_tokenizer(task.chars + " .,'", chat_template=chat_template)
+        hf = tok.to_hf()
+        assert isinstance(hf, PreTrainedTokenizerFast) and isinstance(tok, CharTokenizer)
+        assert len(tok) == len(hf) and tok.get_vocab() == hf.get_vocab() and tok.chat_template == hf.chat_template
+        assert [tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.eos_token] == \
+            [hf.pad_token_id, hf.bos_token_id, hf.eos_token_id, hf.unk_token_id, hf.eos_token]
+        texts = [t for p, a in task.prompts() for t in (p, a, p + a + "<eos>")] + ["a , b . n't", "Z<bos>?<|user|>", ""]
+        for text in texts:
+            for special in (True, False):
+                ids = tok(text, add_special_tokens=special)["input_ids"]
+                assert ids == hf(text, add_special_tokens=special)["input_ids"] == \
+                    tok.encode(text, add_special_tokens=special), (name, text)
+                for skip in (True, False):
+                    assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+            ids = [rng.randrange(len(tok)) for _ in range(12)]
+            assert tok.decode(ids) == hf.decode(ids) and tok.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
+            assert tok.convert_tokens_to_ids(list(text)) == hf.convert_tokens_to_ids(list(text))
+        assert tok(texts[:3])["input_ids"] == hf(texts[:3])["input_ids"]
+        if chat_template:
+            msgs = [{"role": "system", "content": "x"}, {"role": "user", "content": texts[0]}]
+            assert encode_prompt(tok, msgs, True) == encode_prompt(hf, msgs, True)
