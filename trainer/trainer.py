@@ -31,7 +31,8 @@ ratio's mean and max, the fraction the correction clipped or masked, and the KL 
 device with the other loss statistics (one host read per minibatch).
 
 Timing in a call's metrics (host seconds; on CPU the compute itself): step_time_s the whole call, forward_s its
-forward passes with grad, passes_s its minibatch passes whole (forward, loss, backward, the statistics' reduction),
+forward passes with grad, passes_s its minibatch passes whole (forward, loss, backward, the statistics' reduction;
+first_pass_s the first of them),
 optimizer_s its optimizer steps, proximal_s decoupled PPO's no-grad pass when it runs; the rest of step_time_s is the
 call's own fixed work (advantages, samples, metrics). sim.calibrate reads them to charge the simulated trainer.
 
@@ -176,6 +177,8 @@ class Trainer:
                     t_pass = time.perf_counter()
                     passes.append(self._backward(chunk, i, ref_cache, prox_cache))
                     passes_s += time.perf_counter() - t_pass
+                    if len(passes) == 1:
+                        metrics["first_pass_s"] = passes_s
                     if step:
                         t_opt = time.perf_counter()
                         passes[-1].update(self._apply())

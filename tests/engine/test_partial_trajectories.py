@@ -206,6 +206,7 @@ def test_a_call_reports_its_forward_and_optimizer_seconds_and_the_proximal_pass_
     groups = groups_from(start, 0, lambda g, j, n: [0] * n)
     m = Trainer(copy.deepcopy(start), train_cfg(off_policy=mode, minibatches=minibatches)).train_step(groups)
     assert 0 < m["forward_s"] < m["passes_s"] < m["step_time_s"] - m["optimizer_s"] - m.get("proximal_s", 0.0)
+    assert 0 < m["first_pass_s"] <= m["passes_s"] and (m["first_pass_s"] < m["passes_s"]) == (minibatches > 1)
     assert 0 < m["optimizer_s"] < m["step_time_s"] - m["forward_s"]
     assert ("proximal_s" in m) == proximal
     if proximal:

@@ -13,6 +13,7 @@ from sim.calibrate import call_split, measure
 from sim.profiles import PROFILES, get_profile
 
 CALL, PASS, TOK, OPT = 0.009, 0.037, 1e-5, 0.008   # s per call, per minibatch pass, per token, per optimizer step
+FIRST = 0.006                                       # s more for a call's first pass than for its others
 RATE, PER_TRAJ = 0.1, 2e-4                          # controller CPU: s/s background, s per trajectory handled
 
 
@@ -29,7 +30,8 @@ def _sync_like_run(path, rounds: int = 6, traj: int = 64, passes: int = 8):
         t += gen
         cpu += RATE * gen + PER_TRAJ * traj
         tokens = 300.0 + 100 * i
-        passes_s = PASS * passes + TOK * tokens
+        passes_s = PASS * passes + TOK * tokens + FIRST
+        first_pass_s = PASS + TOK * tokens / passes + FIRST
         span = CALL + passes_s + OPT * passes
         log.write(Event("train_started", t, rank=0, version=i))
         start_cpu = cpu
@@ -37,7 +39,8 @@ def _sync_like_run(path, rounds: int = 6, traj: int = 64, passes: int = 8):
         cpu += RATE * span
         log.write(Event("train_step_done", t, rank=0, version=i + 1,
                         data={"tokens": tokens, "samples": 16.0, "optimizer_steps": float(passes),
-                              "step_time_s": span - 0.002, "passes_s": passes_s, "optimizer_s": OPT * passes,
+                              "step_time_s": span - 0.002, "passes_s": passes_s, "first_pass_s": first_pass_s,
+                              "optimizer_s": OPT * passes,
                               "other_cpu_start_s": start_cpu, "other_cpu_s": cpu}))
     log.close()
     (path / "metrics.jsonl").write_text("".join(json.dumps({"tokens": 1, "step_time_s": 0.1}) + "\n"
@@ -48,7 +51,8 @@ def test_the_split_recovers_the_calls_own_costs_and_the_controllers_cpu_per_traj
     _sync_like_run(tmp_path / "run")
     m = measure(tmp_path / "run", train_ranks=2)
     assert m["split_calls"] == 6
-    assert m["split_call_s"] == pytest.approx(CALL, rel=1e-9)
+    assert m["split_first_pass_extra_s"] == pytest.approx(FIRST, rel=1e-9)
+    assert m["split_call_s"] == pytest.approx(CALL + FIRST, rel=1e-9)   # the first pass's extra is the call's
     assert m["split_pass_s"] == pytest.approx(PASS, rel=1e-9)
     assert m["split_s_per_token"] == pytest.approx(TOK, rel=1e-9)
     assert m["split_s_per_token_one_rank"] == pytest.approx(2 * TOK, rel=1e-9)
