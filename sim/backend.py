@@ -473,6 +473,8 @@ class SimBackend:
         dur = self.cost.train_s(tokens, gpus, steps)
         if self.proximal_pass:
             dur += self.cost.proximal_s(tokens, gpus, steps)
+        if self.cost.train_cold_s and now > self.trainer_free and not self.train_runs:   # the trainer idled
+            dur += self.cost.train_cold_s
         self.lent_gpu_s += dur * lent_gpus
         done = start + dur
         if call.step:

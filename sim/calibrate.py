@@ -31,8 +31,9 @@ What it measures (and how the cpu_tiny profile in sim/profiles.py was filled in)
     split    (`call_split`, runs whose train_step_done carry passes_s) each call's time taken apart rather than
              fitted: its own fixed time per call `split_call_s`, the mean of (train_started -> train_step_done) less
              its minibatch passes, optimizer steps and proximal pass (the hand-off to the train ranks, advantages,
-             metrics), plus its first pass's extra time over its others (`split_first_pass_extra_s`, train_step_done's
-             first_pass_s: cold after the gap since the last call); the rest of the passes fitted as  passes_s = a * tokens + b * passes  (`split_s_per_token`,
+             metrics); its first pass's extra time over its others (`split_first_pass_extra_s`, train_step_done's
+             first_pass_s: cold after the trainer idled, as every sync call comes after its round's generation);
+             the rest of the passes fitted as  passes_s = a * tokens + b * passes  (`split_s_per_token`,
              `split_pass_s`: one pass per minibatch, whatever the call's optimizer steps; when every call makes the
              same number of passes b is their fixed time over that number); and `controller_s_per_trajectory`: the
              train leader's CPU outside its trainer thread (train_step_done's other_cpu_start_s / other_cpu_s: the
@@ -201,8 +202,8 @@ def call_split(events: list[Event], prompt_tokens: float = 0.0) -> dict[str, Any
         return {}
     fixed = [e.t - t0 - e.data["passes_s"] - e.data.get("optimizer_s", 0.0) - e.data.get("proximal_s", 0.0)
              for t0, e in calls]
-    # a call's first pass takes longer than its others (the trainer's state and caches cold after the gap since the
-    # last call): that extra is the call's, measured where a call makes several passes
+    # a call's first pass takes longer than its others when the trainer idled before it (caches cold after the
+    # gap: a sync call always comes after its round's generation), measured where a call makes several passes
     extra = [e.data["first_pass_s"] - (e.data["passes_s"] - e.data["first_pass_s"]) / (e.data["optimizer_steps"] - 1)
              for _, e in calls if "first_pass_s" in e.data and e.data.get("optimizer_steps", 0) > 1]
     first = max(0.0, statistics.fmean(extra)) if extra else 0.0
@@ -210,7 +211,7 @@ def call_split(events: list[Event], prompt_tokens: float = 0.0) -> dict[str, Any
                max(1.0, e.data.get("optimizer_steps", 1.0)), e.data["passes_s"] - first) for _, e in calls]
     fit = train_fit(passes)
     out: dict[str, Any] = {"split_calls": len(calls), "split_first_pass_extra_s": first,
-                           "split_call_s": max(0.0, statistics.fmean(fixed)) + first,
+                           "split_call_s": max(0.0, statistics.fmean(fixed)),
                            "split_s_per_token": fit["train_fit_s_per_token"],
                            "split_pass_s": fit["train_step_s"] + fit["train_call_s"] / statistics.fmean(
                                p for _, p, _ in passes)}

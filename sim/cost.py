@@ -104,6 +104,8 @@ class CostModel:
     proximal_share: float = 0.0     # decoupled PPO's no-grad proximal pass (one forward of every minibatch before
     #                                 a call's first step, trainer/trainer.py), as a share of the call's train_s
     #                                 (0: not charged)
+    train_cold_s: float = 0.0       # more for a train call that starts after the trainer idled (its first pass
+    #                                 cold: the CPU's caches taken by other work meanwhile; 0: nothing)
     controller_s_per_trajectory: float = 0.0  # the train leader's controller CPU per trajectory it handles (its
     #                                 finish, reward, hand-off): where the controller shares the leader's CPU with
     #                                 train rank 0 (our CPU runs), each one finishing during a call extends the call
@@ -113,7 +115,7 @@ class CostModel:
     def __post_init__(self) -> None:
         for k in ("k1", "k2", "k3", "k4", "prefill_s_per_token", "train_s_per_token", "publish_s", "load_s",
                   "train_overhead_s", "train_step_s", "kv_move_s_per_token", "proximal_share",
-                  "train_accumulate_s", "controller_s_per_trajectory"):
+                  "train_accumulate_s", "controller_s_per_trajectory", "train_cold_s"):
             if getattr(self, k) < 0:
                 raise ValueError(f"cost profile {self.name!r}: {k} must be >= 0, got {getattr(self, k)}")
         if self.k2 + self.k4 <= 0:

@@ -14,6 +14,7 @@ from sim.profiles import PROFILES, get_profile
 
 CALL, PASS, TOK, OPT = 0.009, 0.037, 1e-5, 0.008   # s per call, per minibatch pass, per token, per optimizer step
 FIRST = 0.006                                       # s more for a call's first pass than for its others
+#                                                     (every call here comes after the trainer idled)
 RATE, PER_TRAJ = 0.1, 2e-4                          # controller CPU: s/s background, s per trajectory handled
 
 
@@ -52,7 +53,7 @@ def test_the_split_recovers_the_calls_own_costs_and_the_controllers_cpu_per_traj
     m = measure(tmp_path / "run", train_ranks=2)
     assert m["split_calls"] == 6
     assert m["split_first_pass_extra_s"] == pytest.approx(FIRST, rel=1e-9)
-    assert m["split_call_s"] == pytest.approx(CALL + FIRST, rel=1e-9)   # the first pass's extra is the call's
+    assert m["split_call_s"] == pytest.approx(CALL, rel=1e-9)
     assert m["split_pass_s"] == pytest.approx(PASS, rel=1e-9)
     assert m["split_s_per_token"] == pytest.approx(TOK, rel=1e-9)
     assert m["split_s_per_token_one_rank"] == pytest.approx(2 * TOK, rel=1e-9)
@@ -108,3 +109,22 @@ def test_colocated_mode_charges_no_controller_cpu():
     a = simulate("sync", "cpu_tiny", cost, 2, 2, **kw)
     b = simulate("sync", "cpu_tiny", get_profile("cpu_tiny"), 2, 2, **kw)
     assert [(e.kind, e.t) for e in a.events] == [(e.kind, e.t) for e in b.events]
+
+
+def test_a_call_after_the_trainer_idled_pays_the_cold_start_and_one_right_behind_another_does_not():
+    """slime's schedule: a round's calls issued back to back after the barrier; only the first finds the trainer
+    idle. Each call's time against the same run without the term: +train_cold_s exactly for the round's first."""
+    kw = dict(steps=6, group_size=4, prompts_per_step=8, seed=0)
+    base = get_profile("cpu_tiny")
+    plain = simulate("slime", "cpu_tiny", base, 1, 2, **kw)
+    cold = simulate("slime", "cpu_tiny", replace(base, train_cold_s=0.05), 1, 2, **kw)
+    a = [e.data["step_time_s"] for e in plain.events if e.kind == "train_step_done"]
+    b = [e.data["step_time_s"] for e in cold.events if e.kind == "train_step_done"]
+    extra = [round((y - x) / 0.05, 9) for x, y in zip(a, b)]
+    assert len(a) == len(b) > 2 and set(extra) == {0.0, 1.0}
+    starts = [e.t - e.data["step_time_s"] for e in cold.events if e.kind == "train_step_done"]
+    ends = [e.t for e in cold.events if e.kind == "train_step_done"]
+    pubs = sorted(e.t for e in cold.events if e.kind == "version_published")
+    for i, x in enumerate(extra):   # cold exactly when the trainer was free (its last call and publication done)
+        free = max([t for t in ends[:i]] + [t for t in pubs if i and t <= starts[i] + 1e-12], default=0.0)
+        assert (x == 1.0) == (i == 0 or starts[i] > free + 1e-9), (i, x, starts[i], free)
