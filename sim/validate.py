@@ -13,19 +13,21 @@ so that on a shared machine both see about the same load, and its measured speed
 training-loop wall times (first round start to last event). It writes sim/validation/<preset>.json: the loop times,
 samples trained, the trainer waiting ratio, the 1-minute load average before and after each run, the machine, the date
 and the command. sync.json is the pairs' sync run recorded at the lowest load and also holds what the simulator is
-calibrated from: `sim.calibrate.measure` on that run (decode step fit, the train calls' fit of seconds per token, per
-optimizer step and per call, publication, load, reward latency), the engine's configuration, and its response lengths
-per prompt (the workload, replayed as a trace). sync's calls all take train.minibatches steps, so the fit cannot tell
-a cost per call from one per step: it charges their fixed time per step (`train_fit_assumed`).
+calibrated from: `sim.calibrate.measure` on that run (decode step fit, its train calls taken apart into a cost per
+call, per minibatch pass, per token and per optimizer step (`call_split`), the controller's CPU per trajectory it
+handles, publication, load, reward latency), the engine's configuration, and its response lengths per prompt (the
+workload, replayed as a trace).
 
 The simulation: every preset on that one profile and trace (nothing from the other presets' runs), 2 engines + 2
 train GPUs, the same optimizer steps and overrides as bench/policies.py gives it (`batch_overrides`, its
 train.minibatches the optimizer steps of each stepping call); its speedup is
 sync's simulated loop time over the preset's. What the profile takes from the sync run (`profile_from`): the decode
-step from its busy spans whole (`span_fit`), the trainer's cost per token and per optimizer step (`train_fit`),
-decoupled PPO's proximal pass at the share of its train calls spent in forward passes (charged to the presets with a
-staleness bound >= 1, which train.py runs with decoupled PPO), a call that only accumulates gradients at a step's
-fixed time less the optimizer step's own, publication, load and reward latency. A preset is within the tolerance
+step from its busy spans whole (`span_fit`), the trainer's cost per call, per minibatch pass, per token and per
+optimizer step (`call_split`: a call that only accumulates gradients pays its one pass without the step), decoupled
+PPO's proximal pass at the share of its train calls spent in forward passes (charged to the presets with a staleness
+bound >= 1, which train.py runs with decoupled PPO), the train leader's controller CPU per trajectory (the controller
+runs in rank 0's process: each trajectory finishing while a call runs stretches the call by it), publication, load
+and reward latency. A preset is within the tolerance
 when |simulated / measured - 1| <= 15%. Deterministic; the simulation part takes seconds.
 """
 from __future__ import annotations
@@ -334,6 +336,7 @@ def profile_from(sync: dict[str, Any]) -> CostModel:
     return replace(base, name="cpu_tiny@validation", k2=k2, k3=k3, k4=k4, prefill_s_per_token=k3, **train,
                    proximal_share=prox, train_accumulate_s=accumulate,
                    controller_s_per_trajectory=cal.get("controller_s_per_trajectory", 0.0),
+                   train_cold_s=cal.get("split_first_pass_extra_s", 0.0),
                    publish_s=cal.get("publish_s") or 0.0,
                    load_s=cal.get("load_s") or 0.0, reward=reward, max_num_seqs=eng["max_num_seqs"],
                    kv_capacity_tokens=eng["kv_cache_tokens"], block_size=eng["kv_block_size"],
@@ -343,6 +346,8 @@ def profile_from(sync: dict[str, Any]) -> CostModel:
                             "train_accumulate_s": fit_src + ": one minibatch's pass without its optimizer step",
                             "controller_s_per_trajectory": src + ": call_split, the leader's CPU outside its "
                                                            "trainer thread per trajectory handled between calls",
+                            "train_cold_s": src + ": call_split, a call's first pass over its others (every sync "
+                                                  "call comes after the trainer idled)",
                             "proximal_share": src + ": train_forward_share, the forward passes' share of its train "
                                               "calls (a no-grad forward taken to cost the forward with grad)"})
 
