@@ -26,7 +26,6 @@ import gc
 import math
 import multiprocessing
 import os
-import pickle
 import statistics
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -35,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import sched
 from rl.reward_timeout import AdaptiveTimeout
-from sim.run import SimResult, rare_collections, simulate
+from sim.run import SIM_GC_THRESHOLD, SimResult, rare_collections, simulate
 
 NA = "policy not available yet"
 WAVE_DEADLINE_S = 4 * 3600.0   # a backstop against a hung worker, far above any wave's time (minutes)
@@ -293,18 +292,6 @@ def _run_spec(job: tuple[SimSpec, Sensitivity]) -> tuple[SimSpec, SimResult | Ex
     return spec, r, time.process_time() - t0
 
 
-def _run_pickled(job: tuple[SimSpec, Sensitivity]) -> tuple[SimSpec, bytes | Exception, float]:
-    """The pool's task: `_run_spec`, with its result pickled here at the simulator's collector thresholds
-    (SIM_GC_THRESHOLD). Left to the pool, the pickling would run at the worker's defaults, where the small objects
-    it makes set off collections that each scan the run's whole heap: 2.1 CPU-s for a Laminar run's result, against
-    0.9 s here. `_wave` unpickles it."""
-    spec, r, secs = _run_spec(job)
-    if isinstance(r, SimResult):
-        with rare_collections():
-            return spec, pickle.dumps(r, pickle.HIGHEST_PROTOCOL), secs
-    return spec, r, secs
-
-
 def _wanted(p: Paper, all_runs: list[Runs]) -> dict[SimSpec, None]:
     """The simulations the rows (and the first seed's notes) read that no Runs has yet: each row is computed up
     to its reads, missing ones collected (not run). Every Runs collects at once (a row may read the first seed's)."""
@@ -346,7 +333,7 @@ def _wave(pool: ProcessPoolExecutor, jobs: int, wanted: list[SimSpec], sens: Sen
         while todo and len(running) <= jobs:
             s = _next_spec(todo, list(running.values()), seconds)
             todo.remove(s)
-            running[pool.submit(_run_pickled, (s, sens))] = s
+            running[pool.submit(_run_spec, (s, sens))] = s
         done, _ = wait(list(running), timeout=max(0.0, end - time.monotonic()), return_when=FIRST_COMPLETED)
         if not done:
             raise TimeoutError(f"a wave of {len(wanted)} simulations did not finish within {deadline_s:.0f} s")
@@ -354,7 +341,7 @@ def _wave(pool: ProcessPoolExecutor, jobs: int, wanted: list[SimSpec], sens: Sen
             del running[fut]
             spec, r, secs = fut.result()
             seconds.setdefault(spec.kind, secs)
-            yield spec, pickle.loads(r) if isinstance(r, bytes) else r
+            yield spec, r
 
 
 def evaluate(paper: str, seeds: list[int], jobs: int, sens: Sensitivity = Sensitivity(),
@@ -372,10 +359,9 @@ def evaluate(paper: str, seeds: list[int], jobs: int, sens: Sensitivity = Sensit
     by_seed = {runs.seed: runs for runs in all_runs}
     # the results make a large long-lived heap and little cyclic garbage: collecting as the defaults do took half
     # this process's time (rows and pool), at SIM_GC_THRESHOLD still a fifth; none until the rows are computed
-    threshold = gc.get_threshold()
     with rare_collections((0, 0, 0)):
         if jobs > 1:
-            _pooled(paper, p, all_runs, by_seed, jobs, sens, threshold, progress)
+            _pooled(paper, p, all_runs, by_seed, jobs, sens, progress)
         with _scaled_profiles(sens):
             results = [(row_values(p.rows, runs, progress if jobs == 1 else None), _notes(p, runs) if i == 0 else [])
                        for i, runs in enumerate(all_runs)]
@@ -383,15 +369,16 @@ def evaluate(paper: str, seeds: list[int], jobs: int, sens: Sensitivity = Sensit
     return per_row, results[0][1]
 
 
-def _pooled(paper: str, p: Paper, all_runs: list[Runs], by_seed: dict[int, Runs], jobs: int,
-            sens: Sensitivity, threshold: tuple[int, int, int],
+def _pooled(paper: str, p: Paper, all_runs: list[Runs], by_seed: dict[int, Runs], jobs: int, sens: Sensitivity,
             progress: Callable[[str], None] | None = None) -> None:
     """Every simulation the rows read, run in a pool of `jobs` processes, wave after wave, into the Runs' caches.
-    The workers collect garbage at `threshold` (this process's own setting outside `evaluate`): each result they
-    send leaves ~450k objects in reference cycles behind, which a worker that never collected would keep."""
+    The workers collect garbage at the simulator's thresholds (SIM_GC_THRESHOLD), the pool's pickling of each result
+    included (at the interpreter's defaults the small objects it makes set off collections that each scan the run's
+    whole heap: 2.1 CPU-s for a Laminar run's result against 0.9 s): each result they send leaves ~450k objects in
+    reference cycles behind, which a worker that never collected would keep."""
     # the workers fork outside the sensitivity block, with the profiles as defined; each task applies it itself
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=gc.set_threshold,
-                               initargs=threshold)
+                               initargs=SIM_GC_THRESHOLD)
     seconds: dict[tuple, float] = {}
     t0, wave = time.monotonic(), 0
     try:
