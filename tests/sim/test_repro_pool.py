@@ -142,13 +142,16 @@ def test_a_choice_made_on_the_first_seed_holds_for_every_seed_in_the_pool_as_in_
     assert len(set(pooled[0][0])) > 1                     # each seed its own run, at the one chosen setting
 
 
-def test_the_workers_collect_garbage_at_the_callers_threshold_not_at_the_parents_none(monkeypatch):
+def test_the_workers_collect_garbage_at_the_simulators_threshold_not_at_the_parents_none(monkeypatch):
     """The parent collects nothing while it gathers results; its workers must not inherit that (each result they
-    send leaves reference cycles behind)."""
+    send leaves reference cycles behind): they collect at the simulator's thresholds, the pool's pickling of each
+    result included."""
     import gc
+
+    from sim.run import SIM_GC_THRESHOLD
     monkeypatch.setitem(sim.repro.PAPERS, "fake", Paper([Row("g", (1, 1), "1", lambda runs: runs.get("sync", TINY))]))
     monkeypatch.setattr(core.SimSpec, "run", lambda self: float(gc.get_threshold()[0]))   # inherited by the fork
     caller = gc.get_threshold()
-    assert caller[0] > 0
-    assert evaluate("fake", [0, 1], jobs=2)[0] == [[float(caller[0])] * 2]
+    assert caller[0] > 0 and caller != SIM_GC_THRESHOLD
+    assert evaluate("fake", [0, 1], jobs=2)[0] == [[float(SIM_GC_THRESHOLD[0])] * 2]
     assert gc.get_threshold() == caller                     # and the parent's own is restored
