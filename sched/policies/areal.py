@@ -142,8 +142,7 @@ class ArealDispatch(OneBatchAhead, Dispatch):
         for e in v.engines:
             groups = live.get(e.engine)
             if counts[e.engine] != e.assigned:
-                if groups is None:
-                    groups = {}
+                groups = groups or {}
                 for gid in list(groups):
                     members = groups[gid]
                     for rid in [rid for rid, r in members.items() if r.state not in ON_ENGINE or r.engine != e.engine]:
