@@ -1,4 +1,5 @@
-"""The indexed tables behind `Views.requests` and `Views.groups` (sched/views.py): mappings that also keep indexes,
+"""The indexed tables behind `Views.requests` and `Views.groups` (sched/views.py; `GroupTable` in
+sched/group_table.py, the request table's per-engine index in sched/engine_index.py): mappings that also keep indexes,
 so policies read the pending queue, the running set, the open or the ready groups in time proportional to what
 they read, not to every request of every live round.
 
@@ -12,21 +13,20 @@ goes through the indexing `__setitem__` / `__delitem__`.
 """
 from __future__ import annotations
 
-import itertools
-from collections import Counter
 from collections.abc import MutableMapping
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, Sequence
 
+from sched.engine_index import EngineIndex
+
 if TYPE_CHECKING:
-    from sched.views import GroupState, Request
+    from sched.views import Request
 
 
 _req_id = attrgetter("req_id")
-_stamps = itertools.count(1)   # change stamps of the per-engine index: never repeated, across tables and clears
 
 
-class _Table(MutableMapping):
+class IndexedTable(MutableMapping):
     """A mapping over a private dict `_all`; reading it costs what reading a dict costs (the dict's own views).
     Subclasses index what they hold in `__setitem__` / `__delitem__` / `clear`."""
     _all: dict[int, Any]
@@ -56,7 +56,7 @@ class _Table(MutableMapping):
         return self._all.items()
 
 
-class RequestTable(_Table):
+class RequestTable(IndexedTable):
     """req_id -> Request, with an index of the requests in each of the `indexed` states (the non-final ones); the
     `queue` state's index is read in request-id order (the pending queue). The queue is also indexed split in two:
     its requests never admitted to an engine (`v_traj < 0`), by group, and those admitted before (interrupted,
@@ -76,25 +76,22 @@ class RequestTable(_Table):
         self._fresh: dict[int, dict[int, Request]] = {}   # group id -> its queued requests never admitted, by id
         self._resumed: dict[int, Request] = {}            # queued requests admitted before
         self._on = tuple(on_engine)
-        self._engines: dict[int, dict[int, Request]] = {}  # engine -> its requests in an `on_engine` state, by id
-        self._unsorted: set[int] = set()                    # engines whose entry is not in id order
-        self._stamp: dict[int, int] = {}                    # engine -> stamp of its entry's last change
-        self._counts: dict[tuple[int, Hashable], int] = {}  # (engine, state) -> its requests in that state
+        self._engines = EngineIndex()   # the requests in an `on_engine` state with an engine (sched/engine_index.py)
 
     def __setitem__(self, req_id: int, r: "Request") -> None:
         old = self._all.get(req_id)
         if old is not None:
             self._unindex(old)
-            self._engine_remove(old)
+            self._engines.remove(old)
         self._all[req_id] = r
         self._index(r)
         if r.engine >= 0 and r.state in self._on:
-            self._engine_add(r)
+            self._engines.add(r)
 
     def __delitem__(self, req_id: int) -> None:
         r = self._all.pop(req_id)
         self._unindex(r)
-        self._engine_remove(r)
+        self._engines.remove(r)
 
     def clear(self) -> None:
         self._all.clear()
@@ -104,9 +101,6 @@ class RequestTable(_Table):
         self._fresh.clear()
         self._resumed.clear()
         self._engines.clear()
-        self._unsorted.clear()
-        self._counts.clear()
-        self._stamp = {e: next(_stamps) for e in self._stamp}
 
     # ---------------------------------------------------------------------------------------------- the index
     def set_state(self, r: "Request", state: Hashable) -> None:
@@ -114,45 +108,23 @@ class RequestTable(_Table):
         on = self._on
         was = r.engine >= 0 and r.state in on
         now = r.engine >= 0 and state in on
-        if was:
-            if now:                 # a change of state on the same engine
-                self._counts[r.engine, r.state] -= 1
-            else:
-                self._engine_remove(r)
+        if was and not now:
+            self._engines.remove(r)
+        old = r.state
         self._unindex(r)
         r.state = state
         self._index(r)
         if now:
-            if was:
-                key = (r.engine, state)
-                self._counts[key] = self._counts.get(key, 0) + 1
-                self._stamp[r.engine] = next(_stamps)
+            if was:                 # a change of state on the same engine
+                self._engines.moved(r, old)
             else:
-                self._engine_add(r)
+                self._engines.add(r)
 
     def set_tool(self, r: "Request", since: float) -> None:
         """r starts (`since` >= 0: when) or stops (-1) waiting on a tool call."""
         r.tool_since = since
         if r.engine >= 0 and r.state in self._on:
-            self._stamp[r.engine] = next(_stamps)
-
-    def _engine_add(self, r: "Request") -> None:
-        e = r.engine
-        members = self._engines.get(e)
-        if members is None:
-            members = self._engines[e] = {}
-        elif members and r.req_id < next(reversed(members)):
-            self._unsorted.add(e)
-        members[r.req_id] = r
-        key = (e, r.state)
-        self._counts[key] = self._counts.get(key, 0) + 1
-        self._stamp[e] = next(_stamps)
-
-    def _engine_remove(self, r: "Request") -> None:
-        members = self._engines.get(r.engine)
-        if members is not None and members.pop(r.req_id, None) is not None:
-            self._counts[r.engine, r.state] -= 1
-            self._stamp[r.engine] = next(_stamps)
+            self._engines.touch(r.engine)
 
     def _unindex(self, r: "Request") -> None:
         idx = self._by_state.get(r.state)
@@ -216,22 +188,16 @@ class RequestTable(_Table):
     def on_engine(self, engine: int) -> Iterable["Request"]:
         """The requests on `engine` (in an `on_engine` state) in id order, without a copy: change no request's
         state while iterating."""
-        members = self._engines.get(engine)
-        if members is None:
-            return ()
-        if engine in self._unsorted:
-            members = self._engines[engine] = dict(sorted(members.items()))
-            self._unsorted.discard(engine)
-        return members.values()
+        return self._engines.members(engine)
 
     def count_on(self, engine: int, state: Hashable) -> int:
         """How many requests on `engine` are in `state` (one of the `on_engine` states)."""
-        return self._counts.get((engine, state), 0)
+        return self._engines.count(engine, state)
 
     def engine_stamp(self, engine: int) -> int:
         """A stamp of `engine`'s entry in the per-engine index: equal stamps, equal requests in equal states and
         tool waits (0: nothing entered it since the table was made or cleared)."""
-        return self._stamp.get(engine, 0)
+        return self._engines.stamp(engine)
 
     def in_state(self, *states: Hashable) -> list["Request"]:
         """Requests in any of these indexed states, state by state, each in the order it entered that state
@@ -256,63 +222,5 @@ class RequestTable(_Table):
         assert all(r.v_traj < 0 and r.group_id == g and list(m) == sorted(m) for g, m in self._fresh.items()
                    for r in m.values()), "a fresh entry admitted before, in another group or out of id order"
         assert all(r.v_traj >= 0 for r in self._resumed.values()), "a resumed entry never admitted"
-        held = {(r.engine, i) for i, r in self._all.items() if r.engine >= 0 and r.state in self._on}
-        indexed = {(e, i) for e, members in self._engines.items() for i, r in members.items()}
-        assert held == indexed, "the per-engine index out of step"
-        counts = Counter((r.engine, r.state) for m in self._engines.values() for r in m.values())
-        assert all(self._counts.get(k, 0) == n for k, n in counts.items()) and \
-            all(n == counts.get(k, 0) for k, n in self._counts.items()), "the per-engine state counts out of step"
-        assert all(r.engine == e and self._all.get(i) is r for e, m in self._engines.items() for i, r in m.items()), \
-            "a per-engine entry on another engine or not in the table"
-        assert all(list(m) == sorted(m) for e, m in self._engines.items() if e not in self._unsorted), \
-            "a per-engine entry out of id order unmarked"
+        self._engines.check({i: r for i, r in self._all.items() if r.engine >= 0 and r.state in self._on})
 
-
-class GroupTable(_Table):
-    """group_id -> GroupState, with indexes of the open (not closed) and the ready (materialised, not consumed)
-    groups, re-evaluated on insertion and on `track`."""
-
-    def __init__(self) -> None:
-        self._all: dict[int, GroupState] = {}
-        self._open: dict[int, GroupState] = {}
-        self._ready: dict[int, GroupState] = {}
-
-    def __setitem__(self, group_id: int, g: "GroupState") -> None:
-        self._open.pop(group_id, None)
-        self._ready.pop(group_id, None)
-        self._all[group_id] = g
-        self.track(g)
-
-    def __delitem__(self, group_id: int) -> None:
-        del self._all[group_id]
-        self._open.pop(group_id, None)
-        self._ready.pop(group_id, None)
-
-    def clear(self) -> None:
-        self._all.clear()
-        self._open.clear()
-        self._ready.clear()
-
-    def track(self, g: "GroupState") -> None:
-        """Re-evaluate group g's index membership after its scored / dropped / consumed counts changed."""
-        for idx, member in ((self._open, not g.closed), (self._ready, g.materialized and not g.consumed)):
-            if member:
-                idx[g.group_id] = g
-            else:
-                idx.pop(g.group_id, None)
-
-    def check(self) -> None:
-        """Raise AssertionError if an index disagrees with the groups' counts (tests call it)."""
-        for g in self._all.values():
-            assert (g.group_id in self._open) == (not g.closed), f"group {g.group_id}: open index out of step"
-            assert (g.group_id in self._ready) == (g.materialized and not g.consumed), \
-                f"group {g.group_id}: ready index out of step"
-
-    def open(self) -> list["GroupState"]:
-        return [self._open[k] for k in sorted(self._open)]
-
-    def ready(self) -> list["GroupState"]:
-        return [self._ready[k] for k in sorted(self._ready)]
-
-    def count_ready(self) -> int:
-        return len(self._ready)

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from rl.types import Trajectory
 from sched.resources import DecodeProfile, EngineView, TrainerView
-from sched.tables import GroupTable, RequestTable
+from sched.group_table import GroupTable
+from sched.tables import RequestTable
 
 if TYPE_CHECKING:
     from sched.decisions import RoundPlan
