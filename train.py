@@ -231,6 +231,7 @@ def main(argv: list[str]) -> int:
         else:
             finish = run_follower(cfg, model, topo)
     except BaseException:  # leave at once (a thread blocked in a collective must not keep the process alive)
+        preempt.await_deadline(preemption)   # unless it is the other ranks leaving at their preemption deadline
         watchdog.failed(traceback.format_exc())
 
     # 5. orderly shutdown: every rank stops its neighbour's inbox, then leaves; the leader writes the run summary

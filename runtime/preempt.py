@@ -44,6 +44,9 @@ KEY = "tidal/preempt"            # the first request's reason, for every rank
 STOPPED = "tidal/preempted"      # set by the leader once it has stopped the run early for a request
 
 
+SKEW_S = 3 * POLL_S        # ranks' grace deadlines fall within about POLL_S of each other (a loaded host: more)
+
+
 class Preempted(Exception):
     """Raised by the leader's after-event hook once the preemption checkpoint is saved: the controller's loop ends."""
 
@@ -75,6 +78,16 @@ class Preemption:
 
     def expired(self) -> bool:
         return self.left_s() <= 0
+
+
+def await_deadline(preemption: Preemption | None) -> None:
+    """Called as a rank's role ends in an error: when this rank's grace deadline is at most SKEW_S away, the error is
+    most likely the other ranks leaving at theirs (a collective cut under it), so wait for its own, where the
+    watcher ends the process with PREEMPTED_EXIT_CODE like theirs; otherwise return at once (the error is reported).
+    Bounded: the deadline plus two polls."""
+    left = preemption.left_s() if preemption is not None else float("inf")
+    if left <= SKEW_S:
+        time.sleep(max(0.0, left) + 2 * POLL_S)
 
 
 def safe_point_hook(preemption: Preemption | None, at_safe_point: Callable[[], bool], save: Callable[[], None],

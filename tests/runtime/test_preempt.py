@@ -185,3 +185,22 @@ def test_a_save_replacing_the_same_step_leaves_a_resumable_checkpoint_at_every_m
     new.mkdir()
     (new / "COMPLETE").write_text(json.dumps({"step": 3, "files": {}}))
     assert checkpoint.latest(tmp_path) == new
+
+
+def test_a_role_that_fails_moments_before_its_deadline_waits_for_it_and_one_far_from_it_does_not():
+    """The other ranks leave at their grace deadline (within about a poll of this one's) and cut this rank's
+    collective: its error must end it at its own deadline with PREEMPTED_EXIT_CODE (the watcher), not as a failure.
+    An error with the deadline far away (or no request) is reported at once."""
+    now = [100.0]
+    near = Preemption(grace_s=2.0, clock=lambda: now[0])
+    near.request("SIGUSR1 on rank 2")
+    now[0] += 2.0 - 0.1                       # 0.1 s left
+    t0 = time.monotonic()
+    preempt.await_deadline(near)
+    assert time.monotonic() - t0 >= 0.1 + 2 * preempt.POLL_S - 0.02
+    for p in (None, Preemption(grace_s=2.0), Preemption(grace_s=30.0)):
+        if p is not None and p.grace_s > 10:
+            p.request("SIGTERM on rank 0")    # requested, but 30 s left: a real error
+        t0 = time.monotonic()
+        preempt.await_deadline(p)
+        assert time.monotonic() - t0 < 0.05
