@@ -35,7 +35,10 @@ task's limit, or at the adaptive timeout (`reward_timeout`, RollPacker §4.3, fo
 The trainer runs one call at a time, in order, like the runtime's trainer thread: a call starts when the previous
 call and its publication are done. With `cost.controller_s_per_trajectory` (a CPU run's controller sharing the train
 leader's CPU; disaggregated mode) every trajectory that finishes while a call runs extends that call by it, so a
-call's end is known only when it comes (`_TrainRun`; the calls issued meanwhile wait in order).
+call's end is known only when it comes (`_TrainRun`; the calls issued meanwhile wait in order). With
+`cost.publish_train_share` = a (a CPU run's weight sender on the train ranks' core) an overlapped publication shares
+the processor with the call running beside it: while both run the call progresses at 1 - a and the publication at
+a (`_Publication`, one at a time), each otherwise alone at full speed.
 
 Migration (an Interrupt with a destination, the controller's Migrate): the trajectory's tokens reach its new engine
 as KV over the interconnect at `cost.kv_move_s` when the profile gives a rate (`kv_move_s_per_token`, Laminar's
@@ -67,6 +70,7 @@ request (the figure that reads it says so).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections import deque
@@ -93,18 +97,37 @@ _TICK = "counters-tick"           # a queue item: every busy engine reports its 
 
 @dataclass
 class _TrainRun:
-    """A train call of a trainer whose calls the controller's CPU stretches: issued, then running from `start`."""
+    """A train call whose end is known only when it comes (the controller's CPU stretches it, an overlapped
+    publication shares its processor): issued, then running from `start` until start + work + lag."""
     call: TrainCall
     data: dict[str, Any]
     version: int
-    dur: float
+    work: float           # its seconds alone (the controller's stretches added)
     start: float = math.inf
-    gen: int = 0          # its end's queue item is current while gen matches (an extension pushes a new one)
+    lag: float = 0.0      # what sharing the processor with publications has cost it so far
+    gen: int = 0          # its end's queue item is current while gen matches (a change pushes a new one)
+
+
+@dataclass
+class _Publication:
+    """An overlapped publication on a processor it shares with the train calls (cost.publish_train_share)."""
+    version: int
+    start: float
+    lag: float = 0.0
+    gen: int = 0
 
 
 @dataclass(frozen=True)
 class _TrainEnd:
     gen: int
+
+
+@dataclass(frozen=True)
+class _PublishEnd:
+    gen: int
+
+
+_RESHARE = "reshare"              # a queue item: a queued train call starts (SimBackend._reshare)
 
 
 @dataclass(frozen=True)
@@ -206,7 +229,11 @@ class SimBackend:
         self.trainer_free = 0.0
         self.publish_free = 0.0       # when the last publication's transfer ends
         self.controller_s = 0.0 if colocated else cost.controller_s_per_trajectory
-        self.train_runs: deque[_TrainRun] = deque()   # with controller_s: the calls issued, the first running
+        self.publish_share = 0.0 if colocated else cost.publish_train_share
+        self.train_runs: deque[_TrainRun] = deque()   # with either: the calls issued, the first running
+        self.publications: deque[_Publication] = deque()   # with publish_share: overlapped ones, the first sending
+        self.shared_since: float | None = None        # when the running call and publication began to share
+        self._gens = itertools.count(1)               # end items: current while their gen is their owner's
         self.max_events = max_events
         self.events_out = 0
         self.stop_after_samples = stop_after_samples
@@ -480,7 +507,7 @@ class SimBackend:
         if call.step:
             self.trainer_version += 1
         data = {"stepped": call.step, **rollout_stats(groups), "tokens": float(tokens)}
-        if self.controller_s:
+        if self.controller_s or self.publish_share:
             self.train_runs.append(_TrainRun(call, data, self.trainer_version, dur))
             if len(self.train_runs) == 1:
                 self._start_run(now)
@@ -495,35 +522,87 @@ class SimBackend:
     def _start_run(self, now: float) -> None:
         run = self.train_runs[0]
         run.start = max(now, self.trainer_free)
-        self._end_run_at(run, run.start + run.dur)
-
-    def _end_run_at(self, run: _TrainRun, t: float) -> None:
-        run.gen += 1
-        self.trainer_free = t
-        self.q.push(t, _TrainEnd(run.gen))
+        if run.start > now and self.publications:
+            self.q.push(run.start, _RESHARE)   # it begins to share then
+        self._reshare(now)
 
     def _stretch(self, t: float) -> None:
-        """A trajectory finished at t: the running call (if one runs) ends controller_s later."""
+        """A trajectory finished at t: the running call (if one runs) has controller_s more to do."""
         run = self.train_runs[0] if self.train_runs else None
         if run is not None and run.start <= t:
-            run.dur += self.controller_s
-            self._end_run_at(run, run.start + run.dur)
+            run.work += self.controller_s
+            self._reshare(t)
+
+    def _reshare(self, now: float) -> None:
+        self._settle(now)
+        self._place(now)
+
+    def _settle(self, now: float) -> None:
+        """What sharing the processor cost the running call (run at 1 - a) and the sending publication (run at a)
+        since they began to share."""
+        if self.shared_since is not None:
+            dt, a = now - self.shared_since, self.publish_share
+            self.train_runs[0].lag += dt * a
+            self.publications[0].lag += dt * (1.0 - a)
+            self.shared_since = None
+
+    def _place(self, now: float) -> None:
+        """Both ends from now: at the shared rates while a call runs beside a publication, else each alone at full
+        speed (without publications a call ends at start + work, lag 0)."""
+        run = self.train_runs[0] if self.train_runs and self.train_runs[0].start <= now else None
+        pub = self.publications[0] if self.publications else None
+        a = self.publish_share
+        both = run is not None and pub is not None
+        self.shared_since = now if both else None
+        if run is not None:
+            end = run.start + run.work + run.lag
+            run.gen = next(self._gens)
+            self.trainer_free = now + (end - now) / (1.0 - a) if both else end
+            self.q.push(self.trainer_free, _TrainEnd(run.gen))
+        elif self.train_runs and not math.isinf(self.train_runs[0].start):   # issued, starting later
+            nxt = self.train_runs[0]
+            nxt.gen = next(self._gens)
+            self.q.push(nxt.start + nxt.work, _TrainEnd(nxt.gen))
+        if pub is not None:
+            end = pub.start + self.cost.publish_s + pub.lag
+            pub.gen = next(self._gens)
+            self.q.push(now + (end - now) / a if both else end, _PublishEnd(pub.gen))
 
     def _run_ended(self, end: _TrainEnd, t: float) -> None:
         run = self.train_runs[0] if self.train_runs else None
         if run is None or end.gen != run.gen:
-            return     # superseded by an extension
+            return     # superseded
+        self._settle(t)
         self.train_runs.popleft()
-        self.emit(Event("train_step_done", t, rank=0, version=run.version, data={**run.data, "step_time_s": run.dur}))
+        self.emit(Event("train_step_done", t, rank=0, version=run.version,
+                        data={**run.data, "step_time_s": run.work + run.lag}))
         self._trained(run.call, t, run.version)
         if self.train_runs:
             self._start_run(t)
+        elif self.publications:
+            self._place(t)
+
+    def _published(self, end: _PublishEnd, t: float) -> None:
+        pub = self.publications[0] if self.publications else None
+        if pub is None or end.gen != pub.gen:
+            return
+        self._settle(t)
+        self.publications.popleft()
+        self.emit(Event("version_published", t, rank=0, version=pub.version, data={"seconds": t - pub.start}))
+        if self.publications:
+            self.publications[0].start = t
+        self._place(t)
 
     def _trained(self, call: TrainCall, done: float, version: int | None = None) -> None:
         """The trainer is free at `done`, after the call's publication when it publishes without overlap."""
         version = self.trainer_version if version is None else version
         self.trainer_free = done
-        if call.publish:
+        if call.publish and call.overlap_publish and self.publish_share:
+            # sent while the next calls train, sharing their processor; one publication at a time
+            self.publications.append(_Publication(version, done))
+            if len(self.publications) == 1:
+                self._place(done)
+        elif call.publish:
             # An overlapped publication (call.overlap_publish) is sent while the next call trains: the trainer is
             # free at `done`, the transfers still go out one at a time (runtime/train_worker.py AsyncSender).
             start = max(done, self.publish_free)
@@ -596,6 +675,12 @@ class SimBackend:
                 continue
             if isinstance(item, _TrainEnd):
                 self._run_ended(item, t)
+                continue
+            if isinstance(item, _PublishEnd):
+                self._published(item, t)
+                continue
+            if item is _RESHARE:
+                self._reshare(t)
                 continue
             engine, gen = item
             if engine < len(self.engines):     # else: a wake-up of an engine gone in a reshard

@@ -110,6 +110,10 @@ class CostModel:
     #                                 finish, reward, hand-off): where the controller shares the leader's CPU with
     #                                 train rank 0 (our CPU runs), each one finishing during a call extends the call
     #                                 by that much (0: the controller has its own CPU, as beside GPUs)
+    publish_train_share: float = 0.0  # an overlapped publication's share of the processor it shares with the train
+    #                                 calls running meanwhile (each runs at its share while both do): where the
+    #                                 leader's weight sender runs on the train ranks' processor (our CPU runs); 0:
+    #                                 the transfer has hardware of its own (a NIC beside GPUs) and costs a call nothing
     sources: Mapping[str, str] = field(default_factory=dict)  # constant -> where its value comes from
 
     def __post_init__(self) -> None:
@@ -118,6 +122,9 @@ class CostModel:
                   "train_accumulate_s", "controller_s_per_trajectory", "train_cold_s"):
             if getattr(self, k) < 0:
                 raise ValueError(f"cost profile {self.name!r}: {k} must be >= 0, got {getattr(self, k)}")
+        if not 0.0 <= self.publish_train_share < 1.0:
+            raise ValueError(f"cost profile {self.name!r}: publish_train_share must be in [0, 1), got "
+                             f"{self.publish_train_share}")
         if self.k2 + self.k4 <= 0:
             raise ValueError(f"cost profile {self.name!r}: a decode step must take time (k2 + k4 > 0)")
         if self.kv_capacity_tokens < self.block_size or self.max_num_seqs < 1:

@@ -26,8 +26,9 @@ step from its busy spans whole (`span_fit`), the trainer's cost per call, per mi
 optimizer step (`call_split`: a call that only accumulates gradients pays its one pass without the step), decoupled
 PPO's proximal pass at the share of its train calls spent in forward passes (charged to the presets with a staleness
 bound >= 1, which train.py runs with decoupled PPO), the train leader's controller CPU per trajectory (the controller
-runs in rank 0's process: each trajectory finishing while a call runs stretches the call by it), publication, load
-and reward latency. A preset is within the tolerance
+runs in rank 0's process: each trajectory finishing while a call runs stretches the call by it), publication (an
+overlapped one shares the train core with the call beside it, equal shares: PUBLISH_TRAIN_SHARE), load and reward
+latency. A preset is within the tolerance
 when |simulated / measured - 1| <= 15%. Deterministic; the simulation part takes seconds.
 """
 from __future__ import annotations
@@ -61,6 +62,7 @@ from sim.workload import TraceWorkload
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATION_DIR = Path(__file__).resolve().parent / "validation"
 TOLERANCE = 0.15
+PUBLISH_TRAIN_SHARE = 0.5   # an overlapped publication and the train call beside it share the train core equally
 ENGINES, TRAIN_RANKS = 2, 2   # bench/policies.py: --cluster.rollout_ranks=2 of --nproc_per_node=4
 
 
@@ -337,7 +339,7 @@ def profile_from(sync: dict[str, Any]) -> CostModel:
                    proximal_share=prox, train_accumulate_s=accumulate,
                    controller_s_per_trajectory=cal.get("controller_s_per_trajectory", 0.0),
                    train_cold_s=cal.get("split_first_pass_extra_s", 0.0),
-                   publish_s=cal.get("publish_s") or 0.0,
+                   publish_s=cal.get("publish_s") or 0.0, publish_train_share=PUBLISH_TRAIN_SHARE,
                    load_s=cal.get("load_s") or 0.0, reward=reward, max_num_seqs=eng["max_num_seqs"],
                    kv_capacity_tokens=eng["kv_cache_tokens"], block_size=eng["kv_block_size"],
                    sources={**base.sources, **{k: src for k in ("publish_s", "load_s", "reward")},
@@ -346,6 +348,9 @@ def profile_from(sync: dict[str, Any]) -> CostModel:
                             "train_accumulate_s": fit_src + ": one minibatch's pass without its optimizer step",
                             "controller_s_per_trajectory": src + ": call_split, the leader's CPU outside its "
                                                            "trainer thread per trajectory handled between calls",
+                            "publish_train_share": "assumption: an equal share of one processor (the bench's "
+                                                   "--affinity partition puts rank 0, whose thread sends the "
+                                                   "weights, on the train ranks' core)",
                             "train_cold_s": src + ": call_split, a call's first pass over its others (every sync "
                                                   "call comes after the trainer idled)",
                             "proximal_share": src + ": train_forward_share, the forward passes' share of its train "

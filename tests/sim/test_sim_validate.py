@@ -20,15 +20,7 @@ PRESETS = [p for p in RECORDED if p != "sync"]
 # preset -> why the simulated speedup misses the recorded one by more than 15% (sim/README.md, "Validation against
 # our own run", has the table and the causes). Recorded on an idle machine (1-minute load 1.5-3.6, the runs' own);
 # the pairs' identical sync runs took 6.43-7.25 s, so one pair's ratio carries ~+-6% of run-to-run noise.
-CALLS = ("the real stream trainer made 37 train calls where the simulated one makes 29 (stream_generation) or 31 "
-         "(streamrl_async); per call they agree (60 and 62 ms real, 64 and 62 ms simulated). It trains whatever "
-         "groups are ready, so its call count follows how the groups arrive, which the simulation does not "
-         "reproduce here: on real ranks they come more spread out (not pinned down; the controller shares the "
-         "leader's CPU and GIL with the trainer thread, and its reactions are instant in the simulator)")
-KNOWN_MISSES: dict[str, str] = {   # error: simulated, measured
-    "stream_generation": f"+24.8%: simulated 3.84x, measured 3.08x. {CALLS}",
-    "streamrl_async": f"+25.0%: simulated 3.73x, measured 2.99x. {CALLS}",
-}
+KNOWN_MISSES: dict[str, str] = {}   # error: simulated, measured, cause
 
 
 @pytest.fixture(scope="module")
