@@ -2,10 +2,9 @@
 module owns the requests and groups (`RequestState` and its named sets, `Request`, `GroupState`) and `Views`, the
 whole picture with the accessors policies share; the engines' and the trainer's parts are in sched/resources.py.
 
-Policies read these and never write them. Every change is made by the controller's request lifecycle
-(sched/lifecycle.py), which also keeps the tables' indexes (sched/tables.py) in step: a policy that assigned
-`r.state` or `e.assigned` itself would desynchronise the controller's books (keep local copies instead, as
-`sched/policies/sync.py`'s FIFO dispatch does with its `load`).
+Policies read these and never write them: the controller's request lifecycle (sched/lifecycle.py) makes every
+change and keeps the tables' indexes in step; a policy that set `r.state` or `e.assigned` would desynchronise them
+(keep local copies instead, as `sched/policies/sync.py`'s FIFO dispatch does with its `load`).
 
 A request's life (sched/lifecycle.py has the rules):
 
