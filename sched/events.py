@@ -86,10 +86,13 @@ def to_columns(events: list[Event]) -> tuple[list[Any], ...]:
     return tuple([getattr(e, f) for e in events] for f in COLUMNS)
 
 
-def from_columns(cols: tuple[list[Any], ...]) -> list[Event]:
-    """`to_columns`' inverse (kinds are not re-validated: they were when the events were made)."""
+def from_columns(cols: tuple[list[Any], ...], rows: list[int] | None = None) -> list[Event]:
+    """`to_columns`' inverse, of every event or of the events at `rows` (in that order); kinds are not re-validated:
+    they were when the events were made."""
     new, out = object.__new__, []
     append = out.append
+    if rows is not None:
+        cols = tuple([col[i] for i in rows] for col in cols)
     for kind, t, rank, engine, req_id, group_id, version, data in zip(*cols, strict=True):
         e = new(Event)
         d = e.__dict__          # filled key by key: ~1.3x faster than update() with keywords (~200k events a run)

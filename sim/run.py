@@ -54,17 +54,37 @@ class SimResult:
         memo of `of`)."""
         state = dict(self.__dict__)
         state.pop("_of", None)
-        state["events"] = to_columns(state["events"])
+        cols = self._columns()
+        state.pop("_cols", None)
+        state["events"] = cols if cols is not None else to_columns(state["events"])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, events=from_columns(state["events"]))
+        """Unpickled with the events still as columns: `of` builds only the kinds it is asked for (a row reads a
+        few kinds of ~10^5-10^6 events), `events` the whole list when first read."""
+        cols = state.pop("events")
+        self.__dict__.update(state, _cols=cols)
+
+    def __getattr__(self, name: str) -> Any:
+        cols = self.__dict__.get("_cols") if name == "events" else None
+        if cols is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        events = self.__dict__["events"] = from_columns(cols)
+        del self.__dict__["_cols"]
+        return events
+
+    def _columns(self) -> tuple[list[Any], ...] | None:
+        """The unpickled columns while the events list is not built (None once it is, or if never pickled)."""
+        return None if "events" in self.__dict__ else self.__dict__.get("_cols")
 
     def _memo(self) -> dict[Any, Any]:
-        """What `of` and `end_t` computed from this `events` list (made again if the list is replaced)."""
+        """What `of` and `end_t` computed from this run's events (made again if the list is replaced)."""
+        src = self._columns()
+        if src is None:
+            src = self.events
         memo = self.__dict__.get("_of")
-        if memo is None or memo[0] is not self.events:
-            memo = self.__dict__["_of"] = (self.events, {})
+        if memo is None or memo[0] is not src:
+            memo = self.__dict__["_of"] = (src, {})
         return memo[1]
 
     def of(self, *kinds: str) -> list[Event]:
@@ -74,7 +94,12 @@ class SimResult:
         out = memo.get(kinds)
         if out is None:
             want = frozenset(kinds)
-            out = memo[kinds] = [e for e in self.events if e.kind in want]
+            cols = self._columns()
+            if cols is None:
+                out = [e for e in self.events if e.kind in want]
+            else:
+                out = from_columns(cols, [i for i, k in enumerate(cols[0]) if k in want])
+            memo[kinds] = out
         return out
 
     @property
@@ -82,7 +107,8 @@ class SimResult:
         """The latest event time of the log (kept, as `of`'s selections)."""
         memo = self._memo()
         if "end_t" not in memo:
-            memo["end_t"] = max(e.t for e in self.events)
+            cols = self._columns()
+            memo["end_t"] = max(cols[1]) if cols is not None else max(e.t for e in self.events)
         return memo["end_t"]
 
     def write(self, out_dir: str | Path, timeline: bool = True) -> Path:

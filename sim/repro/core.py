@@ -30,14 +30,14 @@ import statistics
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import sched
 from rl.reward_timeout import AdaptiveTimeout
 from sim.run import SIM_GC_THRESHOLD, SimResult, rare_collections, simulate
 
 NA = "policy not available yet"
-WAVE_DEADLINE_S = 4 * 3600.0   # a backstop against a hung worker, far above any wave's time (minutes)
+POOL_DEADLINE_S = 4 * 3600.0   # a backstop against a hung worker, far above any reproduction's time (minutes)
 LEVEL, SPEEDUP, BOUND, ARITHMETIC = "level", "speedup", "bound", "arithmetic"
 KINDS = (LEVEL, SPEEDUP, BOUND, ARITHMETIC)
 EDGE = 0.03      # a hit whose margin is under this fraction of the band's nearest end is an edge hit (weak)
@@ -95,21 +95,25 @@ class SimSpec:
 
 
 class Missing(BaseException):
-    """A row read a simulation its Runs has not got yet, while the pool collects what a wave must run (`evaluate`).
+    """A row read a simulation its Runs has not got yet, while the pool collects what it must run (`evaluate`).
     A BaseException, so that a row's own `except Exception` lets it through."""
 
 
 class Runs:
     """Memoised simulations of one seed: SimSpec -> SimResult; `memo` for any other seeded computation a row shares
     with another (a profile of generation times, a chosen split). While `wanted` is a dict (`evaluate` with a pool),
-    a simulation not yet run is added to it and raises Missing instead of running here, so a row is computed once
-    per wave and again at the end: a row must be a pure function of its runs. `first`: the first seed's Runs (itself
-    for the first seed), where a choice made once for every seed (a tuned GPU split) reads its runs."""
+    a simulation not yet run is added to it and raises Missing instead of running here, so a row is computed again
+    as results arrive, until it reads nothing missing: a row must be a pure function of its runs (`values` keeps
+    what each row and note computed, by its function). `first`: the first seed's Runs (itself for the first seed),
+    where a choice made once for every seed (a tuned GPU split) reads its runs. `keep_policy`: whether a result
+    keeps its Preset as it ended (`Paper.reads_policy`; `_strip`)."""
 
-    def __init__(self, seed: int, first: "Runs | None" = None):
+    def __init__(self, seed: int, first: "Runs | None" = None, keep_policy: bool = True):
         self.seed, self.cache = seed, {}
         self.first = self if first is None else first
         self.wanted: dict[SimSpec, None] | None = None
+        self.values: dict[Callable[["Runs"], Any], Any] = {}
+        self.keep_policy = keep_policy
 
     def get(self, preset: str, s: Setting, overrides: tuple = (), counters_every_s: float | None = None,
             progress: bool = False) -> SimResult | None:
@@ -122,7 +126,7 @@ class Runs:
             if self.wanted is not None:
                 self.wanted[spec] = None
                 raise Missing
-            r = self.cache[spec] = spec.run()
+            r = self.cache[spec] = _strip(spec.run(), self.keep_policy)
         if isinstance(r, Exception):    # the pool's run of it failed
             raise r
         return r
@@ -132,11 +136,25 @@ class Runs:
             self.cache[key] = fn()
         return self.cache[key]
 
+    def value(self, fn: Callable[["Runs"], Any]) -> Any:
+        """A row's or a note's value on these runs, computed once (`values`)."""
+        if fn not in self.values:
+            self.values[fn] = fn(self)
+        return self.values[fn]
+
+
+def _strip(r: SimResult, keep_policy: bool) -> SimResult:
+    """A result as the rows read it: without the Preset as it ended unless the paper reads it (a Laminar run's
+    experience buffer alone pickles to ~10 MB, a second in each direction between a worker and this process)."""
+    if not keep_policy:
+        r.policy = None
+    return r
+
 
 def gather(fns: list[Callable[[], Any]]) -> list[Any]:
     """Every fn's value; when some read simulations not run yet (Missing), all are still called before Missing is
-    raised, so one wave of the pool runs every simulation they need (a loop that stopped at its first Missing would
-    take a wave per iteration)."""
+    raised, so the pool queues every simulation they need at once (a loop that stopped at its first Missing would
+    queue them one after another)."""
     out, missing = [], False
     for fn in fns:
         try:
@@ -172,6 +190,7 @@ class Paper:
     components: str = ""                      # what the reproduction simulates, and what it does not
     notes: list[Callable[[Runs], str]] = field(default_factory=list)   # printed from the first seed's runs
     seeds: int = 3                            # default number of seeds (0, 1, ...)
+    reads_policy: bool = False                # a row or note reads a run's `policy` (else results go without it)
 
 
 def band(row: Row) -> tuple[float, float]:
@@ -213,7 +232,7 @@ def row_values(rows: list[Row], runs: Runs, progress: Callable[[str], None] | No
         if progress is not None:
             progress(f"seed {runs.seed}: row {i + 1}/{len(rows)} {row.figure}")
         try:
-            v = row.compute(runs)
+            v = runs.value(row.compute)
             out.append(None if v is None else float(v))
         except Exception as e:  # a failing run is a miss, shown with its error
             out.append(f"failed: {type(e).__name__}: {e}"[:120])
@@ -224,7 +243,7 @@ def _notes(p: Paper, runs: Runs) -> list[str]:
     out = []
     for note in p.notes:
         try:
-            out.append(note(runs))
+            out.append(runs.value(note))
         except Exception as e:
             out.append(f"note failed: {type(e).__name__}: {e}"[:160])
     return out
@@ -271,18 +290,19 @@ class _scaled_profiles:
         PROFILES.update(self.saved)
 
 
-def _run_spec(job: tuple[SimSpec, Sensitivity]) -> tuple[SimSpec, SimResult | Exception, float]:
-    """A pool's task: the simulation, or the error it raised (Runs.get raises it where a row reads it), and the
-    CPU seconds it took. The result travels without its views (every request and group of the run: about half its
-    pickled bytes and time, ~1.4 s for a Laminar-sized AReaL run; rows read the backlog from its metrics) and
-    without the per-request progress in its counter reports (23 -> 11 MB and 1.8 -> 0.5 s of unpickling for a
-    StaleFlow run)."""
-    spec, sens = job
+def _run_spec(job: tuple[SimSpec, Sensitivity, bool]) -> tuple[SimSpec, SimResult | Exception, float]:
+    """A pool's task (spec, sensitivity, keep_policy): the simulation, or the error it raised (Runs.get raises it
+    where a row reads it), and the CPU seconds it took. The result travels without its views (every request and
+    group of the run: about half its pickled bytes and time, ~1.4 s for a Laminar-sized AReaL run; rows read the
+    backlog from its metrics), without its policy unless the paper reads it (`_strip`), and without the per-request
+    progress in its counter reports (23 -> 11 MB and 1.8 -> 0.5 s of unpickling for a StaleFlow run)."""
+    spec, sens, keep_policy = job
     t0 = time.process_time()
     with _scaled_profiles(sens):
         try:
             r: SimResult | Exception = spec.run()
             if isinstance(r, SimResult):
+                _strip(r, keep_policy)
                 r.views = None
                 for e in r.events:      # each counter report's per-request progress: read by the policy during
                     if e.kind == "tokens_decoded":    # the run, by no row; half a StaleFlow run's pickled bytes
@@ -292,28 +312,43 @@ def _run_spec(job: tuple[SimSpec, Sensitivity]) -> tuple[SimSpec, SimResult | Ex
     return spec, r, time.process_time() - t0
 
 
-def _wanted(p: Paper, all_runs: list[Runs]) -> dict[SimSpec, None]:
-    """The simulations the rows (and the first seed's notes) read that no Runs has yet: each row is computed up
-    to its reads, missing ones collected (not run). Every Runs collects at once (a row may read the first seed's)."""
-    wanted: dict[SimSpec, None] = {}
+Task = tuple[int, Callable[[Runs], Any]]   # a row's or a note's function on the Runs of one seed (its index)
+
+
+def _tasks(p: Paper, all_runs: list[Runs]) -> list[Task]:
+    """Every row on every seed, and the notes on the first."""
+    return [(i, fn) for i in range(len(all_runs))
+            for fn in [row.compute for row in p.rows] + (list(p.notes) if i == 0 else [])]
+
+
+def _ask(all_runs: list[Runs], task: Task) -> dict[SimSpec, None]:
+    """The simulations a row or note reads that no Runs has yet: it is computed up to its reads, the missing ones
+    collected (not run); if none is missing it keeps its value (Runs.value). Every Runs collects (a row may read
+    the first seed's); an error is left for the final pass to report."""
+    asked: dict[SimSpec, None] = {}
     for runs in all_runs:
-        runs.wanted = wanted
+        runs.wanted = asked
     try:
-        for i, runs in enumerate(all_runs):
-            for fn in [row.compute for row in p.rows] + (list(p.notes) if i == 0 else []):
-                try:
-                    fn(runs)
-                except (Missing, Exception):
-                    pass           # Missing: collected; an error: the final pass reports it
+        all_runs[task[0]].value(task[1])
+    except (Missing, Exception):
+        pass
     finally:
         for runs in all_runs:
             runs.wanted = None
+    return asked
+
+
+def _wanted(p: Paper, all_runs: list[Runs]) -> dict[SimSpec, None]:
+    """The simulations every row and note reads that no Runs has yet (`_ask` over `_tasks`)."""
+    wanted: dict[SimSpec, None] = {}
+    for task in _tasks(p, all_runs):
+        wanted.update(_ask(all_runs, task))
     return wanted
 
 
 def _next_spec(todo: list[SimSpec], running: list[SimSpec], seconds: dict[tuple, float]) -> SimSpec:
     """Which simulation a free worker takes: first one of each kind not timed yet (its time is learned), then the
-    longest by its kind's time on another seed (longest first: the wave does not end on one long run while the
+    longest by its kind's time on another seed (longest first: the pool does not end on one long run while the
     other workers idle), then the rest in the order the rows asked."""
     busy = {s.kind for s in running}
     for s in todo:
@@ -323,39 +358,18 @@ def _next_spec(todo: list[SimSpec], running: list[SimSpec], seconds: dict[tuple,
     return max(timed, key=lambda s: seconds[s.kind]) if timed else todo[0]
 
 
-def _wave(pool: ProcessPoolExecutor, jobs: int, wanted: list[SimSpec], sens: Sensitivity,
-          seconds: dict[tuple, float], deadline_s: float) -> Iterator[tuple[SimSpec, SimResult | Exception]]:
-    """Runs `wanted` in the pool, `jobs` + 1 at a time (one queued, so that no worker waits for the next pick),
-    yielding each result as it comes; `seconds` learns each kind's CPU time. TimeoutError past the deadline."""
-    todo, running = list(wanted), {}
-    end = time.monotonic() + deadline_s
-    while todo or running:
-        while todo and len(running) <= jobs:
-            s = _next_spec(todo, list(running.values()), seconds)
-            todo.remove(s)
-            running[pool.submit(_run_spec, (s, sens))] = s
-        done, _ = wait(list(running), timeout=max(0.0, end - time.monotonic()), return_when=FIRST_COMPLETED)
-        if not done:
-            raise TimeoutError(f"a wave of {len(wanted)} simulations did not finish within {deadline_s:.0f} s")
-        for fut in done:
-            del running[fut]
-            spec, r, secs = fut.result()
-            seconds.setdefault(spec.kind, secs)
-            yield spec, r
-
-
 def evaluate(paper: str, seeds: list[int], jobs: int, sens: Sensitivity = Sensitivity(),
              progress: Callable[[str], None] | None = None) -> tuple[list[list[Any]], list[str]]:
     """Every row on every seed: per row its values by seed, and the notes from the first seed. With jobs > 1 the
-    simulations run in a pool of `jobs` processes, in waves: the rows are computed up to what they read, every
-    simulation missing on any seed runs in the pool at once, and again until none is missing (a split chosen
-    from one run's figures takes two waves); the final pass computes the rows from the results. A wave has a
-    deadline (WAVE_DEADLINE_S); a worker that dies fails the command with the pool's error. `progress` receives a
-    line per finished simulation (pool) or per row computed in this process (jobs = 1)."""
+    simulations run in a pool of `jobs` processes (`_pooled`): the rows are computed up to what they read, every
+    simulation missing on any seed is queued at once, and each row is computed again as soon as what it waited for
+    is back, so a run chosen from another's figures (a tuned split) starts at once; the final pass reads the rows'
+    values. `progress` receives a line per finished simulation (pool) or per row
+    computed in this process (jobs = 1)."""
     from sim.repro import PAPERS
     p = PAPERS[paper]
-    first = Runs(seeds[0])
-    all_runs = [first] + [Runs(s, first) for s in seeds[1:]]
+    first = Runs(seeds[0], keep_policy=p.reads_policy)
+    all_runs = [first] + [Runs(s, first, p.reads_policy) for s in seeds[1:]]
     by_seed = {runs.seed: runs for runs in all_runs}
     # the results make a large long-lived heap and little cyclic garbage: collecting as the defaults do took half
     # this process's time (rows and pool), at SIM_GC_THRESHOLD still a fifth; none until the rows are computed
@@ -365,37 +379,76 @@ def evaluate(paper: str, seeds: list[int], jobs: int, sens: Sensitivity = Sensit
         with _scaled_profiles(sens):
             results = [(row_values(p.rows, runs, progress if jobs == 1 else None), _notes(p, runs) if i == 0 else [])
                        for i, runs in enumerate(all_runs)]
+        for runs in all_runs:   # the results freed here, by their reference counts: the first collection after
+            runs.cache.clear()  # the block would scan every object of them (~3 s for Laminar's), and the
+            runs.values.clear()  # interpreter's last one at exit again
     per_row = [[vals[i] for vals, _ in results] for i in range(len(p.rows))]
     return per_row, results[0][1]
 
 
 def _pooled(paper: str, p: Paper, all_runs: list[Runs], by_seed: dict[int, Runs], jobs: int, sens: Sensitivity,
             progress: Callable[[str], None] | None = None) -> None:
-    """Every simulation the rows read, run in a pool of `jobs` processes, wave after wave, into the Runs' caches.
-    The workers collect garbage at the simulator's thresholds (SIM_GC_THRESHOLD), the pool's pickling of each result
-    included (at the interpreter's defaults the small objects it makes set off collections that each scan the run's
-    whole heap: 2.1 CPU-s for a Laminar run's result against 0.9 s): each result they send leaves ~450k objects in
-    reference cycles behind, which a worker that never collected would keep."""
+    """Every simulation the rows read, run in a pool of `jobs` processes into the Runs' caches, `jobs` + 1 at a time
+    (one queued, so that no worker waits for the next pick, `_next_spec`). Each row and note is computed up to its
+    reads (`_ask`) and computed again as soon as every simulation it waited for is back, what it then reads joining
+    the queue (a run chosen from another run's figures starts as soon as that run is back), until nothing is
+    missing. One deadline (POOL_DEADLINE_S) for the whole pool: TimeoutError past it;
+    a worker that dies fails the command with the pool's error. The workers collect garbage at the simulator's
+    thresholds (SIM_GC_THRESHOLD), the pool's pickling of each result included (at the interpreter's defaults the
+    small objects it makes set off collections that each scan the run's whole heap: 2.1 CPU-s for a Laminar run's
+    result against 0.9 s): each result they send leaves ~450k objects in reference cycles behind, which a worker
+    that never collected would keep."""
     # the workers fork outside the sensitivity block, with the profiles as defined; each task applies it itself
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=gc.set_threshold,
                                initargs=SIM_GC_THRESHOLD)
-    seconds: dict[tuple, float] = {}
-    t0, wave = time.monotonic(), 0
+    seconds: dict[tuple, float] = {}          # each kind's CPU seconds, learned from its first run
+    todo: list[SimSpec] = []
+    running: dict[Any, SimSpec] = {}
+    queued: set[SimSpec] = set()              # every simulation ever queued
+    blocked: dict[Task, set[SimSpec]] = {}    # a row or note -> the simulations it waits for
+    waiters: dict[SimSpec, list[Task]] = {}
+    t0 = time.monotonic()
+    end, finished = t0 + POOL_DEADLINE_S, 0
+
+    def ask(tasks: list[Task]) -> None:
+        with _scaled_profiles(sens):
+            for task in tasks:
+                specs = _ask(all_runs, task)
+                if specs:
+                    blocked[task] = set(specs)
+                for s in specs:
+                    waiters.setdefault(s, []).append(task)
+                    if s not in queued:
+                        queued.add(s)
+                        todo.append(s)
+
     try:
-        while True:
-            with _scaled_profiles(sens):
-                wanted = _wanted(p, all_runs)
-            if not wanted:
-                break
-            wave += 1
-            try:
-                for k, (spec, r) in enumerate(_wave(pool, jobs, list(wanted), sens, seconds, WAVE_DEADLINE_S), 1):
-                    by_seed[spec.seed].cache[spec] = r
-                    if progress is not None:
-                        progress(f"wave {wave}: {k}/{len(wanted)} simulations done ({spec.preset}, seed "
-                                 f"{spec.seed}; {time.monotonic() - t0:.0f} s)")
-            except TimeoutError as e:
-                raise TimeoutError(f"{paper}: {e}") from None
+        ask(_tasks(p, all_runs))
+        while todo or running:
+            while todo and len(running) <= jobs:
+                s = _next_spec(todo, list(running.values()), seconds)
+                todo.remove(s)
+                running[pool.submit(_run_spec, (s, sens, p.reads_policy))] = s
+            done, _ = wait(list(running), timeout=max(0.0, end - time.monotonic()), return_when=FIRST_COMPLETED)
+            if not done:
+                raise TimeoutError(f"{paper}: {len(running)} of {len(queued)} simulations did not finish within "
+                                   f"{POOL_DEADLINE_S:.0f} s")
+            unblocked: list[Task] = []
+            for fut in done:
+                del running[fut]
+                spec, r, secs = fut.result()
+                seconds.setdefault(spec.kind, secs)
+                by_seed[spec.seed].cache[spec] = r
+                finished += 1
+                if progress is not None:
+                    progress(f"{finished}/{len(queued)} simulations done ({spec.preset}, seed {spec.seed}; "
+                             f"{time.monotonic() - t0:.0f} s)")
+                for task in waiters.pop(spec, []):
+                    blocked[task].discard(spec)
+                    if not blocked[task]:
+                        del blocked[task]
+                        unblocked.append(task)
+            ask(unblocked)      # each row whose runs are all back: computed again, its further reads queued
     except BaseException:
         for proc in list((getattr(pool, "_processes", None) or {}).values()):   # no public way to stop a
             proc.kill()                                                          # running task

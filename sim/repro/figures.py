@@ -157,7 +157,7 @@ def mean_batch(r: SimResult) -> float:
 def speedup(new: tuple, base: tuple, fn: Callable[[SimResult], float] = throughput) -> Callable[[Runs], float | None]:
     """Runs.get(*new) over Runs.get(*base) in `fn` (samples trained per second by default)."""
     def f(runs: Runs) -> float | None:
-        a, b = gather([lambda: runs.get(*new), lambda: runs.get(*base)])   # both in one wave of the pool
+        a, b = gather([lambda: runs.get(*new), lambda: runs.get(*base)])   # both queued at once
         return None if a is None or b is None else fn(a) / fn(b)
     return f
 

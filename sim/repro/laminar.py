@@ -199,7 +199,7 @@ class Comparison:
 
 
 def lm_ratio(runs: Runs, a: tuple, b: tuple, fn: Callable[[SimResult], float]) -> float | None:
-    ra, rb = gather([lambda: lm_get(runs, *a), lambda: lm_get(runs, *b)])   # both in one wave of the pool
+    ra, rb = gather([lambda: lm_get(runs, *a), lambda: lm_get(runs, *b)])   # both queued at once
     return None if ra is None or rb is None else fn(ra) / fn(rb)
 
 

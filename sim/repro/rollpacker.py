@@ -402,4 +402,5 @@ COMPONENTS = ("simulated: colocated engines (H800 roofline: continuous batching,
               "steps on preemptions), the stream trainer's elastic scale-down; RLHFuse as RollPacker without tail "
               "batching and the planner. Not simulated: the judge's MPS colocation and layer-wise offload, RLHFuse's "
               "reference-inference overlap.")
-PAPER = Paper(ROWS, components=COMPONENTS, notes=[reward_note, stream_trainer_note, eta_table, planner_note])
+PAPER = Paper(ROWS, components=COMPONENTS, notes=[reward_note, stream_trainer_note, eta_table, planner_note],
+              reads_policy=True)   # the planner's history (Fig. 12a rows)

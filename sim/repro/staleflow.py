@@ -143,7 +143,7 @@ def tuned_split(runs: Runs, preset: str, eta: int | None, per_engine: int | None
         if even is None or other is None or b == SF:
             return SF
         return b if tokens_per_s(other) > tokens_per_s(even) else SF
-    if first is not runs:   # the even split is almost always kept: ask for this seed's run in the same wave
+    if first is not runs:   # the even split is almost always kept: ask for this seed's run at once
         gather([lambda: first.memo(key, choose), lambda: sf_run(runs, preset, SF, eta, per_engine)])
     return first.memo(key, choose)
 
@@ -169,7 +169,7 @@ def sf_gains(base: str, per_eta: bool, tuned: bool = True) -> Callable[[Runs], l
     def f(runs: Runs) -> list[float] | None:
         def pair(eta: int) -> list[SimResult | None]:
             return gather([lambda: run(runs, "staleflow", eta), lambda: run(runs, base, eta if per_eta else None)])
-        pairs = gather([lambda eta=eta: pair(eta) for eta in SF_ETAS])   # every eta's runs in one wave of the pool
+        pairs = gather([lambda eta=eta: pair(eta) for eta in SF_ETAS])   # every eta's runs queued at once
         if any(a is None or b is None for a, b in pairs):
             return None
         return [tokens_per_s(a) / tokens_per_s(b) for a, b in pairs]

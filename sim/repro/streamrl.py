@@ -321,4 +321,5 @@ COMPONENTS = ("simulated: disaggregated generation (H800 roofline engines: conti
               "weight transfer, scale-out onto spare GPUs; ColocationRL = sync colocated on the same engines and "
               "trainer. Not simulated: verl's framework differences, broadcast trees, an LLM ranker (ours: true "
               "lengths with a log-normal error of Table 4's recall).")
-PAPER = Paper(ROWS, components=COMPONENTS, notes=[split_note, ranker_note, fig9_note, scale_note])
+PAPER = Paper(ROWS, components=COMPONENTS, notes=[split_note, ranker_note, fig9_note, scale_note],
+              reads_policy=True)   # the ranker's order and the scale-out events

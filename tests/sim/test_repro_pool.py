@@ -1,7 +1,7 @@
-"""The reproductions' pool (sim/repro/core.py `evaluate`): simulations run in waves of worker processes and come
-back pickled (SimResult's columns), giving the same rows as one process; a row whose run depends on another run's
-figures takes a second wave; a failing simulation is that row's error, not the command's; a hung wave ends at its
-deadline with a named error."""
+"""The reproductions' pool (sim/repro/core.py `evaluate`): simulations run in worker processes and come back pickled
+(SimResult's columns), giving the same rows as one process; a run chosen from another run's figures is asked for
+once that run is back; each row is computed once; a failing simulation is that row's error, not the command's; a
+hung pool ends at its deadline with a named error."""
 import pickle
 import time
 
@@ -50,31 +50,47 @@ def test_a_pickled_result_keeps_every_logged_field_of_every_event():
     assert back.policy.handoff.state_dict() == r.policy.handoff.state_dict()
 
 
+def test_an_unpickled_result_builds_only_the_kinds_read_and_the_whole_log_when_asked():
+    r = simulate("staleflow", "cpu_tiny", "cpu_tiny", 2, 2, steps=3, group_size=4, prompts_per_step=4)
+    back = pickle.loads(pickle.dumps(r))
+    kinds = ("train_step_done", "trajectory_finished")
+    assert "events" not in vars(back)                        # still columns
+    assert back.of(*kinds) == r.of(*kinds) and back.of(*kinds) and back.end_t == r.end_t
+    again = pickle.loads(pickle.dumps(back))                 # re-pickled from its columns
+    assert "events" not in vars(back) and again.events == r.events
+    assert back.events == r.events and back.of(*kinds) == r.of(*kinds)    # the whole list, once read
+
+
 def test_a_pooled_result_travels_without_its_views_and_its_metrics_carry_the_backlog():
     spec = core.SimSpec("staleflow", (), Setting("cpu_tiny", "cpu_tiny", 2, 2, 4, 4, 2), 0)
     whole = spec.run()
-    back, r, seconds = core._run_spec((spec, core.Sensitivity()))
+    back, r, seconds = core._run_spec((spec, core.Sensitivity(), True))
     assert back == spec and seconds > 0 and r.views is None and r.policy is not None
     assert (r.metrics["backlog_groups"], r.metrics["in_flight"]) == (len(whole.views.ready_groups()),
                                                                     whole.views.in_flight())
     assert r.metrics["in_flight"] > 0, "nothing was left in flight: the check above is vacuous"
 
 
-def test_the_pool_gives_the_rows_and_notes_one_process_gives_in_waves_that_follow_the_rows_reads(monkeypatch):
+def test_the_pool_gives_the_rows_and_notes_one_process_gives_asking_for_runs_as_the_rows_read_them(monkeypatch):
     monkeypatch.setitem(sim.repro.PAPERS, "fake", FAKE)
-    waves = []
-    wanted = core._wanted
+    asks, have = [], []
+    ask = core._ask
 
-    def counting(p, all_runs):
-        out = wanted(p, all_runs)
-        waves.append(sorted((s.preset, s.setting.num_engines, s.seed) for s in out))
+    def recording(all_runs, task):
+        have.append({(s.preset, s.setting.num_engines, s.seed) for runs in all_runs for s in runs.cache
+                     if isinstance(s, core.SimSpec)})
+        out = ask(all_runs, task)
+        asks.append({(s.preset, s.setting.num_engines, s.seed) for s in out})
         return out
-    monkeypatch.setattr(core, "_wanted", counting)
+    monkeypatch.setattr(core, "_ask", recording)
     pooled = evaluate("fake", [0, 1], jobs=2)
-    assert len(waves) == 3 and waves[2] == []           # the chosen setting's run waits for the run it is chosen from
-    assert ("staleflow", 3, 0) in waves[1] and ("staleflow", 3, 0) not in waves[0]
-    assert ("sync", 3, 1) in waves[0] and ("one_step", 3, 1) not in waves[0] + waves[1]   # notes: first seed only
-    monkeypatch.setattr(core, "_wanted", wanted)
+    first = len(core._tasks(FAKE, [Runs(0), Runs(1)]))
+    assert len(asks) > first and not asks[-1]             # asked again as runs came back, until nothing is missing
+    chosen = next(i for i, a in enumerate(asks) if ("staleflow", 3, 0) in a)
+    assert chosen >= first and ("one_step", 2, 0) in have[chosen]   # the chosen setting's run waits for its source
+    assert ("sync", 3, 1) in set().union(*asks[:first])
+    assert not any(("one_step", 3, 1) in a for a in asks)   # notes: first seed only
+    monkeypatch.setattr(core, "_ask", ask)
     alone = evaluate("fake", [0, 1], jobs=1)
     assert pooled == alone
     per_row, notes = pooled
@@ -83,9 +99,9 @@ def test_the_pool_gives_the_rows_and_notes_one_process_gives_in_waves_that_follo
     assert len(notes) == 1 and notes[0].startswith("note ")
 
 
-def test_a_hung_wave_ends_at_its_deadline_with_a_named_error(monkeypatch):
+def test_a_hung_pool_ends_at_its_deadline_with_a_named_error(monkeypatch):
     monkeypatch.setitem(sim.repro.PAPERS, "fake", FAKE)
-    monkeypatch.setattr(core, "WAVE_DEADLINE_S", 0.5)
+    monkeypatch.setattr(core, "POOL_DEADLINE_S", 0.5)
     monkeypatch.setattr(core.SimSpec, "run", lambda self: time.sleep(60))   # the forked workers inherit it
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within"):
@@ -126,17 +142,17 @@ def _tuned_once(runs: Runs) -> float:
 def test_a_choice_made_on_the_first_seed_holds_for_every_seed_in_the_pool_as_in_one_process(monkeypatch):
     monkeypatch.setitem(sim.repro.PAPERS, "fake", Paper([Row("t", (1, 1), "1", _tuned_once)]))
     asked = []
-    wanted = core._wanted
+    ask = core._ask
 
-    def record(p, all_runs):
-        out = wanted(p, all_runs)
+    def record(all_runs, task):
+        out = ask(all_runs, task)
         asked.extend((s.preset, s.setting.num_engines, s.seed) for s in out)
         return out
-    monkeypatch.setattr(core, "_wanted", record)
+    monkeypatch.setattr(core, "_ask", record)
     pooled = evaluate("fake", [0, 1, 2], jobs=2)
-    assert [x for x in asked if x[0] == "one_step"] == [("one_step", 2, 0)]    # chosen on the first seed only
+    assert {x for x in asked if x[0] == "one_step"} == {("one_step", 2, 0)}    # chosen on the first seed only
     assert {("sync", 3, s) for s in (0, 1, 2)} <= set(asked)
-    monkeypatch.setattr(core, "_wanted", wanted)
+    monkeypatch.setattr(core, "_ask", ask)
     alone = evaluate("fake", [0, 1, 2], jobs=1)
     assert pooled == alone and all(isinstance(v, float) for v in pooled[0][0])
     assert len(set(pooled[0][0])) > 1                     # each seed its own run, at the one chosen setting
@@ -155,3 +171,35 @@ def test_the_workers_collect_garbage_at_the_simulators_threshold_not_at_the_pare
     assert caller[0] > 0 and caller != SIM_GC_THRESHOLD
     assert evaluate("fake", [0, 1], jobs=2)[0] == [[float(SIM_GC_THRESHOLD[0])] * 2]
     assert gc.get_threshold() == caller                     # and the parent's own is restored
+
+
+def test_each_row_and_note_is_computed_once_on_each_seed_in_the_pool(monkeypatch):
+    calls = []
+
+    def row(runs: Runs) -> float:
+        v = _chosen(runs)                   # raises Missing until both its runs are back
+        calls.append(runs.seed)
+        return v
+
+    def note(runs: Runs) -> str:
+        text = f"{_makespan(runs.get('sync', TINY)):.3f}"
+        calls.append("note")
+        return text
+    monkeypatch.setitem(sim.repro.PAPERS, "fake", Paper([Row("b", (1, 1), "1", row)], notes=[note]))
+    per_row, notes = evaluate("fake", [0, 1], jobs=2)
+    assert sorted(calls, key=str) == [0, 1, "note"] and all(isinstance(v, float) for v in per_row[0])
+
+
+def _policy_name(runs: Runs) -> float:
+    r = runs.get("sync", TINY)
+    return float(len(r.policy.dispatch.name))
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_result_keeps_its_policy_only_for_a_paper_that_reads_it_in_the_pool_as_in_one_process(monkeypatch, jobs):
+    rows = [Row("p", (1, 1), "1", _policy_name)]
+    monkeypatch.setitem(sim.repro.PAPERS, "fake", Paper(rows, reads_policy=True))
+    assert evaluate("fake", [0], jobs=jobs)[0] == [[float(len("sync"))]]
+    monkeypatch.setitem(sim.repro.PAPERS, "fake", Paper(rows))
+    (value,), = evaluate("fake", [0], jobs=jobs)[0]
+    assert value.startswith("failed: AttributeError") and "'NoneType'" in value
