@@ -299,6 +299,10 @@ class LLMEngine:
         return n
 
     # ---- reporting ----------------------------------------------------------------------------------------------
+    def running_with_kv(self) -> int:
+        """Running sequences that hold KV: read before and after `load_weights`, how many kept theirs."""
+        return sum(1 for s in self.scheduler.running if s.block_table)
+
     def stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
         return EngineStats(

@@ -38,9 +38,11 @@ class ColocatedWorker(RolloutWorker):
         """Copy the trainer's weights into the engine (collective: every rank gathers its shards' full tensors);
         running sequences keep their KV if `keep_kv`, else are recomputed (LLMEngine.load_weights)."""
         version = self.trainer.step
+        running = self.engine.running_with_kv()
         with waiting(f"the engine refresh to v{version}", on=self.ranks, phase=Phase.PUBLISH, step=version):
             self.engine.load_weights(full_tensors(self.trainer.model), version, keep_kv=self.keep_kv)
-        self.event("weights_loaded", version=version)
+        self.event("weights_loaded", version=version,
+                   data={"running": running, "kept_kv": self.engine.running_with_kv()})
 
     def publish(self, version: int, overlapped: bool) -> None:
         """Colocated publication: no transfer to overlap, the engine is refreshed in place."""

@@ -75,10 +75,12 @@ class Relay:
         if version > self.version:
             raise RuntimeError(f"rank {self.rank}: told to load version {version} but the relay holds "
                                f"{self.version}")
+        running = self.engine.running_with_kv()
         self.engine.load_weights(self.tensors.items(), self.version, keep_kv=keep_kv)
         if self.verify:
             self.check_engine_weights()
-        self.event("weights_loaded", version=self.version)
+        self.event("weights_loaded", version=self.version,
+                   data={"running": running, "kept_kv": self.engine.running_with_kv()})
 
     def check_engine_weights(self) -> None:
         """The engine's tensors after a load equal the relay's (hence the trainer's) bit for bit, or the run stops

@@ -29,7 +29,8 @@ KINDS = frozenset({
     "version_published",      # weights of `version` are on every rollout rank's relay
     "weights_received",       # a rollout rank's relay holds `version` (data: seconds receiving, tokens its engine
     #                           decoded from the notice until the relay was filled: decoding does not stop for it)
-    "weights_loaded",         # engine adopted `version`
+    "weights_loaded",         # engine adopted `version` (data: running: sequences running at the load, kept_kv:
+    #                           how many of them still hold their KV after it: all under an in-flight update)
     "trajectory_aborted", "trajectory_interrupted", "trajectory_migrated",
     "engine_busy", "engine_idle",  # engine activity spans (for the bubble ratio and the timeline)
     "engines_lent",           # engines lent to the trainer or back to rollout (data: engines, lent)

@@ -405,6 +405,7 @@ class SimEngine:
             # on their KV: their progress is settled under the old version, their next tokens count the new one.
             # Requests not running keep their tool calls going either way; a load that discards KV discards theirs
             # too (they re-prefill under the new version when they run again).
+            running = len(self._running)
             if self.pending_keep_kv:
                 for r in self.running:
                     self._settle(r)
@@ -418,7 +419,8 @@ class SimEngine:
                     r.reloaded = True
             self.version, self.pending_version = self.pending_version, None
             self.pending_keep_kv = False
-            self.host.emit(Event("weights_loaded", self.t, rank=self.rank, engine=self.index, version=self.version))
+            self.host.emit(Event("weights_loaded", self.t, rank=self.rank, engine=self.index, version=self.version,
+                                 data={"running": running, "kept_kv": len(self._running)}))
         self.schedule_segment()
 
     # ------------------------------------------------------------------------------------------------ planning

@@ -275,3 +275,59 @@ def test_laminar_isolates_an_engine_failure_on_real_ranks_and_loses_nothing(tmp_
     finished = {e["req_id"]: e for e in events[i:] if e["kind"] == "trajectory_finished" and e["req_id"] in held}
     assert set(finished) == set(held) and all(finished[r]["data"]["tokens"] >= held[r] - 1 for r in held)
     assert any(e["kind"] == "request_admitted" and e["engine"] == 0 for e in events[j:]), "the engine never rejoined"
+
+
+def groups_started(events: list[dict]) -> list[tuple[int, int]]:
+    """(group, version of the engine it was first admitted to), in the order groups started."""
+    seen: dict[int, int] = {}
+    for e in events:
+        if e["kind"] == "request_admitted" and e["group_id"] not in seen:
+            seen[e["group_id"]] = e.get("version", -1)
+    return list(seen.items())
+
+
+def test_pipelinerl_keeps_the_running_kv_across_loads_on_real_ranks_where_an_areal_load_recomputes_it(tmp_path):
+    """PipelineRL's in-flight update on real ranks: engines adopt new weights while sequences run, and every running
+    sequence keeps its KV (the engine's own count after the load, `weights_loaded`'s kept_kv); the actors' max_lag
+    admission cap holds for every group (the i-th group started on an engine at version u: i < (lag + u + 1) x P).
+    The same run under AReaL's weight sync (`--sched.weight_sync=areal`) recomputes: no running sequence keeps it."""
+    P, lag = 8, 4                                          # configs/sched/pipelinerl.toml's max_lag
+    for ws in ("in_flight", "areal"):
+        run = tmp_path / ws
+        torchrun(3, f"--log.dir={run}", "--sched.preset=pipelinerl", f"--sched.weight_sync={ws}",
+                 "--cluster.rollout_ranks=2", "--train.steps=6", f"--rollout.prompts_per_step={P}",
+                 "--checkpoint.export_hf=false", *WORKLOAD, "--data.len_tail_frac=0.25")
+        events = event_rows(run / "events.jsonl")
+        loads = [e["data"] for e in events if e["kind"] == "weights_loaded" and e["data"].get("running", 0) > 0]
+        assert loads, f"{ws}: no load found a sequence running: the check would be vacuous"
+        assert all(d["kept_kv"] == (d["running"] if ws == "in_flight" else 0) for d in loads), (ws, loads)
+        report = check_offpolicy_log_of(events)
+        assert report["twice"] == report["lost"] == report["unreturned"] == [], report
+        if ws == "in_flight":
+            for i, (_, u) in enumerate(groups_started(events)):
+                assert i < (lag + u + 1) * P, (i, u)
+
+
+def test_windowed_fifo_lets_younger_groups_overtake_a_straggler_on_real_ranks_but_never_more_than_w_minus_1(
+        tmp_path):
+    """Windowed FIFO on real ranks, on the long-tail workload: younger groups do overtake a straggler (the check is
+    not vacuous: with P = 4 and W = 3 a batch could never form around a straggler before the trainer's next call,
+    and every run was strict FIFO), never more than W - 1 of them, and no sample is trained more than
+    S + ceil((W - 1) / P) versions after it started (the source's bound)."""
+    W, P, S = 3, 2, 2
+    run = tmp_path / "windowed_fifo"
+    torchrun(3, f"--log.dir={run}", "--sched.preset=windowed_fifo", f"--sched.handoff.window={W}",
+             f"--sched.dispatch.lag={S}", "--cluster.rollout_ranks=2", "--train.steps=16",
+             f"--rollout.prompts_per_step={P}", "--checkpoint.export_hf=false", *WORKLOAD, "--data.len_tail_frac=0.25")
+    events = event_rows(run / "events.jsonl")
+    order = [g for e in events if e["kind"] == "train_started" for g in e["data"]["groups"]]
+    over = {g: sum(1 for other in order[:i] if other > g) for i, g in enumerate(order)}
+    assert sum(over.values()) > 0, "no group was overtaken: the bound below would be vacuous"
+    assert max(over.values()) <= W - 1, over
+    report = check_offpolicy_log_of(events, S + -(-(W - 1) // P))
+    assert report["stale"] == report["twice"] == report["lost"] == [], report
+
+
+def check_offpolicy_log_of(events: list[dict], bound: int | None = None) -> dict:
+    from tests.support.offpolicy_log import check_offpolicy_log
+    return check_offpolicy_log(events, bound)

@@ -32,8 +32,10 @@ def test_a_load_recomputes_the_running_kv_unless_told_to_keep_it(two_models, kee
     at_load = {rid: (s.num_tokens, s.num_generated) for rid, s in eng.seqs.items()}
     assert all(0 < k < NEW for _, k in at_load.values())
     prefilled, preempted = eng.num_prefill_tokens, eng.stats().num_preemptions
+    assert eng.running_with_kv() == 3
     eng.load_weights(load_model(b).state_dict(), version=1, keep_kv=keep_kv)
     assert eng.version == 1
+    assert eng.running_with_kv() == (3 if keep_kv else 0)   # what the runtime's weights_loaded reports as kept_kv
     outs = {o.request_id: o for o in drain(eng)}
     assert_pool_whole(eng)
     for rid, (_, k) in at_load.items():                    # tokens before the load: version 0; after: version 1
