@@ -164,16 +164,21 @@ class TrainConfig:
                              "geometric-mean ratio leaves [low, high] (verl rollout_rs=geometric) | opsm = drop a "
                              "negative-advantage sequence whose mean log(pi_behaviour / pi_trainer) exceeds "
                              "opsm_delta (DeepSeek-V3.2, arXiv 2512.02556 eq. 9) | m2po = drop the tokens of largest "
-                             "(log r)^2 until their mean is below m2po_tau (M2PO, arXiv 2510.01161; AReaL's "
-                             "procedure); none keeps is_cap / is_mode")
+                             "(log r)^2 until their mean is at most m2po_tau (M2PO, arXiv 2510.01161, Algorithm 1; "
+                             "m2po_tokens) | none keeps is_cap / is_mode. IcePop (arXiv 2510.18855) is token_mask "
+                             "on [alpha, beta]: OpenRLHF's icepop default is [0.5, 5], slime's icepop test [0.5, 2]")
     correction_low: float = F(0.0, ge=0, help="lower bound on the ratio for tis, token_mask, seq_tis, seq_mask, "
                               "geo_mask; 0 = none (IcePop's alpha)")
     correction_high: float = F(2.0, gt=0, help="upper bound on the ratio for tis, token_mask, seq_tis, seq_mask, "
                                "geo_mask (TIS's C; IcePop's beta)")
     opsm_delta: float = F(0.5, ge=0, help="opsm: a negative-advantage sequence is dropped when its mean log-ratio "
                           "KL(behaviour || trainer) exceeds this (DeepSeek-V3.2's delta)")
-    m2po_tau: float = F(0.04, gt=0, help="m2po: the bound on the mean of (log r)^2 over the kept tokens of a "
-                        "micro-batch (M2PO's tau_M2)")
+    m2po_tau: float = F(0.04, gt=0, help="m2po: the bound on the mean of (log r)^2 over the kept candidate tokens "
+                        "of a micro-batch (M2PO's tau_M2)")
+    m2po_tokens: str = F("trust_region", choices=("trust_region", "all"),
+                         help="m2po's candidates: trust_region = the tokens where PPO's clip could act (A > 0 and "
+                              "r > 1, or A < 0 and r < 1), M2PO's Algorithm 1 | all = every trained token "
+                              "(AReaL's m2po)")
 
 
 @dataclass

@@ -22,11 +22,16 @@ correction gives a detached weight w_t that multiplies the token's policy-gradie
     opsm        w_t = 0 if A_i < 0 and -S_i / n_i > delta else 1           off-policy sequence masking: DeepSeek-V3.2,
                 arXiv 2512.02556, eq. 9 (the mean of log pi_behaviour - log pi_theta over the sequence is its KL
                 estimate); TRL `off_policy_mask_threshold` (GRPOTrainer.get_off_policy_mask)
-    m2po        w_t = 0 for the tokens of largest l_t^2, the fewest such that the mean of l_t^2 over the remaining
-                tokens is < tau; else 1 (all but one masked if no such set exists). M2PO, Zheng et al., "Prosperity
-                before Collapse", arXiv 2510.01161 (the second moment of the log ratio kept under tau_M2); the
-                procedure and the strict "<" as in AReaL's `_apply_m2po_masking` / `_get_m2po_loss_mask`
-                (areal/engine/ppo/actor.py), over the tokens of one loss call (a micro-batch), as AReaL does
+    m2po        w_t = 0 for the candidate tokens of largest l_t^2, the fewest such that the mean of l_t^2 over the
+                remaining candidates is <= tau; else 1. M2PO, Zheng et al., "Prosperity before Collapse", arXiv
+                2510.01161, Algorithm 1 (`m2po_tokens = "trust_region"`, the default): the candidates are the
+                trust-region tokens, where PPO's clip could act (A_i > 0 and r_t > 1, or A_i < 0 and r_t < 1),
+                masked one by one from the largest while their mean exceeds tau_M2 (all of them if need be);
+                `m2po_tokens = "all"`: every trained token, all but the smallest masked if no set gets there
+                (AReaL's `apply_m2po_masking`). Computed over the tokens of one loss call (a micro-batch), as the
+                authors' code (github.com/Infini-AI-Lab/M2PO, dp_actor's micro-batch loop) does; the paper's text
+                and AReaL take the whole batch, which needs every micro-batch's trainer log-probs, on every rank,
+                before the first backward
 Trained tokens are the model's: a multi-turn episode's observation tokens (mask 0) are in no sum, no count n_i
 and no M2PO ranking, so S_i is the product of the ratios of the model's own tokens.
 lo = 0 means no lower bound. A masked token adds nothing to the loss or the gradient but still counts in the
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 CORRECTIONS = ("none", "tis", "token_mask", "seq_tis", "seq_mask", "geo_mask", "opsm", "m2po")
+M2PO_TOKENS = ("trust_region", "all")
 # corrections whose weight is an importance ratio: the PPO ratio is then taken against the trainer's log-probs, so
 # that r_t is not counted twice (Yao et al.; TRL's ratio is against `old_per_token_logps`, its IS weight against
 # the sampling log-probs)
@@ -54,10 +60,13 @@ class Correction:
     high: float = 2.0      # upper bound on the ratio
     opsm_delta: float = 0.5
     m2po_tau: float = 0.04
+    m2po_tokens: str = "trust_region"   # M2PO's candidates: its Algorithm 1's trust-region tokens, or "all" (AReaL)
 
     def __post_init__(self) -> None:
         if self.kind not in CORRECTIONS:
             raise ValueError(f"correction {self.kind!r} is not one of {CORRECTIONS}")
+        if self.m2po_tokens not in M2PO_TOKENS:
+            raise ValueError(f"m2po_tokens {self.m2po_tokens!r} is not one of {M2PO_TOKENS}")
         if not 0 <= self.low < self.high:
             raise ValueError(f"correction bounds need 0 <= low < high, got low={self.low}, high={self.high}")
 
@@ -81,20 +90,30 @@ def _seg_sum(x: torch.Tensor, seq_idx: torch.Tensor, num_seqs: int) -> torch.Ten
     return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_idx, x)
 
 
-def m2po_keep(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:
-    """[N] bool, the tokens M2PO keeps (see the module docstring), computed on the device with no host read:
-    tokens outside `mask` sort last and count in no suffix mean."""
+def m2po_keep(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float, advantages: torch.Tensor | None = None,
+              tokens: str = "trust_region") -> torch.Tensor:
+    """[N] bool, the tokens M2PO keeps (see the module docstring), computed on the device with no host read. The
+    candidates: trained tokens (`mask`) in the trust region (A > 0 and l > 0, or A < 0 and l < 0; needs
+    `advantages`), or every trained token with `tokens = "all"`; the others are kept and count in no mean."""
     valid = mask > 0
+    if tokens == "trust_region":
+        if advantages is None:
+            raise ValueError("m2po over the trust-region tokens needs the advantages")
+        valid = valid & (((advantages > 0) & (log_ratio > 0)) | ((advantages < 0) & (log_ratio < 0)))
+    elif tokens != "all":
+        raise ValueError(f"m2po tokens {tokens!r} is not one of {M2PO_TOKENS}")
     m2 = torch.where(valid, log_ratio * log_ratio, torch.zeros_like(log_ratio))
     order = torch.argsort(torch.where(valid, m2, torch.full_like(m2, -1.0)), descending=True, stable=True)
     v, m = valid[order].to(m2.dtype), m2[order]
     suffix_sum = m.flip(0).cumsum(0).flip(0)
     suffix_cnt = v.flip(0).cumsum(0).flip(0)
-    below = (suffix_sum / suffix_cnt.clamp(min=1) < tau) & (v > 0)
+    below = (suffix_sum / suffix_cnt.clamp(min=1) <= tau) & (v > 0)
     n_valid = v.sum().long()
-    first = torch.where(below.any(), below.to(torch.int64).argmax(), n_valid - 1)  # tokens masked, largest first
-    keep_sorted = (torch.arange(m2.numel(), device=m2.device) >= first) & (v > 0)
-    return torch.zeros_like(valid).scatter(0, order, keep_sorted)
+    # none gets there: Algorithm 1 masks every candidate (its loop ends with T empty), AReaL all but the smallest
+    none = n_valid if tokens == "trust_region" else n_valid - 1
+    first = torch.where(below.any(), below.to(torch.int64).argmax(), none)   # candidates masked, largest first
+    masked_sorted = (torch.arange(m2.numel(), device=m2.device) < first) & (v > 0)
+    return ~torch.zeros_like(valid).scatter(0, order, masked_sorted) & (mask > 0)
 
 
 def correct(c: Correction, log_ratio: torch.Tensor, advantages: torch.Tensor, seq_idx: torch.Tensor,
@@ -106,7 +125,7 @@ def correct(c: Correction, log_ratio: torch.Tensor, advantages: torch.Tensor, se
     if c.kind == "none":
         return CorrectionOut(torch.ones_like(lr), none, none)
     if c.kind == "m2po":
-        drop = ~m2po_keep(lr, mask, c.m2po_tau)
+        drop = ~m2po_keep(lr, mask, c.m2po_tau, advantages, c.m2po_tokens) & (mask > 0)
         return CorrectionOut((~drop).to(lr.dtype), none, drop)
     if c.kind in ("tis", "token_mask"):
         r = torch.exp(lr)

@@ -107,7 +107,7 @@ class Trainer:
         if self.is_cap < 0:
             raise ValueError(f"is_cap must be >= 0 (0: no truncation), got {self.is_cap}")
         self.correction = Correction(cfg.correction, cfg.correction_low, cfg.correction_high, cfg.opsm_delta,
-                                     cfg.m2po_tau)
+                                     cfg.m2po_tau, cfg.m2po_tokens)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = (group or dist.group.WORLD) if self.distributed else None
         self.world = dist.get_world_size(self.group) if self.distributed else 1

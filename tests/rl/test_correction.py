@@ -96,27 +96,51 @@ def test_opsm_drops_negative_advantage_sequences_far_from_the_trainer_and_matche
     assert w == [TRL_OPSM[(adv, delta)][s] for s in SEQ]
 
 
-def test_m2po_masks_the_largest_squared_log_ratios_until_the_mean_is_below_tau():
-    # (ln r)^2 = [1.2069, 0.4805, 0, 1.9218, 0.1644]; sorted descending: t3, t0, t1, t4, t2. Means of what is left
-    # after masking the first k: k=0 0.7547, k=1 0.4630, k=2 0.2150, k=3 0.0822, k=4 0.0
+def test_m2po_masks_the_largest_squared_log_ratios_of_the_trust_region_until_their_mean_is_at_most_tau():
+    """M2PO's Algorithm 1 (arXiv 2510.01161): the candidates are the trust-region tokens, where PPO's clip could act.
+    With A = (+1, -1): sequence 0's r = 3 (A > 0, r > 1: in), 0.5 and 1 (out); sequence 1's r = 0.25 (A < 0, r < 1:
+    in), 1.5 (out). (ln r)^2 of t0 = 1.2069, t3 = 1.9218: mean 1.5644; without t3, 1.2069; then none left."""
+    sq = [math.log(r) ** 2 for r in R]
+    assert (sq[0] + sq[3]) / 2 == pytest.approx(1.5644, abs=1e-4) and sq[0] == pytest.approx(1.2069, abs=1e-4)
+    both, t0 = (sq[0] + sq[3]) / 2, sq[0]                  # at exactly tau nothing more goes (Algorithm 1's ">")
+    for tau, dropped in ((2.0, []), (both, []), (1.5, [3]), (t0, [3]), (1.2, [3, 0]), (0.04, [3, 0])):
+        w, _, masked = run("m2po", m2po_tau=tau)
+        assert [i for i in range(5) if masked[i]] == sorted(dropped), tau
+        close(w, [0.0 if i in dropped else 1.0 for i in range(5)])
+    # the other advantage signs move the region: A = (-1, +1) takes r = 0.5 (t1) and r = 1.5 (t4)
+    w, _, masked = run("m2po", adv=(-1.0, 1.0), m2po_tau=0.1)       # (ln 0.5)^2 = 0.4805, (ln 1.5)^2 = 0.1644
+    assert [i for i in range(5) if masked[i]] == [1, 4]             # 0.3224 > 0.1, then 0.1644 > 0.1: both go
+
+
+def test_m2po_over_every_token_masks_the_largest_squared_log_ratios_until_the_mean_is_at_most_tau():
+    # m2po_tokens = "all" (AReaL's apply_m2po_masking): (ln r)^2 = [1.2069, 0.4805, 0, 1.9218, 0.1644]; sorted
+    # descending: t3, t0, t1, t4, t2. Means of what is left after masking the first k: k=0 0.7547, k=1 0.4630,
+    # k=2 0.2150, k=3 0.0822, k=4 0.0
     sq = [math.log(r) ** 2 for r in R]
     order = [3, 0, 1, 4, 2]
     rest = [sum(sq[i] for i in order[k:]) / (5 - k) for k in range(5)]
     assert rest == pytest.approx([0.75472, 0.46295, 0.21495, 0.08220, 0.0], abs=1e-4)
-    for tau, dropped in ((1.0, []), (0.5, [3]), (0.1, [3, 0, 1]), (0.04, [3, 0, 1, 4])):
-        w, _, masked = run("m2po", m2po_tau=tau)
+    for tau, dropped in ((1.0, []), (0.5, [3]), (0.1, [3, 0, 1]), (0.04, [3, 0, 1, 4]), (rest[2], [3, 0])):
+        w, _, masked = run("m2po", m2po_tau=tau, m2po_tokens="all")
         assert [i for i in range(5) if masked[i]] == sorted(dropped), tau
         close(w, [0.0 if i in dropped else 1.0 for i in range(5)])
 
 
-def test_m2po_keeps_one_token_when_no_set_gets_below_tau_and_ignores_untrained_tokens():
+def test_m2po_when_no_set_gets_there_and_untrained_tokens():
     lr = torch.tensor([1.0, -1.0, 1.0, 5.0], dtype=D)
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=D)  # the 5.0 is not trained: it must not count anywhere
-    keep = m2po_keep(lr, mask, tau=0.5)  # every (ln r)^2 is 1 >= 0.5: AReaL masks all but one
+    keep = m2po_keep(lr, mask, tau=0.5, tokens="all")  # every (ln r)^2 is 1 > 0.5: AReaL masks all but one
     assert int(keep.sum()) == 1 and not keep[3]
-    keep = m2po_keep(lr, mask, tau=1.5)  # the mean of the trained ones is 1 < 1.5: nothing masked
+    keep = m2po_keep(lr, mask, tau=1.5, tokens="all")  # the mean of the trained ones is 1 <= 1.5: nothing masked
     assert keep.tolist() == [True, True, True, False]
-    assert not m2po_keep(lr, torch.zeros(4, dtype=D), tau=0.5).any()  # a dummy micro-batch
+    adv = torch.tensor([1.0, 1.0, -1.0, 1.0], dtype=D)   # trust region: t0 only (A > 0, r > 1); t1, t2 outside
+    keep = m2po_keep(lr, mask, tau=0.5, advantages=adv)  # its (ln r)^2 = 1 > 0.5: Algorithm 1 masks it, T empties
+    assert keep.tolist() == [False, True, True, False]
+    assert not m2po_keep(lr, torch.zeros(4, dtype=D), tau=0.5, advantages=adv).any()  # a dummy micro-batch
+    with pytest.raises(ValueError, match="needs the advantages"):
+        m2po_keep(lr, mask, tau=0.5)
+    with pytest.raises(ValueError, match="m2po_tokens"):
+        Correction("m2po", m2po_tokens="some")
 
 
 def trl_is(mode, lr, cmin, cmax):
