@@ -34,8 +34,9 @@ def views(elastic: bool = True) -> Views:
 
 def test_verl_hybrid_switches_on_the_buffer_as_its_source_says():
     """ratio 0.5 of a 4-sample batch: 2 buffered samples deactivate the Hybrid engine (its running request
-    interrupted first, the Standalone one untouched); at the next publication, with fewer than 4 buffered, it comes
-    back; with a full batch buffered it stays with the trainer; on real ranks (not elastic) nothing happens."""
+    interrupted first, the Standalone one untouched); at the next publication it comes back only while fewer than
+    0.5 x 4 samples are buffered (fixed_ratio's gap: generated - expected < ratio x required), so with those 2 still
+    buffered it stays with the trainer, and with them trained it comes back; on real ranks nothing happens."""
     p = sched.load_preset("pipelinerl", OVER)
     rb = p.rebalance
     assert sched.load_preset("pipelinerl", OVER).rebalance.plan(views(elastic=False)) == []
@@ -44,15 +45,46 @@ def test_verl_hybrid_switches_on_the_buffer_as_its_source_says():
     v.engines[2].lent = True
     assert rb.plan(v) == []                                     # no publication yet
     v.trainer.published = 1
+    assert rb.plan(v) == [] and not rb.active                   # 2 buffered = 0.5 x 4: no gap
+    v.groups[0].consumed = True                                 # trained: nothing buffered
+    v.groups.track(v.groups[0])
+    v.trainer.published = 2
     assert rb.plan(v) == [ReturnEngines([2])] and rb.active
-    rb2 = sched.load_preset("pipelinerl", OVER).rebalance
-    rb2.active, rb2.seen = False, 0
-    full = views()
-    full.groups[1].scored, full.groups[1].materialized_seq = 2, 2
-    full.groups[1].trajectories = [Trajectory(1, i, [1], [2], [-1.0], [0], "stop") for i in range(2)]
-    full.groups.track(full.groups[1])
-    full.trainer.published = 1
-    assert rb2.plan(full) == [] and not rb2.active               # a full batch buffered: no gap, no activation
+
+
+def test_verl_hybrid_default_policy_adapts_its_ratio_and_gates_activation_on_cost_and_benefit():
+    """verl's `default` policy (default_policy.py) by hand on a 4-sample batch, ratio 0.5: the trainer comes free
+    with 0 buffered at t = 0 and its batch is there at t = 8 (8 s for 4 samples waited on: 2 s a sample); at the
+    publication the gap is 0.5 x 4 - 0 = 2 samples = 4 s < the 10 s switch cost: no activation (gated), and the
+    ratio rises by clip(4 / 4, 0.02, 0.1) = 0.1. A cycle without waits lowers it by 0.02. Before any wait is
+    measured the time per sample is 1000 s: any gap activates."""
+    over = {"rebalance": {"name": "verl_hybrid", "hybrid": 1, "deactivate_ratio": 0.5, "policy": "default"}}
+    rb = sched.load_preset("pipelinerl", over).rebalance
+    rb.active, rb.seen = False, 0
+    v = views()
+    v.groups[0].consumed = True                                 # nothing buffered
+    v.groups.track(v.groups[0])
+    v.engines[2].lent = True
+    v.now = 0.0
+    assert rb.plan(v) == []                                     # the trainer is free, waiting
+    for gid in (0, 1):                                          # 4 samples arrive: two fresh groups ready
+        g = v.groups[gid]
+        g.consumed, g.scored, g.materialized_seq = False, 2, 5 + gid
+        g.trajectories = [Trajectory(gid, i, [1], [2], [-1.0], [0], "stop") for i in range(2)]
+        v.groups.track(g)
+    v.now = 8.0
+    assert rb.plan(v) == [] and (rb.wait_s, rb.wait_samples) == (8.0, 4)
+    for gid in (0, 1):                                          # trained, and the weights published
+        v.groups[gid].consumed = True
+        v.groups.track(v.groups[gid])
+    v.trainer.published = 1
+    assert rb.plan(v) == [] and not rb.active and rb.stats()["gated"] == 1.0
+    assert rb.per_sample_s == 2.0 and rb.ratio == 0.6
+    v.trainer.published = 2                                     # a cycle without waits: gap 0.6 x 4 = 2.4
+    assert rb.plan(v) == [] and rb.ratio == 0.6 - 0.02          # samples x 2 s = 4.8 s < 10 s: still gated
+    fresh = sched.load_preset("pipelinerl", over).rebalance     # no wait measured yet: 1000 s a sample
+    fresh.active, fresh.seen = False, 0
+    assert fresh.plan(v) == [ReturnEngines([2])] and fresh.active
 
 
 def test_verl_hybrid_leaves_a_standalone_engine():
@@ -68,8 +100,8 @@ def test_verl_hybrid_leaves_a_standalone_engine():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), engines=st.integers(2, 4), prompts=st.integers(1, 4),
-       ratio=st.sampled_from([0.1, 0.3, 1.0]))
-def test_verl_hybrid_never_trains_while_its_hybrid_engines_roll_out(seed, engines, prompts, ratio):
+       ratio=st.sampled_from([0.1, 0.3, 1.0]), policy=st.sampled_from(["fixed_ratio", "default"]))
+def test_verl_hybrid_never_trains_while_its_hybrid_engines_roll_out(seed, engines, prompts, ratio, policy):
     """On random simulated schedules: whenever the trainer trains, every Hybrid engine is lent to it; nothing runs
     on a lent engine; interrupted requests resume elsewhere with nothing lost; the preset's own bound holds."""
     H = engines - 1
@@ -81,7 +113,8 @@ def test_verl_hybrid_never_trains_while_its_hybrid_engines_roll_out(seed, engine
         assert not any(v.engines[r.engine].lent for r in v.requests.in_state(S.RUNNING))
 
     ctl, events, w = sim_run("pipelinerl", seed, engines, 3, prompts, 6,
-                             {"rebalance": {"name": "verl_hybrid", "hybrid": 1, "deactivate_ratio": ratio}},
+                             {"rebalance": {"name": "verl_hybrid", "hybrid": 1, "deactivate_ratio": ratio,
+                                            "policy": policy}},
                              check=check)
     assert ctl.v.trainer.steps_done == 6
     stats = ctl.preset.rebalance.stats()
