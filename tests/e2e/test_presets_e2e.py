@@ -328,6 +328,29 @@ def test_windowed_fifo_lets_younger_groups_overtake_a_straggler_on_real_ranks_bu
     assert report["stale"] == report["twice"] == report["lost"] == [], report
 
 
+def test_adaptive_concurrency_cuts_its_cap_when_a_small_kv_pool_preempts_on_real_ranks(tmp_path):
+    """prime-rl's adaptive concurrency on real ranks, with a KV pool too small for a batch (512 tokens an engine)
+    and polls every 10 ms (the preset's 5 s is longer than this run): the engines preempt, the cap is cut (HARD) below
+    the first step's one batch and never below a group, and the requests in flight never exceed the highest cap."""
+    P, G = 8, 8                                            # tiny.toml's group size
+    run = tmp_path / "adaptive_concurrency"
+    torchrun(3, f"--log.dir={run}", "--sched.preset=adaptive_concurrency", "--sched.dispatch.poll_s=0.01",
+             "--cluster.rollout_ranks=2", "--train.steps=6", f"--rollout.prompts_per_step={P}",
+             "--checkpoint.export_hf=false", *WORKLOAD, "--data.len_tail_frac=0.25", "--rollout.kv_cache_tokens=512")
+    events = event_rows(run / "events.jsonl")
+    assert max(e["data"].get("preemptions", 0) for e in events if e["kind"] == "tokens_decoded") > 0
+    stats = next(e["data"]["dispatch"] for e in events if e["kind"] == "policy_stats")
+    assert stats["hard_cuts"] >= 1 and G <= stats["n_max_low"] < P * G, stats
+    in_flight = peak = 0
+    for e in events:
+        in_flight += {"request_admitted": 1, "trajectory_finished": -1, "trajectory_interrupted": -1,
+                      "trajectory_aborted": -1}.get(e["kind"], 0)
+        peak = max(peak, in_flight)
+    assert 0 < peak <= stats["n_max_high"], (peak, stats)
+    report = check_offpolicy_log_of(events)
+    assert report["twice"] == report["lost"] == report["unreturned"] == [], report
+
+
 def check_offpolicy_log_of(events: list[dict], bound: int | None = None) -> dict:
     from tests.support.offpolicy_log import check_offpolicy_log
     return check_offpolicy_log(events, bound)
