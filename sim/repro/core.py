@@ -338,14 +338,6 @@ def _ask(all_runs: list[Runs], task: Task) -> dict[SimSpec, None]:
     return asked
 
 
-def _wanted(p: Paper, all_runs: list[Runs]) -> dict[SimSpec, None]:
-    """The simulations every row and note reads that no Runs has yet (`_ask` over `_tasks`)."""
-    wanted: dict[SimSpec, None] = {}
-    for task in _tasks(p, all_runs):
-        wanted.update(_ask(all_runs, task))
-    return wanted
-
-
 def _next_spec(todo: list[SimSpec], running: list[SimSpec], seconds: dict[tuple, float]) -> SimSpec:
     """Which simulation a free worker takes: first one of each kind not timed yet (its time is learned), then the
     longest by its kind's time on another seed (longest first: the pool does not end on one long run while the
