@@ -13,6 +13,7 @@ import pytest
 
 from bench.policies import WORKLOAD
 from tests.support.launch import event_rows, metrics, torchrun
+from tests.support.offpolicy_log import check_offpolicy_log
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -169,7 +170,6 @@ def test_offpolicy_preset_runs_on_real_ranks_and_keeps_the_invariants(preset, bo
     but no group is trained twice or before it materialised, no finished sample of a trained group is missing, and
     every interrupted request comes back (tests/support/offpolicy_log.py). Laminar's real-rank runs (a full buffer,
     forced repacks, a failed engine) follow, each with the same checks."""
-    from tests.support.offpolicy_log import check_offpolicy_log
     run = tmp_path / preset
     torchrun(3, f"--log.dir={run}", f"--sched.preset={preset}", "--cluster.rollout_ranks=2", "--train.steps=6",
              "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false")
@@ -186,7 +186,6 @@ def test_laminar_with_a_full_experience_buffer_evicts_on_real_ranks_and_keeps_th
     and the off-policy invariants hold. The trainer is slowed at steps 2 and 4 (a train rank sleeps 0.3 s at each
     progress report): the tiny model's train step alone (~0.1 s) is sometimes faster than the engines' batches, and
     then nothing would ever be evicted."""
-    from tests.support.offpolicy_log import check_offpolicy_log
     run = tmp_path / "laminar"
     torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=6",
              "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--sched.handoff.capacity=8",
@@ -208,7 +207,6 @@ def test_laminar_repack_moves_kv_on_real_ranks_or_re_prefills_when_switched_off(
     off-policy invariants hold; in colocated mode too (2 ranks, each an engine and a trainer shard). The repack monitor
     runs every 10 ms: on a fast host a round's tail lasts less than its old 50 ms period, and colocated runs saw 0-186
     migrations (three runs) where every run now sees ~200."""
-    from tests.support.offpolicy_log import check_offpolicy_log
     run = tmp_path / "laminar"
     ranks = ["--cluster.colocate=true", "--cluster.world_size=2"] if colocate else ["--cluster.rollout_ranks=2"]
     torchrun(2 if colocate else 4, f"--log.dir={run}", "--sched.preset=laminar", *ranks, "--train.steps=6",
@@ -247,7 +245,6 @@ def test_laminar_isolates_an_engine_failure_on_real_ranks_and_loses_nothing(tmp_
     so the fault lands mid-batch, after two streams.) Train rank 0 sleeps 0.8 s at each progress report of step 3,
     so the run outlasts the engine's second of downtime on any host (on a fast one the six steps it ran before took
     0.9 s in all, and the engine had nothing left to rejoin)."""
-    from tests.support.offpolicy_log import check_offpolicy_log
     run = tmp_path / "laminar"
     env = {"TIDAL_FAULTS": "fail 2 decode 20 1.0 & slow 0 train 3 0.8"}
     torchrun(4, f"--log.dir={run}", "--sched.preset=laminar", "--cluster.rollout_ranks=2", "--train.steps=8",
@@ -301,7 +298,7 @@ def test_pipelinerl_keeps_the_running_kv_across_loads_on_real_ranks_where_an_are
         loads = [e["data"] for e in events if e["kind"] == "weights_loaded" and e["data"].get("running", 0) > 0]
         assert loads, f"{ws}: no load found a sequence running: the check would be vacuous"
         assert all(d["kept_kv"] == (d["running"] if ws == "in_flight" else 0) for d in loads), (ws, loads)
-        report = check_offpolicy_log_of(events)
+        report = check_offpolicy_log(events)
         assert report["twice"] == report["lost"] == report["unreturned"] == [], report
         if ws == "in_flight":
             for i, (_, u) in enumerate(groups_started(events)):
@@ -324,7 +321,7 @@ def test_windowed_fifo_lets_younger_groups_overtake_a_straggler_on_real_ranks_bu
     over = {g: sum(1 for other in order[:i] if other > g) for i, g in enumerate(order)}
     assert sum(over.values()) > 0, "no group was overtaken: the bound below would be vacuous"
     assert max(over.values()) <= W - 1, over
-    report = check_offpolicy_log_of(events, S + -(-(W - 1) // P))
+    report = check_offpolicy_log(events, S + -(-(W - 1) // P))
     assert report["stale"] == report["twice"] == report["lost"] == [], report
 
 
@@ -347,10 +344,5 @@ def test_adaptive_concurrency_cuts_its_cap_when_a_small_kv_pool_preempts_on_real
                       "trajectory_aborted": -1}.get(e["kind"], 0)
         peak = max(peak, in_flight)
     assert 0 < peak <= stats["n_max_high"], (peak, stats)
-    report = check_offpolicy_log_of(events)
+    report = check_offpolicy_log(events)
     assert report["twice"] == report["lost"] == report["unreturned"] == [], report
-
-
-def check_offpolicy_log_of(events: list[dict], bound: int | None = None) -> dict:
-    from tests.support.offpolicy_log import check_offpolicy_log
-    return check_offpolicy_log(events, bound)
