@@ -139,9 +139,10 @@ class Controller:
     # ---------------------------------------------------------------------------------------------- decisions
     def decide(self, backend: Backend) -> None:
         p, v = self.preset, self.v
-        resets, self.life.fold.resets = self.life.fold.resets, []
-        for engine in resets:
-            backend.command(ResetEngine(engine))
+        if self.life.fold.resets:
+            resets, self.life.fold.resets = self.life.fold.resets, []
+            for engine in resets:
+                backend.command(ResetEngine(engine))
         plan = 0 if self.intake_closed() else p.dispatch.intake(v)
         if isinstance(plan, RoundPlan) or plan > 0:
             self.start_round(plan)

@@ -38,11 +38,15 @@ class GroupTable(IndexedTable):
 
     def track(self, g: "GroupState") -> None:
         """Re-evaluate group g's index membership after its scored / dropped / consumed counts changed."""
-        for idx, member in ((self._open, not g.closed), (self._ready, g.materialized and not g.consumed)):
-            if member:
-                idx[g.group_id] = g
-            else:
-                idx.pop(g.group_id, None)
+        gid = g.group_id
+        if g.closed:
+            self._open.pop(gid, None)
+        else:
+            self._open[gid] = g
+        if g.materialized and not g.consumed:
+            self._ready[gid] = g
+        else:
+            self._ready.pop(gid, None)
 
     def check(self) -> None:
         """Raise AssertionError if an index disagrees with the groups' counts (tests call it)."""

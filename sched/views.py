@@ -58,7 +58,7 @@ REGENERATE = LIVE + (S.RESTORED,)                                  # generated a
 # (tuples, not sets: a set of str-valued members iterates in a per-process hash order)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sample to generate: G of these make a group."""
     req_id: int
@@ -94,7 +94,7 @@ class Request:
         return len(self.partial.response_ids) if self.partial is not None else 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class GroupState:
     group_id: int
     prompt_index: int

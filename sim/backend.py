@@ -322,14 +322,19 @@ class SimBackend:
     @staticmethod
     def trajectory(engine: int, r: SimRequest, reason: str, **kw) -> Trajectory:
         """r's trajectory so far; a multi-turn one's observation tokens have loss mask 0 and logprob 0.0."""
-        runs = tuple([(v, c) for v, c in r.runs if c > 0])   # RunList(r.runs), without its generic checks
+        rr = r.runs      # RunList(r.runs), without its generic checks; mostly one version throughout
+        if len(rr) == 1 and rr[0][1] > 0:
+            runs, total = ((rr[0][0], rr[0][1]),), rr[0][1]
+        else:
+            runs = tuple([(v, c) for v, c in rr if c > 0])
+            total = sum([c for _, c in runs])
         logprobs = RunList.of(FAKE_LOGPROB, r.done)
         if r.calls:
             mask = loss_mask_runs(r.calls, r.done)
             kw["loss_mask"] = trusted_runs(mask, r.done)
             logprobs = trusted_runs(tuple((FAKE_LOGPROB if m else 0.0, n) for m, n in mask), r.done)
         return Trajectory(r.group_id, r.sample_index, r.prompt_ids, RunList.of(FAKE_TOKEN, r.done),
-                          logprobs, trusted_runs(runs, sum([c for _, c in runs])), reason,
+                          logprobs, trusted_runs(runs, total), reason,
                           prompt_index=r.prompt_index,
                           meta={"engine": engine, "preemptions": r.preemptions}, **kw)
 

@@ -67,6 +67,8 @@ class RewardLatency:
     tasks: tuple[RewardTask, ...] = (RewardTask("math", 1.0, 0.02, 1.0, 2.0),)
 
     def task_of(self, mix: float) -> RewardTask:
+        if len(self.tasks) == 1:    # one task (most settings): every prompt's
+            return self.tasks[0]
         u = mix * sum(t.weight for t in self.tasks)
         for t in self.tasks:
             if u < t.weight:

@@ -66,7 +66,7 @@ from sim.tokens import partial_chunk
 _slot = attrgetter("slot")
 
 
-@dataclass(eq=False)  # identity equality: list.remove must not compare field by field
+@dataclass(eq=False, slots=True)  # identity equality: list.remove must not compare field by field
 class SimRequest:
     req_id: int
     group_id: int
@@ -122,7 +122,7 @@ class EngineHost(Protocol):
     def tool_started(self, engine: int, req: SimRequest, t: float) -> None: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class _Segment:
     start: float
     prefill_s: float

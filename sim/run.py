@@ -24,10 +24,11 @@ from typing import Any, Iterator, Sequence
 import sched
 from sched.base import Preset
 from sched.controller import Controller, PromptItem
-from sched.events import Event, EventLog, from_columns, to_columns
+from sched.events import Event, EventLog
 from sched.metrics import summarize
 from sim.backend import EngineFault, SimBackend, StopSimulation
 from sim.cost import CostModel
+from sim.packed import PackedEvents
 from sim.profiles import get_profile
 from sim.ranker import NoisyRanker, install
 from sim.tokens import RunList
@@ -50,36 +51,35 @@ class SimResult:
     policy: Any = field(default=None, repr=False)  # the Preset as it ended (its mechanisms' own state)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled (a reproduction's pool ships results, sim/repro/core.py) with the events as columns (without the
-        memo of `of`)."""
+        """Pickled (a reproduction's pool ships results, sim/repro/core.py) with the events packed
+        (sim/packed.py), without the memo of `of`."""
         state = dict(self.__dict__)
         state.pop("_of", None)
-        cols = self._columns()
-        state.pop("_cols", None)
-        state["events"] = cols if cols is not None else to_columns(state["events"])
+        packed = state.pop("_packed", None)
+        state["events"] = packed if packed is not None else PackedEvents(state["events"])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickled with the events still as columns: `of` builds only the kinds it is asked for (a row reads a
-        few kinds of ~10^5-10^6 events), `events` the whole list when first read."""
-        cols = state.pop("events")
-        self.__dict__.update(state, _cols=cols)
+        """Unpickled with the events still packed: `of` makes only the kinds it is asked for (a row reads a few
+        kinds of ~10^5-10^6 events), `events` the whole list when first read."""
+        packed = state.pop("events")
+        self.__dict__.update(state, _packed=packed)
 
     def __getattr__(self, name: str) -> Any:
-        cols = self.__dict__.get("_cols") if name == "events" else None
-        if cols is None:
+        packed = self.__dict__.get("_packed") if name == "events" else None
+        if packed is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        events = self.__dict__["events"] = from_columns(cols)
-        del self.__dict__["_cols"]
+        events = self.__dict__["events"] = packed.select()
+        del self.__dict__["_packed"]
         return events
 
-    def _columns(self) -> tuple[list[Any], ...] | None:
-        """The unpickled columns while the events list is not built (None once it is, or if never pickled)."""
-        return None if "events" in self.__dict__ else self.__dict__.get("_cols")
+    def _packed_events(self) -> PackedEvents | None:
+        """The unpickled events while the list is not built (None once it is, or if never pickled)."""
+        return None if "events" in self.__dict__ else self.__dict__.get("_packed")
 
     def _memo(self) -> dict[Any, Any]:
         """What `of` and `end_t` computed from this run's events (made again if the list is replaced)."""
-        src = self._columns()
+        src = self._packed_events()
         if src is None:
             src = self.events
         memo = self.__dict__.get("_of")
@@ -94,11 +94,8 @@ class SimResult:
         out = memo.get(kinds)
         if out is None:
             want = frozenset(kinds)
-            cols = self._columns()
-            if cols is None:
-                out = [e for e in self.events if e.kind in want]
-            else:
-                out = from_columns(cols, [i for i, k in enumerate(cols[0]) if k in want])
+            packed = self._packed_events()
+            out = [e for e in self.events if e.kind in want] if packed is None else packed.select(want)
             memo[kinds] = out
         return out
 
@@ -107,8 +104,13 @@ class SimResult:
         """The latest event time of the log (kept, as `of`'s selections)."""
         memo = self._memo()
         if "end_t" not in memo:
-            cols = self._columns()
-            memo["end_t"] = max(cols[1]) if cols is not None else max(e.t for e in self.events)
+            packed = self._packed_events()
+            if packed is None:
+                memo["end_t"] = max(e.t for e in self.events)
+            elif packed.end_t is None:
+                raise ValueError("end_t of a run without events")
+            else:
+                memo["end_t"] = packed.end_t
         return memo["end_t"]
 
     def write(self, out_dir: str | Path, timeline: bool = True) -> Path:

@@ -529,9 +529,14 @@ def test_rollout_failure_while_writing_leaves_no_partial_out(model_dir, tmp_path
 
 # --------------------------------------------------------------------------------------------- safe loading audit
 
+# The files that may unpickle, each reading only what its own process tree wrote: the control channel (ranks of one
+# job), and a reproduction's pool (its forked workers' results).
+PICKLE_READERS = ("runtime/channel.py", "sim/packed.py")
+
+
 def audit(source: str, rel: str) -> list[str]:
     """Unsafe-loading patterns in one file's source: eval/exec, torch.load without weights_only=True, pickle loads
-    outside the control channel, trust_remote_code=True, np.load(allow_pickle=True), sympy's string parsers."""
+    outside PICKLE_READERS, trust_remote_code=True, np.load(allow_pickle=True), sympy's string parsers."""
     found = []
     for node in ast.walk(ast.parse(source, rel)):
         if not isinstance(node, ast.Call):
@@ -548,7 +553,7 @@ def audit(source: str, rel: str) -> list[str]:
             if not (isinstance(wo, ast.Constant) and wo.value is True):
                 found.append(f"{where}: torch.load without weights_only=True")
         if owner in ("pickle", "cPickle", "dill", "cloudpickle") and name in ("load", "loads") \
-                and rel != "runtime/channel.py":
+                and rel not in PICKLE_READERS:
             found.append(f"{where}: {owner}.{name} outside the control channel")
         if isinstance(kw.get("trust_remote_code"), ast.Constant) and kw["trust_remote_code"].value is True:
             found.append(f"{where}: trust_remote_code=True runs code from a model directory")

@@ -1,5 +1,5 @@
 """The reproductions' pool (sim/repro/core.py `evaluate`): simulations run in worker processes and come back pickled
-(SimResult's columns), giving the same rows as one process; a run chosen from another run's figures is asked for
+(SimResult's packed events), giving the same rows as one process; a run chosen from another run's figures is asked for
 once that run is back; each row is computed once; a failing simulation is that row's error, not the command's; a
 hung pool ends at its deadline with a named error."""
 import pickle
@@ -54,8 +54,12 @@ def test_an_unpickled_result_builds_only_the_kinds_read_and_the_whole_log_when_a
     r = simulate("staleflow", "cpu_tiny", "cpu_tiny", 2, 2, steps=3, group_size=4, prompts_per_step=4)
     back = pickle.loads(pickle.dumps(r))
     kinds = ("train_step_done", "trajectory_finished")
-    assert "events" not in vars(back)                        # still columns
+    assert "events" not in vars(back)                        # still packed
     assert back.of(*kinds) == r.of(*kinds) and back.of(*kinds) and back.end_t == r.end_t
+    packed = vars(back)["_packed"]
+    made = {packed.kinds[k] for k in packed._made}
+    assert made == set(kinds) and len(packed.kinds) > len(kinds)   # the other kinds' blobs are still bytes
+    assert back.of("nothing_logged") == []
     again = pickle.loads(pickle.dumps(back))                 # re-pickled from its columns
     assert "events" not in vars(back) and again.events == r.events
     assert back.events == r.events and back.of(*kinds) == r.of(*kinds)    # the whole list, once read

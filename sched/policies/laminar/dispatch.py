@@ -71,8 +71,12 @@ class LaminarDispatch(Dispatch):
         return n
 
     def admit(self, v: Views) -> list[Submit]:
+        pending = v.pending_by_group()
+        if not pending:             # the common case: called on every event
+            self.todo.clear()
+            return []
         out: dict[int, list[int]] = {}
-        for ids in v.pending_by_group().values():
+        for ids in pending.values():
             back = [i for i in ids if v.requests[i].partial is not None or v.requests[i].v_traj >= 0]
             if back:                # handed back without a destination: resumed one by one (class docstring)
                 for i in back:
