@@ -19,20 +19,23 @@ class PackedEvents:
     FIELDS = ("t", "rank", "engine", "req_id", "group_id", "version", "data")
     __slots__ = ("kinds", "order", "blobs", "end_t", "_made")
 
-    def __init__(self, events: list[Event]):
+    def __init__(self, events: list[Event], only: frozenset[str] | None = None):
+        """`only`: the kinds to carry (None: all); the others are left out."""
         index: dict[str, int] = {}
         per: list[list[Event]] = []
-        order = bytearray(len(events))
-        for i, e in enumerate(events):
+        order = bytearray()
+        for e in events:
             k = index.get(e.kind)
             if k is None:
-                k = index[e.kind] = len(per)
-                per.append([])
-            order[i] = k
-            per[k].append(e)
-        if len(per) > 256:
-            raise ValueError(f"{len(per)} event kinds do not fit one byte each")
-        self.kinds = tuple(index)
+                k = index[e.kind] = len(per) if only is None or e.kind in only else -1   # -1: left out
+                if k >= 0:
+                    if k == 256:
+                        raise ValueError("more than 256 event kinds: the log order keeps one byte per event")
+                    per.append([])
+            if k >= 0:
+                order.append(k)
+                per[k].append(e)
+        self.kinds = tuple(kind for kind, k in index.items() if k >= 0)
         self.order = bytes(order)
         self.blobs = tuple(pickle.dumps(tuple(list(map(attrgetter(f), evs)) for f in self.FIELDS),
                                         pickle.HIGHEST_PROTOCOL) for evs in per)

@@ -56,7 +56,7 @@ class SimResult:
         state = dict(self.__dict__)
         state.pop("_of", None)
         packed = state.pop("_packed", None)
-        state["events"] = packed if packed is not None else PackedEvents(state["events"])
+        state["events"] = packed if packed is not None else PackedEvents(state["events"], state.get("_ships"))
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -69,6 +69,10 @@ class SimResult:
         packed = self.__dict__.get("_packed") if name == "events" else None
         if packed is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        ships = self.__dict__.get("_ships")
+        if ships is not None:
+            raise AttributeError(f"this result carries only the event kinds {sorted(ships)} (ship_only): read them "
+                                 f"with of()")
         events = self.__dict__["events"] = packed.select()
         del self.__dict__["_packed"]
         return events
@@ -87,6 +91,11 @@ class SimResult:
             memo = self.__dict__["_of"] = (src, {})
         return memo[1]
 
+    def ship_only(self, kinds: frozenset[str]) -> None:
+        """Carry only these event kinds when pickled (a reproduction whose rows read no other:
+        `Paper.reads_kinds`); from then on, `of` another kind raises, here and wherever the result is unpickled."""
+        self.__dict__["_ships"] = frozenset(kinds)
+
     def of(self, *kinds: str) -> list[Event]:
         """The run's events of these kinds, in log order: a reproduction's figures read a few kinds of a log of
         ~10^5-10^6 events, each several times, so each selection is made once and kept."""
@@ -94,6 +103,10 @@ class SimResult:
         out = memo.get(kinds)
         if out is None:
             want = frozenset(kinds)
+            ships = self.__dict__.get("_ships")
+            if ships is not None and not want <= ships:
+                raise KeyError(f"event kinds {sorted(want - ships)} not in the paper's reads_kinds, the only kinds "
+                               f"this result carries ({sorted(ships)})")
             packed = self._packed_events()
             out = [e for e in self.events if e.kind in want] if packed is None else packed.select(want)
             memo[kinds] = out

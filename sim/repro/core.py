@@ -106,14 +106,16 @@ class Runs:
     as results arrive, until it reads nothing missing: a row must be a pure function of its runs (`values` keeps
     what each row and note computed, by its function). `first`: the first seed's Runs (itself for the first seed),
     where a choice made once for every seed (a tuned GPU split) reads its runs. `keep_policy`: whether a result
-    keeps its Preset as it ended (`Paper.reads_policy`; `_strip`)."""
+    keeps its Preset as it ended (`Paper.reads_policy`), `kinds` the event kinds it carries (`Paper.reads_kinds`;
+    `_strip`)."""
 
-    def __init__(self, seed: int, first: "Runs | None" = None, keep_policy: bool = True):
+    def __init__(self, seed: int, first: "Runs | None" = None, keep_policy: bool = True,
+                 kinds: frozenset[str] | None = None):
         self.seed, self.cache = seed, {}
         self.first = self if first is None else first
         self.wanted: dict[SimSpec, None] | None = None
         self.values: dict[Callable[["Runs"], Any], Any] = {}
-        self.keep_policy = keep_policy
+        self.keep_policy, self.kinds = keep_policy, kinds
 
     def get(self, preset: str, s: Setting, overrides: tuple = (), counters_every_s: float | None = None,
             progress: bool = False) -> SimResult | None:
@@ -126,7 +128,7 @@ class Runs:
             if self.wanted is not None:
                 self.wanted[spec] = None
                 raise Missing
-            r = self.cache[spec] = _strip(spec.run(), self.keep_policy)
+            r = self.cache[spec] = _strip(spec.run(), self.keep_policy, self.kinds)
         if isinstance(r, Exception):    # the pool's run of it failed
             raise r
         return r
@@ -143,11 +145,15 @@ class Runs:
         return self.values[fn]
 
 
-def _strip(r: SimResult, keep_policy: bool) -> SimResult:
+def _strip(r: SimResult, keep_policy: bool, kinds: frozenset[str] | None = None) -> SimResult:
     """A result as the rows read it: without the Preset as it ended unless the paper reads it (a Laminar run's
-    experience buffer alone pickles to ~10 MB, a second in each direction between a worker and this process)."""
+    experience buffer alone pickles to ~10 MB, a second in each direction between a worker and this process); with
+    only the event kinds the paper reads, when it names them (SimResult.ship_only: the per-request kinds, most of a
+    run's events, are packed in ~0.3 s of a worker's time per Laminar-sized run and seldom read)."""
     if not keep_policy:
         r.policy = None
+    if kinds is not None:
+        r.ship_only(kinds)
     return r
 
 
@@ -191,6 +197,8 @@ class Paper:
     notes: list[Callable[[Runs], str]] = field(default_factory=list)   # printed from the first seed's runs
     seeds: int = 3                            # default number of seeds (0, 1, ...)
     reads_policy: bool = False                # a row or note reads a run's `policy` (else results go without it)
+    reads_kinds: frozenset[str] | None = None   # the only event kinds its rows and notes read, through `of`
+    #                                             (results carry no other; None: every kind)
 
 
 def band(row: Row) -> tuple[float, float]:
@@ -290,19 +298,20 @@ class _scaled_profiles:
         PROFILES.update(self.saved)
 
 
-def _run_spec(job: tuple[SimSpec, Sensitivity, bool]) -> tuple[SimSpec, SimResult | Exception, float]:
-    """A pool's task (spec, sensitivity, keep_policy): the simulation, or the error it raised (Runs.get raises it
+def _run_spec(job: tuple[SimSpec, Sensitivity, bool, frozenset[str] | None]
+              ) -> tuple[SimSpec, SimResult | Exception, float]:
+    """A pool's task (spec, sensitivity, keep_policy, kinds): the simulation, or the error it raised (Runs.get raises it
     where a row reads it), and the CPU seconds it took. The result travels without its views (every request and
     group of the run: about half its pickled bytes and time, ~1.4 s for a Laminar-sized AReaL run; rows read the
     backlog from its metrics), without its policy unless the paper reads it (`_strip`), and without the per-request
     progress in its counter reports (23 -> 11 MB and 1.8 -> 0.5 s of unpickling for a StaleFlow run)."""
-    spec, sens, keep_policy = job
+    spec, sens, keep_policy, kinds = job
     t0 = time.process_time()
     with _scaled_profiles(sens):
         try:
             r: SimResult | Exception = spec.run()
             if isinstance(r, SimResult):
-                _strip(r, keep_policy)
+                _strip(r, keep_policy, kinds)
                 r.views = None
                 for e in r.events:      # each counter report's per-request progress: read by the policy during
                     if e.kind == "tokens_decoded":    # the run, by no row; half a StaleFlow run's pickled bytes
@@ -360,8 +369,8 @@ def evaluate(paper: str, seeds: list[int], jobs: int, sens: Sensitivity = Sensit
     computed in this process (jobs = 1)."""
     from sim.repro import PAPERS
     p = PAPERS[paper]
-    first = Runs(seeds[0], keep_policy=p.reads_policy)
-    all_runs = [first] + [Runs(s, first, p.reads_policy) for s in seeds[1:]]
+    first = Runs(seeds[0], keep_policy=p.reads_policy, kinds=p.reads_kinds)
+    all_runs = [first] + [Runs(s, first, p.reads_policy, p.reads_kinds) for s in seeds[1:]]
     by_seed = {runs.seed: runs for runs in all_runs}
     # the results make a large long-lived heap and little cyclic garbage: collecting as the defaults do took half
     # this process's time (rows and pool), at SIM_GC_THRESHOLD still a fifth; none until the rows are computed
@@ -420,7 +429,7 @@ def _pooled(paper: str, p: Paper, all_runs: list[Runs], by_seed: dict[int, Runs]
             while todo and len(running) <= jobs:
                 s = _next_spec(todo, list(running.values()), seconds)
                 todo.remove(s)
-                running[pool.submit(_run_spec, (s, sens, p.reads_policy))] = s
+                running[pool.submit(_run_spec, (s, sens, p.reads_policy, p.reads_kinds))] = s
             done, _ = wait(list(running), timeout=max(0.0, end - time.monotonic()), return_when=FIRST_COMPLETED)
             if not done:
                 raise TimeoutError(f"{paper}: {len(running)} of {len(queued)} simulations did not finish within "

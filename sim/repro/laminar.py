@@ -327,4 +327,7 @@ PAPER = Paper(LAMINAR, notes=[note_placement, note_trainer_bound, note_verl_shar
                          "NIC); verl colocated, one-step, stream generation (FIFO + streamed hand-off) and "
                          "AReaL (unbounded, 1024 trajectories per replica). Fault isolation and the partial response "
                          "pool run in `python -m sim.repro.laminar_faults` (§8.5, not rows). Not simulated: relays' "
-                         "decode-path isolation (the runtime's concern), 7B/72B and the other 4 scales of Fig. 11.")
+                         "decode-path isolation (the runtime's concern), 7B/72B and the other 4 scales of Fig. 11.",
+              reads_kinds=frozenset({"round_started", "engine_busy", "engine_idle", "tokens_decoded",
+                                     "trajectory_finished", "group_materialized", "train_started",
+                                     "train_step_done"}))

@@ -300,4 +300,5 @@ PAPER = Paper(STALEFLOW, notes=[note_split, note_bias, note_sweep],
                          "engine; each disaggregated system at its tuned GPU split (the faster of the even split "
                          "and the stage-work balance). Not run: redundant rollout and filtering (implemented, "
                          "sched/policies/staleflow/aborts.py, but off in §6's main runs). Not simulated: the "
-                         "parameter store's sharding and comm plan, the paper's 4 models.")
+                         "parameter store's sharding and comm plan, the paper's 4 models.",
+              reads_kinds=frozenset({"round_started", "tokens_decoded", "trajectory_finished", "train_step_done"}))

@@ -65,10 +65,41 @@ def test_an_unpickled_result_builds_only_the_kinds_read_and_the_whole_log_when_a
     assert back.events == r.events and back.of(*kinds) == r.of(*kinds)    # the whole list, once read
 
 
+def test_a_result_shipped_with_some_kinds_gives_those_and_refuses_the_others_by_name():
+    r = simulate("staleflow", "cpu_tiny", "cpu_tiny", 2, 2, steps=3, group_size=4, prompts_per_step=4)
+    kinds = ("train_started", "train_step_done")
+    full = r.of(*kinds)
+    r.ship_only(frozenset(kinds))
+    back = pickle.loads(pickle.dumps(r))
+    assert back.of(*kinds) == full and back.of("train_step_done") == r.of("train_step_done") and full
+    assert back.end_t == max(e.t for e in r.events)         # the whole log's end, not the shipped kinds'
+    assert len(pickle.dumps(back)) < len(pickle.dumps(pickle.loads(pickle.dumps(simulate(
+        "staleflow", "cpu_tiny", "cpu_tiny", 2, 2, steps=3, group_size=4, prompts_per_step=4)))))
+    for res in (r, back):                                    # in this process and wherever it is unpickled
+        with pytest.raises(KeyError, match=r"\['reward_scored'\].*reads_kinds"):
+            res.of("reward_scored", "train_started")
+    with pytest.raises(AttributeError, match="carries only"):
+        back.events
+
+
+def test_a_row_reading_a_kind_its_paper_does_not_name_fails_with_that_kind_in_the_pool(monkeypatch):
+    def finished(runs: Runs) -> float:
+        return float(len(runs.get("sync", TINY).of("trajectory_finished")))
+
+    paper = Paper([Row("n", (1, 1), "1", finished),
+                   Row("t", (1, 1), "1", lambda runs: float(len(runs.get("sync", TINY).of("train_step_done"))))],
+                  reads_kinds=frozenset({"train_step_done"}))
+    monkeypatch.setitem(sim.repro.PAPERS, "fake_kinds", paper)
+    for jobs in (1, 2):
+        (n, t), _ = evaluate("fake_kinds", [0], jobs)
+        assert "trajectory_finished" in n[0] and "reads_kinds" in n[0], n
+        assert t[0] == 3.0
+
+
 def test_a_pooled_result_travels_without_its_views_and_its_metrics_carry_the_backlog():
     spec = core.SimSpec("staleflow", (), Setting("cpu_tiny", "cpu_tiny", 2, 2, 4, 4, 2), 0)
     whole = spec.run()
-    back, r, seconds = core._run_spec((spec, core.Sensitivity(), True))
+    back, r, seconds = core._run_spec((spec, core.Sensitivity(), True, None))
     assert back == spec and seconds > 0 and r.views is None and r.policy is not None
     assert (r.metrics["backlog_groups"], r.metrics["in_flight"]) == (len(whole.views.ready_groups()),
                                                                     whole.views.in_flight())
