@@ -101,6 +101,7 @@ class Controller:
         self.v.tp = int(getattr(backend, "tp", 1))
         self.v.tp_sizes = tuple(getattr(backend, "tp_sizes", ()))
         self.v.kv_block_size = int(getattr(backend, "kv_block_size", 0))
+        self.v.switch_s = float(getattr(backend, "switch_s", 0.0))
         self.v.decode_profile = getattr(backend, "decode_profile", None)
         if getattr(backend, "isolates_faults", False) and self.life.fold.partials is None:
             self.life.fold.partials = PartialPool()

@@ -246,6 +246,8 @@ class SimBackend:
         self.reward_busy_s = 0.0               # scorer-seconds spent
         self.moving: dict[int, int] = {}       # req_id -> destination of a migration whose KV travels there
         self.lent: set[int] = set()            # engines lent to the trainer
+        self.lent_from: dict[int, float] = {}  # when each lent engine's GPUs join the trainer (after cost.switch_s)
+        self.switch_s = cost.switch_s          # what the controller's views report (Views.switch_s)
         self.lent_gpu_s = 0.0                  # GPU-seconds of train calls run on lent engines
         self.samples_trained = 0   # samples of train calls whose train_step_done has been delivered
         # Engine counters: every busy engine reports at each tick k x counters_every_s of the virtual clock, all in
@@ -463,10 +465,14 @@ class SimBackend:
         elif isinstance(cmd, LendEngines):
             for i in cmd.engines:
                 self.engines[i].hold(self.now(), until=math.inf)
+                self.lent_from[i] = self.now() + (0.0 if self.colocated else self.cost.switch_s)
             self.lent.update(cmd.engines)
         elif isinstance(cmd, ReturnEngines):
             for i in cmd.engines:
                 self.engines[i].release(self.now())
+                if self.cost.switch_s and not self.colocated:     # it wakes before it decodes again
+                    self.engines[i].hold(self.now(), duration=self.cost.switch_s)
+                self.lent_from.pop(i, None)
             self.lent.difference_update(cmd.engines)
         elif isinstance(cmd, LoadWeights):
             self.engines[cmd.engine].hold(self.now(), duration=self.cost.load_s, version=cmd.version,
@@ -496,7 +502,8 @@ class SimBackend:
         now = self.now()
         tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
         start = max(now, self.trainer_free)
-        lent_gpus = len(self.lent) * self.cost.gpus_per_engine
+        # a call runs on the lent engines whose switch to the trainer is done when it starts
+        lent_gpus = sum(1 for i in self.lent if self.lent_from.get(i, 0.0) <= start) * self.cost.gpus_per_engine
         gpus = lent_gpus if self.colocated and self.lent else self.train_gpus + lent_gpus
         # the trainer's optimizer steps in this call: one per minibatch (at most one per sample) when it steps over
         # groups, the one over accumulated gradients when it steps over none, none when it only accumulates

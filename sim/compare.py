@@ -27,6 +27,7 @@ Progress goes to stderr, one line per preset as it ends (`[3/15] laminar 4.1 s`)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -36,6 +37,7 @@ from typing import Any
 
 import sched
 from sched.base import Preset
+from sim.profiles import get_profile
 from sim.run import draw_timeline, simulate
 from sim.episodes import load_latency_trace
 from sim.workload import get_workload, load_trace, TraceError
@@ -84,7 +86,10 @@ def run_one(name: str, args: argparse.Namespace, workload: Any, out: Path | None
     try:
         engines, train = max(1, args.gpus // 2), max(1, args.gpus - args.gpus // 2)
         samples = args.rounds * args.prompts * args.group_size
-        r = simulate(preset or name, workload, args.cost, engines, train, steps=10**9, group_size=args.group_size,
+        cost = get_profile(args.cost)
+        if getattr(args, "switch_s", 0.0):
+            cost = dataclasses.replace(cost, switch_s=args.switch_s)
+        r = simulate(preset or name, workload, cost, engines, train, steps=10**9, group_size=args.group_size,
                      prompts_per_step=args.prompts, seed=args.seed, samples=samples)
         m = r.metrics
         tokens, ratio = trained_tokens(r.events)
@@ -134,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-trace", help="a multi-turn workload's tool latency from recorded seconds "
                                          "(sim/episodes.py: a JSON list, {\"seconds\": [...]}, or JSON Lines)")
     ap.add_argument("--cost", default="h800_7b", help="cost profile (sim/profiles.py)")
+    ap.add_argument("--switch-s", type=float, default=0.0,
+                    help="seconds an engine lent to the trainer or given back takes to change role each way "
+                         "(cost.switch_s; verl_hybrid's Hybrid replicas sleeping and waking); default: the profile's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds' worth of samples each preset trains (5 = one tail-batching period, 4 short + 1 long)")
@@ -147,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = ap.parse_known_args(argv)
     if args.gpus < 2:
         ap.error("--gpus must be at least 2 (one engine, one train GPU)")
+    if args.switch_s < 0:
+        ap.error(f"--switch-s must be >= 0 seconds, got {args.switch_s}")
     names = presets()
     chosen = [p for p in (args.presets or "").split(",") if p] or names
     unknown = [p for p in chosen if p not in names]

@@ -106,6 +106,9 @@ class CostModel:
     proximal_share: float = 0.0     # decoupled PPO's no-grad proximal pass (one forward of every minibatch before
     #                                 a call's first step, trainer/trainer.py), as a share of the call's train_s
     #                                 (0: not charged)
+    switch_s: float = 0.0           # an engine lent to the trainer or given back changes role in this long each
+    #                                 way (verl's Hybrid replicas: the inference engine sleeps, offloading its
+    #                                 weights and KV, or wakes and rebuilds them); 0: at once. Disaggregated pools only
     train_cold_s: float = 0.0       # more for a train call that starts after the trainer idled (its first pass
     #                                 cold: the CPU's caches taken by other work meanwhile; 0: nothing)
     controller_s_per_trajectory: float = 0.0  # the train leader's controller CPU per trajectory it handles (its

@@ -46,12 +46,13 @@ class VerlHybrid(Rebalance):
     when it came free, summed over the cycle's calls), ratio += clip(wait_samples / batch, 0.02, 0.1), capped at
     1; else ratio -= 0.02 (deactivate earlier). And a cost/benefit gate on activation: only if gap x the time per
     waited sample (the cycle's wait seconds / wait_samples; 1000 s until a cycle has waited) exceeds the switch
-    cost, the mean of the last 3 measured activate + deactivate times, 10 s until one is measured. The simulator's
-    switch takes no time and verl records only positive ones, so the cost here stays at its 10 s fallback.
+    cost, the mean of the last 3 measured activate + deactivate times, 10 s until one is measured. Here each switch
+    takes the backend's `Views.switch_s` (the simulator's cost.switch_s: a lent engine's GPUs join the trainer, and a
+    returned engine decodes again, that long after the decision), so the measured cost is twice it; verl records
+    only positive times, so at 0 the cost stays at the 10 s fallback.
 
-    Not modelled: the switch's own time (offload, wake-up), and `dynamic_schedule_enable_rebalance` (re-spreading
-    all in-flight requests after an activation). Hybrid engines start in rollout (verl's first step activates them:
-    the buffer starts empty).
+    Not modelled: `dynamic_schedule_enable_rebalance` (re-spreading all in-flight requests after an activation).
+    Hybrid engines start in rollout (verl's first step activates them: the buffer starts empty).
 
     Invariant kept: at most one switch per decision; Hybrid engines are lent only once nothing runs on them
     (their requests interrupted first, nothing dropped); no train call the hand-off can form starts while they are
@@ -116,7 +117,7 @@ class VerlHybrid(Rebalance):
         if v.trainer.published > self.seen and not v.trainer.busy:
             self.seen = v.trainer.published
             gap = self.ratio * need - buffered                # verl's _deactivate_gap
-            go = gap > 0 and (self.p.policy == "fixed_ratio" or self._worth_it(gap))
+            go = gap > 0 and (self.p.policy == "fixed_ratio" or self._worth_it(gap, v))
             self.switches["gated"] += gap > 0 and not go
             if self.p.policy == "default":
                 self._adapt(need)
@@ -141,11 +142,13 @@ class VerlHybrid(Rebalance):
                 self.wait_samples += need - had
             self.idle = (v.now, need)      # what it waits for from here is the next batch
 
-    def _worth_it(self, gap: float) -> bool:
-        """`default`'s cost/benefit gate: the gap's estimated seconds against the switch's cost."""
+    def _worth_it(self, gap: float, v: Views) -> bool:
+        """`default`'s cost/benefit gate: the gap's estimated seconds against the switch's cost (an activation and
+        a deactivation, each `Views.switch_s` when the backend reports it, else verl's fallback)."""
         if self.wait_s > 0 and self.wait_samples > 0:
             self.per_sample_s = self.wait_s / self.wait_samples
-        return gap * self.per_sample_s - SWITCH_COST_S > 0
+        cost = 2 * v.switch_s if v.switch_s > 0 else SWITCH_COST_S
+        return gap * self.per_sample_s - cost > 0
 
     def _adapt(self, need: int) -> None:
         """`default`'s ratio update after a weight sync, from the cycle's samples waited on; a new cycle starts."""

@@ -2,6 +2,9 @@
 elastic pool: its switches on hand-built snapshots, then whole runs on the simulator under random workloads."""
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -10,6 +13,10 @@ from rl.types import Trajectory
 from sched.decisions import Interrupt, LendEngines, ReturnEngines
 from sched.resources import EngineView
 from sched.views import GroupState, Request, S, Views
+from sim.backend import SimBackend
+from sim.profiles import get_profile
+from sim.run import simulate
+from sim.workload import get_workload
 from tests.support.offpolicy_sim import check_nothing_lost, sim_run
 
 OVER = {"rebalance": {"name": "verl_hybrid", "hybrid": 1, "deactivate_ratio": 0.5}}
@@ -121,3 +128,42 @@ def test_verl_hybrid_never_trains_while_its_hybrid_engines_roll_out(seed, engine
     assert stats["deactivated"] >= 1 and stats["activated"] <= stats["deactivated"]
     assert all(len(groups) == prompts for _, _, groups in ctl.calls)
     check_nothing_lost(ctl, events, w)
+
+
+def test_verl_hybrid_default_policy_weighs_the_backends_switch_time_against_the_gap():
+    """With the backend reporting each switch's time (Views.switch_s), the gate's cost is an activation and a
+    deactivation, 2 x switch_s, instead of verl's 10 s fallback: a 2-sample gap at 2 s a waited sample (4 s)
+    activates at switch_s = 1.5 (3 s) and is gated at 2.5 (5 s), as at the fallback."""
+    over = {"rebalance": {"name": "verl_hybrid", "hybrid": 1, "deactivate_ratio": 0.5, "policy": "default"}}
+    for switch_s, back in ((0.0, False), (1.5, True), (2.5, False)):
+        rb = sched.load_preset("pipelinerl", over).rebalance
+        rb.active, rb.seen = False, 0
+        rb.wait_s, rb.wait_samples = 8.0, 4                     # this cycle: 4 samples waited on for 8 s
+        v = views()
+        v.groups[0].consumed = True                             # nothing buffered: a gap of 0.5 x 4 samples
+        v.groups.track(v.groups[0])
+        v.engines[2].lent, v.trainer.published, v.switch_s = True, 1, switch_s
+        assert (rb.plan(v) == [ReturnEngines([2])]) is back, switch_s
+
+
+def _hybrid_run(switch_s: float):
+    cost = dataclasses.replace(get_profile("cpu_tiny"), switch_s=switch_s)
+    preset = sched.load_preset("pipelinerl", {"rebalance": {"name": "verl_hybrid", "hybrid": 1,
+                                                            "deactivate_ratio": 0.3}})
+    return simulate(preset, "cpu_tiny", cost, 3, 1, steps=6, group_size=4, prompts_per_step=4, seed=1)
+
+
+def test_a_switch_delays_the_lent_gpus_joining_the_trainer_and_a_returned_engine_decoding():
+    """cost.switch_s: a lent engine's GPUs join only the train calls that start that long after the lend, and an
+    engine given back decodes again only that long after the return. At 0 the lent GPUs train; with a switch longer
+    than the run they never join a call (nothing else changes: the same samples are trained)."""
+    at_once = _hybrid_run(0.0)
+    assert at_once.backend.lent_gpu_s > 0 and at_once.backend.switch_s == 0.0
+    r = _hybrid_run(1e6)
+    assert r.backend.lent_gpu_s == 0.0 and r.metrics["samples_trained"] == at_once.metrics["samples_trained"]
+    cost = dataclasses.replace(get_profile("cpu_tiny"), switch_s=0.5)
+    backend = SimBackend(cost, get_workload("cpu_tiny"), 2, 1)
+    backend.command(LendEngines([1]))
+    assert backend.lent_from == {1: 0.5} and backend.engines[1].hold_until == math.inf
+    backend.command(ReturnEngines([1]))
+    assert backend.engines[1].hold_until == 0.5 and not backend.lent      # awake only after the switch
