@@ -125,7 +125,8 @@ class GroupState:
 
     @property
     def version(self) -> int:
-        return min((t.version for t in self.trajectories), default=-1)
+        vs = [t.version for t in self.trajectories]
+        return min(vs) if vs else -1
 
 
 def least_loaded(load: Mapping[int, float]) -> int:

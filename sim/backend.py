@@ -89,7 +89,7 @@ from sim.clock import EventQueue
 from sim.cost import CostModel
 from sim.engine import SimEngine, SimRequest
 from sim.profiles import at_tp, tp_sizes
-from sim.tokens import FAKE_LOGPROB, FAKE_TOKEN, RunList, trusted_runs
+from sim.tokens import FAKE_LOGPROB, FAKE_TOKEN, RunList, fake_run, trusted_runs
 from sim.workload import Workload
 
 _TICK = "counters-tick"           # a queue item: every busy engine reports its counters (SimBackend._tick)
@@ -330,12 +330,12 @@ class SimBackend:
         else:
             runs = tuple([(v, c) for v, c in rr if c > 0])
             total = sum([c for _, c in runs])
-        logprobs = RunList.of(FAKE_LOGPROB, r.done)
+        logprobs = fake_run(FAKE_LOGPROB, r.done)
         if r.calls:
             mask = loss_mask_runs(r.calls, r.done)
             kw["loss_mask"] = trusted_runs(mask, r.done)
             logprobs = trusted_runs(tuple((FAKE_LOGPROB if m else 0.0, n) for m, n in mask), r.done)
-        return Trajectory(r.group_id, r.sample_index, r.prompt_ids, RunList.of(FAKE_TOKEN, r.done),
+        return Trajectory(r.group_id, r.sample_index, r.prompt_ids, fake_run(FAKE_TOKEN, r.done),
                           logprobs, trusted_runs(runs, total), reason,
                           prompt_index=r.prompt_index,
                           meta={"engine": engine, "preemptions": r.preemptions}, **kw)

@@ -76,6 +76,19 @@ def _trusted(runs: tuple[tuple[Any, int], ...], n: int) -> RunList:
 
 trusted_runs = _trusted
 
+_FAKES: dict[tuple[Any, int], RunList] = {}
+
+
+def fake_run(value: Any, n: int) -> RunList:
+    """RunList.of(value, n) for FAKE_TOKEN or FAKE_LOGPROB, one shared object per (value, length): every simulated
+    trajectory carries two of them (~10^5 a run), and a RunList is read-only."""
+    out = _FAKES.get((value, n))
+    if out is None:
+        if value not in (FAKE_TOKEN, FAKE_LOGPROB):
+            raise ValueError(f"fake_run is for FAKE_TOKEN and FAKE_LOGPROB, not {value!r}")
+        out = _FAKES[value, n] = RunList.of(value, n)
+    return out
+
 
 def partial_chunk(done: int, runs: list[list[int]], version: int, k: int) -> tuple[int, RunList, RunList, RunList]:
     """A request's whole trajectory so far as a partial-response pool chunk (sched/partials.py): `done` settled

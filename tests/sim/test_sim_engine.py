@@ -12,7 +12,7 @@ from sim.backend import SimBackend, SimStalled
 from sim.clock import EventQueue
 from sim.cost import CostModel, RewardLatency, RewardTask
 from sim.profiles import PROFILES
-from sim.tokens import RunList
+from sim.tokens import FAKE_LOGPROB, FAKE_TOKEN, RunList, fake_run
 from sim.workload import TraceWorkload
 
 NO_REWARD_DELAY = RewardLatency((RewardTask("none", 1.0, 1e-9, 0.0, 1.0),))
@@ -291,6 +291,15 @@ def test_runlist_behaves_like_the_list_it_stands_for():
     assert r == [0, 0, 0, 1, 1] and len(r) == 5 and r[-1] == 1 and r[1:4] == [0, 0, 1] and min(r) == 0
     assert RunList.of(7, 0) == [] and math.isclose(sum(RunList.of(-1.0, 4)), -4.0)
     assert replace(cost(), name="x").name == "x"
+
+
+def test_simulated_trajectories_share_one_fake_list_per_length_equal_to_its_own():
+    a, b = fake_run(FAKE_TOKEN, 5), fake_run(FAKE_TOKEN, 5)
+    assert a is b and a == RunList.of(FAKE_TOKEN, 5) == [FAKE_TOKEN] * 5
+    assert fake_run(FAKE_LOGPROB, 5) == [FAKE_LOGPROB] * 5 and fake_run(FAKE_LOGPROB, 5) is not a
+    assert fake_run(FAKE_TOKEN, 0) == [] and len(fake_run(FAKE_TOKEN, 3)) == 3
+    with pytest.raises(ValueError, match="fake_run is for"):
+        fake_run(3, 5)
 
 
 def test_prefill_is_paid_once_when_a_plan_is_redone_at_the_same_instant():
