@@ -182,8 +182,6 @@ class Lifecycle:
         whose destination can no longer take it (it failed or was lent meanwhile, or holds an older version than the
         trajectory's tokens: in colocated mode the source may have loaded newer weights before the interrupt landed)
         stays PENDING, to be resumed by dispatch like a failed engine's."""
-        if not self.v.migrations:   # the common case: called on every event
-            return []
         todo, self.v.migrations = self.v.migrations, []
         out = []
         for rid, src, dst in todo:

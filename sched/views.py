@@ -125,8 +125,7 @@ class GroupState:
 
     @property
     def version(self) -> int:
-        vs = [t.version for t in self.trajectories]
-        return min(vs) if vs else -1
+        return min((t.version for t in self.trajectories), default=-1)
 
 
 def least_loaded(load: Mapping[int, float]) -> int:
@@ -159,10 +158,8 @@ class Views:
     colocated: bool = False               # engines and trainer share the same GPUs (a train call pauses rollout)
     tp: int = 1                           # GPUs per rollout engine (tensor-parallel size), as the backend reports
     tp_sizes: tuple[int, ...] = ()        # the TP sizes the backend can reshard the pool to (empty: none)
-    switch_s: float = 0.0                 # seconds an engine lent to the trainer, or given back, takes to change
-    #                                       role, as the backend measures it (0: at once, or not reported)
-    kv_block_size: int = 0                # tokens per KV block of the engines (EngineView.kv_used / kv_free are in
-    #                                       blocks), as the backend reports; 0: not reported
+    switch_s: float = 0.0                 # s an engine takes to go to the trainer or back, as the backend reports
+    kv_block_size: int = 0                # tokens per KV block (the unit of EngineView.kv_used / kv_free); 0: unknown
 
     # ------------------------------------------------------------------------------------------------ requests
     def pending(self) -> list[Request]:

@@ -78,19 +78,14 @@ class ArealDispatch(OneBatchAhead, Dispatch):
 
     def admit(self, v: Views) -> list[Submit]:
         B = v.prompts_per_step
-        ready, newest = [], -1     # one pass: called on every event, mostly to find every engine at its cap
-        for e in v.engines:
-            if e.version >= 0 and not e.loading:
-                ready.append(e)
-                if e.version > newest:
-                    newest = e.version
-        if not ready or self.admitted >= (self.p.eta + newest + 1) * B:
+        ready = [e for e in v.engines if e.version >= 0 and not e.loading]
+        if not ready or self.admitted >= (self.p.eta + max(e.version for e in ready) + 1) * B:
             return []
         if not v.requests.count(S.PENDING):
             return []
         cap = self.p.per_engine or max(1, (self.p.max_concurrent_rollouts or B) // max(1, len(v.engines)))
         groups = self._live_groups(v)
-        if not any(groups[e.engine] < cap for e in ready):
+        if all(groups[e.engine] >= cap for e in ready):
             return []
         load = {e.engine: e.assigned for e in ready}
         out: dict[int, list[int]] = {}
