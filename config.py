@@ -140,6 +140,8 @@ class TrainConfig:
     ratio_level: str = F("token", choices=("token", "sequence"), help="ratio per token, or per sequence (GSPO)")
     clip_low: float = F(0.2, ge=0, lt=1, help="ratio clipped below at 1 - clip_low")
     clip_high: float = F(0.2, ge=0, help="ratio clipped above at 1 + clip_high (clip-higher: DAPO uses 0.28)")
+    ppo_clip: bool = F(True, help="clip the ratio to [1 - clip_low, 1 + clip_high] (PPO); false: the unclipped "
+                       "-A r, M2PO's objective (arXiv 2510.01161 Eq. 5: its mask stands in for the clip)")
     adv_norm: str = F("std", choices=("std", "none"), help="divide group advantages by their std, or not (Dr.GRPO)")
     kl_coef: float = F(0.0, ge=0, help="weight of the KL penalty to the initial policy; 0 = no reference model")
     max_nonfinite_steps: int = F(3, ge=1, help="optimizer steps in a row with a non-finite loss/gradient (each "
@@ -174,7 +176,11 @@ class TrainConfig:
     opsm_delta: float = F(0.5, ge=0, help="opsm: a negative-advantage sequence is dropped when its mean log-ratio "
                           "KL(behaviour || trainer) exceeds this (DeepSeek-V3.2's delta)")
     m2po_tau: float = F(0.04, gt=0, help="m2po: the bound on the mean of (log r)^2 over the kept candidate tokens "
-                        "of a micro-batch (M2PO's tau_M2)")
+                        "(M2PO's tau_M2)")
+    m2po_scope: str = F("batch", choices=("batch", "micro_batch"),
+                        help="m2po's ranking: batch = every trained token of the optimizer step on every train rank "
+                             "(the paper's text; AReaL), after a no-grad pass for the trainer's log-probs | "
+                             "micro_batch = the tokens of one micro-batch (the authors' code)")
     m2po_tokens: str = F("trust_region", choices=("trust_region", "all"),
                          help="m2po's candidates: trust_region = the tokens where PPO's clip could act (A > 0 and "
                               "r > 1, or A < 0 and r < 1), M2PO's Algorithm 1 | all = every trained token "

@@ -28,10 +28,12 @@ correction gives a detached weight w_t that multiplies the token's policy-gradie
                 trust-region tokens, where PPO's clip could act (A_i > 0 and r_t > 1, or A_i < 0 and r_t < 1),
                 masked one by one from the largest while their mean exceeds tau_M2 (all of them if need be);
                 `m2po_tokens = "all"`: every trained token, all but the smallest masked if no set gets there
-                (AReaL's `apply_m2po_masking`). Computed over the tokens of one loss call (a micro-batch), as the
-                authors' code (github.com/Infini-AI-Lab/M2PO, dp_actor's micro-batch loop) does; the paper's text
-                and AReaL take the whole batch, which needs every micro-batch's trainer log-probs, on every rank,
-                before the first backward
+                (AReaL's `apply_m2po_masking`). `m2po_scope = "batch"` (the default; the paper's text and AReaL):
+                ranked over every trained token of the optimizer step's batch, on every train rank, whose trainer
+                log-probs a no-grad pass takes before the first backward (the trainer passes the result in as
+                `keep`); "micro_batch": over one loss call's tokens, as the authors' code does
+                (github.com/Infini-AI-Lab/M2PO, dp_actor's micro-batch loop). The paper's objective (Eq. 5) has no
+                PPO clip: `train.ppo_clip = false` (rl/loss.py)
 Trained tokens are the model's: a multi-turn episode's observation tokens (mask 0) are in no sum, no count n_i
 and no M2PO ranking, so S_i is the product of the ratios of the model's own tokens.
 lo = 0 means no lower bound. A masked token adds nothing to the loss or the gradient but still counts in the
@@ -46,6 +48,7 @@ import torch
 
 CORRECTIONS = ("none", "tis", "token_mask", "seq_tis", "seq_mask", "geo_mask", "opsm", "m2po")
 M2PO_TOKENS = ("trust_region", "all")
+M2PO_SCOPES = ("batch", "micro_batch")
 # corrections whose weight is an importance ratio: the PPO ratio is then taken against the trainer's log-probs, so
 # that r_t is not counted twice (Yao et al.; TRL's ratio is against `old_per_token_logps`, its IS weight against
 # the sampling log-probs)
@@ -61,12 +64,15 @@ class Correction:
     opsm_delta: float = 0.5
     m2po_tau: float = 0.04
     m2po_tokens: str = "trust_region"   # M2PO's candidates: its Algorithm 1's trust-region tokens, or "all" (AReaL)
+    m2po_scope: str = "batch"           # M2PO's ranking over the optimizer step's batch, or one micro-batch
 
     def __post_init__(self) -> None:
         if self.kind not in CORRECTIONS:
             raise ValueError(f"correction {self.kind!r} is not one of {CORRECTIONS}")
         if self.m2po_tokens not in M2PO_TOKENS:
             raise ValueError(f"m2po_tokens {self.m2po_tokens!r} is not one of {M2PO_TOKENS}")
+        if self.m2po_scope not in M2PO_SCOPES:
+            raise ValueError(f"m2po_scope {self.m2po_scope!r} is not one of {M2PO_SCOPES}")
         if not 0 <= self.low < self.high:
             raise ValueError(f"correction bounds need 0 <= low < high, got low={self.low}, high={self.high}")
 
@@ -77,6 +83,11 @@ class Correction:
     @property
     def weighting(self) -> bool:
         return self.kind in WEIGHTING
+
+    @property
+    def batch_m2po(self) -> bool:
+        """M2PO ranked over the whole batch: the trainer computes `keep` (m2po_keep over every rank's tokens)."""
+        return self.kind == "m2po" and self.m2po_scope == "batch"
 
 
 @dataclass
@@ -117,15 +128,17 @@ def m2po_keep(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float, advantage
 
 
 def correct(c: Correction, log_ratio: torch.Tensor, advantages: torch.Tensor, seq_idx: torch.Tensor,
-            mask: torch.Tensor, num_seqs: int) -> CorrectionOut:
+            mask: torch.Tensor, num_seqs: int, keep: torch.Tensor | None = None) -> CorrectionOut:
     """The correction's per-token weight from l_t = `log_ratio` (trainer minus behaviour, [N]); `advantages` [N]
-    (the sequence's advantage on each token), `seq_idx` [N] in [0, num_seqs), `mask` [N] (1: trained)."""
+    (the sequence's advantage on each token), `seq_idx` [N] in [0, num_seqs), `mask` [N] (1: trained). `keep` [N]
+    bool: M2PO's kept tokens computed over a larger batch (m2po_scope = "batch"); None ranks these tokens alone."""
     lr = log_ratio.detach()
     none = torch.zeros_like(lr, dtype=torch.bool)
     if c.kind == "none":
         return CorrectionOut(torch.ones_like(lr), none, none)
     if c.kind == "m2po":
-        drop = ~m2po_keep(lr, mask, c.m2po_tau, advantages, c.m2po_tokens) & (mask > 0)
+        kept = m2po_keep(lr, mask, c.m2po_tau, advantages, c.m2po_tokens) if keep is None else keep
+        drop = ~kept & (mask > 0)
         return CorrectionOut((~drop).to(lr.dtype), none, drop)
     if c.kind in ("tis", "token_mask"):
         r = torch.exp(lr)

@@ -9,6 +9,8 @@ Per token t of sequence i (only tokens with mask = 1 count):
                      sequence this is exactly GSPO's sequence-level gradient)
     pg_t           = max(-A_i r_t, -A_i clip(r_t, 1 - clip_low, 1 + clip_high))  (PPO clip; separate bounds are
                      DAPO's clip-higher, Yu et al. 2025, section 3.1)
+                   = -A_i r_t                                                   clip=False (M2PO's objective, arXiv
+                     2510.01161 Eq. 5, where the second-moment mask stands in for the clip)
     kl_t           = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                 (k3 estimator of KL(pi || ref),
                      as in GRPO; weighted by kl_coef)
     l_t            = pg_t + kl_coef * kl_t
@@ -113,7 +115,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 normaliser: float | None = None, num_seqs: int | None = None,
                 prox_logp: torch.Tensor | None = None, is_cap: float = 0.0, is_mode: str = "clamp",
                 trainer_logp: torch.Tensor | None = None, correction: Correction | None = None,
-                staleness: torch.Tensor | None = None) -> LossOutput:
+                staleness: torch.Tensor | None = None, clip: bool = True,
+                correction_keep: torch.Tensor | None = None) -> LossOutput:
     """The GRPO loss of one (micro-)batch of packed tokens; see the module docstring for the formulas.
 
     logp: [N] current policy log-probs (with grad); old_logp: [N] behaviour log-probs; advantages: [N] (the
@@ -123,7 +126,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     against the behaviour policy; is_cap: truncation of the decoupled importance weight (0: none); is_mode: what
     happens above it (IS_MODES). trainer_logp: [N] the trainer-side log-probs of the correction and the mismatch
     statistics when prox_logp is None (default: logp, detached); correction: rl/correction.py (None: none);
-    staleness: [N] trainer version minus each token's version, for the per-bucket mismatch statistics.
+    staleness: [N] trainer version minus each token's version, for the per-bucket mismatch statistics. clip: False
+    drops the PPO clip (pg = -A r; the clip_frac statistics still count the tokens outside the range).
+    correction_keep: [N] bool, M2PO's kept tokens ranked over the whole batch (rl/correction.py `correct`).
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg {loss_agg!r} is not one of {LOSS_AGGS}")
@@ -159,11 +164,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         seq_tokens = segment_sum(mask, seq_idx, num_seqs).clamp(min=1)
         seq_log_ratio = segment_sum(log_ratio.detach() * mask, seq_idx, num_seqs) / seq_tokens
         ratio = torch.exp(logp - logp.detach() + seq_log_ratio[seq_idx])
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
-    pg = torch.maximum(-advantages * ratio, -advantages * clipped)
+    pg = -advantages * ratio
+    if clip:
+        pg = torch.maximum(pg, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
     is_weight = truncated = cout = None
     if corr.active:
-        cout = correct(corr, trainer_lp - old_logp, advantages, seq_idx, mask, num_seqs)
+        cout = correct(corr, trainer_lp - old_logp, advantages, seq_idx, mask, num_seqs, correction_keep)
         pg = pg * cout.weight
     elif prox_logp is not None:
         is_weight, truncated = importance_weight(anchor, old_logp, is_cap, is_mode)

@@ -25,8 +25,9 @@ call the proximal log-probs are the detached current ones; with several (minibat
 pass computes them for the whole batch before the first step. `correction` (rl/correction.py: TIS, masked IS,
 sequence-level IS and masks, OPSM, M2PO) acts on the ratio between those trainer-side log-probs and the behaviour
 ones on either path; on the behaviour path the same no-grad pass gives them when a correction is on and the call
-takes several optimizer steps. Staleness per step: the trainer's version minus each trained token's version
-(`Trajectory.versions`), mean and max. The behaviour-vs-trainer mismatch per step (rl/mismatch.py): k3 KL, the
+takes several optimizer steps. M2PO over the batch (`m2po_scope = "batch"`) ranks the tokens of a whole minibatch
+on every train rank before its first backward (`_m2po_keeps`: gathered; one no-grad pass when none ran). Staleness
+per step: the trainer's version minus each trained token's version (`Trajectory.versions`), mean and max. The behaviour-vs-trainer mismatch per step (rl/mismatch.py): k3 KL, the
 ratio's mean and max, the fraction the correction clipped or masked, and the KL by staleness bucket, summed on the
 device with the other loss statistics (one host read per minibatch).
 
@@ -56,7 +57,7 @@ from torch import nn
 from config import TrainConfig
 from kernels.logprobs import token_logprobs
 from rl.advantages import compute_advantages
-from rl.correction import Correction
+from rl.correction import Correction, m2po_keep
 from rl.loss import policy_loss
 from rl.mismatch import BUCKET_KEYS, COUNT_KEYS
 from rl.types import Group
@@ -107,7 +108,7 @@ class Trainer:
         if self.is_cap < 0:
             raise ValueError(f"is_cap must be >= 0 (0: no truncation), got {self.is_cap}")
         self.correction = Correction(cfg.correction, cfg.correction_low, cfg.correction_high, cfg.opsm_delta,
-                                     cfg.m2po_tau, cfg.m2po_tokens)
+                                     cfg.m2po_tau, cfg.m2po_tokens, cfg.m2po_scope)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = (group or dist.group.WORLD) if self.distributed else None
         self.world = dist.get_world_size(self.group) if self.distributed else 1
@@ -243,6 +244,7 @@ class Trainer:
         # every micro-batch collated up front: a host-to-device copy between two micro-batches would wait for the
         # backward before it, leaving the device idle while the host launches the next forward
         batches = list(self._micro_batches(chunk))
+        keeps = self._m2po_keeps(batches, chunk_id, prox_cache) if self.correction.batch_m2po else None
         defer = self.DEFER_GRAD_SYNC and self.sharded and self.world == 1 and len(batches) > 1
         forward_s = 0.0
         try:
@@ -267,7 +269,7 @@ class Trainer:
                                   ratio_level=cfg.ratio_level, kl_coef=cfg.kl_coef, max_len=self.max_len,
                                   normaliser=normaliser, num_seqs=batch.num_seqs, prox_logp=prox, is_cap=self.is_cap,
                                   is_mode=cfg.is_mode, trainer_logp=trainer_lp, correction=self.correction,
-                                  staleness=stale)
+                                  staleness=stale, clip=cfg.ppo_clip, correction_keep=keeps[k] if keeps else None)
                 # FSDP averages gradients over the ranks; every rank's loss is already a share of the global sum.
                 (out.loss * self.world).backward()
                 sums = dict(out.sums, entropy=(entropy.detach().float() * batch.mask).sum())
@@ -297,6 +299,34 @@ class Trainer:
             if count > 0:
                 stats[key] = float(acc[at + j]) / count
         return dict(stats, loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]), forward_s=forward_s)
+
+    def _m2po_keeps(self, batches: list[MicroBatch], chunk_id: int,
+                    prox_cache: dict[tuple[int, int], torch.Tensor] | None) -> list[torch.Tensor]:
+        """M2PO's kept tokens of each of this rank's micro-batches, ranked over the trained tokens of the chunk on
+        every train rank (m2po_scope = "batch"; rl/correction.py). The trainer-side log-probs are the call's no-grad
+        pass's when it ran, else one no-grad pass here: no optimizer step has moved the weights since the chunk
+        began, so they equal the detached log-probs its backward will see. The tokens of every rank are gathered in
+        rank order, then ranked exactly as one call over all of them would rank them."""
+        parts = []
+        for k, b in enumerate(batches):
+            side = prox_cache[(chunk_id, k)] if prox_cache is not None else self.logprobs(self.model, b, grad=False)[0]
+            trained = b.mask > 0
+            parts.append(torch.stack([torch.where(trained, side.float() - b.old_logprobs.float(), 0.0),
+                                      b.advantages.float(), b.mask.float()]))
+        local = torch.cat(parts, dim=1)   # [3, n]: log-ratio, advantage, mask
+        full, offset = local, 0
+        if self.world > 1:
+            n = torch.tensor([local.shape[1]], device=self.device)
+            counts = [torch.zeros_like(n) for _ in range(self.world)]
+            dist.all_gather(counts, n, group=self.group)
+            sizes = [int(c) for c in counts]
+            padded = torch.zeros(3, max(sizes), device=self.device)
+            padded[:, :local.shape[1]] = local
+            gathered = [torch.empty_like(padded) for _ in range(self.world)]
+            dist.all_gather(gathered, padded, group=self.group)
+            full, offset = torch.cat([g[:, :c] for g, c in zip(gathered, sizes)], dim=1), sum(sizes[:self.rank])
+        keep = m2po_keep(full[0], full[2], self.correction.m2po_tau, full[1], self.correction.m2po_tokens)
+        return list(keep[offset:offset + local.shape[1]].split([p.shape[1] for p in parts]))
 
     def _reports(self, key: str) -> bool:
         """Whether a loss statistic exists in this configuration (KL to a reference, decoupled IS weights)."""

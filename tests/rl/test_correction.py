@@ -141,6 +141,12 @@ def test_m2po_when_no_set_gets_there_and_untrained_tokens():
         m2po_keep(lr, mask, tau=0.5)
     with pytest.raises(ValueError, match="m2po_tokens"):
         Correction("m2po", m2po_tokens="some")
+    with pytest.raises(ValueError, match="m2po_scope"):
+        Correction("m2po", m2po_scope="rank")
+    # a keep ranked over a larger batch (m2po_scope = "batch", by the trainer) replaces these tokens' own ranking
+    given = torch.tensor([True, False, True, True])
+    out = correct(Correction("m2po", m2po_tau=0.5), lr, adv, torch.zeros(4, dtype=torch.long), mask, 1, keep=given)
+    assert out.masked.tolist() == [False, True, False, False] and out.weight.tolist() == [1.0, 0.0, 1.0, 1.0]
 
 
 def trl_is(mode, lr, cmin, cmax):

@@ -27,7 +27,7 @@ def batch(seed=1, spread=0.5):  # seed 1: both clip sides hit, at both ratio lev
     return new, old, ref, adv, seq_idx, mask
 
 
-def direct_loss(new, old, ref, agg, ratio_level, clip_low, clip_high, kl_coef):
+def direct_loss(new, old, ref, agg, ratio_level, clip_low, clip_high, kl_coef, ppo_clip=True):
     """The same objective, one sequence and one token at a time. The GSPO ratio here is the sequence ratio
     itself, s_i = exp(mean(logp - old)), fully differentiable (the paper's sequence-level objective)."""
     per_seq, n_tokens, start = [], 0, 0
@@ -38,7 +38,7 @@ def direct_loss(new, old, ref, agg, ratio_level, clip_low, clip_high, kl_coef):
         for t in toks:
             r = torch.exp(new[t] - old[t]) if ratio_level == "token" else s
             a = ADVS[i]
-            pg = torch.max(-a * r, -a * torch.clamp(r, 1 - clip_low, 1 + clip_high))
+            pg = torch.max(-a * r, -a * torch.clamp(r, 1 - clip_low, 1 + clip_high)) if ppo_clip else -a * r
             d = ref[t] - new[t]
             kl = torch.exp(d) - d - 1
             terms.append(pg + kl_coef * kl)
@@ -69,6 +69,24 @@ def test_loss_and_grads_match_direct_formula(agg, ratio_level, kl_coef, clip):
     assert torch.allclose(g_ours, g_ref, atol=1e-12, rtol=1e-10)
     assert (g_ours[mask == 0] == 0).all()
     assert out.num_tokens == int(mask.sum())
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "seq_sum_norm"])
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_without_the_ppo_clip_loss_and_grads_match_the_unclipped_formula(agg, ratio_level):
+    """clip=False (train.ppo_clip = false; M2PO's objective, arXiv 2510.01161 Eq. 5): pg = -A r on every token, so
+    the batch whose ratios leave the clip range on both sides gets a different loss and gradient than with it."""
+    new, old, ref, adv, seq_idx, mask = batch()
+    kw = dict(clip_low=0.2, clip_high=0.28, loss_agg=agg, ratio_level=ratio_level, max_len=MAX_LEN)
+    out = policy_loss(new, old, adv, seq_idx, mask, clip=False, **kw)
+    (g_ours,) = torch.autograd.grad(out.loss, new)
+    ref_loss = direct_loss(new, old, ref, agg, ratio_level, 0.2, 0.28, 0.0, ppo_clip=False)
+    (g_ref,) = torch.autograd.grad(ref_loss, new)
+    assert torch.allclose(out.loss, ref_loss, atol=1e-12, rtol=1e-10)
+    assert torch.allclose(g_ours, g_ref, atol=1e-12, rtol=1e-10)
+    (g_clipped,) = torch.autograd.grad(policy_loss(new, old, adv, seq_idx, mask, **kw).loss, new)
+    assert not torch.allclose(g_ours, g_clipped)
+    assert (g_ours[mask > 0] != 0).all() and (g_clipped[mask > 0] == 0).any()
 
 
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])

@@ -7,6 +7,8 @@ import torch
 
 from config import TrainConfig
 from trainer import Trainer
+from trainer.fsdp import full_state_dict
+from tests.support.dist_utils import run_world
 from tests.support.trainer import on_policy_groups, tiny_model, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -118,3 +120,51 @@ def test_bad_correction_values_are_errors():
         Trainer(tiny_model(), cfg(correction="ice"))
     with pytest.raises(ValueError, match="low < high"):
         Trainer(tiny_model(), cfg(correction="tis", correction_low=3.0))
+
+
+def test_m2po_over_the_batch_ranks_every_micro_batch_together(start):
+    """m2po_scope = "batch": the tokens of several micro-batches are ranked as one, so the step equals the same step
+    taken on one micro-batch holding them all (where both scopes agree); ranking each micro-batch alone differs."""
+    model, groups = start
+    data = perturbed(groups, 1.0)
+
+    def step(scope, tokens, **kw):
+        tr = Trainer(copy.deepcopy(model), cfg(correction="m2po", m2po_tau=0.3, m2po_scope=scope,
+                                               micro_batch_tokens=tokens, **kw))
+        return tr.train_step(data), weights(tr.model)
+
+    (one, w_one), (batch, w_batch), (micro, _) = step("micro_batch", 10**6), step("batch", 24), step("micro_batch", 24)
+    assert 0 < one["correction_masked_frac"] < 1
+    assert batch["correction_masked_frac"] == one["correction_masked_frac"]
+    assert micro["correction_masked_frac"] != one["correction_masked_frac"]
+    assert all(torch.allclose(w_batch[n], w_one[n], atol=1e-6) for n in w_one)
+    # several optimizer steps a call (the trainer-side log-probs from the call's no-grad pass): the same agreement
+    (one2, w_one2), (batch2, w_batch2) = step("micro_batch", 10**6, minibatches=1, ppo_epochs=2), \
+        step("batch", 24, minibatches=1, ppo_epochs=2)
+    assert batch2["correction_masked_frac"] == one2["correction_masked_frac"]
+    assert all(torch.allclose(w_batch2[n], w_one2[n], atol=1e-6) for n in w_one2)
+
+
+def _m2po_world(rank: int, world: int, data) -> dict:
+    out = {}
+    for scope in ("batch", "micro_batch"):
+        tr = Trainer(tiny_model(seed=1), cfg(correction="m2po", m2po_tau=0.3, m2po_scope=scope, micro_batch_tokens=24))
+        out[scope] = tr.train_step(data)["correction_masked_frac"], full_state_dict(tr.model)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_m2po_over_the_batch_ranks_the_tokens_of_every_train_rank_together(start):
+    """Two FSDP2 ranks, each with its own micro-batches: the batch scope gathers both ranks' tokens, so the step is
+    the one-process step over them all; ranking per micro-batch (on each rank's own tokens) masks differently."""
+    model, groups = start
+    data = perturbed(groups, 1.0)
+    ref = Trainer(copy.deepcopy(model), cfg(correction="m2po", m2po_tau=0.3, m2po_scope="micro_batch",
+                                            micro_batch_tokens=10**6))
+    want = ref.train_step(data)["correction_masked_frac"]
+    w_ref = weights(ref.model)
+    for r in run_world(_m2po_world, 2, data):
+        frac, w = r["batch"]
+        assert frac == pytest.approx(want, abs=1e-12) and r["micro_batch"][0] != pytest.approx(want, abs=1e-12)
+        assert all(torch.allclose(w[n], w_ref[n], atol=1e-5) for n in w)
