@@ -10,6 +10,11 @@ so; a timed-out thread is abandoned, whatever it returns later is ignored) is to
 request (`LLMEngine.extend`), whose next turn then decodes on the KV it kept. An observation that leaves no room
 under the response's token cap ends the episode ("length"). An environment whose own code raises (in `act` or
 `observation`) ends it with finish_reason "error".
+In a deterministic run (`lockstep`: the run's `deterministic = true`) `poll` first waits, up to their deadlines,
+for every call in flight, so each observation joins the decode at the first poll after its call started whatever
+the tool threads' timing, and the same seed gives the same batches. Otherwise that timing decides at which step an
+observation joins, hence which rows decode together (and, on a CPU whose matmul results depend on a batch's rows,
+the run itself).
 
 The transcript's turns, the call a turn makes and the tool thread's body are rl/episode.py's and rl/tools.py's
 (`next_call`, `model_turns`, `call_tool`, `timeout_observation`). An episode's state is its transcript (the
@@ -21,7 +26,7 @@ mask), a turn that had ended acted on again (`resume_held`).
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -67,10 +72,12 @@ class Episodes:
     the worker's events; `encode` / `decode` are the tokenizer's (text of a turn, tokens of an observation)."""
 
     def __init__(self, env: Environment, engine: LLMEngine, *, encode: Callable[[str], list[int]],
-                 decode: Callable[[list[int]], str], event: Callable[..., None], tool_workers: int = 4):
+                 decode: Callable[[list[int]], str], event: Callable[..., None], tool_workers: int = 4,
+                 lockstep: bool = False):
         if tool_workers < 1:
             raise ValueError(f"tool_workers must be >= 1, got {tool_workers}")
         self.env, self.engine, self.encode, self.decode, self.event = env, engine, encode, decode, event
+        self.lockstep = lockstep
         self.pool = ThreadPoolExecutor(tool_workers, thread_name_prefix="tool")
         self.calls: dict[RequestId, InFlight] = {}
         self.stats: dict[RequestId, EpisodeStats] = {}
@@ -119,6 +126,9 @@ class Episodes:
         """Take the calls that returned or timed out: each observation appended to its request (queued to decode
         on), or its episode ended when it does not fit. Returns the episodes that ended."""
         ended = []
+        if self.lockstep and self.calls:   # every call's observation at this poll, or its timeout
+            last = max(c.deadline for c in self.calls.values())
+            wait([c.future for c in self.calls.values()], timeout=max(0.0, last - time.perf_counter()))
         now = time.perf_counter()
         for rid, c in list(self.calls.items()):
             if c.future.done():

@@ -97,7 +97,7 @@ class RolloutWorker:
                  sampling: SamplingConfig, t0: float, verify_weights: bool = False,
                  kv_group: dist.ProcessGroup | None = None, failures_isolated: int = 0,
                  env: Environment | None = None, encode: Callable[[str], list[int]] | None = None,
-                 turn_stops: tuple[int, ...] = (), tool_workers: int = 4):
+                 turn_stops: tuple[int, ...] = (), tool_workers: int = 4, tool_lockstep: bool = False):
         self.engine, self.channel, self.engine_index, self.rank = engine, channel, engine_index, rank
         self.scorer, self.decode, self.sampling, self.t0 = scorer, decode, sampling, t0
         self.answers: dict[int, str | None] = {}               # req_id -> its reference answer
@@ -116,7 +116,7 @@ class RolloutWorker:
             if encode is None:
                 raise ValueError("a multi-turn worker needs the tokenizer's encode for observations")
             self.episodes = Episodes(env, engine, encode=encode, decode=decode, event=self.event,
-                                     tool_workers=tool_workers)
+                                     tool_workers=tool_workers, lockstep=tool_lockstep)
 
     @classmethod
     def for_rank(cls, cfg: Config, parts: RunParts, engine: LLMEngine, topo: Topology, channel: Channel, t0: float,
@@ -137,7 +137,7 @@ class RolloutWorker:
                    failures_isolated=preset.failures_isolated() if preset is not None and not topo.colocate else 0,
                    env=env, encode=observation_encoder(parts.tokenizer),
                    turn_stops=stop_token_ids(env, parts.tokenizer) if env is not None else (),
-                   tool_workers=cfg.env.tool_workers, **kw)
+                   tool_workers=cfg.env.tool_workers, tool_lockstep=cfg.deterministic, **kw)
 
     def now(self) -> float:
         return time.time() - self.t0

@@ -16,9 +16,10 @@ from tests.support.offpolicy_log import check_offpolicy_log
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-# the tiny run's task; lookup calls that take 0.1 s each (its unknown keys: failed observations)
+# the tiny run's task; lookup calls that take 0.1 s each (its unknown keys: failed observations), running beside
+# decoding as in a real run: not deterministic, which waits for every call at each poll (runtime/episodes.py)
 LOOKUP = ["--env.kind=lookup", "--env.latency_s=0.1", "--env.tool_timeout_s=5", "--rollout.max_new_tokens=12",
-          "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false"]
+          "--rollout.prompts_per_step=8", "--checkpoint.export_hf=false", "--deterministic=false"]
 
 
 def check_invariants(run: Path, preset: str) -> None:
@@ -165,3 +166,26 @@ def test_the_tiny_tools_run_learns_to_call_the_calculator(tmp_path):
     assert reward[0] < 0.15 and reward[1] > 0.55, reward
     assert ok_calls[0] < 0.1 and ok_calls[1] > 0.35, ok_calls
     assert failed[1] < 0.1 and failed[1] < failed[0] / 4, failed
+
+
+def tool_trace(run: Path) -> list[tuple]:
+    """The tool calls and episode ends of a run's event log, in order, without their times."""
+    return [(e["kind"], e.get("req_id"), (e.get("data") or {}).get("turn"))
+            for e in event_rows(run / "events.jsonl")
+            if e["kind"] in ("tool_started", "tool_finished", "trajectory_finished")]
+
+
+def test_a_deterministic_multi_turn_run_repeats_its_batches_whatever_the_tool_threads_timing(tmp_path):
+    """`deterministic = true` waits for every call in flight at each poll (runtime/episodes.py, lockstep): one tool
+    thread and 20 ms calls queue behind each other, so without the wait an observation joins whichever step its
+    thread finished near; with it, two runs log the same calls and episode ends in the same order, and the same
+    rewards and losses."""
+    runs = []
+    for name in ("a", "b"):
+        runs.append(tmp_path / name)
+        torchrun(2, f"--log.dir={runs[-1]}", "--train.steps=3", *LOOKUP, "--deterministic=true",
+                 "--env.latency_s=0.02", "--env.tool_workers=1")
+    a, b = (tool_trace(r) for r in runs)
+    assert sum(k == "tool_started" for k, _, _ in a) > 10 and a == b
+    assert [(r["reward_mean"], r["loss"]) for r in metrics(runs[0])] == \
+        [(r["reward_mean"], r["loss"]) for r in metrics(runs[1])]
