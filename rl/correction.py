@@ -32,8 +32,9 @@ correction gives a detached weight w_t that multiplies the token's policy-gradie
                 ranked over every trained token of the optimizer step's batch, on every train rank, whose trainer
                 log-probs a no-grad pass takes before the first backward (the trainer passes the result in as
                 `keep`); "micro_batch": over one loss call's tokens, as the authors' code does
-                (github.com/Infini-AI-Lab/M2PO, dp_actor's micro-batch loop). The paper's objective (Eq. 5) has no
-                PPO clip: `train.ppo_clip = false` (rl/loss.py)
+                (github.com/Infini-AI-Lab/M2PO, dp_actor's micro-batch loop). The paper's objective (Eq. 5) is the
+                unclipped ratio against the behaviour policy: `train.ppo_clip = false`, `train.off_policy =
+                "behaviour"` (rl/loss.py)
 Trained tokens are the model's: a multi-turn episode's observation tokens (mask 0) are in no sum, no count n_i
 and no M2PO ranking, so S_i is the product of the ratios of the model's own tokens.
 lo = 0 means no lower bound. A masked token adds nothing to the loss or the gradient but still counts in the
