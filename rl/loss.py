@@ -121,8 +121,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
     logp: [N] current policy log-probs (with grad); old_logp: [N] behaviour log-probs; advantages: [N] (the
     sequence's advantage on each of its tokens); seq_idx: [N] int64 in [0, num_seqs); mask: [N] 1 where the token
-    is trained on (0: an observation token of a multi-turn episode, or a dummy batch); ref_logp: [N] or None. normaliser: tokens (token_mean) or sequences (seq_*) of the whole step;
-    None means this batch alone. prox_logp: [N] proximal log-probs (no grad) for decoupled PPO, None for plain PPO
+    is trained on (0: an observation token of a multi-turn episode, or a dummy batch); ref_logp: [N] or None.
+    normaliser: tokens (token_mean) or sequences (seq_*) of the whole step; None means this batch alone. prox_logp: [N] proximal log-probs (no grad) for decoupled PPO, None for plain PPO
     against the behaviour policy; is_cap: truncation of the decoupled importance weight (0: none); is_mode: what
     happens above it (IS_MODES). trainer_logp: [N] the trainer-side log-probs of the correction and the mismatch
     statistics when prox_logp is None (default: logp, detached); correction: rl/correction.py (None: none);

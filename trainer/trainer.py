@@ -27,9 +27,10 @@ sequence-level IS and masks, OPSM, M2PO) acts on the ratio between those trainer
 ones on either path; on the behaviour path the same no-grad pass gives them when a correction is on and the call
 takes several optimizer steps. M2PO over the batch (`m2po_scope = "batch"`) ranks the tokens of a whole minibatch
 on every train rank before its first backward (`_m2po_keeps`: gathered; one no-grad pass when none ran). Staleness
-per step: the trainer's version minus each trained token's version (`Trajectory.versions`), mean and max. The behaviour-vs-trainer mismatch per step (rl/mismatch.py): k3 KL, the
-ratio's mean and max, the fraction the correction clipped or masked, and the KL by staleness bucket, summed on the
-device with the other loss statistics (one host read per minibatch).
+per step: the trainer's version minus each trained token's version (`Trajectory.versions`), mean and max. The
+behaviour-vs-trainer mismatch per step (rl/mismatch.py): k3 KL, the ratio's mean and max, the fraction the
+correction clipped or masked, and the KL by staleness bucket, summed on the device with the other loss statistics
+(one host read per minibatch).
 
 Timing in a call's metrics (host seconds; on CPU the compute itself): step_time_s the whole call, forward_s its
 forward passes with grad, passes_s its minibatch passes whole (forward, loss, backward, the statistics' reduction;
