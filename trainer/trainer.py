@@ -25,7 +25,9 @@ call the proximal log-probs are the detached current ones; with several (minibat
 pass computes them for the whole batch before the first step. `correction` (rl/correction.py: TIS, masked IS,
 sequence-level IS and masks, OPSM, M2PO) acts on the ratio between those trainer-side log-probs and the behaviour
 ones on either path; on the behaviour path the same no-grad pass gives them when a correction is on and the call
-takes several optimizer steps. M2PO over the batch (`m2po_scope = "batch"`) ranks the tokens of a whole minibatch
+takes several optimizer steps (without a correction the mismatch metrics of such a call are its first minibatch's,
+the only one still at the call's starting weights: the mismatch is always against those, as verl's and AReaL's
+recomputed old log-probs are). M2PO over the batch (`m2po_scope = "batch"`) ranks the tokens of a whole minibatch
 on every train rank before its first backward (`_m2po_keeps`: gathered; one no-grad pass when none ran). Staleness
 per step: the trainer's version minus each trained token's version (`Trajectory.versions`), mean and max. The
 behaviour-vs-trainer mismatch per step (rl/mismatch.py): k3 KL, the ratio's mean and max, the fraction the
@@ -162,6 +164,7 @@ class Trainer:
         passes: list[dict[str, float]] = []
         n_steps = 0
         optimizer_s = 0.0   # seconds in the optimizer steps (clip, step, zero)
+        first_only = False  # the mismatch read from the first pass alone (the only one at the call's weights)
         passes_s = 0.0      # seconds in the minibatch passes (forward, loss, backward, reduction)
         if samples:
             chunks = [samples[r.start:r.stop] for r in split_even(len(samples), min(cfg.minibatches, len(samples)))]
@@ -174,6 +177,7 @@ class Trainer:
                 t_prox = time.perf_counter()
                 prox_cache = self._proximal(chunks)
                 metrics["proximal_s"] = time.perf_counter() - t_prox
+            first_only = prox_cache is None and step and len(chunks) * cfg.ppo_epochs > 1
             for _ in range(cfg.ppo_epochs):
                 for i, chunk in enumerate(chunks):
                     t_pass = time.perf_counter()
@@ -192,7 +196,9 @@ class Trainer:
             optimizer_s += time.perf_counter() - t_opt
             n_steps = 1
         for k in dict.fromkeys(k for s in passes for k in s):
-            vals = [s[k] for s in passes if k in s]
+            vals = [s[k] for s in (passes[:1] if first_only and k.startswith("mismatch_") else passes) if k in s]
+            if not vals:
+                continue
             # seconds are the call's total; maxima the largest; the rest a mean over the passes (lr: the last)
             metrics[k] = (passes[-1][k] if k == "lr" else sum(vals) if k == "forward_s" else
                           max(vals) if k.endswith("_max") else sum(vals) / len(vals))

@@ -106,13 +106,20 @@ def test_the_mismatch_is_split_by_staleness_bucket(start):
 
 def test_several_optimizer_steps_measure_against_the_weights_at_the_start_of_the_call(start):
     """With a correction on, a no-grad pass gives the trainer-side log-probs before the first step, so unperturbed
-    behaviour log-probs show no mismatch in the second minibatch either; without one, the metric reads the current
-    (already moved) weights there."""
+    behaviour log-probs show no mismatch in the second minibatch either; without one, the metrics are the first
+    minibatch's (the second's loss reads weights that already moved: its own mismatch is not ~0)."""
     model, groups = start
     with_c = Trainer(copy.deepcopy(model), cfg(lr=5e-2, minibatches=2, correction="tis"))
     without = Trainer(copy.deepcopy(model), cfg(lr=5e-2, minibatches=2))
     assert with_c.train_step(groups)["mismatch_kl_k3"] < 1e-6
-    assert without.train_step(groups)["mismatch_kl_k3"] > 1e-5
+    m = without.train_step(groups)
+    assert m["mismatch_kl_k3"] < 1e-6 and m["mismatch_ratio_max"] == pytest.approx(1.0, abs=1e-3)
+    assert m["approx_kl"] > 1e-6   # the second minibatch's ratio against the behaviour log-probs did move
+    # perturbed behaviour log-probs: the same mismatch as the one-step call on the same data reads
+    data = perturbed(groups, 0.5)
+    one = Trainer(copy.deepcopy(model), cfg(lr=5e-2)).train_step(data)
+    two = Trainer(copy.deepcopy(model), cfg(lr=5e-2, minibatches=2)).train_step(data)
+    assert two["mismatch_kl_k3"] > 1e-2 and two["mismatch_kl_k3"] == pytest.approx(one["mismatch_kl_k3"], rel=0.5)
 
 
 def test_bad_correction_values_are_errors():
