@@ -388,6 +388,9 @@ class Config:
             yield "train.minibatches", f"must be <= samples per step = {r.prompts_per_step * r.group_size}"
         if self.perf.cpu_affinity == "partition" and self.cluster.colocate:
             yield "perf.cpu_affinity", "'partition' needs separate partitions; colocated ranks run both roles"
+        if self.deterministic and self.env.kind != "none" and self.env.tool_timeout_s >= self.cluster.timeout_s:
+            yield "env.tool_timeout_s", (f"must be < cluster.timeout_s = {self.cluster.timeout_s:g} when deterministic "
+                                         "(the rollout rank waits for every tool call in flight)")
 
 
 # -------------------------------------------------------------------------------------------- the validator

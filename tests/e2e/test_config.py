@@ -310,6 +310,8 @@ def test_missing_config_file_lists_what_is_there(tmp_path):
      "must be <= samples per step = 8"),
     (["--perf.cpu_affinity=partition", "--cluster.colocate=true"], 'perf.cpu_affinity = "partition"',
      "needs separate partitions"),
+    (["--deterministic=true", "--env.kind=lookup", "--env.tool_timeout_s=30", "--cluster.timeout_s=20"],
+     "env.tool_timeout_s = 30.0", "must be < cluster.timeout_s = 20 when deterministic"),
 ])
 def test_cross_field_checks(overrides, key, problem):
     msg = error(None, overrides)
