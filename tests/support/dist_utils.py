@@ -26,7 +26,8 @@ PG_TIMEOUT = timedelta(seconds=60)
 def _ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
     try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
 
