@@ -25,7 +25,13 @@ import torch
 
 from kernels.dispatch import use_triton
 
-CHUNK_ELEMENTS = 1 << 25  # default transient logits budget: chunk_size * V ~ 32M elements (128 MiB in fp32)
+# The default transient logits budget, chunk_size * V elements: ~32M (128 MiB in fp32) on CPU, ~128M on a GPU. The
+# chunks are launched one by one from the host: at 128 tokens a chunk of Qwen3's vocabulary this head launched ~570 of
+# the ~1,320 matmuls of each 16k-token micro-batch of the H200 GRPO step's host-bound training phase
+# (bench/results/gpu-h200.md); 512 tokens a chunk launch ~4x fewer, for a peak still a few percent of the full
+# logits' (425 MiB against 47 GiB measured at 128 tokens a chunk).
+CHUNK_ELEMENTS = 1 << 25
+CHUNK_ELEMENTS_GPU = 1 << 27
 
 
 def token_logprobs_naive(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -143,9 +149,11 @@ class ChunkedLogprobs(torch.autograd.Function):
         return (gh.to(hidden.dtype) if need_h else None), gw, None, None, None, None, None
 
 
-def default_chunk_size(vocab: int) -> int:
-    """Tokens per forward chunk so that a chunk's logits hold about CHUNK_ELEMENTS values (a power of two >= 16)."""
-    c = max(16, CHUNK_ELEMENTS // max(vocab, 1))
+def default_chunk_size(vocab: int, device_type: str = "cpu") -> int:
+    """Tokens per forward chunk so that a chunk's logits hold about the device's budget of values (CHUNK_ELEMENTS,
+    CHUNK_ELEMENTS_GPU on CUDA; a power of two >= 16)."""
+    budget = CHUNK_ELEMENTS_GPU if device_type == "cuda" else CHUNK_ELEMENTS
+    c = max(16, budget // max(vocab, 1))
     return 1 << (c.bit_length() - 1)
 
 
@@ -154,13 +162,14 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [..., H] (final, normed hidden states), weight [V, H] (lm_head; may be tied to the embedding),
     targets [...] int ids in [0, V) -> (logprobs [...] fp32, entropy [...] fp32 or None), differentiable w.r.t.
-    hidden and weight, with transient memory bounded by chunk_size tokens x V logits (default: default_chunk_size).
+    hidden and weight, with transient memory bounded by chunk_size tokens x V logits (default: default_chunk_size
+    for the device).
     impl: "auto" (Triton row kernels on CUDA), "triton", "ref" (see kernels/dispatch.py); the matmuls are torch's."""
     lead = hidden.shape[:-1]
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = targets.reshape(-1)
     t1 = t1 if t1.is_contiguous() else t1.contiguous()
-    chunk = chunk_size or default_chunk_size(weight.shape[0])
+    chunk = chunk_size or default_chunk_size(weight.shape[0], hidden.device.type)
     triton = use_triton(impl, h2, weight) and hidden.dtype != torch.float64  # fp64: always the reference
     lp, ent = ChunkedLogprobs.apply(h2, weight, t1, float(temperature), int(chunk), bool(with_entropy), triton)
     return lp.view(lead), (ent.view(lead) if with_entropy else None)

@@ -107,10 +107,11 @@ def root_params(m: ModelConfig) -> int:
 
 
 def activation_items(m: ModelConfig, tokens: int, b: int, checkpointing: bool, fused: bool = False,
-                     varlen: bool = False) -> list[Item]:
+                     varlen: bool = False, gpu: bool = True) -> list[Item]:
     """Activations of one micro-batch of `tokens` packed tokens (all of them trained on, the worst case); `fused`: the
     trainer's Triton modules (see `saved_bytes_per_token`); `varlen`: shared prompts attending the varlen way
-    (model/attention.py SharedPrefixCausal.varlen), which keeps copies beside what a block saves."""
+    (model/attention.py SharedPrefixCausal.varlen), which keeps copies beside what a block saves; `gpu`: the
+    logprob chunk of a GPU (kernels/logprobs.py default_chunk_size), else a CPU's."""
     from kernels.logprobs import default_chunk_size
     per_block = tokens * saved_bytes_per_token(m, b, fused)
     outside = outside_blocks_bytes_per_token(m, b, fused)
@@ -121,7 +122,7 @@ def activation_items(m: ModelConfig, tokens: int, b: int, checkpointing: bool, f
         saved = Item("activations", m.num_layers * per_block + tokens * outside,
                      f"{per_block / tokens / 1024:.1f} KiB per token per block x {m.num_layers} blocks x {tokens} "
                      "tokens")
-    chunk = min(tokens, default_chunk_size(m.vocab_size))
+    chunk = min(tokens, default_chunk_size(m.vocab_size, "cuda" if gpu else "cpu"))
     extra = []
     if varlen:
         qd, kvd = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
@@ -154,7 +155,8 @@ def train_items(m: ModelConfig, cfg: Config, shards: int, b: int, gpu: bool) -> 
                           "root and one block before their reduce-scatter (fp32 reduction)"))
     tokens = max(t.micro_batch_tokens, max_sequence(cfg))
     fused = gpu and cfg.perf.fused_kernels   # the trainer's Triton modules (trainer/fused.py)
-    return items + activation_items(m, tokens, b, t.activation_checkpointing, fused, varlen=gpu and t.share_prompts)
+    return items + activation_items(m, tokens, b, t.activation_checkpointing, fused, varlen=gpu and t.share_prompts,
+                                    gpu=gpu)
 
 
 def engine_activation_bytes(m: ModelConfig, cfg: Config, e: int, max_len: int) -> float:

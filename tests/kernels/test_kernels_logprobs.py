@@ -113,6 +113,19 @@ def test_peak_memory_bounded_by_chunk():
 
 def test_default_chunk_size():
     assert default_chunk_size(151_936) == 128 and default_chunk_size(100) >= 1 << 18
+    assert default_chunk_size(151_936, "cuda") == 512 and default_chunk_size(151_936, "cpu") == 128
+
+
+def test_the_memory_plan_counts_the_devices_own_logprob_chunk():
+    """A GPU run's chunks are 4x a CPU run's at Qwen3's vocabulary: the plan's logprob item follows the device."""
+    from model.config import ModelConfig
+    from runtime.memory_plan import activation_items
+    m = ModelConfig(family="qwen3", vocab_size=151_936, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=16)
+    item = {gpu: next(i for i in activation_items(m, 16_384, 2, True, gpu=gpu)
+                      if i.name.startswith("logprob chunk")) for gpu in (True, False)}
+    rest = 16_384 * (2 * 64 + 16)
+    assert item[True].nbytes - rest == 3 * 4 * 512 * 151_936 and item[False].nbytes - rest == 3 * 4 * 128 * 151_936
 
 
 @needs_interpreter
