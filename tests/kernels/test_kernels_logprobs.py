@@ -120,8 +120,8 @@ def test_the_memory_plan_counts_the_devices_own_logprob_chunk():
     """A GPU run's chunks are 4x a CPU run's at Qwen3's vocabulary: the plan's logprob item follows the device."""
     from model.config import ModelConfig
     from runtime.memory_plan import activation_items
-    m = ModelConfig(family="qwen3", vocab_size=151_936, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=16)
+    m = ModelConfig(family="qwen3", vocab_size=151_936, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=16)
     item = {gpu: next(i for i in activation_items(m, 16_384, 2, True, gpu=gpu)
                       if i.name.startswith("logprob chunk")) for gpu in (True, False)}
     rest = 16_384 * (2 * 64 + 16)
