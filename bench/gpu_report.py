@@ -220,6 +220,11 @@ def rows(results: dict[str, Any]) -> list[str]:
         out.append(f"| same, training phase: MFU (TFLOP/s) | {'~' if est else ''}{_f(mfu, '.3f')} "
                    f"({'~' if est else ''}{_f(train_tf, '.0f')} TFLOP/s, {t['training']:.2f} s; {how}) | >= 0.25 | "
                    f"{_met(None if mfu is None else mfu >= 0.25)} |")
+        if ab := r.get("training_by_logprob_chunk"):   # the device's default, then a CPU's
+            new, old = ab
+            out.append(f"| same, training phase again, warm, the logprob head in {new['chunk']}-token chunks (the "
+                       f"default) vs {old['chunk']} (a CPU's), one step each | {new['s']:.2f} vs {old['s']:.2f} s: "
+                       f"{old['s'] / new['s']:.2f}x | - | - |")
     if (r := res("e2e")) is not None:
         cal = r.get("calibration", {})
         out.append(f"| `torchrun train.py` colocated, {r['config']}, {r['steps']} steps, reward {r['reward']} | "

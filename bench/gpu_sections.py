@@ -259,6 +259,7 @@ def section_grpo_step(s: Sizes, dry: bool) -> dict[str, Any]:
     from config import load_config
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.sequence import GenRequest
+    from kernels.logprobs import default_chunk_size
     from model.presets import preset_config
     from model.tokenizer import build_char_tokenizer, encode_prompt, load_tokenizer
     from rl.advantages import compute_advantages
@@ -339,6 +340,20 @@ def section_grpo_step(s: Sizes, dry: bool) -> dict[str, Any]:
     # the profiled step (untimed): the same groups on a GPU; one group in the dry run, where the profiler's own cost
     # on a loaded CPU is what would take the time
     profile = profile_table(lambda: trainer.train_step(groups[:1] if dry else groups), dev)
+    # the logprob head's chunk side by side, warm, alternating: the device's default against a CPU's (the GPU's
+    # default before kernels/logprobs.py CHUNK_ELEMENTS_GPU); the same groups, one optimizer step each
+    chunks = {"default": default_chunk_size(m.vocab_size, dev), "cpu": default_chunk_size(m.vocab_size, "cpu")}
+    by_chunk: dict[str, float] = {}
+    for name in ("cpu", "default"):
+        trainer.logprob_chunk = chunks[name]
+        sync(dev)
+        t0 = time.perf_counter()
+        trainer.train_step(groups)
+        sync(dev)
+        by_chunk[name] = time.perf_counter() - t0
+    trainer.logprob_chunk = None
+    print(f"grpo_step training, logprob chunk {chunks['default']} vs {chunks['cpu']} tokens: {by_chunk['default']:.2f}"
+          f" vs {by_chunk['cpu']:.2f} s", flush=True)
     total = sum(t.values())
     tokens = sum(len(o.token_ids) for o in outs)
     tflops = {k: None if flops[k] is None else flops[k] / t[k] / 1e12 for k in t}
@@ -354,6 +369,7 @@ def section_grpo_step(s: Sizes, dry: bool) -> dict[str, Any]:
             "flops": flops, "tflops": tflops, "mfu": mfu, "peak_tflops": spec.bf16_tflops if spec else None,
             "activation_checkpointing": cfg.train.activation_checkpointing, "micro_batch_tokens": mbt,
             "micro_batches": n_micro, "packed_tokens": packed_tokens, "training_profile": profile,
+            "training_by_logprob_chunk": [{"chunk": chunks[k], "of": k, "s": by_chunk[k]} for k in ("default", "cpu")],
             "generation_tok_s": tokens / t["generation"], "logprob_mismatch_mean": float(diff.mean()),
             "logprob_mismatch_max": float(diff.max()), "kv_tokens": engine.runner.num_blocks * engine.runner.block_size}
 

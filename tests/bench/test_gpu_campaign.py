@@ -52,6 +52,8 @@ def test_gpu_campaign_dry_run_runs_every_section_and_reports(tmp_path):
     prof = g["training_profile"]
     assert "aten::mm" in prof["table"] and prof["host_s"] > 0 and prof["wall_s"] > 0
     assert g["logprob_mismatch_max"] < 1e-4  # fp32: the engine's behaviour log-probs are the trainer's
+    assert [x["of"] for x in g["training_by_logprob_chunk"]] == ["default", "cpu"]
+    assert all(x["s"] > 0 and x["chunk"] >= 16 for x in g["training_by_logprob_chunk"])
     e = r["e2e"]
     assert e["steps"] == 2 and e["check"].startswith("ok: configs/qwen3-0.6b-gsm8k.toml passes --check")
     assert e["calibration"]["train_s_per_token_one_rank"] > 0
@@ -61,6 +63,7 @@ def test_gpu_campaign_dry_run_runs_every_section_and_reports(tmp_path):
     assert any(ln.startswith("| GPU-marked tests (`pytest -m gpu`)") for ln in lines)
     assert any(ln.startswith("| trainer, tiny shape, 128-token micro-batches, checkpointing off") for ln in lines)
     assert any(ln.startswith("| same, training phase: MFU (TFLOP/s) |") for ln in lines)
+    assert any(ln.startswith("| same, training phase again, warm, the logprob head in ") for ln in lines)
     assert any(ln.startswith("### GPU campaign — `python bench/gpu.py --dry-run") for ln in lines)
     again = subprocess.run([sys.executable, "bench/gpu.py", "--report", str(out)], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
