@@ -26,7 +26,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,13 +38,9 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from runtime.ports import free_port  # noqa: E402
+
 DEADLINE_S = 300   # for any one collective of the bench
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(mib: int) -> torch.nn.Module:
@@ -110,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--relays must be at least 1")
     world = a.relays + 1
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, _free_port(), out, a.mib, a.bucket_mib, a.repeats, a.verify),
+        mp.start_processes(_rank, args=(world, free_port(), out, a.mib, a.bucket_mib, a.repeats, a.verify),
                            nprocs=world, join=True, start_method="spawn")
         rows = []
         for r in range(world):

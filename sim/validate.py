@@ -221,16 +221,8 @@ def bench_argv(out: Path, preset: str, port: int | None = None) -> list[str]:
 def free_port(step: int = 10) -> int:
     """A port p with p and p + step free now (bench/policies.py's two runs of a pair rendezvous on them): not its
     default 29700, which another bench on the machine may hold."""
-    import socket
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + step < 65536:
-            with contextlib.suppress(OSError), socket.socket() as s:
-                s.bind(("127.0.0.1", port + step))
-                return port
-    raise OSError("no two free ports found")
+    from runtime.ports import free_port as pick
+    return pick((step,))
 
 
 def record(out_dir: Path, runs: Path | None, names: list[str]) -> None:

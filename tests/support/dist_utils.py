@@ -5,8 +5,6 @@ hangs is killed after `deadline_s`. The ranks enable the optional CPU backend (c
 from __future__ import annotations
 
 import os
-import random
-import socket
 import sys
 import tempfile
 import time
@@ -18,35 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from runtime.ports import free_port  # noqa: F401 (the tests' port picker)
+
 import cpu
 
 PG_TIMEOUT = timedelta(seconds=60)
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A free TCP port below the ephemeral range. A port the kernel hands out for bind(0) comes from that range, as
-    do the source ports of every outgoing connection (gloo opens many): between this call and the job's own bind,
-    another test's connection could take it (EADDRINUSE, seen once in three suite runs). Below the range only
-    another explicit bind can, and the picks are random."""
-    rng, low = random.SystemRandom(), _ephemeral_low()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in [{max(1024, low - 12000)}, {low}) after 200 tries")
 
 
 def new_group(ranks: list[int]) -> dist.ProcessGroup:
