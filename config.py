@@ -129,6 +129,9 @@ class TrainConfig:
     grad_clip: float = F(1.0, gt=0, help="max global gradient norm")
     micro_batch_tokens: int = F(16384, ge=1, help="packed tokens per forward/backward on one train rank")
     activation_checkpointing: bool = F(False, help="recompute each block's activations in backward")
+    compile: bool = F(False, help="torch.compile each decoder block's forward, its attention call left eager "
+                      "(trainer/compile.py): fewer, fused kernel launches where a GPU step is host-bound; the eager "
+                      "modules, not perf.fused_kernels' (inductor fuses them); the first micro-batches compile")
     fsdp_unit: str = F("block", choices=("block", "model"),
                        help="FSDP2 units: one per transformer block (gathered one at a time: memory-frugal) or one "
                             "for the whole model (one all-gather and one reduce-scatter a micro-batch: for small "

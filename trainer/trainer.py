@@ -66,6 +66,7 @@ from rl.mismatch import BUCKET_KEYS, COUNT_KEYS
 from rl.types import Group
 from trainer import checkpoint
 from trainer.batch import MicroBatch, Sample, build_samples, collate, dummy_batch, plan_micro_batches, split_even
+from trainer.compile import compile_blocks
 from trainer.fused import use_fused_train_ops
 from trainer.fsdp import build_mesh, is_sharded, shard_model, apply_activation_checkpointing
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -97,7 +98,8 @@ class Trainer:
         """model: a model.Transformer with the same full weights on every train rank. group: the train ranks
         (default: the world). temperature: the sampling temperature the behaviour log-probs were taken at.
         max_response_len: Dr.GRPO's constant divisor (rollout.max_new_tokens), needed for loss_agg="seq_sum_norm".
-        fused_kernels: the fused modules of trainer/fused.py (perf.fused_kernels); false keeps the eager ones."""
+        fused_kernels: the fused modules of trainer/fused.py (perf.fused_kernels); false keeps the eager ones
+        (as train.compile does for the trained model: trainer/compile.py)."""
         self.cfg, self.device = cfg, torch.device(device)
         self.progress = progress or (lambda note: None)
         self.temperature, self.max_len, self.logprob_chunk = float(temperature), max_response_len, logprob_chunk
@@ -119,9 +121,11 @@ class Trainer:
         self.model = model.to(self.device)
         self.ref_model = ref_model.to(self.device).eval().requires_grad_(False) if ref_model is not None else None
         if fused_kernels:  # fused RMSNorm / SwiGLU / rotary, and what a backend adds: trainer/fused.py
-            for m in (self.model, self.ref_model):
+            for m in (None if cfg.compile else self.model, self.ref_model):
                 if m is not None:
                     use_fused_train_ops(m, self.device)
+        if cfg.compile:   # each block's forward compiled (inductor fuses the eager modules), before AC and FSDP2
+            compile_blocks(self.model)
         # One train rank on CPU: FSDP2 would only wrap (its hooks cost ~25% of a tiny model's step) with a no-op
         # fp32 policy; on a GPU it still brings the bf16 mixed precision, so it stays.
         self.sharded = self.distributed and (self.world > 1 or self.device.type == "cuda" or
