@@ -145,14 +145,16 @@ def rows(results: dict[str, Any]) -> list[str]:
     if (r := res("train")) is not None:
         for run in train_runs(r):
             for x in run["modes"]:
-                if not x.get("fused_kernels", True):
+                if not x.get("fused_kernels", True) and not x.get("compiled"):
                     continue
                 mfu = None if peak is None else x["tflops"] / peak
                 rng = (f", runs {x['tflops_range'][0]:.0f}-{x['tflops_range'][1]:.0f} TFLOP/s"
                        if len(x.get("runs_step_s", [])) > 1 and "tflops_range" in x else "")
                 mem = f"; peak {x['peak_gib']:.1f} GiB vs --check {x['plan_gib']:.1f}" if "peak_gib" in x else ""
+                kind = ("each block compiled (train.compile; its compile took " f"{x['warmup_s']:.0f} s of the "
+                        "warm-up step)" if x.get("compiled") else "fused kernels")
                 out.append(f"| trainer, {run['shape']} shape, {run['micro_batch_tokens']}-token micro-batches, "
-                           f"checkpointing {'on' if x['checkpointing'] else 'off'}, fused kernels, FSDP2 on a one-rank "
+                           f"checkpointing {'on' if x['checkpointing'] else 'off'}, {kind}, FSDP2 on a one-rank "
                            f"mesh: MFU (TFLOP/s) | {_f(mfu, '.3f')} ({x['tflops']:.0f} TFLOP/s, {x['step_s']:.3f} "
                            f"s/step{rng}; {x['tflops'] / run['matmul_tflops']:.3f} of the "
                            f"{run['matmul_tflops']:.0f} TFLOP/s matmul measured in the process){mem} | >= 0.40 | "
@@ -160,7 +162,11 @@ def rows(results: dict[str, Any]) -> list[str]:
             twins = {x["checkpointing"]: x for x in run["modes"] if x.get("fused_kernels", True)}
             for x in run["modes"]:
                 twin = twins.get(x["checkpointing"])
-                if not x.get("fused_kernels", True) and twin is not None:
+                if x.get("compiled") and twin is not None:
+                    out.append(f"| same, checkpointing {'on' if x['checkpointing'] else 'off'}: the fused kernels vs "
+                               f"each block compiled, step time | {twin['step_s'] / x['step_s']:.2f}x "
+                               f"({twin['step_s']:.3f} vs {x['step_s']:.3f} s/step) | - | - |")
+                elif not x.get("fused_kernels", True) and twin is not None:
                     out.append(f"| same, checkpointing {'on' if x['checkpointing'] else 'off'}: eager modules "
                                f"(perf.fused_kernels = false) vs the fused kernels, step time | "
                                f"{x['step_s'] / twin['step_s']:.2f}x ({x['step_s']:.3f} vs {twin['step_s']:.3f} "
@@ -277,8 +283,9 @@ def headline(results: dict[str, Any]) -> str:
     if sec.get("train"):
         parts.append("trainer MFU " + ", ".join(
             f"{_f(None if peak is None else x['tflops'] / peak, '.3f')} ({x['tflops']:.3g} TFLOP/s, "
-            f"{run['micro_batch_tokens']} tokens)" for run in train_runs(sec["train"]) for x in run["modes"]
-            if x.get("fused_kernels", True) and not x["checkpointing"]))
+            f"{run['micro_batch_tokens']} tokens{', compiled' if x.get('compiled') else ''})"
+            for run in train_runs(sec["train"]) for x in run["modes"]
+            if (x.get("fused_kernels", True) or x.get("compiled")) and not x["checkpointing"]))
     if sec.get("engine"):
         decode, run = engine_floor(sec["engine"], spec, dry)
         parts.append(f"engine floor {_f(run)} whole run, {_f(decode)} decode")

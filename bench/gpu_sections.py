@@ -41,18 +41,18 @@ class Sizes:
     copy_bytes: int
     logprob: tuple[int, int, int, int]   # tokens, vocab, hidden, chunk (0 = default)
     engine: tuple[str, int, int, int]    # bench/engine.py shape, prompts, min and max length
-    train: tuple[str, int, int, int, tuple[tuple[int, int], ...], int]  # bench/train.py shape, seqs, prompt,
-                                                      # response, (micro-batch tokens, runs) each, steps a run
+    train: tuple[str, int, int, int, tuple[tuple[int, int, bool], ...], int]  # bench/train.py shape, seqs,
+                                        # prompt, response, (micro-batch tokens, runs, compiled too) each, steps a run
     grpo: tuple[int, int, int, int, int]  # prompts, G, min and max response, micro-batch tokens
     e2e: tuple[int, int, int, int]       # steps, prompts per step, G, max new tokens
 
 
 GPU = Sizes((16, 8, 128), 64, (1024, 4096, 16384), 4 << 30, (16384, 151_936, 1024, 0),
-            ("qwen3-0.6b", 256, 100, 1024), ("qwen3-1.7b", 32, 512, 1536, ((8192, 1), (16384, 1)), 3),
+            ("qwen3-0.6b", 256, 100, 1024), ("qwen3-1.7b", 32, 512, 1536, ((8192, 1, True), (16384, 1, False)), 3),
             (64, 8, 100, 1024, 16384),
             (3, 32, 8, 512))
 DRY = Sizes((4, 2, 32), 1, (16, 32, 64), 16 << 20, (8, 128, 32, 8), ("tiny", 4, 4, 12),
-            ("tiny", 4, 8, 24, ((64, 2), (128, 1)), 1), (3, 2, 4, 12, 256), (2, 4, 4, 16))
+            ("tiny", 4, 8, 24, ((64, 2, True), (128, 1, False)), 1), (3, 2, 4, 12, 256), (2, 4, 4, 16))
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -232,14 +232,16 @@ def _pkg_version(pkg: str) -> str:
 
 
 def section_train(s: Sizes, dry: bool) -> dict[str, Any]:
-    """bench/train.py at each micro-batch size, checkpointing off, fused kernels: TFLOP/s and MFU against the peak."""
+    """bench/train.py at each micro-batch size, checkpointing off, fused kernels, and at the first (the host-bound
+    one) each block compiled too (train.compile): TFLOP/s and MFU against the peak."""
     from bench import train as bt
     shape, seqs, prompt, response, sizes, steps = s.train
     runs = []
-    for mbt, repeats in sizes:
+    for mbt, repeats, compiled in sizes:
         args = bt.parse_args(["--device", device(dry), "--shape", shape, "--seqs", str(seqs), "--prompt", str(prompt),
                               "--response", str(response), "--micro-batch-tokens", str(mbt), "--steps", str(steps),
-                              "--repeats", str(repeats), "--checkpointing", "off", "--eager", ""])
+                              "--repeats", str(repeats), "--checkpointing", "off", "--eager", "",
+                              "--compiled", "off" if compiled else ""])
         runs.append(bt.run(args))
     return {"ok": True, "runs": runs}
 

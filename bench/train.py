@@ -23,11 +23,14 @@ calls with no prompt query computed twice; rows vs auto compares them). On GPU t
 steps is printed beside `train.py --check`'s plan for the same settings (runtime/preflight.py), checking that plan
 on the device.
 The trainer's fused kernels (`perf.fused_kernels`, trainer/fused.py: Triton RMSNorm, SwiGLU and rotary on CUDA)
-are on; `--eager off` runs the checkpointing-off mode once more with the eager modules, the baseline they replace.
+are on; `--eager off` runs the checkpointing-off mode once more with the eager modules, the baseline they replace,
+and `--compiled off` once more with each block compiled (`train.compile`, trainer/compile.py: the eager modules
+under inductor; the compile is in the untimed warm-up step, its seconds reported).
 `--repeats N` runs each mode N times, alternating, each run a fresh trainer; a mode's figure is its median run,
 with the TFLOP/s range of its runs.
 The last line is the headline, e.g. `trainer_mfu: 0.41 (checkpointing off), 0.33 (checkpointing on); fused kernels
-vs eager 1.25x (checkpointing off)`: the step time of the eager modules over the fused ones, measured side by side.
+vs eager 1.25x (checkpointing off)`: the step time of the eager modules over the fused ones, measured side by side
+(and of the fused modules over the compiled blocks where `--compiled` ran).
 """
 from __future__ import annotations
 
@@ -81,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpointing", default="off,on", help="activation checkpointing modes to run")
     p.add_argument("--eager", default="", help="checkpointing modes to run again with perf.fused_kernels=false "
                    "(e.g. off): the eager modules' step time beside the fused kernels'")
+    p.add_argument("--compiled", default="", help="checkpointing modes to run again with train.compile=true (e.g. "
+                   "off): each block compiled (trainer/compile.py), its step time beside the fused kernels'")
     p.add_argument("--repeats", type=int, default=1, help="runs of each mode, alternating (each a fresh trainer); "
                    "a mode's figure is its median run, with the MFU range")
     p.add_argument("--profile", metavar="PREFIX", help="after each mode's first timed steps, one more step under "
@@ -91,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error(f"--repeats must be at least 1, got {a.repeats}")
-    for flag in ("checkpointing", "eager"):
+    for flag in ("checkpointing", "eager", "compiled"):
         bad = [x for x in getattr(a, flag).split(",") if x and x not in ("off", "on")]
         if bad:
             p.error(f"--{flag} takes a comma list of off / on, got {bad}")
@@ -211,14 +216,15 @@ def force_shared_attention(way: str) -> None:
 
 
 def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, rate: float, fused: bool = True,
-               profile: str | None = None, spec: DeviceSpec | None = None) -> dict[str, Any]:
-    """One trainer (fresh model, FSDP2 over one rank), one warm-up step, `args.steps` timed steps; fused: the
-    trainer's fused kernels (perf.fused_kernels); profile: a path for one more step's torch.profiler table."""
+               profile: str | None = None, spec: DeviceSpec | None = None, compiled: bool = False) -> dict[str, Any]:
+    """One trainer (fresh model, FSDP2 over one rank), one warm-up step (a compiled mode's compile in it),
+    `args.steps` timed steps; fused: the trainer's fused kernels (perf.fused_kernels); compiled: train.compile (the
+    eager modules, each block compiled); profile: a path for one more step's torch.profiler table."""
     from runtime.memory_plan import train_items
     from trainer.trainer import Trainer
     cfg = load_config(None, [f"--train.micro_batch_tokens={args.micro_batch_tokens}", "--train.lr=1e-6",
                              f"--train.activation_checkpointing={str(checkpointing).lower()}",
-                             f"--perf.fused_kernels={str(fused).lower()}",
+                             f"--perf.fused_kernels={str(fused).lower()}", f"--train.compile={str(compiled).lower()}",
                              f"--train.share_prompts={str(args.share_prompts == 'on').lower()}",
                              f"--data.max_prompt_tokens={args.prompt}", f"--rollout.max_new_tokens={args.response}"])
     trainer = Trainer(random_model(m, args.device), cfg.train, group=dist.group.WORLD, device=args.device,
@@ -227,7 +233,10 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
     packed: list[Any] = []
     micro_batches = trainer._micro_batches
     trainer._micro_batches = lambda chunk: (packed.append(b) or b for b in micro_batches(chunk))  # type: ignore
+    t0 = time.perf_counter()
     trainer.train_step(groups)  # warm-up: allocator, kernels, AdamW state; records the packing (the same each step)
+    sync(args.device)
+    warmup_s = time.perf_counter() - t0
     del trainer._micro_batches   # the class's method again (an instance attribute holding it would be a cycle)
     sync(args.device)
     if args.device == "cuda":
@@ -242,7 +251,8 @@ def bench_mode(args: argparse.Namespace, m: ModelConfig, checkpointing: bool, ra
     if profile:
         profile_step(trainer, groups, args.device, profile)
     flops = micro_batch_flops(m, packed)
-    out = {"checkpointing": checkpointing, "fused_kernels": fused, "share_prompts": args.share_prompts == "on",
+    out = {"checkpointing": checkpointing, "fused_kernels": fused and not compiled, "compiled": compiled,
+           "warmup_s": warmup_s, "share_prompts": args.share_prompts == "on",
            "shared_attention": args.shared_attention, "packed_tokens": sum(b.input_ids.numel() for b in packed),
            "unshared_flops_ratio": train_flops(m, [(args.prompt, args.response)] * args.seqs) / flops, "step_s": secs,
            "tokens": args.seqs * (args.prompt + args.response - 1),
@@ -308,13 +318,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"{args.response} tokens, micro-batches of {args.micro_batch_tokens}; {peak}; measured matmul rate "
           f"{rate / 1e12:.3g} TFLOP/s ({'bf16 8192^3' if args.device == 'cuda' else 'fp32 512^3'}, an extra column)",
           flush=True)
-    names = [(c, True) for c in args.checkpointing.split(",") if c] + [(c, False) for c in args.eager.split(",") if c]
-    runs: dict[tuple[str, bool], list[dict[str, Any]]] = {mode: [] for mode in names}
+    names = [(c, kind) for kind, flag in (("fused", args.checkpointing), ("eager", args.eager),
+                                          ("compiled", args.compiled)) for c in flag.split(",") if c]
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {mode: [] for mode in names}
     for rep in range(args.repeats):  # the modes alternate, each run a fresh trainer: a drift hits every mode alike
         for mode in names:
-            profile = (f"{args.profile}.{mode[0]}-{'fused' if mode[1] else 'eager'}.txt"   # each mode's first run
+            profile = (f"{args.profile}.{mode[0]}-{mode[1]}.txt"   # each mode's first run
                        if args.profile and rep == 0 else None)
-            r = bench_mode(args, m, mode[0] == "on", rate, fused=mode[1], profile=profile, spec=spec)
+            r = bench_mode(args, m, mode[0] == "on", rate, fused=mode[1] == "fused", profile=profile, spec=spec,
+                           compiled=mode[1] == "compiled")
             mem = f", peak {r['peak_gib']:.1f} GiB (--check plans {r['plan_gib']:.1f})" if "peak_gib" in r else ""
             print(mode_name(r) + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else "") +
                   f": {r['packed_tokens']} packed tokens, {r['step_s']:.3f} s/step, "
@@ -332,18 +344,24 @@ def fmt_mfu(x: float | None) -> str:
 
 
 def mode_name(r: dict[str, Any]) -> str:
-    return f"checkpointing {'on' if r['checkpointing'] else 'off'}" + ("" if r["fused_kernels"] else ", eager modules")
+    kind = ", compiled blocks" if r.get("compiled") else "" if r["fused_kernels"] else ", eager modules"
+    return f"checkpointing {'on' if r['checkpointing'] else 'off'}" + kind
 
 
 def headline(res: dict[str, Any]) -> str:
-    """`trainer_mfu: ...` over the fused modes, then each eager mode's step time over its fused twin's."""
+    """`trainer_mfu: ...` over the fused and compiled modes, then each eager mode's step time over its fused twin's
+    and each fused mode's over its compiled twin's."""
     fused = [r for r in res["modes"] if r["fused_kernels"]]
     line = "trainer_mfu: " + ", ".join(f"{fmt_mfu(r['mfu'])} at {r['tflops']:.3g} TFLOP/s ({mode_name(r)})"
-                                       for r in fused or res["modes"])
+                                       for r in [*fused, *(r for r in res["modes"] if r.get("compiled"))]
+                                       or res["modes"])
     twins = {r["checkpointing"]: r for r in fused}
     vs = [f"{r['step_s'] / twins[r['checkpointing']]['step_s']:.2f}x ({mode_name(twins[r['checkpointing']])})"
-          for r in res["modes"] if not r["fused_kernels"] and r["checkpointing"] in twins]
-    return line + ("; fused kernels vs eager " + ", ".join(vs) if vs else "")
+          for r in res["modes"] if not r["fused_kernels"] and not r.get("compiled") and r["checkpointing"] in twins]
+    cs = [f"{twins[r['checkpointing']]['step_s'] / r['step_s']:.2f}x ({mode_name(r)})"
+          for r in res["modes"] if r.get("compiled") and r["checkpointing"] in twins]
+    return line + ("; fused kernels vs eager " + ", ".join(vs) if vs else "") + \
+        ("; compiled blocks vs fused kernels " + ", ".join(cs) if cs else "")
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
