@@ -141,8 +141,8 @@ def import_train_side() -> None:
 
 def deterministic_algorithms(on: bool = True) -> None:
     """`torch.use_deterministic_algorithms(on, warn_only=True)` without its import of torch._inductor (to set
-    inductor's own flag): 2.2 s of every rank's start-up on CPU, for a compiler no rank here uses. Inductor's flag is
-    still set where something else already imported it.
+    inductor's own flag): 2.2 s of every rank's start-up on CPU, for a compiler a rank uses only under train.compile
+    (trainer/compile.py then sets the flag from torch's). Inductor's flag is still set where it is already imported.
 
     Without torch's filling of every new uninitialised tensor with NaN (`torch.utils.deterministic.
     fill_uninitialized_memory`, on by default with deterministic algorithms): a debugging aid, not a source of

@@ -29,7 +29,10 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     """Compile each block of `model` (a model.Transformer, before sharding and checkpointing) in place; returns how
     many. Idempotent: a block already compiled is left as it is."""
     from torch._dynamo import config as dynamo_config
+    from torch._inductor import config as inductor_config
     dynamo_config.allow_unspec_int_on_nn_module = True
+    # runtime/build.py deterministic_algorithms sets inductor's flag only where inductor was imported: here, now
+    inductor_config.deterministic = torch.are_deterministic_algorithms_enabled()
     eager_attend: dict[type, object] = {}   # one disabled function per attention class: the same for every block
     n = 0
     for block in model.model.layers:

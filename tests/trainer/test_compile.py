@@ -56,3 +56,20 @@ def test_compiled_blocks_train_as_the_eager_ones_with_one_code_for_every_block()
         for name, w in eager["w"].items():
             assert torch.allclose(w, comp["w"][name], atol=1e-5, rtol=0), (key, name,
                                                                             (w - comp["w"][name]).abs().max())
+
+
+def test_compiled_blocks_follow_torchs_deterministic_setting():
+    """runtime/build.py sets inductor's determinism flag only where inductor was already imported; compile_blocks
+    imports it, so it sets the flag from torch's own setting."""
+    from torch._inductor import config as inductor_config
+
+    from model import Transformer
+    from trainer.compile import compile_blocks
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        for on in (True, False):
+            torch.use_deterministic_algorithms(on, warn_only=True)
+            assert compile_blocks(Transformer(tiny_cfg())) == 2
+            assert inductor_config.deterministic is on
+    finally:
+        torch.use_deterministic_algorithms(was)
