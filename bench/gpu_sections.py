@@ -8,6 +8,7 @@ import importlib.util
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,8 +52,10 @@ GPU = Sizes((16, 8, 128), 64, (1024, 4096, 16384), 4 << 30, (16384, 151_936, 102
             ("qwen3-0.6b", 256, 100, 1024), ("qwen3-1.7b", 32, 512, 1536, ((8192, 1, True), (16384, 1, False)), 3),
             (64, 8, 100, 1024, 16384),
             (3, 32, 8, 512))
+# the dry run's compiled trainer needs a C++ compiler for inductor's CPU code (a GPU's is Triton)
+DRY_COMPILES = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 DRY = Sizes((4, 2, 32), 1, (16, 32, 64), 16 << 20, (8, 128, 32, 8), ("tiny", 4, 4, 12),
-            ("tiny", 4, 8, 24, ((64, 2, True), (128, 1, False)), 1), (3, 2, 4, 12, 256), (2, 4, 4, 16))
+            ("tiny", 4, 8, 24, ((64, 2, DRY_COMPILES), (128, 1, False)), 1), (3, 2, 4, 12, 256), (2, 4, 4, 16))
 
 
 # ------------------------------------------------------------------------------------------------------ helpers

@@ -3,6 +3,7 @@ FSDP2 rank with activation checkpointing (the GPU's colocated case, here on a on
 unsharded rank (a CPU run's) it trains as the eager modules do, with one compiled code for every block and every
 micro-batch shape."""
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from tests.support.trainer import SMOOTH_ADAM, make_groups, tiny_cfg
 from trainer import Trainer
 from trainer.fsdp import full_state_dict, is_sharded
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                                 reason="inductor's CPU code needs a C++ compiler")]
 
 # 4 blocks, so one compiled code per block would show; micro-batches of varied token counts
 CFG = dict(lr=1e-2, grad_clip=0.5, micro_batch_tokens=24, steps=3, activation_checkpointing=True, **SMOOTH_ADAM)
