@@ -151,8 +151,9 @@ def rows(results: dict[str, Any]) -> list[str]:
                 rng = (f", runs {x['tflops_range'][0]:.0f}-{x['tflops_range'][1]:.0f} TFLOP/s"
                        if len(x.get("runs_step_s", [])) > 1 and "tflops_range" in x else "")
                 mem = f"; peak {x['peak_gib']:.1f} GiB vs --check {x['plan_gib']:.1f}" if "peak_gib" in x else ""
-                kind = ("each block compiled (train.compile; its compile took " f"{x['warmup_s']:.0f} s of the "
-                        "warm-up step)" if x.get("compiled") else "fused kernels")
+                kind = (f"each block compiled (train.compile; the first untimed warm-up step, the compile in it, "
+                        f"took {max(x.get('runs_warmup_s', [x['warmup_s']])):.0f} s)" if x.get("compiled") else
+                        "fused kernels")
                 out.append(f"| trainer, {run['shape']} shape, {run['micro_batch_tokens']}-token micro-batches, "
                            f"checkpointing {'on' if x['checkpointing'] else 'off'}, {kind}, FSDP2 on a one-rank "
                            f"mesh: MFU (TFLOP/s) | {_f(mfu, '.3f')} ({x['tflops']:.0f} TFLOP/s, {x['step_s']:.3f} "

@@ -369,7 +369,9 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     run's step time and the TFLOP/s range beside it."""
     best = sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
     tf = [r["tflops"] for r in runs]
-    return {**best, "runs_step_s": [r["step_s"] for r in runs], "tflops_range": [min(tf), max(tf)]}
+    warm = [r["warmup_s"] for r in runs if "warmup_s" in r]   # a compiled mode compiles in its first run's
+    return {**best, "runs_step_s": [r["step_s"] for r in runs], "tflops_range": [min(tf), max(tf)],
+            **({"runs_warmup_s": warm} if warm else {})}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,6 +43,9 @@ def test_gpu_campaign_dry_run_runs_every_section_and_reports(tmp_path):
     runs = r["train"]["runs"]
     assert [x["micro_batch_tokens"] for x in runs] == [64, 128]
     compiled = [(False, False, True)] if DRY_COMPILES else []   # at the first size, where a C++ compiler is
+    if DRY_COMPILES:   # the compile is in the compiled mode's first warm-up step, not in its timed steps
+        first = runs[0]["modes"][1]
+        assert first["runs_warmup_s"][0] > 5 * first["step_s"], first
     assert [[(m["checkpointing"], m["fused_kernels"], m["compiled"]) for m in x["modes"]] for x in runs] == \
         [[(False, True, False), *compiled], [(False, True, False)]]
     assert all(m["mfu"] == pytest.approx(m["tflops"] / 1.0) and m["tflops"] > 0 for x in runs for m in x["modes"])
