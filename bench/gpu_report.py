@@ -147,6 +147,11 @@ def rows(results: dict[str, Any]) -> list[str]:
             for x in run["modes"]:
                 if not x.get("fused_kernels", True) and not x.get("compiled"):
                     continue
+                if "error" in x:
+                    out.append(f"| trainer, {run['shape']} shape, {run['micro_batch_tokens']}-token micro-batches, "
+                               f"checkpointing {'on' if x['checkpointing'] else 'off'}, each block compiled "
+                               f"(train.compile) | failed: {x['error']} | >= 0.40 | **no** |")
+                    continue
                 mfu = None if peak is None else x["tflops"] / peak
                 rng = (f", runs {x['tflops_range'][0]:.0f}-{x['tflops_range'][1]:.0f} TFLOP/s"
                        if len(x.get("runs_step_s", [])) > 1 and "tflops_range" in x else "")
@@ -163,11 +168,11 @@ def rows(results: dict[str, Any]) -> list[str]:
             twins = {x["checkpointing"]: x for x in run["modes"] if x.get("fused_kernels", True)}
             for x in run["modes"]:
                 twin = twins.get(x["checkpointing"])
-                if x.get("compiled") and twin is not None:
+                if x.get("compiled") and "error" not in x and twin is not None:
                     out.append(f"| same, checkpointing {'on' if x['checkpointing'] else 'off'}: the fused kernels vs "
                                f"each block compiled, step time | {twin['step_s'] / x['step_s']:.2f}x "
                                f"({twin['step_s']:.3f} vs {x['step_s']:.3f} s/step) | - | - |")
-                elif not x.get("fused_kernels", True) and twin is not None:
+                elif not x.get("fused_kernels", True) and not x.get("compiled") and twin is not None:
                     out.append(f"| same, checkpointing {'on' if x['checkpointing'] else 'off'}: eager modules "
                                f"(perf.fused_kernels = false) vs the fused kernels, step time | "
                                f"{x['step_s'] / twin['step_s']:.2f}x ({x['step_s']:.3f} vs {twin['step_s']:.3f} "
@@ -286,7 +291,7 @@ def headline(results: dict[str, Any]) -> str:
             f"{_f(None if peak is None else x['tflops'] / peak, '.3f')} ({x['tflops']:.3g} TFLOP/s, "
             f"{run['micro_batch_tokens']} tokens{', compiled' if x.get('compiled') else ''})"
             for run in train_runs(sec["train"]) for x in run["modes"]
-            if (x.get("fused_kernels", True) or x.get("compiled")) and not x["checkpointing"]))
+            if (x.get("fused_kernels", True) or x.get("compiled")) and "error" not in x and not x["checkpointing"]))
     if sec.get("engine"):
         decode, run = engine_floor(sec["engine"], spec, dry)
         parts.append(f"engine floor {_f(run)} whole run, {_f(decode)} decode")

@@ -325,8 +325,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for mode in names:
             profile = (f"{args.profile}.{mode[0]}-{mode[1]}.txt"   # each mode's first run
                        if args.profile and rep == 0 else None)
-            r = bench_mode(args, m, mode[0] == "on", rate, fused=mode[1] == "fused", profile=profile, spec=spec,
-                           compiled=mode[1] == "compiled")
+            try:
+                r = bench_mode(args, m, mode[0] == "on", rate, fused=mode[1] == "fused", profile=profile, spec=spec,
+                               compiled=mode[1] == "compiled")
+            except Exception as e:   # the compiled mode is the newest path: its failure is its row, the rest runs
+                if mode[1] != "compiled":
+                    raise
+                r = {"checkpointing": mode[0] == "on", "fused_kernels": False, "compiled": True,
+                     "error": f"{type(e).__name__}: {e}"[:400]}
+                print(f"{mode_name(r)}: failed: {r['error']}", flush=True)
+                runs[mode].append(r)
+                gc.collect()   # the failed trainer, held by the traceback until here
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             mem = f", peak {r['peak_gib']:.1f} GiB (--check plans {r['plan_gib']:.1f})" if "peak_gib" in r else ""
             print(mode_name(r) + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else "") +
                   f": {r['packed_tokens']} packed tokens, {r['step_s']:.3f} s/step, "
@@ -353,20 +365,24 @@ def headline(res: dict[str, Any]) -> str:
     and each fused mode's over its compiled twin's."""
     fused = [r for r in res["modes"] if r["fused_kernels"]]
     line = "trainer_mfu: " + ", ".join(f"{fmt_mfu(r['mfu'])} at {r['tflops']:.3g} TFLOP/s ({mode_name(r)})"
-                                       for r in [*fused, *(r for r in res["modes"] if r.get("compiled"))]
+                                       for r in [*fused, *(r for r in res["modes"] if r.get("compiled")
+                                                           and "error" not in r)]
                                        or res["modes"])
     twins = {r["checkpointing"]: r for r in fused}
     vs = [f"{r['step_s'] / twins[r['checkpointing']]['step_s']:.2f}x ({mode_name(twins[r['checkpointing']])})"
           for r in res["modes"] if not r["fused_kernels"] and not r.get("compiled") and r["checkpointing"] in twins]
     cs = [f"{twins[r['checkpointing']]['step_s'] / r['step_s']:.2f}x ({mode_name(r)})"
-          for r in res["modes"] if r.get("compiled") and r["checkpointing"] in twins]
+          for r in res["modes"] if r.get("compiled") and "error" not in r and r["checkpointing"] in twins]
     return line + ("; fused kernels vs eager " + ", ".join(vs) if vs else "") + \
         ("; compiled blocks vs fused kernels " + ", ".join(cs) if cs else "")
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A mode's figure over its runs: the run of median step time (the lower middle of an even count), with every
-    run's step time and the TFLOP/s range beside it."""
+    run's step time and the TFLOP/s range beside it; a mode with a failed run, its first failure."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
     best = sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
     tf = [r["tflops"] for r in runs]
     warm = [r["warmup_s"] for r in runs if "warmup_s" in r]   # a compiled mode compiles in its first run's

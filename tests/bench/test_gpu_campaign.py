@@ -417,3 +417,32 @@ def test_a_saved_profiles_device_time_is_read_from_its_tables_footer():
     table = "| aten::mm | ... |\nSelf CPU time total: 6.435s\nSelf CUDA time total: 412.5ms\n"
     assert profile_device_s({"device_s": 8.86, "table": table}) == pytest.approx(0.4125)
     assert profile_device_s({"device_s": 1.5, "table": "no footer"}) == 1.5
+
+
+def test_a_compiled_mode_that_fails_is_its_own_row_and_the_fused_figures_stand():
+    """The compiled trainer (train.compile) never ran on a GPU: if it fails there, bench/train.py records the error
+    as that mode's result and goes on, so the campaign's train section keeps its fused figures; the report names the
+    failure."""
+    import bench.gpu_report as gpu_report
+    script = ("import cpu; cpu.enable()\n"
+              "import json, trainer.trainer as tt\n"
+              "from bench import train as bt\n"
+              "def broken(model): raise RuntimeError('inductor said no')\n"
+              "tt.compile_blocks = broken\n"
+              "args = bt.parse_args(['--shape', 'tiny', '--steps', '1', '--seqs', '2', '--prompt', '8',\n"
+              "                      '--response', '8', '--checkpointing', 'off', '--compiled', 'off'])\n"
+              "res = bt.run(args)\n"
+              "print(bt.headline(res))\n"
+              "print(json.dumps(res))\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    headline, res = proc.stdout.strip().splitlines()[-2], json.loads(proc.stdout.strip().splitlines()[-1])
+    fused, compiled = res["modes"]
+    assert fused["fused_kernels"] and fused["tflops"] > 0 and "error" not in fused
+    assert compiled["compiled"] and compiled["error"] == "RuntimeError: inductor said no"
+    assert headline.startswith("trainer_mfu: ") and "compiled" not in headline
+    results = {"meta": {"date": "d", "device": "NVIDIA H200", "torch": "t", "transformers": "x", "triton": "y",
+                        "commit": "c", "command": "cmd", "campaign_s": 1.0, "dry_run": False},
+               "sections": {"train": {"status": "ok", "results": {"runs": [res]}}}}
+    rows = [r for r in gpu_report.rows(results) if r.startswith("| trainer, ")]
+    assert len(rows) == 2 and rows[1].endswith("| failed: RuntimeError: inductor said no | >= 0.40 | **no** |")
